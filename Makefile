@@ -1,0 +1,35 @@
+# The few commands a newcomer types. Everything runs inside .venv (created on first use).
+PY      ?= python3
+VENV    ?= .venv
+BIN      = $(VENV)/bin
+MODEL   ?= models/SmolLM2-135M-Instruct
+ARGS    ?=
+
+.PHONY: setup pull chat test test-fast check-cuda bench clean
+
+$(BIN)/minirun: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch first (on these machines it is on disk); then the project
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(BIN)/minirun
+
+setup: $(BIN)/minirun
+
+$(MODEL)/config.json: | setup
+	$(BIN)/minirun pull smollm2
+
+pull: $(MODEL)/config.json
+
+chat: pull
+	$(BIN)/minirun chat $(MODEL) $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+check-cuda:
+	bash scripts/check_cuda.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,56 @@
+"""CPU kernels (Numba) for the HCAttention KV cache, with NumPy references.
+
+Public API (used by the runtime); shapes and dtypes are documented on each
+function in :mod:`kernels_cpu.numba_kernels`:
+
+* ``build_lut(q, codebooks, q_to_kv) -> T``
+* ``approx_scores(T, P, q_to_kv, n, out=None) -> z``
+* ``threshold_select(z, tau, out_idx=None) -> (idx, counts, m, l_sel)``
+* ``attend_exact(q, K, V, q_to_kv, n) -> (o, m, l)``
+* ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
+* ``lse_merge(os, ms, ls) -> (o, m, l)``
+* ``encode_keys(K, codebooks, out=None) -> P``
+
+Each has a NumPy reference ``<name>_ref`` in :mod:`kernels_cpu.reference`.
+float16 key/value pools are accepted; Numba has no CPU float16 type, so they
+are viewed as uint16 and converted bit-exactly inside the kernels.
+This package imports only numpy and numba.
+"""
+
+from .numba_kernels import (
+    approx_scores,
+    attend_exact,
+    build_lut,
+    encode_keys,
+    half_to_float,
+    lse_merge,
+    threshold_select,
+    weighted_value_sum,
+)
+from .reference import (
+    approx_scores_ref,
+    attend_exact_ref,
+    build_lut_ref,
+    encode_keys_ref,
+    lse_merge_ref,
+    threshold_select_ref,
+    weighted_value_sum_ref,
+)
+
+__all__ = [
+    "build_lut",
+    "approx_scores",
+    "threshold_select",
+    "attend_exact",
+    "weighted_value_sum",
+    "lse_merge",
+    "encode_keys",
+    "half_to_float",
+    "build_lut_ref",
+    "approx_scores_ref",
+    "threshold_select_ref",
+    "attend_exact_ref",
+    "weighted_value_sum_ref",
+    "lse_merge_ref",
+    "encode_keys_ref",
+]

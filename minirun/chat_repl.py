@@ -1,0 +1,112 @@
+"""The interactive loop behind `minirun chat`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .errors import MiniRunError
+
+HELP = "commands: /reset (forget the conversation), /exit (quit), /kv (cache report); Ctrl-C stops an answer"
+
+
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+def format_kv_report(stats: dict) -> str:
+    parts = [f"{k}={format_bytes(v)}" if k.endswith("bytes") else f"{k}={v}" for k, v in stats.items()]
+    return "[kv " + ", ".join(parts) + "]"
+
+
+def read_document(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise MiniRunError(f"cannot read --file {path}: {e.strerror}") from None
+
+
+def _progress_bar(total_hint: str):
+    from tqdm import tqdm
+    bar = {"b": None}
+
+    def cb(done, total):
+        if bar["b"] is None:
+            bar["b"] = tqdm(total=total, unit="tok", unit_scale=True, desc=total_hint, leave=False)
+        bar["b"].update(done - bar["b"].n)
+        if done >= total:
+            bar["b"].close()
+    return cb
+
+
+def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None):
+    sampling = sampling or {}
+    base: list[dict] = []
+    if system or file:
+        content = system or "You are a helpful assistant."
+        if file:
+            content += "\n\nThe user has shared this document:\n\n" + read_document(file)
+        base = [{"role": "system", "content": content}]
+    messages = list(base)
+    if file:
+        # prefill the document now, so the first question only pays for itself
+        prefix = eng.tokenize(eng.tokenizer.apply_chat_template(base, add_generation_prompt=False), add_bos=None)
+        if len(prefix) >= eng.config.ctx:
+            raise MiniRunError(f"--file {file} is {len(prefix)} tokens, more than the context of {eng.config.ctx} (--ctx)")
+        _, _ = eng.prefill(prefix, progress=_progress_bar("prefill"))
+        click.echo(f"[document: {len(prefix)} tokens in context]", err=True)
+    click.echo(f"minirun chat: {eng.path.name}, ctx {eng.config.ctx}, kv {eng.config.kv}. {HELP}", err=True)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            click.echo()
+            return
+        except KeyboardInterrupt:
+            click.echo("\n(/exit or Ctrl-D to quit)")
+            continue
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit", "/bye"):
+            return
+        if cmd == "/reset":
+            messages = list(base)
+            eng.reset()
+            click.echo("[conversation reset]")
+            continue
+        if cmd == "/kv":
+            click.echo(kv_report_line(eng))
+            continue
+        if cmd.startswith("/"):
+            click.echo(HELP)
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            ids = eng.chat_prompt(messages)
+            text, interrupted = "", False
+            try:
+                for piece in eng.stream(ids, max_new_tokens=max_tokens, progress=_progress_bar("prompt"), **sampling):
+                    text += piece
+                    click.echo(piece, nl=False)
+            except KeyboardInterrupt:
+                interrupted = True
+                click.echo(" [interrupted]", nl=False)
+            click.echo()
+            messages.append({"role": "assistant", "content": text})
+            r = getattr(eng, "last_result", None)
+            if r is not None and not interrupted:
+                click.echo(f"[prompt {r.prompt_tokens} tok ({r.reused_tokens} cached), {r.prefill_tps:.1f} tok/s | "
+                           f"answer {len(r.tokens)} tok, {r.decode_tps:.1f} tok/s]", err=True)
+            if kv_report:
+                click.echo(kv_report_line(eng), err=True)
+        except MiniRunError as e:
+            messages.pop()
+            click.echo(f"error: {e}", err=True)
+
+
+def kv_report_line(eng) -> str:
+    return format_kv_report(eng.kv_stats())

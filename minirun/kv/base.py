@@ -1,0 +1,46 @@
+"""The cache interface the model talks to.
+
+Who mutates what: `Model.forward` calls `attend` once per layer (which stores that layer's new
+keys/values at positions offset..offset+T-1) and then `advance(T)` once. Only `advance`,
+`truncate` and `reset` move `offset`; the Engine calls the last two.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Base class: position bookkeeping shared by every cache."""
+
+    def __init__(self, n_layers: int, capacity: int):
+        self.n_layers = n_layers
+        self.capacity = capacity   # most tokens this cache may ever hold (the engine's ctx)
+        self.offset = 0            # tokens held (= position of the next token)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v [T, Hkv, hd] for `layer` and return causal attention of q [T, Hq, hd] -> [T, Hq, hd]."""
+        raise NotImplementedError
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    def truncate(self, n: int) -> bool:
+        """Forget tokens from position n on; return False when this cache cannot (caller resets)."""
+        if n == self.offset:
+            return True
+        return False
+
+    def reset(self) -> None:
+        self.offset = 0
+
+    def stats(self) -> dict:
+        """Bytes per tier and tokens held (see kv_stats in the engine)."""
+        raise NotImplementedError
+
+
+def causal_mask(pos0: int, T: int, device) -> torch.Tensor | None:
+    """Boolean [T, pos0+T] mask (True = attend) for queries at pos0.. over keys 0..pos0+T-1."""
+    if T == 1:
+        return None
+    q_pos = torch.arange(pos0, pos0 + T, device=device)[:, None]
+    return torch.arange(pos0 + T, device=device)[None, :] <= q_pos

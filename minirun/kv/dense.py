@@ -1,0 +1,48 @@
+"""Full-precision K and V for every token: the exact baseline."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import KVCache, causal_mask
+
+
+class DenseCache(KVCache):
+    """k, v [L, Hkv, capacity, hd] preallocated in the compute dtype on the compute device."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(n_layers, capacity)
+        shape = (n_layers, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def attend(self, layer, q, k, v):
+        T, pos0 = q.shape[0], self.offset
+        end = pos0 + T
+        self.k[layer, :, pos0:end] = k.transpose(0, 1)
+        self.v[layer, :, pos0:end] = v.transpose(0, 1)
+        return dense_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], pos0)
+
+    def truncate(self, n: int) -> bool:
+        self.offset = min(self.offset, n)
+        return True
+
+    def stats(self) -> dict:
+        nbytes = self.k.numel() * self.k.element_size() * 2
+        return {"tokens": self.offset, "capacity": self.capacity,
+                "device_kv_bytes": nbytes, "total_bytes": nbytes}
+
+
+def dense_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos0: int) -> torch.Tensor:
+    """Causal GQA attention. q [T, Hq, hd] at positions pos0..; K, V [Hkv, n, hd] -> [T, Hq, hd]."""
+    T, Hq, hd = q.shape
+    Hkv = K.shape[0]
+    if T == 1:
+        # decode: the n_rep query heads of a kv-head act as n_rep queries of one head, no mask, no K copy
+        qg = q.view(Hkv, Hq // Hkv, hd)
+        return F.scaled_dot_product_attention(qg, K, V).reshape(1, Hq, hd)
+    mask = None if pos0 == 0 else causal_mask(pos0, T, q.device)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=mask,
+                                       is_causal=pos0 == 0, enable_gqa=Hq != Hkv)
+    return o.transpose(0, 1)

