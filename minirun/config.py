@@ -125,6 +125,8 @@ class EngineConfig:
     window: int = 256                 # HCA: ring of recent tokens kept exact
     sinks: int = 16                   # HCA: first tokens kept exact
     prefill_chunk: int = 512
+    prefill_mode: str = "auto"        # "auto" | "exact" | "hca": how an HCA prompt attends to old tokens
+    exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens
     threads: int | None = None
     extra: dict = field(default_factory=dict)
 

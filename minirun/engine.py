@@ -46,7 +46,8 @@ class Engine:
     def __init__(self, path: Path, args: ModelArgs, config: EngineConfig, model: Model, tokenizer: Tokenizer):
         self.path, self.args, self.config, self.model, self.tokenizer = path, args, config, model, tokenizer
         self.device, self.dtype = model.device, model.dtype
-        self.cache = make_cache(args, config, self.device, self.dtype, config.ctx, model_dir=path)
+        with torch.inference_mode():   # cache tensors are updated in place inside inference mode only
+            self.cache = make_cache(args, config, self.device, self.dtype, config.ctx, model_dir=path)
         self._cached_ids: list[int] = []   # the tokens whose K/V the cache holds, in order
 
     @classmethod
@@ -82,24 +83,32 @@ class Engine:
         return ids
 
     # ---- forward passes -------------------------------------------------------------------------
-    def logits(self, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    @torch.inference_mode()
+    def logits(self, ids: list[int], chunk: int | None = None, prefill_mode: str = "hca") -> torch.Tensor:
         """Logits [len(ids), vocab] (float32, CPU) of one fresh sequence, every position.
 
-        Runs in a cache of its own so the engine's conversation cache is untouched.
+        Runs in a cache of its own so the engine's conversation cache is untouched. With kv="hca"
+        every position attends through the HCA path (prefill_mode "hca"), which is what the quality
+        tools measure; "exact" attends exactly within the sequence.
         """
         ids = self._ids(ids)
         cache = make_cache(self.args, self.config, self.device, self.dtype, len(ids), model_dir=self.path)
         chunk = chunk or self.config.prefill_chunk
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        cache.begin_prefill(prefill_mode)
         out = [self.model.forward(tokens[i:i + chunk], cache, all_logits=True).cpu()
                for i in range(0, len(ids), chunk)]
+        cache.end_prefill()
+        self.last_logits_cache = cache
         return torch.cat(out)
 
+    @torch.inference_mode()
     def reset(self) -> None:
         """Forget the conversation: the next prompt is prefilled from scratch."""
         self.cache.reset()
         self._cached_ids = []
 
+    @torch.inference_mode()
     def prefill(self, ids: list[int], progress=None) -> tuple[torch.Tensor, int]:
         """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache).
 
@@ -120,14 +129,20 @@ class Engine:
         self._cached_ids = self._cached_ids[:common]
         todo = torch.tensor(ids[common:], dtype=torch.long, device=self.device)
         chunk = self.config.prefill_chunk
+        mode = self.config.prefill_mode
+        if mode == "auto":
+            mode = "exact" if common == 0 and len(ids) <= self.config.exact_prefill_max else "hca"
+        self.cache.begin_prefill(mode)
         logits = None
         for i in range(0, todo.numel(), chunk):
             logits = self.model.forward(todo[i:i + chunk], self.cache)
             if progress:
                 progress(min(i + chunk, todo.numel()), todo.numel())
+        self.cache.end_prefill()
         self._cached_ids = list(ids)
         return logits, common
 
+    @torch.inference_mode()
     def _decode_one(self, token: int) -> torch.Tensor:
         logits = self.model.forward(torch.tensor([token], dtype=torch.long, device=self.device), self.cache)
         self._cached_ids.append(token)

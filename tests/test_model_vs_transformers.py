@@ -59,7 +59,7 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_dir):
     assert len(ids) == 300
     ours = eng.logits(ids)
     ref, model = hf_logits(smollm2_dir, ids)
-    assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item() / 10)
+    assert (ours - ref).abs().max().item() <= 1e-4
     prompt = eng.chat_prompt([{"role": "user", "content": "Tell me about the Eiffel Tower."}])
     got = eng.generate(prompt, max_new_tokens=64).tokens
     with torch.no_grad():

@@ -30,6 +30,12 @@ class KVCache:
             return True
         return False
 
+    def begin_prefill(self, mode: str) -> None:
+        """A prompt of several chunks follows; mode "exact" | "hca" | "anchor" (caches may ignore it)."""
+
+    def end_prefill(self) -> None:
+        """The prompt is in; the next call is a decode step."""
+
     def reset(self) -> None:
         self.offset = 0
 

@@ -1,0 +1,252 @@
+"""The HCAttention cache: sinks + ring exact, older keys as codebook indices, older values on the host.
+
+Tiers and invariants (tested in tests/test_hca_cache.py):
+- every position in [0, offset) lives in exactly one tier: sinks [0, S), store [S, S + n_store),
+  ring [S + n_store, offset) with at most W tokens; keys are stored post-RoPE, so each keeps its position;
+- ring slot of position p >= S is S + (p - S) % W; `slot_pos` records which position each slot holds;
+- `attend` never mutates: it stages the chunk's k, v; `advance` moves tokens between tiers.
+Each query head selects its own set of store tokens (softmax mass >= tau over approximate scores);
+values are shared within a kv-head group. The exact part and the approximate part merge by
+log-sum-exp, exactly.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import torch
+
+import kernels_cpu as kc
+
+from .attention import merge, partial_attention
+from .base import KVCache
+from .codebooks import Codebooks, codebook_filename
+from .hca_layout import HCALayout, resolve_layout
+from .store import GrowingBuffer
+
+FIT_MIN_TOKENS = 4096   # without calibrated codebooks, fit once this many keys have left the ring
+
+
+class HCACache(KVCache):
+    """See the module docstring. CPU backend: torch for the exact part, Numba kernels for the rest."""
+
+    def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
+                 dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None):
+        super().__init__(args.num_hidden_layers, capacity)
+        L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
+        self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
+        self.layout, self.tau, self.dtype, self.device = layout, tau, dtype, device
+        self.S, self.W = sinks, window
+        self.scale = 1.0 / math.sqrt(hd)
+        self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
+        # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
+        self.ek = torch.zeros(L, Hkv, sinks + window, hd, dtype=dtype, device=device)
+        self.ev = torch.zeros_like(self.ek)
+        self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
+        store_cap = max(0, capacity - sinks - window)
+        vdt = torch.float32 if dtype == torch.float32 else torch.float16
+        self.values = GrowingBuffer((L, Hkv), hd, vdt, store_cap)                    # host tier
+        idx_dt = torch.uint8 if layout.index_bytes == 1 else torch.int16
+        self.indices = None if layout.exact_keys else GrowingBuffer((L, Hkv), layout.groups, idx_dt, store_cap)
+        # full-precision store keys: permanent with exact_keys, else only while codebooks are
+        # missing or an exact prefill runs; they cover store positions [exact_base, n_store)
+        self.exact_keys = GrowingBuffer((L, Hkv), hd, torch.float32, store_cap)
+        self.exact_base = 0
+        self.n_store = 0          # tokens in the store (all layers)
+        self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
+        self.codebooks = codebooks
+        self.mode = "hca"         # "hca" | "exact" (prefill attends exactly to the store)
+        self.z = GrowingBuffer((self.Hq,), 1, torch.float32, store_cap)             # scratch scores
+        self.sel = GrowingBuffer((self.Hq,), 1, torch.int32, store_cap)             # scratch selection
+        self._staged: list = [None] * L
+        self.notes: list[str] = []
+
+    @classmethod
+    def create(cls, args, config, device, dtype, capacity, model_dir=None) -> "HCACache":
+        layout = resolve_layout(args, config)
+        codebooks = None
+        if not layout.exact_keys and model_dir is not None:
+            path = model_dir / codebook_filename(layout.groups, layout.centroids)
+            expect = (args.num_hidden_layers, args.num_key_value_heads, layout.groups, layout.centroids, layout.sub_dim)
+            if path.is_file():
+                codebooks = Codebooks.load(path, expect)
+        cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks)
+        if not layout.exact_keys and codebooks is None:
+            print(f"minirun: no {codebook_filename(layout.groups, layout.centroids)} in the model directory: "
+                  f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate` to make one)",
+                  file=sys.stderr)
+        return cache
+
+    # ---- attention ----------------------------------------------------------------------------
+    def attend(self, layer, q, k, v):
+        """q [T, Hq, hd], k, v [T, Hkv, hd] at positions offset.. -> [T, Hq, hd]. Stages k, v."""
+        T = q.shape[0]
+        self._staged[layer] = (k, v)
+        qs = q.float() * self.scale
+        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v)
+        if self.n_store == 0:
+            return o1.to(q.dtype)
+        if self.mode == "exact":
+            o2, m2, l2 = self._attend_store_exact(layer, qs)
+        else:
+            o2, m2, l2 = self._attend_store_hca(layer, qs)
+        o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
+        return o.to(q.dtype)
+
+    def _attend_exact_tier(self, layer, qs, k, v):
+        """Sinks + ring (all positions < offset) and the chunk itself (causal)."""
+        T = qs.shape[0]
+        valid = self.slot_pos >= 0                                               # [S+W]
+        K = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.dtype)], 1)     # [Hkv, S+W+T, hd]
+        V = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.dtype)], 1)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = torch.cat([valid[None, :].expand(T, -1), causal], 1).to(qs.device)
+        return partial_attention(qs, K, V, mask)
+
+    def _attend_store_exact(self, layer, qs):
+        """Exact attention over the store (exact prefill: full-precision keys kept for all of it)."""
+        n = self.n_store
+        K = self.exact_keys.view(layer, n)                                        # [Hkv, n, hd]
+        return partial_attention(qs, K, self.values.view(layer, n))
+
+    def _attend_store_hca(self, layer, qs):
+        """Per query: approximate scores, threshold selection, weighted sum of host values."""
+        T, n, ne = qs.shape[0], self.n_store, self.n_encoded
+        qn = qs.numpy() if qs.device.type == "cpu" else qs.cpu().numpy()
+        z = self.z.flat(n).reshape(self.Hq, n)
+        sel = self.sel.flat(n).reshape(self.Hq, n)
+        V = self.values.view(layer, self.values.cap_or(n)).numpy()
+        P = self.indices.view(layer, self.indices.cap_or(n)).numpy() if ne else None
+        Kx = self.exact_keys.view(layer, n - self.exact_base) if n > ne else None   # positions [ne, n)
+        os_, ms, ls = np.empty((T, self.Hq, self.hd), np.float32), np.empty((T, self.Hq), np.float32), np.empty((T, self.Hq), np.float32)
+        C = self.codebooks.centroids[layer].numpy() if ne else None
+        for t in range(T):
+            if ne:
+                lut = kc.build_lut(qn[t], C, self.q_to_kv)
+                kc.approx_scores(lut, P, self.q_to_kv, ne, out=z)
+            if n > ne:   # keys not yet encoded: exact scores
+                qt = torch.from_numpy(qn[t]).view(self.Hkv, -1, self.hd)
+                z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
+            idx, counts, _, _ = kc.threshold_select(z, self.tau, out_idx=sel)
+            os_[t], ms[t], ls[t] = kc.weighted_value_sum(z, idx, counts, V, self.q_to_kv)
+        return torch.from_numpy(os_), torch.from_numpy(ms), torch.from_numpy(ls)
+
+    # ---- moving tokens between tiers ----------------------------------------------------------------
+    def advance(self, n: int) -> None:
+        """Commit the staged chunk of n tokens: fill sinks, then the ring; evict the ring's overflow."""
+        pos0, end, S, W = self.offset, self.offset + n, self.S, self.W
+        ev_lo, ev_hi = S + self.n_store, max(S, end - W)          # positions leaving for the store
+        ev_pos = torch.arange(ev_lo, max(ev_lo, ev_hi))
+        keep = torch.arange(pos0, end)                              # chunk positions that stay exact
+        keep = keep[(keep < S) | (keep >= ev_hi)]
+        n_ev = ev_pos.numel()
+        if n_ev:
+            self._reserve_store(self.n_store + n_ev)
+        for layer, (k, v) in enumerate(self._staged):
+            kT, vT = k.transpose(0, 1), v.transpose(0, 1)                            # [Hkv, T, hd]
+            if n_ev:
+                from_ring = ev_pos[ev_pos < pos0]
+                slots = S + (from_ring - S) % W
+                from_chunk = ev_pos[ev_pos >= pos0] - pos0
+                Ke = torch.cat([self.ek[layer][:, slots], kT[:, from_chunk].to(self.dtype)], 1)
+                Ve = torch.cat([self.ev[layer][:, slots], vT[:, from_chunk].to(self.dtype)], 1)
+                self._store_append(layer, Ke, Ve)
+            if keep.numel():
+                slots = torch.where(keep < S, keep, S + (keep - S) % W)
+                self.ek[layer][:, slots] = kT[:, keep - pos0].to(self.dtype)
+                self.ev[layer][:, slots] = vT[:, keep - pos0].to(self.dtype)
+        if n_ev:
+            self.slot_pos[S + (ev_pos[ev_pos < pos0] - S) % W] = -1
+        if keep.numel():
+            self.slot_pos[torch.where(keep < S, keep, S + (keep - S) % W)] = keep
+        self.n_store += n_ev
+        self._staged = [None] * self.n_layers
+        self.offset = end
+        if self.codebooks is None and self.mode != "exact" and not self.layout.exact_keys \
+                and self.n_store >= FIT_MIN_TOKENS:
+            self._fit_and_encode()
+
+    def _reserve_store(self, n):
+        self.values.reserve(n)
+        if self._keeps_exact_keys():
+            self.exact_keys.reserve(n - self.exact_base)
+        if self.indices is not None:
+            self.indices.reserve(n)
+        self.z.reserve(n)
+        self.sel.reserve(n)
+
+    def _keeps_exact_keys(self) -> bool:
+        return self.layout.exact_keys or self.codebooks is None or self.mode == "exact"
+
+    def _store_append(self, layer, K, V):
+        """K, V [Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact)."""
+        j0, m = self.n_store, K.shape[1]
+        self.values.write(layer, j0, V.to(self.values.dtype))
+        if self._keeps_exact_keys():
+            self.exact_keys.write(layer, j0 - self.exact_base, K.float())
+        else:
+            P = kc.encode_keys(K.float().numpy(), self.codebooks.centroids[layer].numpy())
+            self.indices.write(layer, j0, torch.from_numpy(P))
+            if layer == self.n_layers - 1:
+                self.n_encoded = j0 + m
+
+    def _fit_and_encode(self):
+        """Fit codebooks on the full-precision store keys (if none), encode them all, drop them."""
+        n = self.n_store
+        keys = torch.stack([self.exact_keys.view(l, n - self.exact_base) for l in range(self.n_layers)])
+        if self.codebooks is None:
+            self.codebooks = Codebooks.fit(keys, self.layout.groups, self.layout.centroids, iters=20)
+            self.notes.append(f"codebooks fitted from {n - self.exact_base} prompt keys")
+        self.indices.reserve(n)
+        for l in range(self.n_layers):
+            P = kc.encode_keys(keys[l].numpy(), self.codebooks.centroids[l].numpy())
+            self.indices.write(l, self.exact_base, torch.from_numpy(P))
+        self.n_encoded = n
+        self.exact_keys.free()
+        self.exact_base = n
+
+    def begin_prefill(self, mode: str) -> None:
+        """mode "exact": the coming chunks attend exactly to the store (only from an empty cache)."""
+        self.mode = "exact" if (mode == "exact" and self.n_store == 0) else "hca"
+
+    def end_prefill(self) -> None:
+        if self.mode == "exact" and not self.layout.exact_keys and self.n_store > self.n_encoded:
+            self.mode = "hca"
+            self._fit_and_encode()
+        self.mode = "hca"
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def truncate(self, n: int) -> bool:
+        """Possible while the dropped tokens are all in the ring (or the sinks of a short context)."""
+        if n == self.offset:
+            return True
+        if n > self.offset or (self.n_store and n < self.S + self.n_store):
+            return False
+        drop = (self.slot_pos >= n)
+        self.slot_pos[drop] = -1
+        self.offset = n
+        return True
+
+    def reset(self) -> None:
+        self.offset = self.n_store = self.n_encoded = self.exact_base = 0
+        self.slot_pos.fill_(-1)
+        self.exact_keys.free()
+        self.mode = "hca"
+
+    def stats(self) -> dict:
+        exact_tier = 2 * self.ek.numel() * self.ek.element_size()
+        keys = self.indices.nbytes if self.indices is not None else 0
+        s = {
+            "tokens": self.offset,
+            "tokens_exact": int((self.slot_pos >= 0).sum()),
+            "tokens_store": self.n_store,
+            "device_keys_bytes": keys + (self.exact_keys.nbytes if self.layout.exact_keys else 0),
+            "device_ring_sinks_bytes": exact_tier,
+            "codebook_bytes": self.codebooks.nbytes if self.codebooks is not None else 0,
+            "host_values_bytes": self.values.nbytes,
+            "scratch_bytes": self.z.nbytes + self.sel.nbytes,
+            "prefill_keys_bytes": 0 if self.layout.exact_keys else self.exact_keys.nbytes,
+        }
+        s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
+        return s

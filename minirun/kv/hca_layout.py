@@ -1,0 +1,66 @@
+"""HCA geometry (groups, centroids, index type) from the engine config, and its bytes per tier."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import EngineConfig, ModelArgs
+from ..errors import MiniRunError
+
+DEFAULT_CENTROIDS = 1024
+ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class HCALayout:
+    exact_keys: bool      # True: keys kept in full precision (the 50% preset / key_store="exact")
+    groups: int           # g: sub-vectors per key
+    centroids: int        # c: centroids per group
+    head_dim: int
+
+    @property
+    def sub_dim(self) -> int:
+        return self.head_dim // self.groups
+
+    @property
+    def index_bytes(self) -> int:
+        return 1 if self.centroids <= 256 else 2
+
+
+def resolve_layout(args: ModelArgs, cfg: EngineConfig) -> HCALayout:
+    """Table 1 presets: 0.5 = exact keys; 0.25 = g = d/2; 0.125 = g = d/4 (int16 indices, c = 1024)."""
+    hd = args.head_dim
+    budget = cfg.kv_budget if cfg.kv_budget is not None else 0.25
+    exact = cfg.key_store == "exact" or (budget >= 0.5 and cfg.groups is None)
+    if budget not in (0.5, 0.25, 0.125) and cfg.groups is None:
+        raise MiniRunError(f"kv_budget must be 0.5, 0.25 or 0.125 (or give groups=), got {budget}")
+    g = cfg.groups or {0.5: hd // 2, 0.25: hd // 2, 0.125: hd // 4}[budget]
+    c = cfg.centroids or DEFAULT_CENTROIDS
+    if hd % g:
+        raise MiniRunError(f"groups={g} does not divide head_dim={hd}")
+    if not 2 <= c <= 32768:
+        raise MiniRunError(f"centroids must be in [2, 32768], got {c}")
+    return HCALayout(exact, g, c, hd)
+
+
+def value_elem_bytes(dtype: str) -> int:
+    """The host value pool is float32 for float32 runs, float16 otherwise."""
+    return 4 if dtype == "float32" else 2
+
+
+def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
+    """name -> (bytes, "device" | "host") for an HCA cache holding `ctx` tokens."""
+    lay = resolve_layout(args, cfg)
+    L, Hkv, Hq, hd, e = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads, args.head_dim, ELEM[cfg.dtype]
+    n_exact = cfg.sinks + cfg.window
+    n_store = max(0, ctx - n_exact)
+    key_bytes = hd * e if lay.exact_keys else lay.groups * lay.index_bytes
+    tiers = {
+        "sinks+ring K+V": (2 * L * Hkv * n_exact * hd * e, "device"),
+        "key store": (L * Hkv * n_store * key_bytes, "device"),
+        "value pool": (L * Hkv * n_store * hd * value_elem_bytes(cfg.dtype), "host"),
+        # per-step scratch: approximate scores [Hq, n] f32 and selected indices [Hq, n] int32
+        "scratch": (Hq * n_store * 8, "device"),
+    }
+    if not lay.exact_keys:
+        tiers["codebooks"] = (L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4, "device")
+    return tiers

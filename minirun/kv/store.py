@@ -1,0 +1,55 @@
+"""A per-layer buffer of token rows that grows in large steps (never per token)."""
+from __future__ import annotations
+
+import torch
+
+MIN_GROW = 4096
+
+
+class GrowingBuffer:
+    """data [*lead, cap, width] (width 1 is squeezed for scratch rows), grown by doubling up to max_cap.
+
+    lead: leading dims, e.g. (L, Hkv) for per-layer stores or (Hq,) for scratch. Memory is only
+    allocated when tokens arrive, and `nbytes` is what is allocated.
+    """
+
+    def __init__(self, lead: tuple, width: int, dtype: torch.dtype, max_cap: int, device="cpu"):
+        self.lead, self.width, self.dtype, self.max_cap, self.device = lead, width, dtype, max_cap, device
+        self.data = None
+        self.cap = 0
+
+    def reserve(self, n: int) -> None:
+        if n <= self.cap:
+            return
+        new_cap = min(self.max_cap, max(n, 2 * self.cap, MIN_GROW))
+        if n > new_cap:
+            raise ValueError(f"store overflow: {n} tokens > capacity {self.max_cap}")
+        new = torch.empty(*self.lead, new_cap, self.width, dtype=self.dtype, device=self.device)
+        if self.data is not None:
+            new[..., :self.cap, :] = self.data
+        self.data, self.cap = new, new_cap
+
+    def write(self, layer: int, j0: int, rows: torch.Tensor) -> None:
+        """rows [Hkv, m, width] into positions j0..j0+m of `layer`."""
+        self.data[layer, :, j0:j0 + rows.shape[1]] = rows
+
+    def view(self, layer: int, n: int) -> torch.Tensor:
+        """[Hkv, n, width] of `layer` (a view)."""
+        return self.data[layer, :, :n]
+
+    def cap_or(self, n: int) -> int:
+        return self.cap if self.data is not None else n
+
+    def flat(self, n: int) -> torch.Tensor:
+        """Scratch: a contiguous [*lead * n] numpy-able block (for [Hq, n] score rows)."""
+        numel = n
+        for d in self.lead:
+            numel *= d
+        return self.data.view(-1)[:numel].numpy()
+
+    def free(self) -> None:
+        self.data, self.cap = None, 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
