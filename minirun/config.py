@@ -124,6 +124,7 @@ class EngineConfig:
     tau: float = 0.9                  # HCA: softmax mass each query head keeps
     window: int = 256                 # HCA: ring of recent tokens kept exact
     sinks: int = 16                   # HCA: first tokens kept exact
+    fit_min_tokens: int = 4096        # HCA without calibrated codebooks: fit once this many keys are stored
     prefill_chunk: int = 512
     prefill_mode: str = "auto"        # "auto" | "exact" | "hca": how an HCA prompt attends to old tokens
     exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens

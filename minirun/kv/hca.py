@@ -25,14 +25,14 @@ from .codebooks import Codebooks, codebook_filename
 from .hca_layout import HCALayout, resolve_layout
 from .store import GrowingBuffer
 
-FIT_MIN_TOKENS = 4096   # without calibrated codebooks, fit once this many keys have left the ring
 
 
 class HCACache(KVCache):
     """See the module docstring. CPU backend: torch for the exact part, Numba kernels for the rest."""
 
     def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
-                 dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None):
+                 dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
+                 fit_min_tokens: int = 4096):
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
@@ -56,6 +56,7 @@ class HCACache(KVCache):
         self.n_store = 0          # tokens in the store (all layers)
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
         self.codebooks = codebooks
+        self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" (prefill attends exactly to the store)
         self.z = GrowingBuffer((self.Hq,), 1, torch.float32, store_cap)             # scratch scores
         self.sel = GrowingBuffer((self.Hq,), 1, torch.int32, store_cap)             # scratch selection
@@ -71,7 +72,8 @@ class HCACache(KVCache):
             expect = (args.num_hidden_layers, args.num_key_value_heads, layout.groups, layout.centroids, layout.sub_dim)
             if path.is_file():
                 codebooks = Codebooks.load(path, expect)
-        cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks)
+        cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
+                    fit_min_tokens=config.fit_min_tokens)
         if not layout.exact_keys and codebooks is None:
             print(f"minirun: no {codebook_filename(layout.groups, layout.centroids)} in the model directory: "
                   f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate` to make one)",
@@ -164,7 +166,7 @@ class HCACache(KVCache):
         self._staged = [None] * self.n_layers
         self.offset = end
         if self.codebooks is None and self.mode != "exact" and not self.layout.exact_keys \
-                and self.n_store >= FIT_MIN_TOKENS:
+                and self.n_store >= self.fit_min_tokens:
             self._fit_and_encode()
 
     def _reserve_store(self, n):
@@ -211,10 +213,10 @@ class HCACache(KVCache):
         self.mode = "exact" if (mode == "exact" and self.n_store == 0) else "hca"
 
     def end_prefill(self) -> None:
-        if self.mode == "exact" and not self.layout.exact_keys and self.n_store > self.n_encoded:
-            self.mode = "hca"
-            self._fit_and_encode()
+        """Encode the prompt's store keys (fitting codebooks on them when there are none)."""
         self.mode = "hca"
+        if not self.layout.exact_keys and self.n_store > self.n_encoded:
+            self._fit_and_encode()
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def truncate(self, n: int) -> bool:

@@ -1,0 +1,133 @@
+"""The HCA cache: exactness at tau=1 with exact keys, tier invariants through ring wrap-around, accounting."""
+import numpy as np
+import pytest
+import torch
+
+from minirun import Engine
+from minirun.config import EngineConfig, ModelArgs
+from minirun.kv.hca import HCACache
+from minirun.kv.hca_layout import resolve_layout
+from minirun.planner import plan
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, vocab_size=300, model_type="llama")
+
+
+def random_ids(n, seed=0):
+    return torch.randint(4, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_tau1_exact_keys_equals_dense(tiny_model_dir, chunk):
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(400 if chunk > 1 else 150)
+    dense = Engine.load(d, device="cpu", ctx=512).logits(ids)
+    hca = Engine.load(d, device="cpu", ctx=512, kv="hca", key_store="exact", tau=1.0, window=32, sinks=4,
+                      prefill_chunk=chunk)
+    out = hca.logits(ids)   # every position through the HCA path: the prompt is > 4x the ring
+    assert (out - dense).abs().max().item() <= 1e-4
+
+
+def test_tau1_exact_keys_decode_equals_dense(tiny_model_dir):
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(300)
+    dense = Engine.load(d, device="cpu", ctx=512)
+    hca = Engine.load(d, device="cpu", ctx=512, kv="hca", key_store="exact", tau=1.0, window=16, sinks=2,
+                      prefill_mode="hca")
+    a = dense.generate(ids, max_new_tokens=12)
+    b = hca.generate(ids, max_new_tokens=12)
+    assert a.tokens == b.tokens
+    ld, lh = dense.prefill(ids + a.tokens)[0], hca.prefill(ids + a.tokens)[0]
+    assert (ld - lh).abs().max().item() <= 1e-4
+
+
+def test_codebook_hca_close_to_dense_on_tiny_model(tiny_model_dir):
+    """Codebook keys + tau 0.9 is approximate; on a tiny random model it must stay close to dense."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(600)
+    dense = Engine.load(d, device="cpu", ctx=1024).logits(ids)
+    hca = Engine.load(d, device="cpu", ctx=1024, kv="hca", kv_budget=0.25, centroids=64, window=64, sinks=4,
+                      fit_min_tokens=128, prefill_chunk=50)
+    out = hca.logits(ids)
+    agree = (out.argmax(-1) == dense.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+    assert hca.last_logits_cache.codebooks is not None   # fitted from the prompt's own keys
+
+
+def make_cache(S=3, W=5, cap=64, **cfg):
+    args = ModelArgs.from_dict(TINY)
+    config = EngineConfig(kv="hca", key_store="exact", sinks=S, window=W, **cfg)
+    return HCACache(args, resolve_layout(args, config), cap, S, W, 1.0, torch.float32, torch.device("cpu")), args
+
+
+def push(cache, args, T, pos0):
+    """Stage keys whose first channel is the position, so tiers can be checked by value."""
+    L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
+    pos = torch.arange(pos0, pos0 + T, dtype=torch.float32)
+    k = pos[:, None, None].expand(T, Hkv, hd).clone()
+    for layer in range(L):
+        cache._staged[layer] = (k, k + 0.5)
+    cache.advance(T)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 30, [4, 9, 1, 13, 2, 7], [30], [2, 20, 3, 1, 1, 1, 2]])
+def test_every_token_in_exactly_one_tier_through_wraparound(chunks):
+    cache, args = make_cache()
+    pos = 0
+    for T in chunks:
+        push(cache, args, T, pos)
+        pos += T
+        S, W, n_store = cache.S, cache.W, cache.n_store
+        held = cache.slot_pos[cache.slot_pos >= 0].tolist()
+        store = list(range(S, S + n_store))
+        assert sorted(held + store) == list(range(pos)), "each position exactly once"
+        assert len([p for p in held if p >= S]) <= W
+        for slot, p in enumerate(cache.slot_pos.tolist()):
+            if p >= 0:   # the key in the slot is the key of position p, and the slot follows the ring rule
+                assert cache.ek[0, 0, slot, 0].item() == p
+                assert slot == (p if p < S else S + (p - S) % W)
+        if n_store:
+            stored = cache.exact_keys.view(0, n_store)[0, :, 0]
+            assert stored.tolist() == [float(p) for p in store]
+            assert cache.values.view(1, n_store)[1, :, 0].tolist() == [p + 0.5 for p in store]
+
+
+def test_truncate_within_ring_then_continue():
+    cache, args = make_cache()
+    push(cache, args, 12, 0)            # store holds 3..6, ring 7..11
+    assert cache.truncate(9)            # drop 9, 10, 11 (all in the ring)
+    assert not cache.truncate(5)        # 5 is in the store: cannot
+    push(cache, args, 6, 9)
+    held = cache.slot_pos[cache.slot_pos >= 0].tolist()
+    assert sorted(held + list(range(3, 3 + cache.n_store))) == list(range(15))
+
+
+def test_kv_stats_equal_allocated_arrays(tiny_model_dir):
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=2048, kv="hca", kv_budget=0.125,
+                      centroids=32, window=32, sinks=4)
+    eng.generate(random_ids(700), max_new_tokens=3)
+    c, s = eng.cache, eng.kv_stats()
+    assert s["tokens"] == c.offset == 703   # prompt + 3 generated tokens, each fed back
+    assert s["tokens_exact"] + s["tokens_store"] == s["tokens"]
+    nb = lambda t: t.numel() * t.element_size()
+    assert s["device_keys_bytes"] == nb(c.indices.data)
+    assert s["host_values_bytes"] == nb(c.values.data)
+    assert s["device_ring_sinks_bytes"] == nb(c.ek) + nb(c.ev)
+    assert s["codebook_bytes"] == nb(c.codebooks.centroids)
+    assert s["prefill_keys_bytes"] == 0            # full-precision prompt keys were dropped
+    assert c.indices.data.dtype == torch.uint8   # 32 centroids fit a byte
+    assert s["total_bytes"] == sum(v for k, v in s.items() if k.endswith("_bytes") and k != "total_bytes")
+
+
+def test_planner_matches_kv_stats_at_full_context(tiny_model_dir):
+    d = tiny_model_dir("gqa-untied")
+    ctx = 600
+    eng = Engine.load(d, device="cpu", ctx=ctx, kv="hca", kv_budget=0.125, centroids=300, window=32, sinks=4)
+    eng.prefill(random_ids(ctx))
+    s = eng.kv_stats()
+    p = plan(eng.args, eng.config).tiers
+    assert p["key store"][0] == s["device_keys_bytes"]
+    assert p["value pool"][0] == s["host_values_bytes"]
+    assert p["sinks+ring K+V"][0] == s["device_ring_sinks_bytes"]
+    assert p["codebooks"][0] == s["codebook_bytes"]
+    assert p["scratch"][0] == s["scratch_bytes"]
