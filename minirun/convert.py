@@ -1,0 +1,380 @@
+"""Convert a Llama-architecture GGUF (llama.cpp) file into a Hugging Face checkpoint directory.
+
+    convert_gguf("model.gguf", "models/NAME")
+
+writes `config.json`, `model.safetensors` (shards plus `model.safetensors.index.json` when the model is
+larger than `shard_bytes`), `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
+Quantized tensors are dequantized with `gguf.quants`; llama.cpp's row permutation of the Q and K
+projections is undone, so the result is laid out exactly like a `transformers` Llama checkpoint.
+The directory appears atomically: it is built next to `out_dir` and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError
+
+GGUF_MAGIC = b"GGUF"
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
+                  "half": "float16", "float": "float32"}
+DEFAULT_SHARD_BYTES = 4 * 2**30
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors llama.cpp writes that have no HF counterpart (rope_freqs becomes config.rope_scaling).
+_SKIPPED = {"rope_freqs.weight"}
+
+
+def _supported_types() -> set:
+    from gguf import GGMLQuantizationType as T
+
+    return {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
+            T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+
+def open_gguf(gguf_path: str | os.PathLike):
+    """A `gguf.GGUFReader` for `gguf_path`, or a one-line CheckpointError if it is not a GGUF."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path, "r")
+    except Exception as e:  # truncated or corrupt files raise all sorts of things
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"cannot read GGUF file {path}: {msg}") from None
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Every key/value of the GGUF header as plain Python values (strings, numbers, lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # an exotic value type we do not need
+            continue
+    return meta
+
+
+def _need(meta: dict, key: str, path) -> Any:
+    if key not in meta:
+        raise CheckpointError(f"{path}: GGUF metadata key {key!r} is missing")
+    return meta[key]
+
+
+def _hf_name(name: str) -> str | None:
+    """HF tensor name for a GGUF tensor name, None for tensors that are dropped."""
+    if name in _SKIPPED:
+        return None
+    stem, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return ""
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return ""
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of Q/K rows (interleaved rotary pairs -> HF's half split)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (used by tests to build GGUFs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """A reader tensor as float32 numpy, rows x cols (HF orientation: GGUF's ne order reversed)."""
+    from gguf.quants import dequantize
+
+    if t.tensor_type not in _supported_types():
+        raise CheckpointError(f"tensor {t.name} has unsupported GGUF type {t.tensor_type.name}")
+    data = dequantize(np.asarray(t.data), t.tensor_type)
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+    return data if data.flags.writeable else data.copy()  # F32 comes back as a read-only memmap view
+
+
+# --------------------------------------------------------------------------------------------
+# config
+
+
+def _llama3_factors(head_dim, theta, factor, low, high, orig) -> np.ndarray:
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
+def _rope_scaling(meta: dict, rope_freqs: np.ndarray | None, head_dim: int, theta: float, path):
+    """HF `rope_scaling` from llama.rope.scaling.* keys or a llama3 `rope_freqs` tensor."""
+    kind = meta.get("llama.rope.scaling.type")
+    factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear"))
+    if kind is None and factor is not None:
+        kind = "linear"
+    if kind in ("linear", "yarn") and factor not in (None, 1.0):
+        out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        orig = meta.get("llama.rope.scaling.original_context_length")
+        if kind == "yarn" and orig:
+            out["original_max_position_embeddings"] = int(orig)
+        return out
+    if kind not in (None, "none", "linear", "yarn"):
+        raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r}")
+    if rope_freqs is None:
+        return None
+    rope_freqs = rope_freqs.reshape(-1).astype(np.float64)
+    factor = float(rope_freqs.max())
+    for orig in (8192, 4096, 2048, 16384, 32768):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
+            want = _llama3_factors(head_dim, theta, factor, low, high, orig)
+            if want.shape == rope_freqs.shape and np.allclose(want, rope_freqs, rtol=1e-3):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": orig}
+    raise CheckpointError(f"{path}: rope_freqs tensor matches no known llama3 rope scaling")
+
+
+def build_config(meta: dict, n_vocab: int, tied: bool, dtype: str, rope_freqs, has_bias, path) -> dict:
+    hidden = int(_need(meta, "llama.embedding_length", path))
+    n_head = int(_need(meta, "llama.attention.head_count", path))
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
+    head_dim = int(meta.get("llama.attention.key_length", hidden // n_head))
+    theta = float(meta.get("llama.rope.freq_base", 10000.0))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_need(meta, "llama.feed_forward_length", path)),
+        "num_hidden_layers": int(_need(meta, "llama.block_count", path)),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": theta,
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "vocab_size": n_vocab,
+        "tie_word_embeddings": tied,
+        "attention_bias": has_bias["attn"],
+        "mlp_bias": has_bias["mlp"],
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": dtype,
+        "rope_scaling": _rope_scaling(meta, rope_freqs, head_dim, theta, path),
+    }
+    if config["rope_scaling"] is None:
+        del config["rope_scaling"]
+    if "tokenizer.ggml.padding_token_id" in meta:
+        config["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+    return config
+
+
+def build_generation_config(meta: dict) -> dict:
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    eos_ids = [i for i in [eos, *extra] if i is not None]
+    eos_ids = list(dict.fromkeys(eos_ids))
+    gen = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+           "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)}
+    if "tokenizer.ggml.padding_token_id" in meta:
+        gen["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+    return gen
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+def _plan_shards(items: list, itemsize: int, shard_bytes: int) -> list[list]:
+    shards, cur, cur_bytes = [], [], 0
+    for item in items:
+        size = int(np.prod(item[2].shape)) * itemsize
+        if cur and cur_bytes + size > shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(item)
+        cur_bytes += size
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def _write_weights(items, tmp: Path, dtype: str, meta: dict, shard_bytes: int, progress: bool):
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    torch_dtype = getattr(torch, dtype)
+    n_head = int(meta["llama.attention.head_count"])
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    shards = _plan_shards(items, itemsize, shard_bytes)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    with tqdm(total=len(items), desc="converting", unit="tensor", disable=not progress) as bar:
+        for fname, shard in zip(names, shards):
+            tensors = {}
+            for hf_name, gguf_name, t in shard:
+                w = dequantize_tensor(t)
+                if ".self_attn.q_proj." in hf_name:
+                    w = unpermute_qk(w, n_head)
+                elif ".self_attn.k_proj." in hf_name:
+                    w = unpermute_qk(w, n_kv)
+                tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).to(torch_dtype)
+                weight_map[hf_name] = fname
+                total += tensors[hf_name].numel() * itemsize
+                bar.update(1)
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        _write_json(tmp / "model.safetensors.index.json", index)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def _prepare_target(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(f"output directory {out} is not empty (pass overwrite=True to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Move the finished temp directory to `out`, replacing what was there."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "x")
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32",
+                 progress: bool = True, overwrite: bool = False,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Convert a Llama GGUF into an HF checkpoint directory at `out_dir`; returns its path.
+
+    `dtype` is the stored weight type: "float32", "bfloat16" or "float16". Raises CheckpointError for a
+    missing or unreadable file, a non-llama architecture or an unsupported tensor type.
+    """
+    from .gguf_tokenizer import build_tokenizer, build_tokenizer_config
+
+    dtype = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    path = Path(gguf_path)
+    out = Path(out_dir)
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+
+    supported = _supported_types()
+    items, by_name = [], {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf == "":
+            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a llama model")
+        if t.tensor_type not in supported:
+            raise CheckpointError(f"{path}: tensor {t.name} has unsupported GGUF type {t.tensor_type.name}")
+        if hf is not None:
+            items.append((hf, t.name, t))
+    for required in ("token_embd.weight", "output_norm.weight"):
+        if required not in by_name:
+            raise CheckpointError(f"{path}: tensor {required!r} is missing")
+    # Same order as HF checkpoints: embeddings, layers in numeric order, final norm, lm_head.
+    def order(item):
+        name = item[0]
+        if name.startswith("model.layers."):
+            return (1, int(name.split(".")[2]), name)
+        return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, name)
+    items.sort(key=order)
+
+    tied = "output.weight" not in by_name
+    n_vocab = int(by_name["token_embd.weight"].shape[-1])
+    rope_freqs = dequantize_tensor(by_name["rope_freqs.weight"]) if "rope_freqs.weight" in by_name else None
+    has_bias = {"attn": any(".self_attn." in i[0] and i[0].endswith(".bias") for i in items),
+                "mlp": any(".mlp." in i[0] and i[0].endswith(".bias") for i in items)}
+    config = build_config(meta, n_vocab, tied, dtype, rope_freqs, has_bias, path)
+    try:
+        tokenizer = build_tokenizer(meta)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except Exception as e:  # tokenizers rejects an inconsistent vocabulary
+        raise CheckpointError(f"{path}: cannot build the tokenizer: {str(e).splitlines()[0] if str(e) else e!r}") from None
+    tok_config = build_tokenizer_config(meta, config["max_position_embeddings"])
+
+    _prepare_target(out, overwrite)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; give it a normal directory's mode
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", build_generation_config(meta))
+        _write_json(tmp / "tokenizer_config.json", tok_config)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_weights(items, tmp, dtype, meta, shard_bytes, progress)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600 files
+        _install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

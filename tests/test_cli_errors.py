@@ -1,0 +1,113 @@
+"""Every bad input gets one line on stderr and a non-zero exit, never a traceback."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minirun.cli import main
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def assert_one_line_error(code, err, *words):
+    assert code != 0
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_missing_model_dir(tmp_path, capsys):
+    code, _, err = run_cli(["generate", str(tmp_path / "nope"), "-p", "hi"], capsys)
+    assert_one_line_error(code, err, "no such model directory")
+
+
+def test_corrupt_safetensors(tiny_model_dir, tmp_path, capsys):
+    import shutil
+    d = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir("gqa-untied"), d)
+    (d / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    code, _, err = run_cli(["generate", str(d), "-p", "hi"], capsys)
+    assert_one_line_error(code, err, "model.safetensors")
+
+
+def test_truncated_safetensors(tiny_model_dir, tmp_path, capsys):
+    import shutil
+    d = tmp_path / "trunc"
+    shutil.copytree(tiny_model_dir("gqa-untied"), d)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    code, _, err = run_cli(["generate", str(d), "-p", "hi"], capsys)
+    assert_one_line_error(code, err, "model.safetensors")
+
+
+def test_unknown_architecture(tiny_model_dir, tmp_path, capsys):
+    import shutil
+    d = tmp_path / "mamba"
+    shutil.copytree(tiny_model_dir("gqa-untied"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(["generate", str(d), "-p", "hi"], capsys)
+    assert_one_line_error(code, err, "unknown architecture", "mamba")
+
+
+def test_prompt_longer_than_ctx(tiny_model_dir, capsys):
+    code, _, err = run_cli(["generate", str(tiny_model_dir("gqa-untied")), "-p", "x" * 100, "--ctx", "32"], capsys)
+    assert_one_line_error(code, err, "longer than the context of 32")
+
+
+def test_ctx_too_large_for_memory(tiny_model_dir, capsys):
+    code, _, err = run_cli(["generate", str(tiny_model_dir("gqa-untied")), "-p", "hi", "--ctx", "64G"], capsys)
+    assert_one_line_error(code, err, "the largest context that fits is")
+
+
+def test_bad_ctx_value(tiny_model_dir, capsys):
+    code, _, err = run_cli(["generate", str(tiny_model_dir("gqa-untied")), "-p", "hi", "--ctx", "lots"], capsys)
+    assert code != 0 and "bad context size" in err and "Traceback" not in err
+
+
+def test_generate_runs_and_streams(tiny_model_dir, capsys):
+    main_args = ["generate", str(tiny_model_dir("gqa-untied")), "-p", "hello", "-n", "5"]
+    try:
+        main(main_args)
+    except SystemExit as e:
+        assert e.code in (0, None)
+    out = capsys.readouterr()
+    assert "tok/s" in out.err
+
+
+def test_chat_repl_multiturn_reset_and_exit(tiny_model_dir):
+    """Drive the real console script: two turns, /reset, /exit; the stats line follows each answer."""
+    script = "hello\nand again\n/reset\nhi\n/exit\n"
+    p = subprocess.run([sys.executable, "-m", "minirun.cli", "chat", str(tiny_model_dir("gqa-untied")),
+                        "-n", "4", "--ctx", "512"], input=script, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("[prompt ") == 3   # one stats line per answer
+    assert "[conversation reset]" in p.stdout
+
+
+def test_chat_ctrl_c_returns_to_prompt(tiny_model_dir):
+    """SIGINT during an answer stops it and the chat goes on to the next prompt."""
+    import os
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "minirun.cli", "chat", str(tiny_model_dir("gqa-untied")),
+                          "-n", "100000", "--ctx", "100000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdin.write("tell me a long story\n")
+    p.stdin.flush()
+    time.sleep(6)
+    os.kill(p.pid, signal.SIGINT)
+    time.sleep(0.5)
+    out, err = p.communicate("/exit\n", timeout=60)
+    assert p.returncode == 0, err
+    assert "[interrupted]" in out
+    assert "Traceback" not in err
