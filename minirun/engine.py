@@ -143,7 +143,8 @@ class Engine:
         return logits, common
 
     @torch.inference_mode()
-    def _decode_one(self, token: int) -> torch.Tensor:
+    def step(self, token: int) -> torch.Tensor:
+        """Feed one token after what the cache holds; return its logits [1, V] (teacher forcing, decode)."""
         logits = self.model.forward(torch.tensor([token], dtype=torch.long, device=self.device), self.cache)
         self._cached_ids.append(token)
         return logits
@@ -189,7 +190,7 @@ class Engine:
             if len(self._cached_ids) >= self.config.ctx:
                 res.finish_reason = "ctx"
                 break
-            logits = self._decode_one(tok)
+            logits = self.step(tok)
         t2 = time.perf_counter()
         res.decode_s = t2 - t1
         res.decode_tps = len(res.tokens) / max(t2 - t1, 1e-9)

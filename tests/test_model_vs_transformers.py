@@ -34,7 +34,7 @@ def test_tiny_decode_matches_prefill_logits(tiny_model_dir):
     full = eng.logits(ids)
     eng.prefill(ids[:10])
     for t in ids[10:]:
-        last = eng._decode_one(t)
+        last = eng.step(t)
     assert torch.allclose(last[-1], full[-1], atol=1e-4)
 
 
