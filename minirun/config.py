@@ -126,8 +126,9 @@ class EngineConfig:
     sinks: int = 16                   # HCA: first tokens kept exact
     fit_min_tokens: int = 4096        # HCA without calibrated codebooks: fit once this many keys are stored
     prefill_chunk: int = 512
-    prefill_mode: str = "auto"        # "auto" | "exact" | "hca": how an HCA prompt attends to old tokens
-    exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens
+    prefill_mode: str = "auto"        # "auto" | "exact" | "anchor" | "hca": how an HCA prompt attends to old tokens
+    exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens, anchor beyond
+    anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
     threads: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -141,5 +142,7 @@ class EngineConfig:
             raise MiniRunError(f"unknown kv policy {self.kv!r}: use dense or hca")
         if self.key_store not in ("codebook", "exact"):
             raise MiniRunError(f"unknown key_store {self.key_store!r}: use codebook or exact")
+        if self.prefill_mode not in ("auto", "exact", "anchor", "hca"):
+            raise MiniRunError(f"unknown prefill mode {self.prefill_mode!r}: use auto, exact, anchor or hca")
         if not 0.0 < self.tau <= 1.0:
             raise MiniRunError(f"tau must be in (0, 1], got {self.tau}")

@@ -131,7 +131,8 @@ class Engine:
         chunk = self.config.prefill_chunk
         mode = self.config.prefill_mode
         if mode == "auto":
-            mode = "exact" if common == 0 and len(ids) <= self.config.exact_prefill_max else "hca"
+            fresh = common == 0
+            mode = "hca" if not fresh else "exact" if len(ids) <= self.config.exact_prefill_max else "anchor"
         self.cache.begin_prefill(mode)
         logits = None
         for i in range(0, todo.numel(), chunk):

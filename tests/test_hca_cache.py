@@ -131,3 +131,20 @@ def test_planner_matches_kv_stats_at_full_context(tiny_model_dir):
     assert p["sinks+ring K+V"][0] == s["device_ring_sinks_bytes"]
     assert p["codebooks"][0] == s["codebook_bytes"]
     assert p["scratch"][0] == s["scratch_bytes"]
+
+
+@pytest.mark.parametrize("n", [90, 150])
+def test_anchor_prefill_equals_exact_within_anchor_plus_neighbourhood(tiny_model_dir, n):
+    """Block-wise anchor prefill is exact while the context fits in anchor + ring (+ the chunk)."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(n)
+    kw = dict(device="cpu", ctx=512, kv="hca", key_store="exact", window=32, sinks=4, anchor_tokens=64,
+              prefill_chunk=16)
+    exact = Engine.load(d, prefill_mode="exact", **kw)
+    anchor = Engine.load(d, prefill_mode="anchor", **kw)
+    le, la = exact.prefill(ids)[0], anchor.prefill(ids)[0]
+    if n <= 64 + 32:
+        assert (le - la).abs().max().item() <= 1e-4
+    else:   # beyond anchor + neighbourhood the middle is skipped: no longer exact, but still sane
+        assert torch.isfinite(la).all() and (le - la).abs().max().item() > 1e-6
+    assert anchor.cache.anchor_k is None        # the anchor copy lives only during prefill

@@ -32,7 +32,7 @@ class HCACache(KVCache):
 
     def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
                  dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
-                 fit_min_tokens: int = 4096):
+                 fit_min_tokens: int = 4096, anchor_tokens: int = 2048):
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
@@ -57,7 +57,10 @@ class HCACache(KVCache):
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
         self.codebooks = codebooks
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
-        self.mode = "hca"         # "hca" | "exact" (prefill attends exactly to the store)
+        self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
+        # anchor prefill (paper App. B): exact copies of the store's first keys, during prefill only
+        self.anchor_tokens = anchor_tokens
+        self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32
         self.z = GrowingBuffer((self.Hq,), 1, torch.float32, store_cap)             # scratch scores
         self.sel = GrowingBuffer((self.Hq,), 1, torch.int32, store_cap)             # scratch selection
         self._staged: list = [None] * L
@@ -73,7 +76,7 @@ class HCACache(KVCache):
             if path.is_file():
                 codebooks = Codebooks.load(path, expect)
         cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
-                    fit_min_tokens=config.fit_min_tokens)
+                    fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens)
         if not layout.exact_keys and codebooks is None:
             print(f"minirun: no {codebook_filename(layout.groups, layout.centroids)} in the model directory: "
                   f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate` to make one)",
@@ -91,6 +94,9 @@ class HCACache(KVCache):
             return o1.to(q.dtype)
         if self.mode == "exact":
             o2, m2, l2 = self._attend_store_exact(layer, qs)
+        elif self.mode == "anchor":
+            na = min(self.anchor_k.shape[2], self.n_store)   # the anchor block's tokens now in the store
+            o2, m2, l2 = partial_attention(qs, self.anchor_k[layer, :, :na], self.values.view(layer, na))
         else:
             o2, m2, l2 = self._attend_store_hca(layer, qs)
         o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
@@ -136,85 +142,92 @@ class HCACache(KVCache):
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
     def advance(self, n: int) -> None:
-        """Commit the staged chunk of n tokens: fill sinks, then the ring; evict the ring's overflow."""
+        """Commit the staged chunk of n tokens: fill sinks, then the ring; evict the ring's overflow.
+
+        Works on all layers at once (one gather, one encode, one copy per step), since every layer
+        moves the same positions.
+        """
         pos0, end, S, W = self.offset, self.offset + n, self.S, self.W
         ev_lo, ev_hi = S + self.n_store, max(S, end - W)          # positions leaving for the store
         ev_pos = torch.arange(ev_lo, max(ev_lo, ev_hi))
         keep = torch.arange(pos0, end)                              # chunk positions that stay exact
         keep = keep[(keep < S) | (keep >= ev_hi)]
-        n_ev = ev_pos.numel()
-        if n_ev:
-            self._reserve_store(self.n_store + n_ev)
-        for layer, (k, v) in enumerate(self._staged):
-            kT, vT = k.transpose(0, 1), v.transpose(0, 1)                            # [Hkv, T, hd]
-            if n_ev:
-                from_ring = ev_pos[ev_pos < pos0]
-                slots = S + (from_ring - S) % W
-                from_chunk = ev_pos[ev_pos >= pos0] - pos0
-                Ke = torch.cat([self.ek[layer][:, slots], kT[:, from_chunk].to(self.dtype)], 1)
-                Ve = torch.cat([self.ev[layer][:, slots], vT[:, from_chunk].to(self.dtype)], 1)
-                self._store_append(layer, Ke, Ve)
-            if keep.numel():
-                slots = torch.where(keep < S, keep, S + (keep - S) % W)
-                self.ek[layer][:, slots] = kT[:, keep - pos0].to(self.dtype)
-                self.ev[layer][:, slots] = vT[:, keep - pos0].to(self.dtype)
-        if n_ev:
-            self.slot_pos[S + (ev_pos[ev_pos < pos0] - S) % W] = -1
+        Kn = torch.stack([kv[0] for kv in self._staged]).transpose(1, 2).to(self.dtype)   # [L, Hkv, T, hd]
+        Vn = torch.stack([kv[1] for kv in self._staged]).transpose(1, 2).to(self.dtype)
+        if ev_pos.numel():
+            from_ring = ev_pos[ev_pos < pos0]
+            ring_slots = S + (from_ring - S) % W
+            from_chunk = ev_pos[ev_pos >= pos0] - pos0
+            Ke = torch.cat([self.ek[:, :, ring_slots], Kn[:, :, from_chunk]], 2)            # [L, Hkv, m, hd]
+            Ve = torch.cat([self.ev[:, :, ring_slots], Vn[:, :, from_chunk]], 2)
+            self._store_append(Ke, Ve)
+            self.slot_pos[ring_slots] = -1
         if keep.numel():
-            self.slot_pos[torch.where(keep < S, keep, S + (keep - S) % W)] = keep
-        self.n_store += n_ev
+            slots = torch.where(keep < S, keep, S + (keep - S) % W)
+            self.ek[:, :, slots] = Kn[:, :, keep - pos0]
+            self.ev[:, :, slots] = Vn[:, :, keep - pos0]
+            self.slot_pos[slots] = keep
         self._staged = [None] * self.n_layers
         self.offset = end
         if self.codebooks is None and self.mode != "exact" and not self.layout.exact_keys \
                 and self.n_store >= self.fit_min_tokens:
             self._fit_and_encode()
 
-    def _reserve_store(self, n):
-        self.values.reserve(n)
-        if self._keeps_exact_keys():
-            self.exact_keys.reserve(n - self.exact_base)
-        if self.indices is not None:
-            self.indices.reserve(n)
-        self.z.reserve(n)
-        self.sel.reserve(n)
-
     def _keeps_exact_keys(self) -> bool:
         return self.layout.exact_keys or self.codebooks is None or self.mode == "exact"
 
-    def _store_append(self, layer, K, V):
-        """K, V [Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact)."""
-        j0, m = self.n_store, K.shape[1]
-        self.values.write(layer, j0, V.to(self.values.dtype))
+    def _encode(self, K: torch.Tensor) -> torch.Tensor:
+        """K [L, Hkv, m, hd] -> indices [L, Hkv, m, g], one kernel call for all layers."""
+        L, Hkv, m, hd = K.shape
+        C = self.codebooks.centroids
+        P = kc.encode_keys(K.float().reshape(L * Hkv, m, hd).numpy(), C.reshape(L * Hkv, *C.shape[2:]).numpy())
+        return torch.from_numpy(P).view(L, Hkv, m, -1)
+
+    def _store_append(self, K, V):
+        """K, V [L, Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact)."""
+        j0, m = self.n_store, K.shape[2]
+        self.values.reserve(j0 + m)
+        self.z.reserve(j0 + m)
+        self.sel.reserve(j0 + m)
+        self.values.write_all(j0, V)
+        if self.anchor_k is not None and j0 < self.anchor_k.shape[2]:
+            cnt = min(m, self.anchor_k.shape[2] - j0)
+            self.anchor_k[:, :, j0:j0 + cnt] = K[:, :, :cnt].float()
         if self._keeps_exact_keys():
-            self.exact_keys.write(layer, j0 - self.exact_base, K.float())
+            self.exact_keys.reserve(j0 + m - self.exact_base)
+            self.exact_keys.write_all(j0 - self.exact_base, K.float())
         else:
-            P = kc.encode_keys(K.float().numpy(), self.codebooks.centroids[layer].numpy())
-            self.indices.write(layer, j0, torch.from_numpy(P))
-            if layer == self.n_layers - 1:
-                self.n_encoded = j0 + m
+            self.indices.reserve(j0 + m)
+            self.indices.write_all(j0, self._encode(K))
+            self.n_encoded = j0 + m
+        self.n_store = j0 + m
 
     def _fit_and_encode(self):
         """Fit codebooks on the full-precision store keys (if none), encode them all, drop them."""
         n = self.n_store
-        keys = torch.stack([self.exact_keys.view(l, n - self.exact_base) for l in range(self.n_layers)])
+        keys = self.exact_keys.data[:, :, :n - self.exact_base]                   # [L, Hkv, m, hd]
         if self.codebooks is None:
             self.codebooks = Codebooks.fit(keys, self.layout.groups, self.layout.centroids, iters=20)
             self.notes.append(f"codebooks fitted from {n - self.exact_base} prompt keys")
         self.indices.reserve(n)
-        for l in range(self.n_layers):
-            P = kc.encode_keys(keys[l].numpy(), self.codebooks.centroids[l].numpy())
-            self.indices.write(l, self.exact_base, torch.from_numpy(P))
+        self.indices.write_all(self.exact_base, self._encode(keys))
         self.n_encoded = n
         self.exact_keys.free()
         self.exact_base = n
 
     def begin_prefill(self, mode: str) -> None:
-        """mode "exact": the coming chunks attend exactly to the store (only from an empty cache)."""
-        self.mode = "exact" if (mode == "exact" and self.n_store == 0) else "hca"
+        """The coming chunks attend to the store exactly ("exact": full-precision keys kept until
+        end_prefill), to an exact anchor block only ("anchor", paper App. B: linear cost), or through
+        the HCA path ("hca"). exact and anchor need the store's keys from the start: an empty cache."""
+        self.mode = mode if (mode in ("exact", "anchor") and self.n_store == 0) else "hca"
+        if self.mode == "anchor":
+            L, Hkv, _, hd = self.ek.shape
+            self.anchor_k = torch.zeros(L, Hkv, max(0, self.anchor_tokens - self.S), hd, device=self.ek.device)
 
     def end_prefill(self) -> None:
         """Encode the prompt's store keys (fitting codebooks on them when there are none)."""
         self.mode = "hca"
+        self.anchor_k = None
         if not self.layout.exact_keys and self.n_store > self.n_encoded:
             self._fit_and_encode()
 

@@ -29,9 +29,9 @@ class GrowingBuffer:
             new[..., :self.cap, :] = self.data
         self.data, self.cap = new, new_cap
 
-    def write(self, layer: int, j0: int, rows: torch.Tensor) -> None:
-        """rows [Hkv, m, width] into positions j0..j0+m of `layer`."""
-        self.data[layer, :, j0:j0 + rows.shape[1]] = rows
+    def write_all(self, j0: int, rows: torch.Tensor) -> None:
+        """rows [*lead, m, width] into positions j0..j0+m of every leading index."""
+        self.data[..., j0:j0 + rows.shape[-2], :] = rows
 
     def view(self, layer: int, n: int) -> torch.Tensor:
         """[Hkv, n, width] of `layer` (a view)."""
