@@ -56,8 +56,12 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
         prefix = eng.tokenize(eng.tokenizer.apply_chat_template(base, add_generation_prompt=False), add_bos=None)
         if len(prefix) >= eng.config.ctx:
             raise MiniRunError(f"--file {file} is {len(prefix)} tokens, more than the context of {eng.config.ctx} (--ctx)")
-        _, _ = eng.prefill(prefix, progress=_progress_bar("prefill"))
-        click.echo(f"[document: {len(prefix)} tokens in context]", err=True)
+        eng.prefill(prefix, progress=_progress_bar("prefill"))
+        r = eng.last_prefill
+        click.echo(f"[document: {len(prefix)} tokens in context, prefilled in {r['seconds']:.1f}s "
+                   f"({r['tps']:.0f} tok/s, mode {r['mode']})]", err=True)
+        if kv_report:
+            click.echo(kv_report_line(eng), err=True)
     click.echo(f"minirun chat: {eng.path.name}, ctx {eng.config.ctx}, kv {eng.config.kv}. {HELP}", err=True)
     while True:
         try:

@@ -134,12 +134,15 @@ class Engine:
             fresh = common == 0
             mode = "hca" if not fresh else "exact" if len(ids) <= self.config.exact_prefill_max else "anchor"
         self.cache.begin_prefill(mode)
+        t0 = time.perf_counter()
         logits = None
         for i in range(0, todo.numel(), chunk):
             logits = self.model.forward(todo[i:i + chunk], self.cache)
             if progress:
                 progress(min(i + chunk, todo.numel()), todo.numel())
         self.cache.end_prefill()
+        dt = time.perf_counter() - t0
+        self.last_prefill = {"tokens": todo.numel(), "seconds": dt, "tps": todo.numel() / max(dt, 1e-9), "mode": mode}
         self._cached_ids = list(ids)
         return logits, common
 
