@@ -1,0 +1,90 @@
+"""CUDA C sources of kernels_cuda: file list, compile options, kernel names.
+
+Importable without cupy (the compile-check test and the CPU emulator use it).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# file -> NVRTC options.  --use_fast_math only for pq.cu: it has no exp/log/div,
+# so fast math there only flushes denormals; scores.cu and attention.cu rely on
+# IEEE -inf/NaN behaviour and bit-identical bin arithmetic.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "pq.cu": ("-std=c++17", "--use_fast_math"),
+    "scores.cu": ("-std=c++17",),
+    "attention.cu": ("-std=c++17",),
+}
+
+# file -> extern "C" entry points the wrappers launch.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "pq.cu": (
+        "build_lut_f32",
+        "encode_keys_f32_u8",
+        "encode_keys_f32_i16",
+        "encode_keys_f16_u8",
+        "encode_keys_f16_i16",
+        "encode_keys_bf16_u8",
+        "encode_keys_bf16_i16",
+    ),
+    "scores.cu": (
+        "approx_scores_u8",
+        "approx_scores_i16",
+        "zstats_partial",
+        "ms_reduce",
+        "zhist",
+        "zcut",
+        "zcompact",
+    ),
+    "attention.cu": (
+        "attend_partial_f32",
+        "attend_partial_f16",
+        "attend_partial_bf16",
+        "lse_merge_f32",
+    ),
+}
+
+HEADERS = ("common.cuh",)
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
+
+
+def cu_files() -> list[Path]:
+    """Every .cu file of the package (sorted)."""
+    return sorted(HERE.glob("*.cu"))
+
+
+def raw_text(name: str) -> str:
+    return (HERE / name).read_text(encoding="utf-8")
+
+
+def source(name: str) -> str:
+    """The text handed to NVRTC: `name` with its local #include "..." lines
+    replaced by the header text (once per header), so that CuPy's on-disk
+    compile cache keys on everything that is compiled."""
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def repl(mo: re.Match) -> str:
+            hdr = mo.group(1)
+            if hdr not in HEADERS:
+                raise ValueError(f"{name}: unexpected #include \"{hdr}\"")
+            if hdr in seen:
+                return ""
+            seen.add(hdr)
+            return f'// ---- begin {hdr}\n{expand(raw_text(hdr))}\n// ---- end {hdr}'
+
+        return _INCLUDE_RE.sub(repl, text)
+
+    return expand(raw_text(name))
+
+
+def constant(name: str, macro: str) -> int:
+    """Integer value of `#define macro N` in source file `name` (launch geometry
+    shared between a kernel and its wrapper)."""
+    mo = re.search(rf"^#define\s+{re.escape(macro)}\s+(\d+)\b", raw_text(name), re.M)
+    if mo is None:
+        raise KeyError(f"{macro} not defined in {name}")
+    return int(mo.group(1))

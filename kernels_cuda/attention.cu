@@ -1,0 +1,200 @@
+// attention.cu -- exact decode attention (split-K, flash-decoding style) and
+// the log-sum-exp merge of partial attention results.
+//
+// Compiled without --use_fast_math (-inf handling in the merges).
+//
+// Layouts (element strides; the last axis is always contiguous):
+//   q        [Hq, d]          float32, contiguous (already scaled by 1/sqrt(d))
+//   K, V     [Hkv, n_cap, d]  float32 / float16 bits / bfloat16 bits, strides (s0, s1, 1)
+//   q_to_kv  [Hq]             int32
+//   os       [P, Hq, d]       float32, contiguous (normalized partial outputs)
+//   ms, ls   [P, Hq]          float32, contiguous
+// A part / split is empty when its l == 0 or m == -inf; an empty result is
+// o = 0, m = -inf, l = 0.
+
+#include "common.cuh"
+
+#define MR_ATT_THREADS 256  // attend_partial block size (the wrapper launches exactly this)
+#define MR_ATT_TILE 256     // tokens per shared-memory tile in attend_partial
+#define MR_ATT_ILP 4        // tokens per warp step in the score phase
+
+// ---------------------------------------------------------------------------
+// attend_partial: one block per (split, q head) over tokens
+// [split*tokens_per_split, min(n, (split+1)*tokens_per_split)), processed in
+// tiles of MR_ATT_TILE tokens with an online softmax.  Writes the normalized
+// partial output o_part[split, h, :], m_part[split, h], l_part[split, h]
+// (layout [nsplit, Hq, ...] = lse_merge's input layout).  An empty range
+// writes (0, -inf, 0).
+//
+// Launch: block MR_ATT_THREADS, grid (nsplit, Hq), d <= MR_ATT_THREADS,
+// dynamic shared memory (d + MR_ATT_TILE + MR_ATT_THREADS) floats.
+// Scores: warp w computes q.k for tokens w, w + 8, ... of the tile, MR_ATT_ILP
+// at a time (lanes split d, shuffle reduction).  Values: thread (grp, e) with grp = tid / d,
+// e = tid % d accumulates tokens grp, grp + ngroups, ... of the tile
+// (ngroups = MR_ATT_THREADS / d; coalesced row reads), groups summed at the end.
+// ---------------------------------------------------------------------------
+template <typename Tag>
+__device__ __forceinline__ void attend_partial_impl(
+    const float* __restrict__ q, const typename Tag::S* __restrict__ K, long long k_s0, long long k_s1,
+    const typename Tag::S* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv,
+    int n, int d, int tokens_per_split, float* __restrict__ o_part, float* __restrict__ m_part,
+    float* __restrict__ l_part) {
+    MR_DYN_SMEM(smem);
+    __shared__ float scratch[64];
+    const int tid = threadIdx.x;
+    const int h = blockIdx.y;
+    const int Hq = gridDim.y;
+    const int kv = q_to_kv[h];
+    float* qs = smem;                 // [d]
+    float* ps = smem + d;             // [MR_ATT_TILE] scores, then probabilities
+    float* red = ps + MR_ATT_TILE;    // [MR_ATT_THREADS] >= ngroups * d
+    for (int i = tid; i < d; i += blockDim.x) qs[i] = q[(long long)h * d + i];
+
+    const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const int ngroups = blockDim.x / d;  // >= 1 since d <= blockDim.x
+    const int grp = tid / d, e = tid - grp * d;
+    const bool active = grp < ngroups;
+    const typename Tag::S* Kh = K + (long long)kv * k_s0;
+    const typename Tag::S* Vh = V + (long long)kv * v_s0;
+    const long long start = (long long)blockIdx.x * tokens_per_split;
+    const long long end = mr_min_ll(start + tokens_per_split, (long long)n);
+
+    float acc = 0.f, m_run = mr_neg_inf(), l_run = 0.f;
+    __syncthreads();  // qs visible
+    for (long long t0 = start; t0 < end; t0 += MR_ATT_TILE) {
+        const int cnt = (int)mr_min_ll(MR_ATT_TILE, end - t0);
+        // 1. scores of the tile; each warp takes MR_ATT_ILP tokens per step
+        //    (independent loads in flight).  i0 and i are uniform per warp, so
+        //    the shuffles in mr_warp_sum always run with the whole warp.
+        for (int i0 = warp; i0 < cnt; i0 += MR_ATT_ILP * nwarps) {
+            float s[MR_ATT_ILP];
+#pragma unroll
+            for (int u = 0; u < MR_ATT_ILP; ++u) s[u] = 0.f;
+            for (int x = lane; x < d; x += 32) {
+                const float qx = qs[x];
+#pragma unroll
+                for (int u = 0; u < MR_ATT_ILP; ++u) {
+                    const int i = i0 + u * nwarps;
+                    if (i < cnt) s[u] = fmaf(qx, Tag::cvt(Kh[(t0 + i) * k_s1 + x]), s[u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < MR_ATT_ILP; ++u) {
+                const float su = mr_warp_sum(s[u]);
+                const int i = i0 + u * nwarps;
+                if (lane == 0 && i < cnt) ps[i] = su;
+            }
+        }
+        __syncthreads();
+        // 2. tile max, rescale of the running state
+        float tm = mr_neg_inf();
+        for (int i = tid; i < cnt; i += blockDim.x) tm = fmaxf(tm, ps[i]);
+        tm = mr_block_max(tm, scratch);
+        const float m_new = fmaxf(m_run, tm);
+        const bool dead = !(m_new > mr_neg_inf());  // only for -inf / NaN scores
+        const float scale = dead ? 0.f : expf(m_run - m_new);  // m_run = -inf -> 0
+        // 3. probabilities (in place) and their sum
+        float ls = 0.f;
+        for (int i = tid; i < cnt; i += blockDim.x) {
+            const float p = dead ? 0.f : expf(ps[i] - m_new);
+            ps[i] = p;
+            ls += p;
+        }
+        ls = mr_block_sum(ls, scratch);  // its barriers also publish ps
+        l_run = l_run * scale + ls;
+        if (!dead) m_run = m_new;
+        // 4. probability-weighted values
+        float a = 0.f;
+        if (active)
+            for (int i = grp; i < cnt; i += ngroups) a = fmaf(ps[i], Tag::cvt(Vh[(t0 + i) * v_s1 + e]), a);
+        acc = acc * scale + a;
+        __syncthreads();  // ps is overwritten by the next tile
+    }
+    if (active) red[grp * d + e] = acc;
+    __syncthreads();
+    const long long slot = (long long)blockIdx.x * Hq + h;
+    const bool empty = !(l_run > 0.f);
+    for (int x = tid; x < d; x += blockDim.x) {
+        float o = 0.f;
+        for (int gq = 0; gq < ngroups; ++gq) o += red[gq * d + x];
+        o_part[slot * d + x] = empty ? 0.f : o / l_run;
+    }
+    if (tid == 0) {
+        m_part[slot] = empty ? mr_neg_inf() : m_run;
+        l_part[slot] = empty ? 0.f : l_run;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MR_ATT_THREADS)
+attend_partial_f32(const float* __restrict__ q, const float* __restrict__ K, long long k_s0, long long k_s1,
+                   const float* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv,
+                   int n, int d, int tokens_per_split, float* __restrict__ o_part, float* __restrict__ m_part,
+                   float* __restrict__ l_part) {
+    attend_partial_impl<MrF32>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, n, d, tokens_per_split, o_part, m_part,
+                               l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_ATT_THREADS)
+attend_partial_f16(const float* __restrict__ q, const unsigned short* __restrict__ K, long long k_s0,
+                   long long k_s1, const unsigned short* __restrict__ V, long long v_s0, long long v_s1,
+                   const int* __restrict__ q_to_kv, int n, int d, int tokens_per_split,
+                   float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    attend_partial_impl<MrF16>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, n, d, tokens_per_split, o_part, m_part,
+                               l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_ATT_THREADS)
+attend_partial_bf16(const float* __restrict__ q, const unsigned short* __restrict__ K, long long k_s0,
+                    long long k_s1, const unsigned short* __restrict__ V, long long v_s0, long long v_s1,
+                    const int* __restrict__ q_to_kv, int n, int d, int tokens_per_split,
+                    float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    attend_partial_impl<MrBF16>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, n, d, tokens_per_split, o_part, m_part,
+                                l_part);
+}
+
+// ---------------------------------------------------------------------------
+// lse_merge: M = max over live parts of m_p, w_p = exp(m_p - M) * l_p,
+// o = sum_p w_p o_p / sum_p w_p, l = sum_p w_p, m = M.  Parts with
+// !(l_p > 0) or m_p == -inf are skipped (their o_p is never read, so NaN
+// garbage in an empty part cannot leak).  No live part -> (0, -inf, 0).
+// Launch: block 128, grid (Hq), no dynamic shared memory.  Every thread
+// recomputes M and L from the P scalars (P is small; reads hit L1).
+// ---------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256)
+lse_merge_f32(const float* __restrict__ os, const float* __restrict__ ms, const float* __restrict__ ls, int P,
+              int Hq, int d, float* __restrict__ o, float* __restrict__ m_out, float* __restrict__ l_out) {
+    const int h = blockIdx.x;
+    float M = mr_neg_inf();
+    for (int p = 0; p < P; ++p) {
+        const float mp = ms[(long long)p * Hq + h];
+        const float lp = ls[(long long)p * Hq + h];
+        if (lp > 0.f && mp > mr_neg_inf()) M = fmaxf(M, mp);
+    }
+    const bool any = M > mr_neg_inf();
+    float L = 0.f;
+    if (any) {
+        for (int p = 0; p < P; ++p) {
+            const float mp = ms[(long long)p * Hq + h];
+            const float lp = ls[(long long)p * Hq + h];
+            if (lp > 0.f && mp > mr_neg_inf()) L += expf(mp - M) * lp;
+        }
+    }
+    const bool live = any && L > 0.f;
+    for (int x = threadIdx.x; x < d; x += blockDim.x) {
+        float acc = 0.f;
+        if (live) {
+            for (int p = 0; p < P; ++p) {
+                const float mp = ms[(long long)p * Hq + h];
+                const float lp = ls[(long long)p * Hq + h];
+                if (lp > 0.f && mp > mr_neg_inf())
+                    acc = fmaf(expf(mp - M) * lp, os[((long long)p * Hq + h) * d + x], acc);
+            }
+            acc /= L;
+        }
+        o[(long long)h * d + x] = acc;
+    }
+    if (threadIdx.x == 0) {
+        m_out[h] = live ? M : mr_neg_inf();
+        l_out[h] = live ? L : 0.f;
+    }
+}

@@ -1,0 +1,197 @@
+// common.cuh -- device helpers shared by the kernels_cuda sources.
+//
+// No system or CUDA headers: the sources must compile under nvcc and under
+// NVRTC (CuPy RawModule) alike.  kernels_cuda/_sources.py inlines this file
+// textually in place of `#include "common.cuh"` before handing a source to
+// NVRTC (so CuPy's compile cache keys on the full text); nvcc resolves the
+// include relative to the .cu file.
+//
+// Conventions for every helper below:
+//   * blocks are 1-D (threadIdx.x only) and blockDim.x is a multiple of 32,
+//     at most 1024;
+//   * block-wide helpers (mr_block_*) must be called by every thread of the
+//     block (they contain __syncthreads) and return the result in every
+//     thread; the scratch array they take is __shared__ with >= 64 entries and
+//     may be reused by the next block-wide call (each call starts with a
+//     barrier that protects the previous call's reads).
+//
+// MINIRUN_EMU is defined only by the CPU emulator used in the tests
+// (kernels_cuda/_emu.py); it never appears in a real GPU build.
+
+#ifndef MINIRUN_COMMON_CUH
+#define MINIRUN_COMMON_CUH
+
+#define MR_FULL_MASK 0xffffffffu
+
+#ifndef MINIRUN_EMU
+// Dynamic shared memory.  One name and one element type for all kernels of a
+// module (extern __shared__ arrays of different types may not share a name).
+#define MR_DYN_SMEM(name) extern __shared__ float name[]
+#endif
+
+__device__ __forceinline__ float mr_neg_inf() { return -__int_as_float(0x7f800000); }
+
+__device__ __forceinline__ long long mr_min_ll(long long a, long long b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------
+// Element types.  16-bit floats travel as unsigned short bits and are
+// converted exactly to float32 (no cuda_fp16.h / cuda_bf16.h needed).
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float mr_half_to_float(unsigned short h) {
+#ifdef MINIRUN_EMU
+    return emu_half_to_float(h);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+__device__ __forceinline__ float mr_bf16_to_float(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+struct MrF32 {
+    typedef float S;
+    static __device__ __forceinline__ float cvt(float x) { return x; }
+};
+struct MrF16 {
+    typedef unsigned short S;
+    static __device__ __forceinline__ float cvt(unsigned short x) { return mr_half_to_float(x); }
+};
+struct MrBF16 {
+    typedef unsigned short S;
+    static __device__ __forceinline__ float cvt(unsigned short x) { return mr_bf16_to_float(x); }
+};
+
+// PQ code -> centroid index.  int16 codes are read as unsigned so that a
+// corrupt negative code cannot index below the table.
+__device__ __forceinline__ int mr_code(unsigned char x) { return (int)x; }
+__device__ __forceinline__ int mr_code(short x) { return (int)(unsigned short)x; }
+
+// 16 bytes, for vectorized loads of PQ code rows.
+struct alignas(16) MrVec16 {
+    unsigned int a, b, c, d;
+};
+
+// ---------------------------------------------------------------------------
+// Warp / block reductions.
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float mr_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MR_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float mr_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MR_FULL_MASK, v, o));
+    return v;
+}
+
+// Online-softmax pair (m = max, l = sum exp(x - m)).  (-inf, 0) is the empty
+// pair; combining two empty pairs gives an empty pair (no NaN).
+__device__ __forceinline__ void mr_ms_combine(float& m, float& l, float m2, float l2) {
+    const float mn = fmaxf(m, m2);
+    if (mn == mr_neg_inf()) {
+        m = mn;
+        l = 0.f;
+        return;
+    }
+    l = l * expf(m - mn) + l2 * expf(m2 - mn);  // expf(-inf) = 0 for an empty side
+    m = mn;
+}
+
+// Symmetric butterfly: every lane ends with the same pair (float + and max
+// are commutative, so partners compute bit-identical results).
+__device__ __forceinline__ void mr_warp_ms(float& m, float& l) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(MR_FULL_MASK, m, o);
+        const float l2 = __shfl_xor_sync(MR_FULL_MASK, l, o);
+        mr_ms_combine(m, l, m2, l2);
+    }
+}
+
+__device__ __forceinline__ float mr_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = mr_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = (lane < nw) ? scratch[lane] : 0.f;
+    return mr_warp_sum(v);
+}
+
+__device__ __forceinline__ float mr_block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = mr_warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = (lane < nw) ? scratch[lane] : mr_neg_inf();
+    return mr_warp_max(v);
+}
+
+__device__ __forceinline__ void mr_block_ms(float& m, float& l, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    mr_warp_ms(m, l);
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = m;
+        scratch[32 + warp] = l;
+    }
+    __syncthreads();
+    m = (lane < nw) ? scratch[lane] : mr_neg_inf();
+    l = (lane < nw) ? scratch[32 + lane] : 0.f;
+    mr_warp_ms(m, l);
+}
+
+// Exclusive prefix sum over the block in thread order; *total = block sum.
+__device__ __forceinline__ int mr_block_excl_scan(int v, int* total, int* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(MR_FULL_MASK, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < nw; ++w) {
+        const int s = scratch[w];
+        if (w < warp) before += s;
+        all += s;
+    }
+    *total = all;
+    return before + x - v;
+}
+
+__device__ __forceinline__ float mr_block_excl_scan_f(float v, float* total, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y = __shfl_up_sync(MR_FULL_MASK, x, o);
+        if (lane >= o) x += y;
+    }
+    float ex = __shfl_up_sync(MR_FULL_MASK, x, 1);
+    if (lane == 0) ex = 0.f;
+    __syncthreads();
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    float before = 0.f, all = 0.f;
+    for (int w = 0; w < nw; ++w) {
+        const float s = scratch[w];
+        if (w < warp) before += s;
+        all += s;
+    }
+    *total = all;
+    return before + ex;
+}
+
+#endif  // MINIRUN_COMMON_CUH
