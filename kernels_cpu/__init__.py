@@ -13,11 +13,14 @@ function in :mod:`kernels_cpu.numba_kernels`:
 
 Each has a NumPy reference ``<name>_ref`` in :mod:`kernels_cpu.reference`.
 float16 key/value pools are accepted; Numba has no CPU float16 type, so they
-are viewed as uint16 and converted bit-exactly inside the kernels.
+are viewed as uint16 and converted exactly inside the kernels (hardware
+``fpext`` where the target has it, else bit manipulation; see
+``HALF_CONVERSION``).
 This package imports only numpy and numba.
 """
 
 from .numba_kernels import (
+    HALF_CONVERSION,
     approx_scores,
     attend_exact,
     build_lut,
@@ -46,6 +49,7 @@ __all__ = [
     "lse_merge",
     "encode_keys",
     "half_to_float",
+    "HALF_CONVERSION",
     "build_lut_ref",
     "approx_scores_ref",
     "threshold_select_ref",

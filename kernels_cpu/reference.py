@@ -1,0 +1,203 @@
+"""Plain NumPy references for the CPU kernels in :mod:`kernels_cpu.numba_kernels`.
+
+These are written for clarity, not speed; the tests compare every Numba kernel
+against the function here with the same name plus ``_ref``.  Conventions
+(shared with the kernels):
+
+* ``Hq`` query heads, ``Hkv`` kv-heads, ``q_to_kv`` int32 [Hq] maps a query
+  head to its kv-head (GQA).
+* ``d`` head dim, ``g`` groups per key, ``ds = d // g`` sub-vector size,
+  ``c`` centroids per group, ``n`` tokens.
+* Scores are already scaled (the caller multiplies ``q`` by ``1/sqrt(d)``).
+* Value / key pools may be float32 or float16; references just upcast.
+
+Where accuracy matters the references accumulate in float64 and cast the
+result to float32, so they serve as ground truth.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "build_lut_ref",
+    "approx_scores_ref",
+    "threshold_select_ref",
+    "attend_exact_ref",
+    "weighted_value_sum_ref",
+    "lse_merge_ref",
+    "encode_keys_ref",
+]
+
+
+def build_lut_ref(q, codebooks, q_to_kv):
+    """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32, q_to_kv int32 [Hq]
+    -> T [Hq, g, c] f32 with T[h, i, j] = q[h, i*ds:(i+1)*ds] . codebooks[q_to_kv[h], i, j]."""
+    q = np.asarray(q, dtype=np.float64)
+    cb = np.asarray(codebooks, dtype=np.float64)
+    Hq, d = q.shape
+    _, g, c, ds = cb.shape
+    qg = q.reshape(Hq, g, ds)
+    T = np.einsum("hgs,hgcs->hgc", qg, cb[np.asarray(q_to_kv)])
+    return T.astype(np.float32)
+
+
+def approx_scores_ref(T, P, q_to_kv, n):
+    """T [Hq, g, c] f32, P [Hkv, n_cap, g] uint8/int16 -> z [Hq, n] f32,
+    z[h, j] = sum_i T[h, i, P[q_to_kv[h], j, i]]."""
+    T = np.asarray(T, dtype=np.float64)
+    Hq, g, c = T.shape
+    z = np.zeros((Hq, n), dtype=np.float64)
+    groups = np.arange(g)
+    for h in range(Hq):
+        codes = P[q_to_kv[h], :n].astype(np.int64)  # [n, g]
+        z[h] = T[h, groups[None, :], codes].sum(axis=1)
+    return z.astype(np.float32)
+
+
+def threshold_select_ref(z, tau):
+    """z [Hq, n] f32, tau float -> (idx int32 [Hq, n], counts int32 [Hq], m f32 [Hq], l_sel f32 [Hq]).
+
+    Definition (shared with the kernel): with m = max z[h] and float32 weights
+    w = exp(z - m), S = sum w (float64), the cut value zcut is the largest z
+    value such that the mass of {j : z[h, j] >= zcut} is >= tau * S, found by a
+    full descending sort here.  The selected set is {j : z[h, j] >= zcut}, i.e.
+    the minimal set plus any tokens tied with zcut.  tau >= 1 selects all n,
+    tau <= 0 selects nothing.  idx rows hold the selected token indices in
+    increasing order in their first counts[h] entries (the rest is 0 here).
+    """
+    z = np.asarray(z, dtype=np.float32)
+    Hq, n = z.shape
+    idx = np.zeros((Hq, n), dtype=np.int32)
+    counts = np.zeros(Hq, dtype=np.int32)
+    m = np.full(Hq, -np.inf, dtype=np.float32)
+    l_sel = np.zeros(Hq, dtype=np.float32)
+    if n == 0:
+        return idx, counts, m, l_sel
+    for h in range(Hq):
+        zh = z[h]
+        mh = zh.max()
+        m[h] = mh
+        if mh == -np.inf:
+            continue
+        w = np.exp(zh - mh).astype(np.float32)
+        if tau >= 1.0:
+            idx[h] = np.arange(n, dtype=np.int32)
+            counts[h] = n
+            l_sel[h] = w.astype(np.float64).sum()
+            continue
+        if tau <= 0.0:
+            continue
+        S = w.astype(np.float64).sum()
+        order = np.argsort(-zh, kind="stable")
+        cum = np.cumsum(w[order].astype(np.float64))
+        k = int(np.searchsorted(cum, tau * S, side="left"))
+        k = min(k, n - 1)
+        zcut = zh[order[k]]
+        sel = np.nonzero(zh >= zcut)[0]
+        idx[h, : sel.size] = sel
+        counts[h] = sel.size
+        l_sel[h] = w[sel].astype(np.float64).sum()
+    return idx, counts, m, l_sel
+
+
+def attend_exact_ref(q, K, V, q_to_kv, n):
+    """q [Hq, d] f32 (pre-scaled), K, V [Hkv, n_cap, d] f32/f16 (first n valid)
+    -> o [Hq, d] f32 (normalized), m [Hq] f32 (max score), l [Hq] f32 (sum exp(s - m)).
+    n == 0 -> o = 0, m = -inf, l = 0."""
+    q = np.asarray(q, dtype=np.float64)
+    Hq, d = q.shape
+    o = np.zeros((Hq, d), dtype=np.float32)
+    m = np.full(Hq, -np.inf, dtype=np.float32)
+    l = np.zeros(Hq, dtype=np.float32)
+    if n == 0:
+        return o, m, l
+    for h in range(Hq):
+        kv = q_to_kv[h]
+        k = K[kv, :n].astype(np.float64)
+        v = V[kv, :n].astype(np.float64)
+        s = np.einsum("nd,d->n", k, q[h])
+        mh = s.max()
+        w = np.exp(s - mh)
+        o[h] = np.einsum("n,nd->d", w, v) / w.sum()
+        m[h] = mh
+        l[h] = w.sum()
+    return o, m, l
+
+
+def weighted_value_sum_ref(z, idx, counts, V, q_to_kv):
+    """z [Hq, n] f32, idx int32 [Hq, >=max(counts)], counts int32 [Hq],
+    V [Hkv, n_cap, d] f32/f16, q_to_kv int32 [Hq] -> (o [Hq, d] f32, m [Hq] f32, l [Hq] f32).
+
+    Over j in idx[h, :counts[h]]: w_j = exp(z[h, j] - m_h), m_h = max of the
+    selected z; o[h] = sum w_j V[kv, j] / l_h, l_h = sum w_j.
+    counts[h] == 0 -> o = 0, m = -inf, l = 0."""
+    Hq = z.shape[0]
+    d = V.shape[2]
+    o = np.zeros((Hq, d), dtype=np.float32)
+    m = np.full(Hq, -np.inf, dtype=np.float32)
+    l = np.zeros(Hq, dtype=np.float32)
+    for h in range(Hq):
+        c = int(counts[h])
+        if c == 0:
+            continue
+        sel = idx[h, :c]
+        s = z[h, sel].astype(np.float64)
+        mh = s.max()
+        w = np.exp(s - mh)
+        v = V[q_to_kv[h], sel].astype(np.float64)
+        o[h] = np.einsum("n,nd->d", w, v) / w.sum()
+        m[h] = mh
+        l[h] = w.sum()
+    return o, m, l
+
+
+def lse_merge_ref(os, ms, ls):
+    """os [P, Hq, d], ms [P, Hq], ls [P, Hq] -> (o [Hq, d] f32, m [Hq] f32, l [Hq] f32).
+
+    M = max over non-empty parts of m_p, w_p = exp(m_p - M) * l_p,
+    o = sum_p w_p o_p / sum_p w_p, l = sum_p w_p.  Parts with l_p == 0 or
+    m_p == -inf are empty; if all are empty: o = 0, m = -inf, l = 0."""
+    os = np.asarray(os, dtype=np.float64)
+    ms = np.asarray(ms, dtype=np.float64)
+    ls = np.asarray(ls, dtype=np.float64)
+    P, Hq, d = os.shape
+    o = np.zeros((Hq, d), dtype=np.float32)
+    m = np.full(Hq, -np.inf, dtype=np.float32)
+    l = np.zeros(Hq, dtype=np.float32)
+    for h in range(Hq):
+        live = [p for p in range(P) if ls[p, h] > 0 and ms[p, h] > -np.inf]
+        if not live:
+            continue
+        M = max(ms[p, h] for p in live)
+        w = np.array([np.exp(ms[p, h] - M) * ls[p, h] for p in live])
+        o[h] = np.einsum("p,pd->d", w, os[live, h]) / w.sum()
+        m[h] = M
+        l[h] = w.sum()
+    return o, m, l
+
+
+def encode_keys_ref(K, codebooks):
+    """K [Hkv, n, d] f32/f16, codebooks [Hkv, g, c, ds] f32 -> P [Hkv, n, g]
+    (uint8 if c <= 256 else int16): nearest centroid per group by squared L2,
+    ||x - c||^2 = ||x||^2 - 2 x.c + ||c||^2 evaluated in float64 (accurate
+    to ~1e-16 relative, so this is ground truth for the float32 kernel);
+    ties -> lowest index (np.argmin)."""
+    K = np.asarray(K, dtype=np.float64)
+    cb = np.asarray(codebooks, dtype=np.float64)
+    Hkv, n, d = K.shape
+    _, g, c, ds = cb.shape
+    dtype = np.uint8 if c <= 256 else np.int16
+    P = np.zeros((Hkv, n, g), dtype=dtype)
+    if n == 0:
+        return P
+    for kv in range(Hkv):
+        x = K[kv].reshape(n, g, ds)
+        for i in range(g):
+            xi = x[:, i, :]  # [n, ds]
+            ci = cb[kv, i]  # [c, ds]
+            # (einsum, not BLAS: keeps the reference single-threaded)
+            xc = np.einsum("ns,cs->nc", xi, ci)
+            dist = (xi**2).sum(1)[:, None] - 2.0 * xc + (ci**2).sum(1)[None, :]  # [n, c]
+            P[kv, :, i] = np.argmin(dist, axis=1)
+    return P

@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Time each Numba CPU kernel against its NumPy reference.
+
+SmolLM2-style shapes: Hq=9, Hkv=3, d=64, g=16, c=256; n = 16384 and 131072
+by default.  Times are the best of several runs after a warm-up call (so Numba
+compilation, or loading from the on-disk cache, is excluded).  References
+that would take too long at large n (encode_keys_ref) are timed on a prefix
+of the tokens and scaled linearly; those rows are marked with '*'.
+
+    PYTHONPATH=. python scripts/bench_kernels_cpu.py [--n 16384 131072] [--tau 0.9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import kernels_cpu as kc
+
+
+def best_time(fn, reps, min_total=0.2):
+    fn()  # warm-up (compile / cache load)
+    best = float("inf")
+    t_start = time.perf_counter()
+    done = 0
+    while done < reps or (time.perf_counter() - t_start < min_total and done < 50 * reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        done += 1
+    return best
+
+
+def fmt(t):
+    if t >= 1.0:
+        return f"{t:8.3f} s "
+    if t >= 1e-3:
+        return f"{t * 1e3:8.3f} ms"
+    return f"{t * 1e6:8.1f} us"
+
+
+def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
+    rng = np.random.default_rng(seed)
+    ds = d // g
+    q2k = (np.arange(Hq) // (Hq // Hkv)).astype(np.int32)
+    q = (rng.standard_normal((Hq, d)) / np.sqrt(d)).astype(np.float32) * 3
+    cb = rng.standard_normal((Hkv, g, c, ds)).astype(np.float32)
+    K = rng.standard_normal((Hkv, n, d)).astype(np.float32)
+    V32 = rng.standard_normal((Hkv, n, d)).astype(np.float32)
+    V16 = V32.astype(np.float16)
+    W = min(4096, n)  # exact window (sink + ring) length used for attend_exact
+    rows = []
+
+    def row(name, f_numba, f_ref, reps=5, ref_reps=1, ref_scale=1.0):
+        tn = best_time(f_numba, reps)
+        tr = best_time(f_ref, ref_reps, min_total=0.0) * ref_scale
+        rows.append((name, tn, tr, ref_scale != 1.0))
+
+    row("build_lut", lambda: kc.build_lut(q, cb, q2k), lambda: kc.build_lut_ref(q, cb, q2k), reps=50, ref_reps=5)
+    T = kc.build_lut(q, cb, q2k)
+    P = kc.encode_keys(K, cb)
+    zbuf = np.empty((Hq, n), np.float32)
+    row("approx_scores", lambda: kc.approx_scores(T, P, q2k, n, out=zbuf), lambda: kc.approx_scores_ref(T, P, q2k, n))
+    z = kc.approx_scores(T, P, q2k, n)
+    ibuf = np.empty((Hq, n), np.int32)
+    row(f"threshold_select tau={tau}", lambda: kc.threshold_select(z, tau, out_idx=ibuf), lambda: kc.threshold_select_ref(z, tau))
+    idx, cnt, m, l = kc.threshold_select(z, tau)
+    frac = cnt.mean() / n
+    for name, V in (("f32", V32), ("f16", V16)):
+        row(
+            f"weighted_value_sum {name} ({frac:.0%} sel)",
+            lambda V=V: kc.weighted_value_sum(z, idx, cnt, V, q2k),
+            lambda V=V: kc.weighted_value_sum_ref(z, idx, cnt, V, q2k),
+        )
+    K16 = K.astype(np.float16)
+    for name, KK, V in (("f32", K, V32), ("f16", K16, V16)):
+        row(
+            f"attend_exact {name} (window {W})",
+            lambda KK=KK, V=V: kc.attend_exact(q, KK, V, q2k, W),
+            lambda KK=KK, V=V: kc.attend_exact_ref(q, KK, V, q2k, W),
+            reps=20,
+        )
+    os_ = rng.standard_normal((3, Hq, d)).astype(np.float32)
+    ms = rng.standard_normal((3, Hq)).astype(np.float32)
+    ls = rng.random((3, Hq)).astype(np.float32) + 0.5
+    row("lse_merge (3 parts)", lambda: kc.lse_merge(os_, ms, ls), lambda: kc.lse_merge_ref(os_, ms, ls), reps=200, ref_reps=20)
+    nr = min(n, ref_cap)
+    Kr = np.ascontiguousarray(K[:, :nr])
+    row("encode_keys f32", lambda: kc.encode_keys(K, cb), lambda: kc.encode_keys_ref(Kr, cb), reps=3, ref_scale=n / nr)
+    row("encode_keys f16", lambda: kc.encode_keys(K16, cb), lambda: kc.encode_keys_ref(K16[:, :nr], cb), reps=3, ref_scale=n / nr)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, nargs="+", default=[16384, 131072])
+    ap.add_argument("--tau", type=float, default=0.9)
+    ap.add_argument("--threads", type=int, default=None, help="numba threads (default: all)")
+    args = ap.parse_args()
+    import os
+
+    import numba
+
+    if args.threads:
+        numba.set_num_threads(args.threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"numba {numba.__version__} (threads {numba.get_num_threads()}), "
+        f"numpy {np.__version__}, half conversion: {kc.HALF_CONVERSION}, cpus {os.cpu_count()}, load {load:.2f}"
+    )
+    print("shapes: Hq=9 Hkv=3 d=64 g=16 c=256; times = best of several runs, compile excluded")
+    for n in args.n:
+        rows = bench(n, args.tau)
+        print(f"\nn = {n}")
+        print(f"{'kernel':44s} {'numba':>11s} {'reference':>11s} {'speedup':>8s}")
+        for name, tn, tr, extrap in rows:
+            print(f"{name:44s} {fmt(tn)} {fmt(tr)}{'*' if extrap else ' '} {tr / tn:7.1f}x")
+    print("\n* reference timed on the first 16384 tokens and scaled linearly")
+
+
+if __name__ == "__main__":
+    main()
