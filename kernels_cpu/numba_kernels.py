@@ -959,7 +959,13 @@ def _k_encode_keys(K, C, cn, out):
                 out[kv, t0 + t, i] = bi[t]
 
 
-def encode_keys(K, codebooks, out=None):
+def codebook_norms(codebooks):
+    """||c||^2 per centroid: codebooks [Hkv, g, c, ds] -> [Hkv, g, c] f32 (for encode_keys' cnorm)."""
+    cb = _as_f32(codebooks)
+    return np.einsum("hgcs,hgcs->hgc", cb, cb).astype(np.float32)
+
+
+def encode_keys(K, codebooks, out=None, cnorm=None):
     """Product-quantize keys: nearest centroid per group.
 
     K [Hkv, n, d] f32 or f16, codebooks [Hkv, g, c, ds] f32, out optional
@@ -969,7 +975,8 @@ def encode_keys(K, codebooks, out=None):
     codebooks[kv, i, j]||^2 via the expansion ||c||^2 - 2 x.c (the ||x||^2
     term is constant per argmin and skipped), float32, ties -> lowest index.
     Parallel over (kv-head, 128-token tile); the tile's tokens are the vector
-    lanes.  (As with any float32 expansion, near-ties whose squared distances
+    lanes.  cnorm: optional precomputed ||c||^2 [Hkv, g, c] f32 (callers that encode
+    with the same codebooks every step pass it to skip recomputing it).  (As with any float32 expansion, near-ties whose squared distances
     differ by less than ~1e-6 x (||x||^2 + ||c||^2) may be resolved
     differently from exact arithmetic.)
     """
@@ -994,6 +1001,6 @@ def encode_keys(K, codebooks, out=None):
     ):
         raise ValueError(f"out must be a C-contiguous {np.dtype(dtype).name} [Hkv, >=n, g] array")
     if n > 0:
-        cn = np.einsum("hgcs,hgcs->hgc", cb, cb).astype(np.float32)
+        cn = codebook_norms(cb) if cnorm is None else _as_f32(cnorm)
         _k_encode_keys(K, cb, cn, out)  # writes rows [0, n) of the full buffer
     return out[:, :n]

@@ -1,9 +1,8 @@
 """Where one decode step's time goes, at a given context depth, for dense or HCA.
 
 Usage: python scripts/profile_decode.py MODEL --depth 16384 [--kv hca --kv-budget 0.125] [--steps 20]
-The cache is filled with synthetic keys/values (random, through the cache's own append path), so
-a deep context costs seconds instead of a long prefill; a decode step's cost does not depend on
-the values. Prints ms/step and the top operators (torch profiler) or functions (cProfile).
+The cache is filled through its own append path with the K/V of a dense prefill over natural text
+(computed once, cached in /tmp) or with random K/V; then decode steps are timed. Prints ms/step and the top operators (torch profiler) or functions (cProfile).
 """
 import argparse
 import cProfile
@@ -16,26 +15,52 @@ from minirun import Engine
 from minirun.kv.codebooks import Codebooks
 
 
+def real_kv(model: str, depth: int, dtype: str) -> tuple:
+    """K, V [L, Hkv, depth, hd] of a dense prefill over natural text (cached in /tmp between runs)."""
+    import os
+    path = f"/tmp/minirun-kv-{os.path.basename(model.rstrip('/'))}-{depth}-{dtype}.pt"
+    if os.path.exists(path):
+        return torch.load(path)
+    import pydoc_data.topics
+    text = "\n\n".join(pydoc_data.topics.topics.values())
+    eng = Engine.load(model, device="cpu", dtype=dtype, ctx=depth)
+    ids = (eng.tokenize(text) * 4)[:depth]
+    t0 = time.perf_counter()
+    eng.prefill(ids)
+    print(f"dense prefill of {depth} tokens of text: {time.perf_counter() - t0:.1f}s")
+    kv = (eng.cache.k[:, :, :depth].clone(), eng.cache.v[:, :, :depth].clone())
+    torch.save(kv, path)
+    return kv
+
+
 @torch.inference_mode()
-def fill_synthetic(eng: Engine, depth: int, chunk: int = 4096) -> None:
-    """Make the cache hold `depth` tokens of random K/V (post-RoPE scale ~ real keys)."""
+def fill(eng: Engine, depth: int, source: str, chunk: int = 4096) -> None:
+    """Make the cache hold `depth` tokens: random K/V ("random": worst case for selection, since
+    attention is diffuse) or the K/V of real text ("text"), through the cache's own append path."""
     a, cache = eng.args, eng.cache
     g = torch.Generator().manual_seed(0)
+    if source == "text":
+        K, V = real_kv(str(eng.path), depth, eng.config.dtype)
+    else:
+        K = torch.randn(a.num_hidden_layers, a.num_key_value_heads, depth, a.head_dim, generator=g)
+        V = torch.randn(K.shape, generator=g)
     if eng.config.kv == "dense":
-        cache.k[:, :, :depth].normal_(generator=g)
-        cache.v[:, :, :depth].normal_(generator=g)
+        cache.k[:, :, :depth] = K
+        cache.v[:, :, :depth] = V
         cache.offset = depth
     else:
-        lay = cache.layout
-        if not lay.exact_keys and cache.codebooks is None:
+        if source == "random" and not cache.layout.exact_keys and cache.codebooks is None:
+            lay = cache.layout
             shape = (a.num_hidden_layers, a.num_key_value_heads, lay.groups, lay.centroids, lay.sub_dim)
             cache.codebooks = Codebooks(torch.randn(shape, generator=g), "random")
+        cache.begin_prefill("exact")     # text: keys stay exact until end_prefill fits codebooks on them
         for p0 in range(0, depth, chunk):
             T = min(chunk, depth - p0)
             for layer in range(a.num_hidden_layers):
-                kv = torch.randn(2, T, a.num_key_value_heads, a.head_dim, generator=g).to(eng.dtype)
-                cache._staged[layer] = (kv[0], kv[1])
+                cache._staged[layer] = (K[layer, :, p0:p0 + T].transpose(0, 1).to(eng.dtype),
+                                        V[layer, :, p0:p0 + T].transpose(0, 1).to(eng.dtype))
             cache.advance(T)
+        cache.end_prefill()
     eng._cached_ids = [0] * depth
 
 
@@ -50,11 +75,13 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profiler", default="torch", choices=["torch", "cprofile", "none"])
+    ap.add_argument("--fill", default="text", choices=["text", "random"],
+                    help="cache contents: K/V of real text (realistic selection sizes) or random")
     a = ap.parse_args()
     eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.steps * 3 + 8, kv=a.kv,
                       kv_budget=a.kv_budget, tau=a.tau, threads=a.threads)
     t0 = time.perf_counter()
-    fill_synthetic(eng, a.depth)
+    fill(eng, a.depth, a.fill)
     print(f"filled {a.depth} tokens in {time.perf_counter() - t0:.1f}s; kv_stats={eng.kv_stats()}")
     for _ in range(3):
         eng.step(1)                                   # warm-up (JIT, allocator)

@@ -56,6 +56,7 @@ class HCACache(KVCache):
         self.n_store = 0          # tokens in the store (all layers)
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
         self.codebooks = codebooks
+        self._cnorm = None        # (codebooks, their ||c||^2) for the encode kernel
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
         # anchor prefill (paper App. B): exact copies of the store's first keys, during prefill only
@@ -179,8 +180,10 @@ class HCACache(KVCache):
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         """K [L, Hkv, m, hd] -> indices [L, Hkv, m, g], one kernel call for all layers."""
         L, Hkv, m, hd = K.shape
-        C = self.codebooks.centroids
-        P = kc.encode_keys(K.float().reshape(L * Hkv, m, hd).numpy(), C.reshape(L * Hkv, *C.shape[2:]).numpy())
+        C = self.codebooks.centroids.reshape(L * Hkv, *self.codebooks.centroids.shape[2:]).numpy()
+        if self._cnorm is None or self._cnorm[0] is not self.codebooks:   # ||c||^2 once per codebook set
+            self._cnorm = (self.codebooks, kc.codebook_norms(C))
+        P = kc.encode_keys(K.float().reshape(L * Hkv, m, hd).numpy(), C, cnorm=self._cnorm[1])
         return torch.from_numpy(P).view(L, Hkv, m, -1)
 
     def _store_append(self, K, V):
