@@ -247,11 +247,14 @@ def _k_build_lut(q, cb, q_to_kv, T):
                     Thi[j] += qk * cbi[j, k]
 
 
-def build_lut(q, codebooks, q_to_kv):
+def build_lut(q, codebooks, q_to_kv, codebooks_t=None, out=None):
     """Per-query-head lookup table of sub-vector dot products.
 
     q [Hq, d] f32 (pre-scaled), codebooks [Hkv, g, c, ds] f32, q_to_kv int32 [Hq]
     -> T [Hq, g, c] f32, T[h, i, j] = q[h, i*ds:(i+1)*ds] . codebooks[q_to_kv[h], i, j].
+    codebooks_t: optional the same codebooks laid out [Hkv, g, ds, c] (see `transpose_codebooks`):
+    the centroid loop is then unit-stride and vectorizes (~4x faster at c = 1024). out: optional
+    preallocated T.
     """
     q = _as_f32(q)
     cb = _as_f32(codebooks)
@@ -260,9 +263,37 @@ def build_lut(q, codebooks, q_to_kv):
     Hkv, g, c, ds = cb.shape
     if g * ds != d:
         raise ValueError(f"codebooks {cb.shape} do not match head dim {d}")
-    T = np.empty((Hq, g, c), dtype=np.float32)
-    _k_build_lut(q, cb, q_to_kv, T)
+    T = np.empty((Hq, g, c), dtype=np.float32) if out is None else out
+    if codebooks_t is not None:
+        _k_build_lut_t(q, _as_f32(codebooks_t), q_to_kv, T)
+    else:
+        _k_build_lut(q, cb, q_to_kv, T)
     return T
+
+
+def transpose_codebooks(codebooks):
+    """[Hkv, g, c, ds] -> contiguous [Hkv, g, ds, c] for build_lut's fast path."""
+    return np.ascontiguousarray(np.asarray(codebooks, dtype=np.float32).transpose(0, 1, 3, 2))
+
+
+@njit(cache=True)
+def _k_build_lut_t(q, cbt, q_to_kv, T):
+    # cbt [Hkv, g, ds, c]: every inner loop runs over contiguous centroids
+    Hq = q.shape[0]
+    g = cbt.shape[1]
+    ds = cbt.shape[2]
+    c = cbt.shape[3]
+    for h in range(Hq):
+        kv = q_to_kv[h]
+        for i in range(g):
+            Thi = T[h, i]
+            for j in range(c):
+                Thi[j] = 0.0
+            for k in range(ds):
+                qk = q[h, i * ds + k]
+                row = cbt[kv, i, k]
+                for j in range(c):
+                    Thi[j] += qk * row[j]
 
 
 # ---------------------------------------------------------------------------

@@ -148,3 +148,17 @@ def test_anchor_prefill_equals_exact_within_anchor_plus_neighbourhood(tiny_model
     else:   # beyond anchor + neighbourhood the middle is skipped: no longer exact, but still sane
         assert torch.isfinite(la).all() and (le - la).abs().max().item() > 1e-6
     assert anchor.cache.anchor_k is None        # the anchor copy lives only during prefill
+
+
+def test_decode_fast_path_equals_general_path(tiny_model_dir):
+    """The numpy decode step (full ring, encoded store) gives the general torch path's logits."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(400)
+    outs = []
+    for fast in (True, False):
+        eng = Engine.load(d, device="cpu", ctx=512, kv="hca", kv_budget=0.25, centroids=32, window=32, sinks=4,
+                          fit_min_tokens=64)
+        eng.cache._numpy_exact_tier = fast
+        eng.prefill(ids)
+        outs.append(torch.cat([eng.step(t) for t in (5, 6, 7)]))
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-4

@@ -95,6 +95,10 @@ def test_build_lut(g, c):
     T = kc.build_lut(q, cb, Q2K)
     assert T.shape == (HQ, g, c) and T.dtype == np.float32
     close(T, ref.build_lut_ref(q, cb, Q2K), scale=np.abs(T).max())
+    out = np.full((HQ, g, c), np.nan, dtype=np.float32)     # the transposed-codebook fast path
+    Tt = kc.build_lut(q, cb, Q2K, codebooks_t=kc.transpose_codebooks(cb), out=out)
+    assert Tt is out
+    close(Tt, ref.build_lut_ref(q, cb, Q2K), scale=np.abs(T).max())
 
 
 @pytest.mark.parametrize("n", NS)

@@ -44,6 +44,10 @@ class HCACache(KVCache):
         self.ek = torch.zeros(L, Hkv, sinks + window, hd, dtype=dtype, device=device)
         self.ev = torch.zeros_like(self.ek)
         self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
+        # numpy views of the exact tier for the decode fast path (float32/float16 on the CPU only)
+        self._numpy_exact_tier = device.type == "cpu" and dtype in (torch.float32, torch.float16)
+        self._ek_np = self.ek.numpy() if self._numpy_exact_tier else None
+        self._ev_np = self.ev.numpy() if self._numpy_exact_tier else None
         store_cap = max(0, capacity - sinks - window)
         vdt = torch.float32 if dtype == torch.float32 else torch.float16
         self.values = GrowingBuffer((L, Hkv), hd, vdt, store_cap)                    # host tier
@@ -57,6 +61,8 @@ class HCACache(KVCache):
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
         self.codebooks = codebooks
         self._cnorm = None        # (codebooks, their ||c||^2) for the encode kernel
+        self._cbt = None          # (codebooks, their [L, Hkv, g, ds, c] layout) for the LUT kernel
+        self._lut = None          # [Hq, g, c] scratch lookup table
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
         # anchor prefill (paper App. B): exact copies of the store's first keys, during prefill only
@@ -90,6 +96,9 @@ class HCACache(KVCache):
         T = q.shape[0]
         self._staged[layer] = (k, v)
         qs = q.float() * self.scale
+        if T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.n_encoded == self.n_store > 0 \
+                and self.offset >= self.S + self.W:
+            return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
         o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v)
         if self.n_store == 0:
             return o1.to(q.dtype)
@@ -102,6 +111,23 @@ class HCACache(KVCache):
             o2, m2, l2 = self._attend_store_hca(layer, qs)
         o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
         return o.to(q.dtype)
+
+    def _attend_decode_step(self, layer, qs, k, v):
+        """The common decode step (full ring, encoded store) in a few kernel calls, no torch glue.
+
+        Three exact partials merged by log-sum-exp: sinks + ring (attend_exact over all S+W slots),
+        the new token itself, and the selected store tokens (weighted_value_sum).
+        """
+        qn = qs[0].numpy()                                                        # [Hq, hd]
+        o1, m1, l1 = kc.attend_exact(qn, self._ek_np[layer], self._ev_np[layer], self.q_to_kv, self.S + self.W)
+        kn, vn = k[0].float().numpy(), v[0].float().numpy()                       # [Hkv, hd]
+        m3 = np.einsum("hd,hd->h", qn, kn[self.q_to_kv])
+        o2, m2, l2 = self._attend_store_hca(layer, qs)
+        os_ = np.stack([o1, vn[self.q_to_kv], o2[0].numpy()])
+        ms = np.stack([m1, m3, m2[0].numpy()])
+        ls = np.stack([l1, np.ones_like(m3), l2[0].numpy()])
+        o, _, _ = kc.lse_merge(os_, ms, ls)
+        return torch.from_numpy(o)[None]
 
     def _attend_exact_tier(self, layer, qs, k, v):
         """Sinks + ring (all positions < offset) and the chunk itself (causal)."""
@@ -130,9 +156,10 @@ class HCACache(KVCache):
         Kx = self.exact_keys.view(layer, n - self.exact_base) if n > ne else None   # positions [ne, n)
         os_, ms, ls = np.empty((T, self.Hq, self.hd), np.float32), np.empty((T, self.Hq), np.float32), np.empty((T, self.Hq), np.float32)
         C = self.codebooks.centroids[layer].numpy() if ne else None
+        Ct = self._codebooks_t()[layer] if ne else None
         for t in range(T):
             if ne:
-                lut = kc.build_lut(qn[t], C, self.q_to_kv)
+                lut = kc.build_lut(qn[t], C, self.q_to_kv, codebooks_t=Ct, out=self._lut)
                 kc.approx_scores(lut, P, self.q_to_kv, ne, out=z)
             if n > ne:   # keys not yet encoded: exact scores
                 qt = torch.from_numpy(qn[t]).view(self.Hkv, -1, self.hd)
@@ -176,6 +203,14 @@ class HCACache(KVCache):
 
     def _keeps_exact_keys(self) -> bool:
         return self.layout.exact_keys or self.codebooks is None or self.mode == "exact"
+
+    def _codebooks_t(self) -> np.ndarray:
+        """Codebooks laid out [L, Hkv, g, ds, c] for the fast LUT kernel (made once per codebook set)."""
+        if self._cbt is None or self._cbt[0] is not self.codebooks:
+            C = self.codebooks.centroids.numpy()
+            self._cbt = (self.codebooks, np.ascontiguousarray(C.transpose(0, 1, 2, 4, 3)))
+            self._lut = np.empty((self.Hq, self.layout.groups, self.layout.centroids), np.float32)
+        return self._cbt[1]
 
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         """K [L, Hkv, m, hd] -> indices [L, Hkv, m, g], one kernel call for all layers."""
