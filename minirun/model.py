@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs
-from .ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
+from .ops import apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
 
 
 class Model:
@@ -30,13 +30,13 @@ class Model:
         x = F.embedding(tokens, self.w["embed"])                                  # [T, D]
         for il, lw in enumerate(self.w["layers"]):
             h = rms_norm(x, lw["attn_norm"], a.rms_norm_eps)
-            qkv = F.linear(h, lw["wqkv"], lw.get("bqkv"))                        # [T, (Hq+2Hkv)*hd]
+            qkv = linear(h, lw["wqkv"], lw.get("bqkv"))                        # [T, (Hq+2Hkv)*hd]
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
             q = apply_rope(q.view(T, -1, hd), cos, sin)                          # [T, Hq, hd]
             k = apply_rope(k.view(T, -1, hd), cos, sin)                          # [T, Hkv, hd]
             o = cache.attend(il, q, k, v.view(T, -1, hd))                        # [T, Hq, hd]
-            x = x + F.linear(o.reshape(T, -1), lw["wo"], lw.get("bo"))
+            x = x + linear(o.reshape(T, -1), lw["wo"], lw.get("bo"))
             x = x + swiglu_mlp(rms_norm(x, lw["ffn_norm"], a.rms_norm_eps), lw["w_gate_up"], lw["w_down"])
         cache.advance(T)
         x = rms_norm(x if all_logits else x[-1:], self.w["norm"], a.rms_norm_eps)
-        return F.linear(x, self.w["lm_head"]).float()
+        return linear(x, self.w["lm_head"]).float()

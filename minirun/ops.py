@@ -60,7 +60,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ w[out, in]^T (+ b). One-row bfloat16 on the CPU goes through torch.mv, whose
+    kernel is ~2x faster there than addmm's (measured: 68 vs 130 us for a 3072x576 GEMV)."""
+    if x.shape[0] == 1 and w.dtype == torch.bfloat16 and x.device.type == "cpu":
+        y = torch.mv(w, x[0])[None]
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """x [T, D] -> [T, D]; w_gate_up [2F, D] holds gate then up."""
-    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w_down)
+    gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w_down)
