@@ -55,6 +55,7 @@ def sampling_options(temperature: float, max_tokens: int):
             click.option("--min-p", type=float, default=0.0, show_default=True),
             click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
             click.option("--seed", type=int, default=None),
+            click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-sequence tokens"),
         ]
         for o in reversed(opts):
             f = o(f)
@@ -73,7 +74,8 @@ def split_kwargs(kw: dict):
     engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "threads")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
-                    min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"))
+                    min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),
+                    ignore_eos=kw.pop("ignore_eos"))
     return eng, sampling
 
 

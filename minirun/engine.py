@@ -155,7 +155,7 @@ class Engine:
 
     # ---- generation ---------------------------------------------------------------------------
     def _run(self, prompt, max_new_tokens: int, stop, sampling: SamplingParams,
-             progress=None) -> Iterator[tuple[str, GenerationResult]]:
+             progress=None, ignore_eos: bool = False) -> Iterator[tuple[str, GenerationResult]]:
         """Core loop: yields (text piece, result so far); the last yield carries the final result."""
         ids = self._ids(prompt)
         sampler = Sampler(sampling)
@@ -168,7 +168,7 @@ class Engine:
         res = GenerationResult([], "", len(ids), (len(ids) - reused) / max(t1 - t0, 1e-9), 0.0,
                                prefill_s=t1 - t0, reused_tokens=reused)
         emitted = 0
-        eos = set(self.tokenizer.eos_ids) | set(self.args.eos_ids)
+        eos = set() if ignore_eos else set(self.tokenizer.eos_ids) | set(self.args.eos_ids)
         while True:
             if len(res.tokens) >= max_new_tokens:
                 res.finish_reason = "length"
@@ -204,20 +204,20 @@ class Engine:
 
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
-                 stop=(), progress=None) -> GenerationResult:
+                 stop=(), progress=None, ignore_eos: bool = False) -> GenerationResult:
         """prompt: str or list[int]. Returns the new tokens, their text and timings."""
         sp = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
         res = None
-        for _, res in self._run(prompt, max_new_tokens, stop, sp, progress):
+        for _, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos):
             pass
         return res
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
-               stop=(), progress=None) -> Iterator[str]:
+               stop=(), progress=None, ignore_eos: bool = False) -> Iterator[str]:
         """Yield text pieces as they are decoded. `self.last_result` holds the timings afterwards."""
         sp = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        for piece, res in self._run(prompt, max_new_tokens, stop, sp, progress):
+        for piece, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos):
             self.last_result = res
             if piece:
                 yield piece

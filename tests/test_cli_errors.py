@@ -100,11 +100,12 @@ def test_chat_ctrl_c_returns_to_prompt(tiny_model_dir):
     import signal
     import time
     p = subprocess.Popen([sys.executable, "-m", "minirun.cli", "chat", str(tiny_model_dir("gqa-untied")),
-                          "-n", "100000", "--ctx", "100000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          "-n", "100000", "--ctx", "100000", "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     p.stdin.write("tell me a long story\n")
     p.stdin.flush()
-    time.sleep(6)
+    p.stdout.read(10)          # the answer is streaming (the prompt ">>> " plus its first bytes)
+    time.sleep(1)
     os.kill(p.pid, signal.SIGINT)
     time.sleep(0.5)
     out, err = p.communicate("/exit\n", timeout=60)
