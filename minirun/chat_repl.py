@@ -6,15 +6,9 @@ from pathlib import Path
 import click
 
 from .errors import MiniRunError
+from .planner import format_bytes
 
 HELP = "commands: /reset (forget the conversation), /exit (quit), /kv (cache report); Ctrl-C stops an answer"
-
-
-def format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
 
 
 def format_kv_report(stats: dict) -> str:

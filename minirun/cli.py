@@ -6,77 +6,10 @@ from pathlib import Path
 
 import click
 
-from .config import parse_ctx
+from .cli_common import CTX, engine_options, load_engine, sampling_options, split_kwargs  # noqa: F401
 from .errors import MiniRunError
 
 DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct"
-
-
-class CtxType(click.ParamType):
-    """--ctx: an integer with an optional binary K/M suffix (32K = 32768, 4M = 4194304)."""
-    name = "ctx"
-
-    def convert(self, value, param, ctx):
-        try:
-            return parse_ctx(value)
-        except MiniRunError as e:
-            self.fail(str(e), param, ctx)
-
-
-CTX = CtxType()
-
-
-def engine_options(f):
-    """Options shared by every command that loads a model."""
-    opts = [
-        click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size in tokens (K/M suffixes: 4M = 4194304)"),
-        click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto"),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True),
-        click.option("--kv", type=click.Choice(["dense", "hca"]), default="dense", show_default=True, help="KV cache policy"),
-        click.option("--kv-budget", type=click.Choice(["0.5", "0.25", "0.125"]), default="0.25", show_default=True,
-                     help="HCA device-memory preset relative to dense"),
-        click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
-        click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
-        click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
-        click.option("--threads", type=int, default=None, help="CPU threads for torch"),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-def sampling_options(temperature: float, max_tokens: int):
-    def deco(f):
-        opts = [
-            click.option("-n", "--max-tokens", type=int, default=max_tokens, show_default=True),
-            click.option("--temperature", "--temp", type=float, default=temperature, show_default=True),
-            click.option("--top-k", type=int, default=0, show_default=True),
-            click.option("--top-p", type=float, default=1.0 if temperature == 0 else 0.9, show_default=True),
-            click.option("--min-p", type=float, default=0.0, show_default=True),
-            click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
-            click.option("--seed", type=int, default=None),
-            click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-sequence tokens"),
-        ]
-        for o in reversed(opts):
-            f = o(f)
-        return f
-    return deco
-
-
-def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, **extra):
-    from .engine import Engine
-    return Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, kv_budget=float(kv_budget),
-                       tau=tau, window=window, sinks=sinks, threads=threads, **extra)
-
-
-def split_kwargs(kw: dict):
-    """Separate engine options from sampling options."""
-    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "threads")
-    eng = {k: kw.pop(k) for k in engine_keys}
-    sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
-                    min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),
-                    ignore_eos=kw.pop("ignore_eos"))
-    return eng, sampling
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -144,6 +77,11 @@ def convert(gguf_file, out_dir, dtype, overwrite):
     """Convert a Llama-architecture GGUF file into a Hugging Face-format directory."""
     from .convert import convert_gguf
     click.echo(str(convert_gguf(gguf_file, out_dir, dtype=dtype, overwrite=overwrite)))
+
+
+from .cli_bench import bench, plan_cmd  # noqa: E402  (after cli exists: they import its helpers)
+cli.add_command(bench)
+cli.add_command(plan_cmd, name="plan")
 
 
 def main(argv=None):

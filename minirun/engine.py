@@ -109,6 +109,14 @@ class Engine:
         self._cached_ids = []
 
     @torch.inference_mode()
+    def rewind(self, n: int) -> None:
+        """Keep only the first n tokens of the conversation (or forget it all when the cache cannot)."""
+        if self.cache.truncate(min(n, self.cache.offset)):
+            self._cached_ids = self._cached_ids[:self.cache.offset]
+        else:
+            self.reset()
+
+    @torch.inference_mode()
     def prefill(self, ids: list[int], progress=None) -> tuple[torch.Tensor, int]:
         """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache).
 

@@ -91,3 +91,67 @@ def check_fits(args: ModelArgs, cfg: EngineConfig, device: torch.device, avail: 
     raise ContextError(f"--ctx {cfg.ctx} needs {need / GiB:.1f} GiB of {where} memory for kv={cfg.kv} "
                        f"but {have / GiB:.1f} GiB is free: the largest context that fits is {best}"
                        f" (use --ctx {best}{hint})")
+
+
+def format_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB' (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | None = None) -> dict:
+    """The plan as a dict: tiers with bytes and bytes/token, totals per place, fit verdict, largest ctx."""
+    p = plan(args, cfg)
+    tiers = []
+    for name, (nbytes, where) in p.tiers.items():
+        per_tok = None
+        if name in ("dense K+V", "key store", "value pool") and cfg.ctx:
+            n_tok = cfg.ctx if name == "dense K+V" else max(0, cfg.ctx - cfg.sinks - cfg.window)
+            per_tok = nbytes / n_tok if n_tok else 0
+        if device == "cpu":
+            where = "host"
+        tiers.append({"tier": name, "where": where, "bytes": nbytes, "bytes_per_token": per_tok})
+    dev = torch.device(device)
+    avail = {"host": available_bytes(torch.device("cpu"))["host"], "device": None}
+    if device == "cuda":
+        if gpu_mem is not None:
+            avail["device"] = gpu_mem
+        elif torch.cuda.is_available():
+            avail["device"] = torch.cuda.mem_get_info()[0]
+    report = {"ctx": cfg.ctx, "kv": cfg.kv, "kv_budget": cfg.kv_budget if cfg.kv == "hca" else None,
+              "dtype": cfg.dtype, "device": device, "tiers": tiers,
+              "device_bytes": p.bytes_on("device") if device == "cuda" else 0,
+              "host_bytes": p.bytes_on("host") + (0 if device == "cuda" else p.bytes_on("device")),
+              "available": avail}
+    if device == "cuda" and avail["device"] is None:
+        report["fits"] = None
+        report["note"] = "no GPU here to read free memory from: pass --gpu-mem (e.g. 80G) to check"
+    else:
+        report["fits"] = _fits(p, dev, avail)
+        report["largest_ctx"] = largest_ctx(args, cfg, dev, avail)
+    return report
+
+
+def format_plan(r: dict) -> str:
+    lines = [f"plan: ctx {r['ctx']}, kv {r['kv']}" + (f" {r['kv_budget']}" if r["kv_budget"] else "")
+             + f", {r['dtype']}, {r['device']}", "",
+             "| tier | where | bytes | size | bytes/token |", "|---|---|---|---|---|"]
+    for t in r["tiers"]:
+        per = "-" if t["bytes_per_token"] is None else f"{t['bytes_per_token']:.0f}"
+        lines.append(f"| {t['tier']} | {t['where']} | {t['bytes']} | {format_bytes(t['bytes'])} | {per} |")
+    lines.append("")
+    if r["device"] == "cuda":
+        lines.append(f"GPU total: {format_bytes(r['device_bytes'])}")
+    lines.append(f"host total: {format_bytes(r['host_bytes'])}")
+    if r["fits"] is None:
+        lines.append(r["note"])
+    else:
+        av = r["available"]
+        where = f"host {format_bytes(r['host_bytes'])} of {format_bytes(av['host'])} available"
+        if r["device"] == "cuda":
+            where = f"GPU {format_bytes(r['device_bytes'])} of {format_bytes(av['device'])}, " + where
+        lines.append(f"{'fits' if r['fits'] else 'does NOT fit'}: {where} "
+                     f"(largest ctx that fits: {r['largest_ctx']})")
+    return "\n".join(lines)
