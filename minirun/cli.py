@@ -82,6 +82,9 @@ def convert(gguf_file, out_dir, dtype, overwrite):
 from .cli_bench import bench, plan_cmd  # noqa: E402  (after cli exists: they import its helpers)
 cli.add_command(bench)
 cli.add_command(plan_cmd, name="plan")
+from .cli_quality import calibrate, eval_cmd  # noqa: E402
+cli.add_command(calibrate)
+cli.add_command(eval_cmd, name="eval")
 
 
 def main(argv=None):
