@@ -162,3 +162,24 @@ def test_decode_fast_path_equals_general_path(tiny_model_dir):
         eng.prefill(ids)
         outs.append(torch.cat([eng.step(t) for t in (5, 6, 7)]))
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
+
+
+def test_partial_attention_paths_and_merge_of_splits():
+    """The fused (lse) path equals the unfused one, and merging any split of the keys, empty parts
+    included, equals attention over all of them."""
+    from minirun.kv.attention import merge, partial_attention
+    g = torch.Generator().manual_seed(3)
+    T, Hq, Hkv, hd, n = 5, 6, 2, 16, 300
+    q = torch.randn(T, Hq, hd, generator=g) * 0.3
+    K, V = torch.randn(Hkv, n, hd, generator=g), torch.randn(Hkv, n, hd, generator=g)
+    full = partial_attention(q, K, V)                                      # fused CPU kernel path
+    ref = partial_attention(q, K, V, torch.ones(T, n, dtype=torch.bool))   # unfused path
+    assert (full[0] - ref[0]).abs().max() < 1e-5
+    assert (full[1] + torch.log(full[2]) - ref[1] - torch.log(ref[2])).abs().max() < 1e-4
+    cuts = [0, 0, 17, 17, 150, 299, 300]                                   # empty parts at 0-0, 17-17
+    parts = [partial_attention(q, K[:, a:b], V[:, a:b], torch.ones(T, b - a, dtype=torch.bool))
+             for a, b in zip(cuts, cuts[1:])]
+    o, m, l = merge(*parts)
+    assert torch.isfinite(o).all() and (o - ref[0]).abs().max() < 1e-5
+    o0, m0, l0 = merge(partial_attention(q, K[:, :0], V[:, :0]), partial_attention(q, K[:, :0], V[:, :0]))
+    assert torch.isfinite(o0).all() and (o0 == 0).all() and (l0 == 0).all()

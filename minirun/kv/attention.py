@@ -22,6 +22,8 @@ def partial_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
     if n == 0:
         return (q.new_zeros(T, Hq, hd, dtype=torch.float32), q.new_full((T, Hq), float("-inf"), dtype=torch.float32),
                 q.new_zeros(T, Hq, dtype=torch.float32))
+    if mask is None and T > 1 and q.device.type == "cpu":
+        return _flash_partial(q, K, V)
     qg = q.float().reshape(T, Hkv, rep, hd).permute(1, 0, 2, 3).reshape(Hkv, T * rep, hd)
     parts = []
     for b0 in range(0, n, KEY_BLOCK):
@@ -41,6 +43,18 @@ def partial_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
     def back(x):   # [Hkv, T*rep, ...] -> [T, Hq, ...]
         return x.reshape(Hkv, T, rep, *x.shape[2:]).transpose(0, 1).reshape(T, Hq, *x.shape[2:])
     return back(o), back(m), back(l)
+
+
+def _flash_partial(q, K, V) -> tuple:
+    """Unmasked prefill chunk over many keys with torch's fused CPU flash kernel, which also returns
+    the log-sum-exp: (o, m = lse, l = 1) is an equivalent (o, m, l) triple for `merge`."""
+    T, Hq, hd = q.shape
+    rep = Hq // K.shape[0]
+    Kq = K.float().repeat_interleave(rep, 0)[None] if rep > 1 else K.float()[None]
+    Vq = V.float().repeat_interleave(rep, 0)[None] if rep > 1 else V.float()[None]
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float().transpose(0, 1)[None], Kq, Vq, scale=1.0)                     # q is pre-scaled
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1), torch.ones_like(lse[0].transpose(0, 1))
 
 
 def merge(*parts) -> tuple:
