@@ -42,23 +42,7 @@ from .reference import (
     weighted_value_sum_ref,
 )
 
-__all__ = [
-    "build_lut",
-    "approx_scores",
-    "threshold_select",
-    "attend_exact",
-    "weighted_value_sum",
-    "lse_merge",
-    "encode_keys",
-    "codebook_norms",
-    "transpose_codebooks",
-    "half_to_float",
-    "HALF_CONVERSION",
-    "build_lut_ref",
-    "approx_scores_ref",
-    "threshold_select_ref",
-    "attend_exact_ref",
-    "weighted_value_sum_ref",
-    "lse_merge_ref",
-    "encode_keys_ref",
-]
+from . import numba_kernels as _numba_kernels
+from . import reference as _reference
+
+__all__ = _numba_kernels.__all__ + _reference.__all__
