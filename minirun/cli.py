@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import CTX, engine_options, load_engine, sampling_options, split_kwargs  # noqa: F401
+from .cli_common import engine_options, load_engine, sampling_options, split_kwargs
 from .errors import MiniRunError
 
 DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct"

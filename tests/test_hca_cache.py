@@ -1,5 +1,4 @@
 """The HCA cache: exactness at tau=1 with exact keys, tier invariants through ring wrap-around, accounting."""
-import numpy as np
 import pytest
 import torch
 

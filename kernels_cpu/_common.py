@@ -1,0 +1,180 @@
+"""Shared pieces of the Numba kernels: float16 loads, dtype/layout checks, constants."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils, config
+from numba.core.codegen import get_host_cpu_features
+from numba.extending import intrinsic, overload
+
+
+_NEG_INF = np.float32(-np.inf)
+
+# ---------------------------------------------------------------------------
+# float16 support
+# ---------------------------------------------------------------------------
+
+
+def _target_has_hw_half():
+    """True if the LLVM target Numba compiles for converts half natively:
+    x86 with F16C, or aarch64 (its base FP/NEON ISA converts half)."""
+    if config.CPU_FEATURES is not None:
+        feats = config.CPU_FEATURES
+    elif config.CPU_NAME is not None:  # e.g. NUMBA_CPU_NAME=generic for portable caches
+        return False
+    else:
+        feats = get_host_cpu_features()
+    feats = feats.split(",")
+    return "+f16c" in feats or "+fp-armv8" in feats or "+neon" in feats
+
+
+_HW_HALF = _target_has_hw_half()
+#: how float16 pools are converted: "hardware (fpext)" or "software (bits)"
+HALF_CONVERSION = "hardware (fpext)" if _HW_HALF else "software (bits)"
+
+
+@intrinsic
+def _u32_as_f32(typingctx, x):
+    """Reinterpret the low 32 bits of an integer as a float32."""
+    if not (isinstance(x, types.Integer) and x.bitwidth >= 32):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if x.bitwidth > 32:
+            v = builder.trunc(v, context.get_value_type(types.uint32))
+        return builder.bitcast(v, context.get_value_type(types.float32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _half_bits_fpext(typingctx, x):
+    """uint16 half bits -> float32 via LLVM ``fpext half to float``."""
+    if not (isinstance(x, types.Integer) and x.bitwidth == 16):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, signature, args):
+        ir = cgutils.ir  # llvmlite.ir, reached through numba
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _half_to_float_soft(h):
+    """Exact IEEE binary16 bits (uint16) -> float32 by bit manipulation.
+
+    Normal numbers: move exponent/mantissa into place and rebias the exponent
+    (+112 << 23).  Subnormals (exponent 0): value = mantissa * 2^-24, computed
+    in float32 without touching denormal arithmetic.  Inf/NaN (exponent 31):
+    all-ones float32 exponent, mantissa kept.  Sign: or-ed in / negated.
+    """
+    x = np.uint32(h)
+    sign = (x & np.uint32(0x8000)) << np.uint32(16)
+    em = x & np.uint32(0x7FFF)
+    bits = (em << np.uint32(13)) + np.uint32(0x38000000)
+    if em >= np.uint32(0x7C00):
+        bits = (em << np.uint32(13)) | np.uint32(0x7F800000)
+    val = _u32_as_f32(bits | sign)
+    if em < np.uint32(0x0400):
+        val = np.float32(np.float32(em) * np.float32(5.9604644775390625e-08))  # 2^-24
+        if sign != np.uint32(0):
+            val = -val
+    return val
+
+
+@njit(cache=True)
+def half_to_float(h):
+    """Exact IEEE binary16 bits (uint16) -> float32 (hardware when available)."""
+    if _HW_HALF:
+        return _half_bits_fpext(h)
+    return _half_to_float_soft(h)
+
+
+@njit(cache=True)
+def _k_half_array(bits, out, soft):
+    """out[i] = float32 of half bits[i] (uint16 [N] -> f32 [N]); soft=True
+    forces the bit-manipulation path.  Used by the tests."""
+    for i in range(bits.shape[0]):
+        if soft:
+            out[i] = _half_to_float_soft(bits[i])
+        else:
+            out[i] = half_to_float(bits[i])
+
+
+def _ld(x):  # pragma: no cover - replaced by the overload inside njit code
+    raise NotImplementedError
+
+
+@overload(_ld)
+def _ld_impl(x):
+    """Element load as float32: half bits (uint16) are converted, floats cast."""
+    if isinstance(x, types.Integer) and x.bitwidth == 16 and not x.signed:
+        return lambda x: half_to_float(x)
+    if isinstance(x, types.Float):
+        return lambda x: np.float32(x)
+    return None
+
+
+def _as_pool(a):
+    """float16 -> zero-copy uint16 view; float32 kept; anything else -> float32."""
+    a = np.asarray(a)
+    if a.dtype == np.float16:
+        return np.ascontiguousarray(a).view(np.uint16)
+    if a.dtype == np.float32:
+        return np.ascontiguousarray(a)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _as_f32(a):
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+try:  # numpy >= 2
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # pragma: no cover - numpy 1.x
+    _byte_bounds = np.byte_bounds
+
+
+def _c_rows(a):
+    """2-D array with unit-stride rows -> C-contiguous view of the same memory.
+
+    A row view such as ``buf[:, :n]`` of a wider C-contiguous buffer is
+    re-exposed as ``[rows, row_stride]`` (the kernels only touch the first n
+    columns), so the kernels see one array layout whether or not the caller
+    used a preallocated buffer: no copy and no extra Numba specialisation.
+    Returns None when that is not possible (the widened view would leave the
+    owning buffer, or rows are not unit-stride).
+    """
+    if a.flags.c_contiguous:
+        return a
+    it = a.itemsize
+    if a.ndim != 2 or a.shape[0] == 0 or a.strides[1] != it or a.strides[0] % it or a.strides[0] < a.shape[1] * it:
+        return None
+    owner = a
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    _, hi = _byte_bounds(owner)
+    start = a.__array_interface__["data"][0]
+    if start + a.shape[0] * a.strides[0] > hi:
+        return None
+    return np.lib.stride_tricks.as_strided(
+        a, shape=(a.shape[0], a.strides[0] // it), strides=a.strides, writeable=a.flags.writeable
+    )
+
+
+def _rows_in(a, dtype):
+    """Input [rows, >=n] array -> C-contiguous-typed rows of dtype (copy only if unavoidable)."""
+    a = np.asarray(a, dtype=dtype)
+    r = _c_rows(a)
+    return np.ascontiguousarray(a) if r is None else r
+
+
+def _as_i32(a):
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+

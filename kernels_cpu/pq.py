@@ -1,0 +1,266 @@
+"""Product-quantization kernels: lookup tables, approximate scores, key encoding."""
+
+import numpy as np
+from numba import njit, prange
+
+from ._common import _ld, _as_pool, _as_f32, _c_rows, _as_i32
+
+
+# ---------------------------------------------------------------------------
+# 1. build_lut
+# ---------------------------------------------------------------------------
+
+
+def build_lut(q, codebooks, q_to_kv, codebooks_t=None, out=None):
+    """Per-query-head lookup table of sub-vector dot products.
+
+    q [Hq, d] f32 (pre-scaled), codebooks [Hkv, g, c, ds] f32, q_to_kv int32 [Hq]
+    -> T [Hq, g, c] f32, T[h, i, j] = q[h, i*ds:(i+1)*ds] . codebooks[q_to_kv[h], i, j].
+    The kernel runs over codebooks laid out [Hkv, g, ds, c], so its centroid loop is unit-stride and
+    vectorizes; callers that reuse the codebooks pass that layout once made as `codebooks_t`
+    (see `transpose_codebooks`; 53 vs 181 us at c = 1024). out: optional preallocated T.
+    """
+    q = _as_f32(q)
+    cb = _as_f32(codebooks)
+    q_to_kv = _as_i32(q_to_kv)
+    Hq, d = q.shape
+    Hkv, g, c, ds = cb.shape
+    if g * ds != d:
+        raise ValueError(f"codebooks {cb.shape} do not match head dim {d}")
+    T = np.empty((Hq, g, c), dtype=np.float32) if out is None else out
+    cbt = transpose_codebooks(cb) if codebooks_t is None else _as_f32(codebooks_t)
+    _k_build_lut_t(q, cbt, q_to_kv, T)
+    return T
+
+
+def transpose_codebooks(codebooks):
+    """[Hkv, g, c, ds] -> contiguous [Hkv, g, ds, c] for build_lut's fast path."""
+    return np.ascontiguousarray(np.asarray(codebooks, dtype=np.float32).transpose(0, 1, 3, 2))
+
+
+@njit(cache=True)
+def _k_build_lut_t(q, cbt, q_to_kv, T):
+    # cbt [Hkv, g, ds, c]: every inner loop runs over contiguous centroids. Serial: ~50 us of
+    # work at SmolLM2 shapes, below what a parallel launch pays for.
+    Hq = q.shape[0]
+    g = cbt.shape[1]
+    ds = cbt.shape[2]
+    c = cbt.shape[3]
+    for h in range(Hq):
+        kv = q_to_kv[h]
+        for i in range(g):
+            Thi = T[h, i]
+            for j in range(c):
+                Thi[j] = 0.0
+            for k in range(ds):
+                qk = q[h, i * ds + k]
+                row = cbt[kv, i, k]
+                for j in range(c):
+                    Thi[j] += qk * row[j]
+
+
+# ---------------------------------------------------------------------------
+# 2. approx_scores
+# ---------------------------------------------------------------------------
+
+_SCORE_BLOCK = 1024
+
+
+@njit(cache=True, parallel=True)
+def _k_approx_scores(T, P, q_to_kv, n, z):
+    Hq = T.shape[0]
+    g = T.shape[1]
+    nb = (n + _SCORE_BLOCK - 1) // _SCORE_BLOCK
+    for b in prange(nb):
+        j0 = b * _SCORE_BLOCK
+        j1 = min(n, j0 + _SCORE_BLOCK)
+        for h in range(Hq):
+            kv = q_to_kv[h]
+            Th = T[h]
+            for j in range(j0, j1):
+                acc = np.float32(0.0)
+                for i in range(g):
+                    acc += Th[i, P[kv, j, i]]
+                z[h, j] = acc
+
+
+def approx_scores(T, P, q_to_kv, n, out=None):
+    """Approximate (PQ) attention scores.
+
+    T [Hq, g, c] f32 (from build_lut), P [Hkv, n_cap, g] uint8 or int16 (only
+    the first n rows are read), q_to_kv int32 [Hq], n int, out optional f32
+    [Hq, >=n] (C-contiguous rows) -> z [Hq, n] f32 (a view of out when given),
+    z[h, j] = sum_i T[h, i, P[q_to_kv[h], j, i]].  Parallel over token blocks.
+    """
+    T = _as_f32(T)
+    q_to_kv = _as_i32(q_to_kv)
+    P = np.asarray(P)
+    if P.dtype not in (np.uint8, np.int16):
+        raise TypeError(f"P must be uint8 or int16, got {P.dtype}")
+    if not P.flags.c_contiguous:
+        P = np.ascontiguousarray(P)
+    n = int(n)
+    Hq = T.shape[0]
+    if n > P.shape[1]:
+        raise ValueError(f"n={n} exceeds P capacity {P.shape[1]}")
+    if out is None:
+        out = np.empty((Hq, n), dtype=np.float32)
+    buf = _c_rows(out) if isinstance(out, np.ndarray) and out.ndim == 2 else None
+    if buf is None or out.dtype != np.float32 or out.shape[0] != Hq or out.shape[1] < n:
+        raise ValueError("out must be float32 [Hq, >=n] with unit-stride rows")
+    if n > 0:
+        _k_approx_scores(T, P, q_to_kv, n, buf)
+    return out[:, :n]
+
+
+# ---------------------------------------------------------------------------
+# 7. encode_keys
+# ---------------------------------------------------------------------------
+
+_ENC_TILE = 128  # tokens per tile: the vector lanes of the encode loops
+
+
+@njit(cache=True)
+def _argmin_update(v, bv, bi, jj, tn):
+    # branch-free running argmin over the tile's tokens; strict < keeps the
+    # lowest centroid index on ties (centroids are visited in increasing order)
+    for t in range(tn):
+        lt = v[t] < bv[t]
+        bv[t] = v[t] if lt else bv[t]
+        bi[t] = jj if lt else bi[t]
+
+
+@njit(cache=True, parallel=True)
+def _k_encode_keys(K, C, cn, out):
+    # K [Hkv, n, d] (f32 or u16 half bits), C [Hkv, g, c, ds] f32,
+    # cn [Hkv, g, c] f32 (||centroid||^2), out [Hkv, >=n, g] uint8/int16.
+    # Work item = (kv-head, tile of _ENC_TILE tokens); inside, tokens are the
+    # vector lanes: for each centroid jj, dist[t] = ||c||^2 - 2 x_t . c is
+    # computed for all tokens of the tile at once and folded into a running
+    # argmin.  ds = 1, 2, 4 have fused single-loop paths; other ds accumulate
+    # in dist[] one dimension at a time (same operation order).
+    Hkv, n, d = K.shape
+    g = C.shape[1]
+    c = C.shape[2]
+    ds = C.shape[3]
+    TT = _ENC_TILE
+    nt = (n + TT - 1) // TT
+    for it in prange(Hkv * nt):
+        kv = it // nt
+        t0 = (it % nt) * TT
+        tn = min(TT, n - t0)
+        X2 = np.empty((ds, TT), dtype=np.float32)  # 2 * x, dimension-major
+        dist = np.empty(TT, dtype=np.float32)
+        bv = np.empty(TT, dtype=np.float32)
+        bi = np.empty(TT, dtype=np.int32)
+        for i in range(g):
+            Ci = C[kv, i]
+            cni = cn[kv, i]
+            for t in range(tn):
+                Kt = K[kv, t0 + t]
+                for k in range(ds):
+                    X2[k, t] = np.float32(2.0) * _ld(Kt[i * ds + k])
+            for t in range(tn):
+                bv[t] = np.inf
+                bi[t] = 0
+            if ds == 4:
+                x0 = X2[0]
+                x1 = X2[1]
+                x2 = X2[2]
+                x3 = X2[3]
+                for jj in range(c):
+                    cj = cni[jj]
+                    c0 = Ci[jj, 0]
+                    c1 = Ci[jj, 1]
+                    c2 = Ci[jj, 2]
+                    c3 = Ci[jj, 3]
+                    jj32 = np.int32(jj)
+                    for t in range(tn):
+                        v = (((cj - x0[t] * c0) - x1[t] * c1) - x2[t] * c2) - x3[t] * c3
+                        lt = v < bv[t]
+                        bv[t] = v if lt else bv[t]
+                        bi[t] = jj32 if lt else bi[t]
+            elif ds == 2:
+                x0 = X2[0]
+                x1 = X2[1]
+                for jj in range(c):
+                    cj = cni[jj]
+                    c0 = Ci[jj, 0]
+                    c1 = Ci[jj, 1]
+                    jj32 = np.int32(jj)
+                    for t in range(tn):
+                        v = (cj - x0[t] * c0) - x1[t] * c1
+                        lt = v < bv[t]
+                        bv[t] = v if lt else bv[t]
+                        bi[t] = jj32 if lt else bi[t]
+            elif ds == 1:
+                x0 = X2[0]
+                for jj in range(c):
+                    cj = cni[jj]
+                    c0 = Ci[jj, 0]
+                    jj32 = np.int32(jj)
+                    for t in range(tn):
+                        v = cj - x0[t] * c0
+                        lt = v < bv[t]
+                        bv[t] = v if lt else bv[t]
+                        bi[t] = jj32 if lt else bi[t]
+            else:
+                for jj in range(c):
+                    cj = cni[jj]
+                    for t in range(tn):
+                        dist[t] = cj
+                    for k in range(ds):
+                        ck = Ci[jj, k]
+                        xk = X2[k]
+                        for t in range(tn):
+                            dist[t] -= xk[t] * ck
+                    _argmin_update(dist, bv, bi, np.int32(jj), tn)
+            for t in range(tn):
+                out[kv, t0 + t, i] = bi[t]
+
+
+def codebook_norms(codebooks):
+    """||c||^2 per centroid: codebooks [Hkv, g, c, ds] -> [Hkv, g, c] f32 (for encode_keys' cnorm)."""
+    cb = _as_f32(codebooks)
+    return np.einsum("hgcs,hgcs->hgc", cb, cb).astype(np.float32)
+
+
+def encode_keys(K, codebooks, out=None, cnorm=None):
+    """Product-quantize keys: nearest centroid per group.
+
+    K [Hkv, n, d] f32 or f16, codebooks [Hkv, g, c, ds] f32, out optional
+    C-contiguous [Hkv, >=n, g] of the result dtype (rows [0, n) written)
+    -> P [Hkv, n, g] (a view of out when given), uint8 if c <= 256 else
+    int16 (c <= 32768); P[kv, t, i] = argmin_j ||K[kv, t, i*ds:(i+1)*ds] -
+    codebooks[kv, i, j]||^2 via the expansion ||c||^2 - 2 x.c (the ||x||^2
+    term is constant per argmin and skipped), float32, ties -> lowest index.
+    Parallel over (kv-head, 128-token tile); the tile's tokens are the vector
+    lanes.  cnorm: optional precomputed ||c||^2 [Hkv, g, c] f32 (callers that encode
+    with the same codebooks every step pass it to skip recomputing it).  (As with any float32 expansion, near-ties whose squared distances
+    differ by less than ~1e-6 x (||x||^2 + ||c||^2) may be resolved
+    differently from exact arithmetic.)
+    """
+    K = _as_pool(K)
+    cb = _as_f32(codebooks)
+    Hkv, n, d = K.shape
+    Hkv2, g, c, ds = cb.shape
+    if Hkv2 != Hkv or g * ds != d:
+        raise ValueError(f"codebooks {cb.shape} do not match K {K.shape}")
+    if c > 32768:
+        raise ValueError("at most 32768 centroids per group")
+    dtype = np.uint8 if c <= 256 else np.int16
+    if out is None:
+        out = np.empty((Hkv, n, g), dtype=dtype)
+    elif (
+        out.dtype != dtype
+        or out.ndim != 3
+        or out.shape[0] != Hkv
+        or out.shape[1] < n
+        or out.shape[2] != g
+        or not out.flags.c_contiguous
+    ):
+        raise ValueError(f"out must be a C-contiguous {np.dtype(dtype).name} [Hkv, >=n, g] array")
+    if n > 0:
+        cn = codebook_norms(cb) if cnorm is None else _as_f32(cnorm)
+        _k_encode_keys(K, cb, cn, out)  # writes rows [0, n) of the full buffer
+    return out[:, :n]
