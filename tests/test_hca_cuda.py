@@ -1,0 +1,205 @@
+"""HCACacheCUDA (minirun/kv/hca_cuda.py) against the CPU HCA cache and dense attention.
+
+Backends: "gpu" (a CUDA device + cupy: Engine.load(device="cuda") picks the class by itself) and
+"emu" (no GPU: the same class on a CPU device, kernels_cuda launches routed to the CPU kernel
+emulator kernels_cuda._emu, no streams/events/pinning; needs g++). The emu runs exercise all the
+host-side logic (selection copy-back, widths, scatter, value sum, merge, eviction, prefill modes),
+not the stream/event ordering.
+
+Tolerances (float32 model):
+  tau = 1, exact keys          vs dense            max |logit diff| <= 1e-4 (same as the CPU class)
+  tau = 1, same codebooks      vs CPU HCA          <= 1e-3 (same selection = all tokens; float32
+                               rounding of LUT / scores in a different order; a rare encode
+                               near-tie can flip one code: the bound allows one such token)
+  tau = 0.9, same codebooks    vs CPU HCA          argmax agreement >= 0.95 and max diff <= 0.1: the
+                               GPU selection is the CPU's minimal set plus at most the rest of its
+                               1/64-wide histogram bin (kernels_cuda README), so sets may differ
+"""
+import contextlib
+import shutil
+
+import pytest
+import torch
+
+import kernels_cuda
+from minirun import Engine
+from minirun.kv.codebooks import Codebooks, codebook_filename
+from minirun.kv.hca import HCACache
+from minirun.kv.hca_cuda import HCACacheCUDA
+
+HAVE_GPU = kernels_cuda.available()
+HAVE_GXX = shutil.which("g++") is not None
+NO_GPU_REASON = "no CUDA device / cupy: HCACacheCUDA GPU tests skipped"
+if not HAVE_GPU:
+    print(NO_GPU_REASON)
+
+BACKENDS = [pytest.param("gpu", marks=pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)),
+            pytest.param("emu", marks=pytest.mark.skipif(HAVE_GPU or not HAVE_GXX,
+                                                         reason="GPU present (gpu runs instead) or no g++"))]
+
+
+def random_ids(n, seed=0):
+    return torch.randint(4, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(params=BACKENDS)
+def gpu_engine(request, monkeypatch):
+    """gpu_engine(model_dir, **kw) -> (Engine with an HCACacheCUDA cache, launch context)."""
+    kind = request.param
+    if kind == "emu":
+        import minirun.engine as me
+        from kernels_cuda import _emu
+        active = []   # only engines used inside `emulated()` get the CUDA class (not the CPU references)
+        orig = me.make_cache
+
+        def make(args, config, device, dtype, cap, model_dir=None):
+            if not active:
+                return orig(args, config, device, dtype, cap, model_dir=model_dir)
+            return HCACacheCUDA.create(args, config, device, dtype, cap, model_dir=model_dir)
+        monkeypatch.setattr(me, "make_cache", make)
+
+        @contextlib.contextmanager
+        def emulated():
+            with _emu.emulated() as be:
+                active.append(1)
+                try:
+                    yield be
+                finally:
+                    active.pop()
+
+        def load(d, **kw):
+            with emulated():
+                return Engine.load(d, device="cpu", **kw)
+        return load, emulated
+    return (lambda d, **kw: Engine.load(d, device="cuda", **kw)), contextlib.nullcontext
+
+
+def with_codebooks(tiny_model_dir, tmp_path, g, c, ids):
+    """A copy of the tiny model with a codebook file fitted (on the CPU) from `ids`' keys."""
+    src = tiny_model_dir("gqa-untied")
+    d = tmp_path / "model"
+    shutil.copytree(src, d)
+    eng = Engine.load(d, device="cpu", ctx=1024, kv="hca", groups=g, centroids=c, window=16, sinks=4,
+                      fit_min_tokens=64)
+    eng.logits(ids)
+    cb = eng.last_logits_cache.codebooks
+    Codebooks(cb.centroids.cpu()).save(d / codebook_filename(g, c))
+    return d
+
+
+@pytest.mark.parametrize("chunk,width", [(1, 1024), (1, 4), (7, 1024)])
+def test_tau1_exact_keys_equals_dense(tiny_model_dir, gpu_engine, monkeypatch, chunk, width):
+    """width 4: the copy-back's first guess is always too narrow (tau = 1 selects all): the
+    second, wider copy runs on every step."""
+    monkeypatch.setattr("minirun.kv.hca_cuda.INITIAL_WIDTH", width)
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(100)
+    dense = Engine.load(d, device="cpu", ctx=256).logits(ids)
+    eng = load(d, ctx=256, kv="hca", key_store="exact", tau=1.0, window=16, sinks=4, prefill_chunk=chunk)
+    with ctx():
+        out = eng.logits(ids)   # chunk 1: every position through the decode step; 7: several queries
+    assert isinstance(eng.last_logits_cache, HCACacheCUDA)
+    assert (out - dense).abs().max().item() <= 1e-4
+    assert (eng.last_logits_cache.second_copies > 0) == (width < 100)
+
+
+@pytest.mark.parametrize("mode", ["exact", "anchor", "hca"])
+def test_prefill_modes_then_decode_match_cpu(tiny_model_dir, gpu_engine, mode):
+    """Exact/anchor/hca prompt then decode steps (ring wrap-around, eviction every step)."""
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(90, seed=1)
+    kw = dict(ctx=256, kv="hca", key_store="exact", tau=1.0, window=16, sinks=4, prefill_chunk=32,
+              prefill_mode=mode, anchor_tokens=40)
+    cpu = Engine.load(d, device="cpu", **kw)
+    a = cpu.generate(ids, max_new_tokens=10, ignore_eos=True)
+    eng = load(d, **kw)
+    with ctx():
+        b = eng.generate(ids, max_new_tokens=10, ignore_eos=True)
+        lg = eng.prefill(ids + b.tokens)[0].cpu()
+    assert a.tokens == b.tokens
+    assert (lg - cpu.prefill(ids + a.tokens)[0]).abs().max().item() <= 1e-4
+    s = eng.kv_stats()
+    assert s["prefill_values_bytes"] == 0                       # freed at end_prefill
+    assert s["host_values_bytes"] == eng.cache.values.data.numel() * eng.cache.values.data.element_size()
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.9])
+def test_codebooks_match_cpu_backend(tiny_model_dir, gpu_engine, tmp_path, tau):
+    load, ctx = gpu_engine
+    ids = random_ids(110, seed=2)
+    d = with_codebooks(tiny_model_dir, tmp_path, 8, 32, ids)
+    kw = dict(ctx=256, kv="hca", groups=8, centroids=32, tau=tau, window=16, sinks=4, prefill_chunk=1)
+    cpu = Engine.load(d, device="cpu", **kw).logits(ids)
+    eng = load(d, **kw)
+    with ctx():
+        out = eng.logits(ids)
+    cache = eng.last_logits_cache
+    assert cache.n_encoded == cache.n_store > 0 and cache.codebooks.source.startswith("calibrated")
+    diff = (out - cpu).abs().max().item()
+    if tau == 1.0:
+        assert diff <= 1e-3
+    else:
+        assert (out.argmax(-1) == cpu.argmax(-1)).float().mean().item() >= 0.95
+        assert diff <= 0.1
+
+
+def test_prompt_fitted_codebooks_close_to_dense(tiny_model_dir, gpu_engine):
+    """No codebook file: fit on the device at fit_min_tokens, then encode on the device."""
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(120, seed=3)
+    dense = Engine.load(d, device="cpu", ctx=256).logits(ids)
+    eng = load(d, ctx=256, kv="hca", groups=8, centroids=32, window=16, sinks=4, fit_min_tokens=48,
+               prefill_chunk=4)
+    with ctx():
+        out = eng.logits(ids)
+    assert eng.last_logits_cache.codebooks is not None
+    assert (out.argmax(-1) == dense.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.skipif(HAVE_GPU or not HAVE_GXX, reason="emulator launch log (CPU only)")
+def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path):
+    """kernels_cuda launches of one decode step per layer == HCACacheCUDA.decode_launches; also
+    prints the aten ops of the step (torch-side launch upper bound, in kernels_cuda/README.md)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    load, emulated = gpu_engine
+    ids = random_ids(60, seed=4)
+    d = with_codebooks(tiny_model_dir, tmp_path, 8, 32, ids)
+    eng = load(d, ctx=128, kv="hca", groups=8, centroids=32, tau=0.9, window=16, sinks=4, prefill_mode="exact")
+    aten = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            aten.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with emulated() as be:
+        eng.prefill(ids)
+        cache = eng.cache
+        assert cache.n_store > 0 and cache.n_encoded == cache.n_store
+        q = torch.randn(1, cache.Hq, cache.hd)
+        k, v = torch.randn(1, cache.Hkv, cache.hd), torch.randn(1, cache.Hkv, cache.hd)
+        be.launches.clear()
+        with torch.inference_mode(), Count():
+            cache.attend(0, q, k, v)
+    names = [x[0] for x in be.launches]
+    splits = 2 if "lse_merge_f32" in names[:-1] else 1
+    assert len(names) == HCACacheCUDA.decode_launches(0.9, splits)["kernels_cuda"], names
+    # no device kernel: views, same-dtype casts, the emulator's own 0xff fills of wrapper outputs,
+    # numpy bridges (host side)
+    free = {"view", "slice", "select", "unsqueeze", "t", "transpose", "alias", "detach", "_unsafe_view",
+            "expand", "as_strided", "to", "empty", "empty_like", "fill_", "resolve_conj", "resolve_neg",
+            "lift_fresh"}
+    compute = [a for a in aten if a.split(".")[1] not in free]
+    print(f"\none decode step, one layer: {len(names)} kernels_cuda launches {names}; "
+          f"{len(compute)} non-view aten ops {compute}")
+
+
+def test_make_cache_picks_backend(tiny_model_dir):
+    d = tiny_model_dir("gqa-untied")
+    eng = Engine.load(d, device="cpu", ctx=64, kv="hca")
+    assert type(eng.cache) is HCACache
+    if HAVE_GPU:
+        assert type(Engine.load(d, device="cuda", ctx=64, kv="hca").cache) is HCACacheCUDA
