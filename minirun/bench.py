@@ -1,17 +1,35 @@
 """llama-bench-style measurements: `pp N` (prefill N tokens) and `tg N @ dD` (N decode steps after D).
 
-Every test runs on random token ids (seeded), greedy, end-of-sequence ignored, for each KV mode;
-repetitions give mean +- sample std. Timings come from the engine itself (`Engine.last_prefill`)
-or from timing `Engine.step` calls; on CUDA the timed region ends with a stream sync.
+Every test runs on random token ids (seeded), greedy, end-of-sequence ignored, once per KV mode
+(dense, and HCA at each budget); one Engine per mode. Each test runs one warm-up repetition
+(Numba JIT, allocator, cache fill), then `reps` timed ones: mean +- sample std of tokens/s.
+
+- pp N: the cache is reset, N fresh tokens are prefilled; tokens/s is the engine's own prefill
+  timing (`Engine.last_prefill`; on CUDA, a wall-clock time between two stream syncs instead).
+- tg N @ dD: D tokens of context are prefilled (not timed; d0 means a single token), then N
+  `Engine.step` calls, each fed the argmax of the previous logits, are timed. The context is kept
+  for the next repetition by rewinding to D tokens (re-prefilled, untimed, when the cache cannot).
+- HCA codebooks: "calibrated" when the model directory has a codebook file for the layout;
+  otherwise "fitted": the cache fits them from the context itself, and the bench drops fitted
+  codebooks before every pp repetition and at the start of every tg test, so each test fits on
+  its own tokens (pp timings then include the fit, as a first prompt without calibration does).
+  "-" for dense and for exact-key layouts (budget 0.5).
 
 JSON/CSV fields, one object/row per (mode, test):
-  model, device, dtype, threads, kv, kv_budget, codebooks, test, n_prompt, n_gen, depth, reps,
-  tps_mean, tps_std, samples, peak_host_bytes, peak_device_bytes, kv_stats (CSV: kv_<key>),
-  date, version
+  model (directory name), model_bytes (weights in this dtype), model_params, device, dtype,
+  threads (torch CPU threads), ctx (cache size), kv ("dense" | "hca"), kv_budget (None for dense),
+  codebooks ("calibrated" | "fitted" | "-"), test ("pp512", "tg32 @ d4096"), n_prompt, n_gen,
+  depth, reps, tps_mean, tps_std (sample std; 0 with one rep), samples (tokens/s of each rep; CSV:
+  space-separated), peak_host_bytes (VmHWM during the test), peak_host_scope ("test" when the peak
+  was reset before the test, "process" when /proc/self/clear_refs refused and it is the process
+  peak so far), peak_device_bytes (torch.cuda.max_memory_allocated during the test; 0 on CPU),
+  kv_stats (the cache's stats() at the end of the last rep: tokens and bytes per tier; CSV: one
+  kv_<key> column per key), date (UTC), version (minirun's).
 """
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import json
 import statistics
@@ -22,19 +40,24 @@ from datetime import datetime, timezone
 import torch
 
 from . import __version__
-from .planner import format_bytes
+from .errors import MiniRunError
+from .planner import format_bytes, param_count, weight_bytes
 
-FIELDS = ["model", "device", "dtype", "threads", "kv", "kv_budget", "codebooks", "test", "n_prompt", "n_gen",
-          "depth", "reps", "tps_mean", "tps_std", "samples", "peak_host_bytes", "peak_device_bytes", "kv_stats",
-          "date", "version"]
+FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
+          "codebooks", "test", "n_prompt", "n_gen", "depth", "reps", "tps_mean", "tps_std", "samples",
+          "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version"]
+CTX_ROUND = 256
 
 
 @dataclass
 class BenchResult:
     model: str
+    model_bytes: int
+    model_params: int
     device: str
     dtype: str
     threads: int
+    ctx: int
     kv: str
     kv_budget: float | None
     codebooks: str
@@ -47,18 +70,21 @@ class BenchResult:
     tps_std: float
     samples: list = field(default_factory=list)
     peak_host_bytes: int = 0
+    peak_host_scope: str = "test"
     peak_device_bytes: int = 0
     kv_stats: dict = field(default_factory=dict)
     date: str = ""
     version: str = __version__
 
 
-def _reset_peak_host() -> None:
-    try:   # Linux: "5" resets the peak resident set size (VmHWM) of this process
+def _reset_peak_host() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: "5" to clear_refs). False when refused."""
+    try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        return True
     except OSError:
-        pass
+        return False
 
 
 def _peak_host() -> int:
@@ -78,73 +104,135 @@ def _sync(eng) -> None:
 
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    """n ids drawn away from the low (special) ids of the vocabulary, like llama-bench's."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(min(100, vocab // 4), vocab - 1, (n,), generator=g).tolist()
+
+
+def codebook_source(eng) -> str:
+    """'calibrated' | 'fitted' | '-' (dense, or HCA keeping exact keys), as the engine was loaded."""
+    cache = eng.cache
+    if eng.config.kv != "hca" or getattr(cache.layout, "exact_keys", False):
+        return "-"
+    cb = cache.codebooks
+    return "calibrated" if cb is not None and str(cb.source).startswith("calibrated") else "fitted"
+
+
+def _forget_fitted_codebooks(eng) -> None:
+    """Drop codebooks the cache fitted from an earlier context (calibrated ones stay)."""
+    cb = getattr(eng.cache, "codebooks", None)
+    if cb is not None and not str(cb.source).startswith("calibrated"):
+        eng.reset()
+        eng.cache.codebooks = None
 
 
 def measure_pp(eng, n: int, seed: int) -> float:
     """Prefill n fresh tokens; tokens/s."""
     eng.reset()
+    _forget_fitted_codebooks(eng)
     ids = random_ids(n, eng.args.vocab_size, seed)
     _sync(eng)
+    t0 = time.perf_counter()
     eng.prefill(ids)
     _sync(eng)
+    dt = time.perf_counter() - t0
+    if eng.device.type == "cuda":     # the engine's own timing does not wait for the GPU
+        return n / dt
     return eng.last_prefill["tps"]
 
 
-def measure_tg(eng, n: int, depth: int, seed: int) -> float:
-    """Decode n tokens greedily after a context of `depth` tokens (prefill not timed); tokens/s."""
+def measure_tg(eng, n: int, depth: int, seed: int) -> tuple[float, dict]:
+    """Decode n tokens greedily after `depth` tokens of context (prefill not timed).
+
+    Returns (tokens/s, the cache's stats after the n steps). Afterwards the cache is rewound to the
+    context, so the next call's prefill reuses it (the engine reuses a cached prefix)."""
     ctx_ids = random_ids(max(depth, 1), eng.args.vocab_size, seed)
-    logits, _ = eng.prefill(ctx_ids)   # reuses the cached context when the previous rep left it
+    logits, _ = eng.prefill(ctx_ids)
     tok = int(logits[-1].argmax())
     _sync(eng)
     t0 = time.perf_counter()
     for _ in range(n):
-        tok = int(eng.step(tok)[-1].argmax())
+        tok = int(eng.step(tok)[-1].argmax())   # .item() waits for the device: no EOS check
     _sync(eng)
     dt = time.perf_counter() - t0
-    eng.rewind(len(ctx_ids))          # drop the generated tokens; the next rep reuses the context
-    return n / dt
+    stats = eng.kv_stats()
+    eng.rewind(len(ctx_ids))          # drop the generated tokens (or everything, when it cannot)
+    return n / dt, stats
+
+
+def tokens_needed(pp: list[int], tg: int, depths: list[int]) -> int:
+    """The most tokens one test holds: the longest pp, or the deepest tg context plus its tokens."""
+    return max(max(pp, default=0), (max(max(depths, default=0), 1) + tg) if tg > 0 else 0, 1)
+
+
+def bench_ctx(pp: list[int], tg: int, depths: list[int]) -> int:
+    """The default cache size: tokens_needed rounded up to a multiple of CTX_ROUND."""
+    return -(-tokens_needed(pp, tg, depths) // CTX_ROUND) * CTX_ROUND
 
 
 def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: int, depths: list[int],
               reps: int, dtype: str = "float32", device: str = "auto", ctx: int | None = None,
               threads: int | None = None, log=print, **engine_kw) -> list[BenchResult]:
-    """modes: [("dense", None), ("hca", 0.125), ...]. Returns one BenchResult per (mode, test)."""
+    """modes: [("dense", None), ("hca", 0.125), ...]. Returns one BenchResult per (mode, test).
+
+    ctx: the cache size of every engine (default: bench_ctx of the tests). engine_kw: any other
+    EngineConfig field (tau, window, sinks, ...)."""
     from .engine import Engine
-    need = max([max(pp, default=0), max(depths, default=0) + tg]) + 8
+    pp = [n for n in pp if n > 0]
+    need = tokens_needed(pp, tg, depths)
+    if ctx is not None and ctx < need:
+        raise MiniRunError(f"--ctx {ctx} is too small for these tests: the largest holds {need} tokens")
+    ctx = ctx or bench_ctx(pp, tg, depths)
+    if reps < 1:
+        raise MiniRunError("reps must be at least 1")
+    tests = [("pp", n, 0) for n in pp] + ([("tg", tg, d) for d in depths] if tg > 0 else [])
+    if not tests:
+        raise MiniRunError("no tests: give -p and/or -n > 0")
     results = []
+    scope_warned = False
     for kv, budget in modes:
         kw = dict(engine_kw)
         if kv == "hca" and budget is not None:
             kw["kv_budget"] = budget
-        eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx or need, kv=kv, threads=threads, **kw)
-        cb = getattr(eng.cache, "codebooks", None)
-        tests = [("pp", n, 0) for n in pp] + ([("tg", tg, d) for d in depths] if tg else [])
+        eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, threads=threads, **kw)
+        source = codebook_source(eng)
+        label = kv if kv == "dense" else f"{kv} {budget}"
         for kind, n, depth in tests:
             name = f"pp{n}" if kind == "pp" else f"tg{n} @ d{depth}"
-            log(f"bench: {kv}{'' if budget is None or kv == 'dense' else f' {budget}'} {name} ...")
-            _reset_peak_host()
+            log(f"bench: {label} {name} ({reps} reps + 1 warm-up) ...")
+            eng.reset()
+            if kind == "tg":
+                _forget_fitted_codebooks(eng)
+            gc.collect()
+            scope = "test" if _reset_peak_host() else "process"
+            if scope == "process" and not scope_warned:
+                log("bench: /proc/self/clear_refs refused: peak host memory is the process peak so far")
+                scope_warned = True
             if eng.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(eng.device)
-            samples = []
-            for r in range(reps + 1):          # repetition 0 warms up (JIT, allocator, cache fill)
-                tps = measure_pp(eng, n, seed=r) if kind == "pp" else measure_tg(eng, n, depth, seed=0)
+            samples, stats = [], {}
+            for r in range(reps + 1):          # repetition 0 warms up
+                if kind == "pp":
+                    tps = measure_pp(eng, n, seed=r)
+                    stats = eng.kv_stats()
+                else:
+                    tps, stats = measure_tg(eng, n, depth, seed=0)
                 if r:
                     samples.append(tps)
-            cb = getattr(eng.cache, "codebooks", None)
             results.append(BenchResult(
-                model=str(model).rstrip("/").split("/")[-1], device=str(eng.device), dtype=dtype,
-                threads=torch.get_num_threads(), kv=kv, kv_budget=budget if kv == "hca" else None,
-                codebooks="-" if kv == "dense" or getattr(eng.cache.layout, "exact_keys", False)
-                else ("calibrated" if cb is not None and cb.source.startswith("calibrated") else "fitted"),
-                test=name, n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0, depth=depth,
-                reps=reps, tps_mean=statistics.mean(samples),
-                tps_std=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples=samples,
-                peak_host_bytes=_peak_host(),
+                model=str(model).rstrip("/").split("/")[-1], model_bytes=weight_bytes(eng.args, dtype),
+                model_params=param_count(eng.args), device=str(eng.device), dtype=dtype,
+                threads=torch.get_num_threads(), ctx=eng.config.ctx, kv=kv,
+                kv_budget=budget if kv == "hca" else None, codebooks=source, test=name,
+                n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0, depth=depth, reps=reps,
+                tps_mean=statistics.mean(samples), tps_std=statistics.stdev(samples) if len(samples) > 1 else 0.0,
+                samples=samples, peak_host_bytes=_peak_host(), peak_host_scope=scope,
                 peak_device_bytes=torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0,
-                kv_stats=eng.kv_stats(), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
+                kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
         del eng
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return results
 
 
@@ -152,18 +240,34 @@ def _size(n: int) -> str:
     return format_bytes(n) if n else "-"
 
 
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.2f} K"
+
+
+def kv_split(stats: dict) -> tuple[int, int]:
+    """(bytes in the device tiers, bytes in the host tiers) of a cache's stats()."""
+    dev = stats.get("device_kv_bytes", 0) + sum(stats.get(k, 0) for k in (
+        "device_keys_bytes", "device_ring_sinks_bytes", "codebook_bytes", "scratch_bytes"))
+    host = stats.get("host_values_bytes", 0) + stats.get("prefill_keys_bytes", 0)
+    return dev, host
+
+
+MD_HEAD = ["model", "size", "params", "device", "threads", "dtype", "kv", "budget", "codebooks", "test", "t/s",
+           "peak host", "peak device", "kv device", "kv host"]
+
+
 def to_markdown(results: list[BenchResult]) -> str:
-    head = ["model", "device", "threads", "dtype", "kv", "budget", "test", "t/s", "peak host", "peak device",
-            "kv device", "kv host"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    """A llama-bench-like table: one header, one row per test."""
+    align = ["---:" if h == "t/s" else "---" for h in MD_HEAD]
+    rows = ["| " + " | ".join(MD_HEAD) + " |", "| " + " | ".join(align) + " |"]
     for r in results:
-        s = r.kv_stats
-        dev = s.get("device_kv_bytes", 0) + sum(s.get(k, 0) for k in ("device_keys_bytes", "device_ring_sinks_bytes",
-                                                                       "codebook_bytes", "scratch_bytes"))
+        dev, host = kv_split(r.kv_stats)
         rows.append("| " + " | ".join([
-            r.model, r.device, str(r.threads), r.dtype, r.kv, "-" if r.kv_budget is None else str(r.kv_budget),
-            r.test, f"{r.tps_mean:.2f} ± {r.tps_std:.2f}", _size(r.peak_host_bytes), _size(r.peak_device_bytes),
-            _size(dev), _size(s.get("host_values_bytes", 0))]) + " |")
+            r.model, format_bytes(r.model_bytes), _params(r.model_params), r.device, str(r.threads), r.dtype,
+            r.kv, "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.test,
+            f"{r.tps_mean:.2f} ± {r.tps_std:.2f}",
+            _size(r.peak_host_bytes) + ("" if r.peak_host_scope == "test" else " (process)"),
+            _size(r.peak_device_bytes), _size(dev), _size(host)]) + " |")
     return "\n".join(rows)
 
 
@@ -171,38 +275,57 @@ def to_json(results: list[BenchResult]) -> str:
     return json.dumps([asdict(r) for r in results], indent=2)
 
 
-def to_csv(results: list[BenchResult]) -> str:
+def csv_fields(results: list[BenchResult]) -> list[str]:
     keys = sorted({k for r in results for k in r.kv_stats})
-    cols = [f for f in FIELDS if f != "kv_stats"] + [f"kv_{k}" for k in keys]
+    return [f for f in FIELDS if f != "kv_stats"] + [f"kv_{k}" for k in keys]
+
+
+def to_csv(results: list[BenchResult]) -> str:
+    """FIELDS without kv_stats, then one kv_<key> column per stats key (empty where a mode lacks it)."""
+    cols = csv_fields(results)
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols)
+    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
     w.writeheader()
     for r in results:
         row = {k: v for k, v in asdict(r).items() if k != "kv_stats"}
+        row["kv_budget"] = "" if r.kv_budget is None else r.kv_budget
         row["samples"] = " ".join(f"{x:.3f}" for x in r.samples)
-        row.update({f"kv_{k}": r.kv_stats.get(k, "") for k in keys})
+        row.update({c: r.kv_stats.get(c[3:], "") for c in cols if c.startswith("kv_") and c != "kv_budget"})
         w.writerow(row)
     return buf.getvalue()
 
 
-def plot(results: list[BenchResult], path: str) -> None:
-    """tg tokens/s against depth, one line per mode."""
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from .errors import MiniRunError
-        raise MiniRunError("--plot needs matplotlib: pip install matplotlib") from None
+        raise MiniRunError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    return plt
+
+
+def check_plot() -> None:
+    """Fail before benchmarking, not after, when --plot cannot be drawn."""
+    _pyplot()
+
+
+def plot(results: list[BenchResult], path: str) -> None:
+    """tg tokens/s (mean, std as error bars) against depth, one line per KV mode."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     modes = sorted({(r.kv, r.kv_budget) for r in results if r.n_gen}, key=str)
     for kv, b in modes:
         pts = sorted((r.depth, r.tps_mean, r.tps_std) for r in results if r.n_gen and (r.kv, r.kv_budget) == (kv, b))
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3,
                     label=kv if b is None else f"{kv} {b}")
+    if results:
+        r = results[0]
+        ax.set_title(f"{r.model} {r.dtype} {r.device}, tg{max((x.n_gen for x in results), default=0)}")
     ax.set_xlabel("context depth (tokens)")
     ax.set_ylabel("decode tokens/s")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -2,82 +2,166 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import click
 
 from .cli_common import CTX
+from .config import KV_BUDGET_PRESETS
 from .errors import MiniRunError
 
 
-def _ints(s: str) -> list[int]:
+def _ints(s: str, what: str) -> list[int]:
     try:
-        return [int(x) for x in str(s).split(",") if x.strip() != ""]
+        vals = [int(x) for x in str(s).split(",") if x.strip() != ""]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {s!r}") from None
+        raise MiniRunError(f"{what}: expected comma-separated integers, got {s!r}") from None
+    if any(v < 0 for v in vals):
+        raise MiniRunError(f"{what}: negative values in {s!r}")
+    return vals
 
 
-@click.command()
-@click.argument("model", type=click.Path(path_type=Path))
-@click.option("-p", "--n-prompt", default="512", show_default=True, help="prefill tests: comma-separated token counts (empty: none)")
-@click.option("-n", "--n-gen", type=int, default=32, show_default=True, help="tokens generated in each tg test (0: none)")
-@click.option("-d", "--depth", default="0", show_default=True, help="tg tests: comma-separated context depths")
-@click.option("--kv", "kv_modes", default="dense,hca", show_default=True, help="modes: dense and/or hca")
-@click.option("--kv-budget", "budgets", default="0.125", show_default=True, help="HCA budgets: comma-separated (0.5, 0.25, 0.125)")
-@click.option("-r", "--reps", type=int, default=3, show_default=True, help="repetitions (after one warm-up)")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--device", default="auto", show_default=True)
-@click.option("--ctx", type=CTX, default=None, help="cache size (default: just enough for the tests)")
-@click.option("--threads", type=int, default=None)
-@click.option("--tau", type=float, default=0.9, show_default=True)
-@click.option("--window", type=int, default=256, show_default=True)
-@click.option("--sinks", type=int, default=16, show_default=True)
-@click.option("-o", "--output", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True)
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG of tg tokens/s against depth")
-def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
-          output, plot_path):
-    """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA.
+class AutoCtxType(click.ParamType):
+    """--ctx for bench: 'auto' (just enough for the tests) or a size with K/M suffixes."""
+    name = "ctx"
 
-    JSON/CSV fields: model, device, dtype, threads, kv, kv_budget, codebooks (calibrated|fitted|-),
-    test, n_prompt, n_gen, depth, reps, tps_mean, tps_std, samples, peak_host_bytes (VmHWM),
-    peak_device_bytes, kv_stats (bytes per tier; CSV: kv_<key>), date, version.
-    """
-    from . import bench as b
+    def convert(self, value, param, ctx):
+        if value is None or str(value).strip().lower() == "auto":
+            return None
+        return CTX.convert(value, param, ctx)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+class SizeType(click.ParamType):
+    """A memory size in bytes with binary suffixes: 80G = 80GB = 80GiB = 80 * 2**30."""
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            self.fail(f"bad memory size {value!r}: use a number with an optional K, M, G or T suffix (e.g. 80G)",
+                      param, ctx)
+        return int(float(m.group(1)) * (1 << (10 * "_kmgt".index(m.group(2).lower() or "_"))))
+
+
+def _modes(kv_modes: str, budgets: str) -> list[tuple[str, float | None]]:
     modes = []
     for m in [x.strip() for x in kv_modes.split(",") if x.strip()]:
         if m == "dense":
             modes.append(("dense", None))
         elif m == "hca":
-            modes += [("hca", float(x)) for x in budgets.split(",") if x.strip()]
+            for x in [x.strip() for x in budgets.split(",") if x.strip()]:
+                try:
+                    b = float(x)
+                except ValueError:
+                    b = None
+                if b not in KV_BUDGET_PRESETS:
+                    raise MiniRunError(f"unknown --kv-budget {x!r}: use "
+                                       f"{', '.join(str(p) for p in KV_BUDGET_PRESETS)} (comma-separated)")
+                modes.append(("hca", b))
         else:
-            raise MiniRunError(f"unknown kv mode {m!r}: use dense and/or hca")
+            raise MiniRunError(f"unknown kv mode {m!r}: use dense and/or hca (comma-separated)")
+    if not modes:
+        raise MiniRunError("--kv: give dense and/or hca")
+    return list(dict.fromkeys(modes))
+
+
+BENCH_EPILOG = """\b
+Tests (llama-bench's): pp N prefills N fresh random tokens; tg N @ dD decodes N tokens greedily
+after D tokens of context (the context is prefilled untimed; EOS is ignored). One warm-up rep,
+then -r timed reps: t/s is mean ± sample std. Status lines go to stderr, results to stdout.
+
+\b
+JSON fields (one object per mode and test; CSV has the same columns, samples space-separated and
+kv_stats flattened into kv_<key> columns):
+  model, model_bytes, model_params, device, dtype, threads, ctx, kv (dense|hca),
+  kv_budget (null for dense), codebooks (calibrated|fitted|-), test (pp512, tg32 @ d4096),
+  n_prompt, n_gen, depth, reps, tps_mean, tps_std, samples (t/s of each rep),
+  peak_host_bytes (VmHWM), peak_host_scope (test|process: whether the peak could be reset
+  before the test), peak_device_bytes (CUDA, else 0), kv_stats (the cache's tokens and bytes
+  per tier after the test), date (UTC), version (minirun's)
+
+\b
+Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,16384 \\
+           --kv dense,hca --kv-budget 0.25,0.125 -r 3 -o json
+"""
+
+
+@click.command(epilog=BENCH_EPILOG)
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("-p", "--n-prompt", default="512", show_default=True,
+              help="pp tests: comma-separated prompt lengths (\"\" for none)")
+@click.option("-n", "--n-gen", type=int, default=32, show_default=True,
+              help="tokens decoded in each tg test (0: no tg tests)")
+@click.option("-d", "--depth", default="0", show_default=True, help="tg tests: comma-separated context depths")
+@click.option("--kv", "kv_modes", default="dense,hca", show_default=True, help="KV modes: dense and/or hca")
+@click.option("--kv-budget", "budgets", default="0.125", show_default=True,
+              help="HCA budgets, comma-separated: 0.5, 0.25, 0.125 (one engine each)")
+@click.option("-r", "--reps", type=int, default=3, show_default=True, help="timed repetitions (after one warm-up)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
+@click.option("--ctx", type=AutoCtxType(), default="auto", show_default=True,
+              help="cache size of every engine (K/M suffixes); auto: the largest test, rounded up to 256")
+@click.option("--threads", type=int, default=None, help="CPU threads for torch")
+@click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head")
+@click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
+@click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("-o", "--output", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True)
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
+              help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
+def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
+          output, plot_path):
+    """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
+    from . import bench as b
+    modes = _modes(kv_modes, budgets)
     if reps < 1:
         raise MiniRunError("--reps must be at least 1")
-    results = b.run_bench(model, modes, _ints(n_prompt), n_gen, _ints(depth), reps, dtype=dtype, device=device,
-                          ctx=ctx, threads=threads, tau=tau, window=window, sinks=sinks,
-                          log=lambda s: click.echo(s, err=True))
-    click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results))
+    if n_gen < 0:
+        raise MiniRunError("-n must not be negative")
+    if plot_path:
+        b.check_plot()
+    results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
+                          dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
+                          sinks=sinks, log=lambda s: click.echo(s, err=True))
+    click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
     if plot_path:
         b.plot(results, str(plot_path))
         click.echo(f"plot: {plot_path}", err=True)
 
 
-@click.command()
+PLAN_EPILOG = """\b
+JSON fields: ctx, kv, kv_budget, dtype, device, params, tiers [{tier, where, bytes,
+bytes_per_token, transient}], device_bytes, host_bytes, dense_bytes_per_token,
+available {host, device}, fits (null when no GPU figure is known), host_fits, largest_ctx, note.
+"""
+
+
+@click.command(epilog=PLAN_EPILOG)
 @click.argument("model_or_config", type=click.Path(path_type=Path))
-@click.option("--ctx", type=CTX, default="8K", show_default=True)
+@click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size (K/M suffixes: 4M = 4194304)")
 @click.option("--kv", type=click.Choice(["dense", "hca"]), default="hca", show_default=True)
 @click.option("--kv-budget", type=click.Choice(["0.5", "0.25", "0.125"]), default="0.125", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
-@click.option("--window", type=int, default=256, show_default=True)
-@click.option("--sinks", type=int, default=16, show_default=True)
-@click.option("--gpu-mem", type=CTX, default=None, help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
+              help="where the device tiers go (cpu: everything is host memory)")
+@click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
+@click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("--gpu-mem", type=SizeType(), default=None,
+              help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, gpu_mem, output):
-    """Bytes of every tier for a context, before anything is allocated, and whether it fits."""
+    """Bytes of every memory tier for a context, before anything is allocated, and whether it fits.
+
+    MODEL_OR_CONFIG: a model directory or a bare config.json (no weights needed)."""
     from .config import EngineConfig, ModelArgs
     from .planner import format_plan, plan_report
     args = ModelArgs.from_path(model_or_config)
-    cfg = EngineConfig(ctx=ctx, device="cpu", dtype=dtype, kv=kv, kv_budget=float(kv_budget), window=window, sinks=sinks)
+    cfg = EngineConfig(ctx=ctx, device="cpu", dtype=dtype, kv=kv, kv_budget=float(kv_budget), window=window,
+                       sinks=sinks)
     report = plan_report(args, cfg, device, gpu_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))

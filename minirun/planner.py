@@ -11,6 +11,11 @@ from .errors import ContextError
 
 GiB = 1 << 30
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+# HCACache keeps full-precision store keys (the 50% preset's key store, and every prompt's keys
+# during an exact prefill) in float32 whatever the compute dtype (kv/hca.py: `exact_keys`)
+EXACT_KEY_ELEM = 4
+PREFILL_KEYS = "prompt keys (prefill)"     # transient tiers: see prefill_transient_tiers
+ANCHOR_BLOCK = "anchor block (prefill)"
 
 
 @dataclass
@@ -22,12 +27,52 @@ class Plan:
         return sum(b for b, w in self.tiers.values() if w == where)
 
 
-def weight_bytes(args: ModelArgs, dtype: str) -> int:
+def param_count(args: ModelArgs) -> int:
+    """Parameters of the checkpoint (projections, norms, embedding and, when untied, the LM head)."""
     D, F, L, V = args.hidden_size, args.intermediate_size, args.num_hidden_layers, args.vocab_size
     hd, Hq, Hkv = args.head_dim, args.num_attention_heads, args.num_key_value_heads
     per_layer = D * (Hq + 2 * Hkv) * hd + Hq * hd * D + 3 * D * F + 2 * D
-    n = L * per_layer + V * D * (1 if args.tie_word_embeddings else 2) + D
-    return n * ELEM[dtype]
+    return L * per_layer + V * D * (1 if args.tie_word_embeddings else 2) + D
+
+
+def weight_bytes(args: ModelArgs, dtype: str) -> int:
+    return param_count(args) * ELEM[dtype]
+
+
+def prefill_transient_tiers(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
+    """HCA buffers that live only while a prompt is prefilled (or until codebooks are fitted), at
+    their peak: name -> (bytes, "device" | "host"); empty for dense and for exact-key layouts.
+
+    - prompt keys (host, float32): an exact prefill keeps every store token's full-precision key
+      until end_prefill encodes them (auto mode prefills exactly up to exact_prefill_max tokens);
+      without calibrated codebooks, keys are also kept until fit_min_tokens of them (plus one chunk)
+      are there to fit on. The planner cannot tell whether codebooks are calibrated: it counts them.
+    - anchor block (device, float32): an anchor prefill's exact copy of the first anchor_tokens keys.
+    Where auto mode may take either path, each figure is the larger of the two (conservative).
+    """
+    if cfg.kv != "hca":
+        return {}
+    from .kv.hca_layout import resolve_layout
+    if resolve_layout(args, cfg).exact_keys:
+        return {}
+    row = args.num_hidden_layers * args.num_key_value_heads * args.head_dim * EXACT_KEY_ELEM
+    n_exact = cfg.sinks + cfg.window
+    n_store = max(0, ctx - n_exact)
+    until_fit = min(n_store, cfg.fit_min_tokens + cfg.prefill_chunk)
+    anchor = max(0, cfg.anchor_tokens - cfg.sinks)
+    mode = cfg.prefill_mode
+    if mode == "auto":
+        rows = max(until_fit, min(n_store, max(0, cfg.exact_prefill_max - n_exact)))
+        uses_anchor = ctx > cfg.exact_prefill_max
+    else:
+        rows = n_store if mode == "exact" else until_fit
+        uses_anchor = mode == "anchor"
+    tiers = {}
+    if rows:
+        tiers[PREFILL_KEYS] = (row * rows, "host")
+    if uses_anchor and anchor:
+        tiers[ANCHOR_BLOCK] = (row * anchor, "device")
+    return tiers
 
 
 def plan(args: ModelArgs, cfg: EngineConfig, ctx: int | None = None) -> Plan:
@@ -38,8 +83,12 @@ def plan(args: ModelArgs, cfg: EngineConfig, ctx: int | None = None) -> Plan:
     if cfg.kv == "dense":
         tiers["dense K+V"] = (2 * L * Hkv * hd * e * ctx, "device")
     else:
-        from .kv.hca_layout import hca_tier_bytes
+        from .kv.hca_layout import hca_tier_bytes, resolve_layout
         tiers.update(hca_tier_bytes(args, cfg, ctx))
+        if resolve_layout(args, cfg).exact_keys:   # the cache stores exact keys in float32
+            n_store = max(0, ctx - cfg.sinks - cfg.window)
+            tiers["key store"] = (L * Hkv * n_store * hd * EXACT_KEY_ELEM, tiers["key store"][1])
+        tiers.update(prefill_transient_tiers(args, cfg, ctx))
     return Plan(tiers, ctx)
 
 
@@ -101,18 +150,31 @@ def format_bytes(n: int) -> str:
         n /= 1024
 
 
+PER_TOKEN_TIERS = ("dense K+V", "key store", "value pool", "scratch")   # tiers that grow with the context
+
+
 def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | None = None) -> dict:
-    """The plan as a dict: tiers with bytes and bytes/token, totals per place, fit verdict, largest ctx."""
+    """The plan as a dict (what `minirun plan -o json` prints).
+
+    Keys: ctx, kv, kv_budget (None for dense), dtype, device ("cpu" | "cuda"), params,
+    tiers [{tier, where ("device" | "host"), bytes, bytes_per_token (None where it does not grow
+    per token: weights, sinks+ring, codebooks, prefill-only buffers), transient (bool: held only
+    while a prompt is prefilled)}], device_bytes, host_bytes (totals per place; on cpu everything
+    is host), dense_bytes_per_token (dense K+V in this dtype, for comparison), available
+    {host, device} (bytes free now; device: --gpu-mem, the GPU's free memory, or None),
+    fits (bool, or None when there is no GPU figure to check against: see note), host_fits,
+    largest_ctx (when fits is known), note.
+    """
     p = plan(args, cfg)
+    n_store = max(0, cfg.ctx - cfg.sinks - cfg.window)
     tiers = []
     for name, (nbytes, where) in p.tiers.items():
         per_tok = None
-        if name in ("dense K+V", "key store", "value pool") and cfg.ctx:
-            n_tok = cfg.ctx if name == "dense K+V" else max(0, cfg.ctx - cfg.sinks - cfg.window)
-            per_tok = nbytes / n_tok if n_tok else 0
-        if device == "cpu":
-            where = "host"
-        tiers.append({"tier": name, "where": where, "bytes": nbytes, "bytes_per_token": per_tok})
+        if name in PER_TOKEN_TIERS:
+            n_tok = cfg.ctx if name == "dense K+V" else n_store
+            per_tok = (nbytes // n_tok if nbytes % n_tok == 0 else nbytes / n_tok) if n_tok else 0
+        tiers.append({"tier": name, "where": "host" if device == "cpu" else where, "bytes": nbytes,
+                      "bytes_per_token": per_tok, "transient": name in (PREFILL_KEYS, ANCHOR_BLOCK)})
     dev = torch.device(device)
     avail = {"host": available_bytes(torch.device("cpu"))["host"], "device": None}
     if device == "cuda":
@@ -120,14 +182,16 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
             avail["device"] = gpu_mem
         elif torch.cuda.is_available():
             avail["device"] = torch.cuda.mem_get_info()[0]
+    dense_tok = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * ELEM[cfg.dtype]
+    host_bytes = p.bytes_on("host") + (0 if device == "cuda" else p.bytes_on("device"))
     report = {"ctx": cfg.ctx, "kv": cfg.kv, "kv_budget": cfg.kv_budget if cfg.kv == "hca" else None,
-              "dtype": cfg.dtype, "device": device, "tiers": tiers,
-              "device_bytes": p.bytes_on("device") if device == "cuda" else 0,
-              "host_bytes": p.bytes_on("host") + (0 if device == "cuda" else p.bytes_on("device")),
-              "available": avail}
+              "dtype": cfg.dtype, "device": device, "params": param_count(args), "tiers": tiers,
+              "device_bytes": p.bytes_on("device") if device == "cuda" else 0, "host_bytes": host_bytes,
+              "dense_bytes_per_token": dense_tok, "available": avail, "host_fits": host_bytes <= avail["host"],
+              "note": None}
     if device == "cuda" and avail["device"] is None:
         report["fits"] = None
-        report["note"] = "no GPU here to read free memory from: pass --gpu-mem (e.g. 80G) to check"
+        report["note"] = "cannot check free GPU memory: torch sees no GPU here; pass --gpu-mem (e.g. 80G)"
     else:
         report["fits"] = _fits(p, dev, avail)
         report["largest_ctx"] = largest_ctx(args, cfg, dev, avail)
@@ -135,23 +199,40 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
 
 
 def format_plan(r: dict) -> str:
-    lines = [f"plan: ctx {r['ctx']}, kv {r['kv']}" + (f" {r['kv_budget']}" if r["kv_budget"] else "")
-             + f", {r['dtype']}, {r['device']}", "",
+    """The report of plan_report as a markdown table and a few lines of totals and verdict."""
+    budget = f" {r['kv_budget']}" if r["kv_budget"] else ""
+    n = r["params"]
+    params = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+    lines = [f"plan: ctx {r['ctx']}, kv {r['kv']}{budget}, {r['dtype']}, {r['device']}, {params} params", "",
              "| tier | where | bytes | size | bytes/token |", "|---|---|---|---|---|"]
     for t in r["tiers"]:
         per = "-" if t["bytes_per_token"] is None else f"{t['bytes_per_token']:.0f}"
         lines.append(f"| {t['tier']} | {t['where']} | {t['bytes']} | {format_bytes(t['bytes'])} | {per} |")
     lines.append("")
+    kv_dev = [t for t in r["tiers"] if t["tier"] in ("dense K+V", "key store") and t["bytes_per_token"]]
+    if kv_dev:
+        t = kv_dev[0]
+        lines.append(f"{t['tier']}: {t['bytes_per_token']:.0f} B/token = "
+                     f"{100 * t['bytes_per_token'] / r['dense_bytes_per_token']:.1f}% of dense K+V "
+                     f"({r['dense_bytes_per_token']} B/token in {r['dtype']})")
+    if any(t["transient"] for t in r["tiers"]):
+        lines.append("(prefill) tiers are held only while a prompt is prefilled; totals include them")
     if r["device"] == "cuda":
-        lines.append(f"GPU total: {format_bytes(r['device_bytes'])}")
-    lines.append(f"host total: {format_bytes(r['host_bytes'])}")
+        lines.append(f"GPU total: {r['device_bytes']} B ({format_bytes(r['device_bytes'])})")
+    lines.append(f"host total: {r['host_bytes']} B ({format_bytes(r['host_bytes'])})")
+    av = r["available"]
     if r["fits"] is None:
         lines.append(r["note"])
+        lines.append(f"host side {'fits' if r['host_fits'] else 'does NOT fit'}: "
+                     f"{format_bytes(r['host_bytes'])} of {format_bytes(av['host'])} available")
     else:
-        av = r["available"]
-        where = f"host {format_bytes(r['host_bytes'])} of {format_bytes(av['host'])} available"
+        host_ok = r["host_bytes"] <= av["host"]
+        parts = [f"host {format_bytes(r['host_bytes'])} of {format_bytes(av['host'])} available"
+                 + ("" if host_ok or r["fits"] else " (too little)")]
         if r["device"] == "cuda":
-            where = f"GPU {format_bytes(r['device_bytes'])} of {format_bytes(av['device'])}, " + where
-        lines.append(f"{'fits' if r['fits'] else 'does NOT fit'}: {where} "
+            gpu_ok = r["device_bytes"] <= av["device"]
+            parts.insert(0, f"GPU {format_bytes(r['device_bytes'])} of {format_bytes(av['device'])}"
+                         + ("" if gpu_ok or r["fits"] else " (too little)"))
+        lines.append(f"{'fits' if r['fits'] else 'does NOT fit'}: {', '.join(parts)} "
                      f"(largest ctx that fits: {r['largest_ctx']})")
     return "\n".join(lines)

@@ -6,10 +6,13 @@ import json
 import pytest
 import torch
 
+from minirun import Engine
+from minirun.bench import FIELDS, bench_ctx, tokens_needed
 from minirun.cli import main
+from minirun.cli_bench import SizeType
 from minirun.config import EngineConfig, ModelArgs
 from minirun.errors import ContextError
-from minirun.planner import check_fits, largest_ctx, plan
+from minirun.planner import ANCHOR_BLOCK, PREFILL_KEYS, check_fits, largest_ctx, param_count, plan
 
 SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
@@ -18,54 +21,101 @@ LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, 
                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 M4 = 4 * 1024 * 1024
+KiB, GiB = 1024, 1 << 30
 
 
 def test_smollm2_bytes_per_tier_at_4m():
     a = ModelArgs.from_dict(SMOLLM2)
     L, Hkv, d, Hq = 30, 3, 64, 9
     dense = plan(a, EngineConfig(kv="dense", dtype="bfloat16", ctx=M4)).tiers
-    assert dense["dense K+V"][0] == 4 * L * Hkv * d * M4 == 23040 * M4        # 22.5 KiB per token
+    assert dense["dense K+V"] == (4 * L * Hkv * d * M4, "device")
+    assert 4 * L * Hkv * d == 23040 == 22.5 * KiB                                # K+V, 2 bytes each, per token
+    assert set(dense) == {"weights", "dense K+V"}
+
     t = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4)).tiers
-    n_store = M4 - 16 - 256
+    n_store = M4 - 16 - 256                                                      # sinks and ring stay exact
     assert t["key store"] == (2 * L * Hkv * 16 * n_store, "device")             # g = d/4 = 16 int16 indices
     assert 2 * L * Hkv * 16 == 2880 == 23040 // 8                               # exactly the 12.5% preset
-    assert t["value pool"] == (2 * L * Hkv * d * n_store, "host")
+    assert t["value pool"] == (2 * L * Hkv * d * n_store, "host")               # float16 values
     assert t["sinks+ring K+V"] == (4 * L * Hkv * d * 272, "device")
-    assert t["codebooks"] == (L * Hkv * 16 * 1024 * 4 * 4, "device")
-    assert t["scratch"] == (Hq * n_store * 8, "device")
+    assert t["codebooks"] == (L * Hkv * 16 * 1024 * 4 * 4, "device")            # g x c centroids of d/g f32
+    assert t["scratch"] == (Hq * n_store * 8, "device")                         # f32 score + i32 index
+    # transient: an exact prefill (auto mode: prompts up to 65536 tokens) keeps f32 keys of the
+    # store tokens until it ends; an anchor prefill (longer prompts) holds 2048 - 16 anchor keys
+    assert t[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "host")
+    assert t[ANCHOR_BLOCK] == (4 * L * Hkv * d * (2048 - 16), "device")
+    assert len(t) == 8
+
     t25 = plan(a, EngineConfig(kv="hca", kv_budget=0.25, dtype="bfloat16", ctx=M4)).tiers
     assert t25["key store"][0] == 2 * L * Hkv * 32 * n_store                    # g = d/2: 25%
+    assert t25["codebooks"][0] == L * Hkv * 32 * 1024 * 2 * 4
     t50 = plan(a, EngineConfig(kv="hca", kv_budget=0.5, dtype="bfloat16", ctx=M4)).tiers
-    assert t50["key store"][0] == 2 * L * Hkv * d * n_store and "codebooks" not in t50
+    # the 50% preset keeps exact keys, and HCACache stores them in float32 whatever the dtype
+    assert t50["key store"][0] == 4 * L * Hkv * d * n_store
+    assert "codebooks" not in t50 and PREFILL_KEYS not in t50
 
 
 def test_llama3_8b_bytes_per_tier_at_4m():
     a = ModelArgs.from_dict(LLAMA3_8B)
-    L, Hkv, d = 32, 8, 128
+    L, Hkv, d, Hq = 32, 8, 128, 32
+    assert param_count(a) == (32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096)
+                              + 2 * 128256 * 4096 + 4096) == 8_030_261_248
     dense = plan(a, EngineConfig(kv="dense", dtype="bfloat16", ctx=M4)).tiers
-    assert dense["dense K+V"][0] == 128 * 1024 * M4                             # 128 KiB per token: 512 GiB
+    assert dense["dense K+V"][0] == 128 * KiB * M4 == 512 * GiB                # 128 KiB per token
+    assert dense["weights"] == (2 * 8_030_261_248, "device")
     t = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4)).tiers
     n_store = M4 - 272
-    assert t["key store"][0] == 2 * L * Hkv * 32 * n_store == 16384 * n_store   # 16 KiB per token = 1/8
-    assert t["value pool"][0] == 2 * L * Hkv * d * n_store                      # 64 KiB per token on the host
-    assert t["weights"][0] == 2 * (32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096)
-                                   + 2 * 128256 * 4096 + 4096)
+    assert t["key store"] == (2 * L * Hkv * 32 * n_store, "device")             # 16 KiB per token = 1/8
+    assert 2 * L * Hkv * 32 == 16 * KiB
+    assert t["value pool"] == (2 * L * Hkv * d * n_store, "host")               # 64 KiB per token
+    assert t["sinks+ring K+V"] == (4 * L * Hkv * d * 272, "device")             # 34 MiB
+    assert t["codebooks"] == (L * Hkv * 32 * 1024 * 4 * 4, "device")            # 128 MiB
+    assert t["scratch"] == (Hq * n_store * 8, "device")
+    assert t[PREFILL_KEYS] == (4 * L * Hkv * d * 65264, "host")                 # 128 KiB/token f32: ~8 GiB
+    assert t[ANCHOR_BLOCK] == (4 * L * Hkv * d * 2032, "device")
+    assert t["weights"] == dense["weights"]
+
+
+def test_planner_transient_and_exact_keys_match_the_cache(tiny_model_dir):
+    """The prefill-only keys and the f32 exact-key store, as HCACache allocates them."""
+    d = tiny_model_dir("gqa-untied")
+    ids = torch.randint(4, 300, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    for budget, dtype in ((0.125, "float32"), (0.5, "bfloat16")):
+        eng = Engine.load(d, device="cpu", ctx=600, kv="hca", kv_budget=budget, dtype=dtype, centroids=32,
+                          window=32, sinks=4, prefill_chunk=100)
+        peak = []
+        eng.prefill(ids, progress=lambda *_: peak.append(eng.kv_stats()["prefill_keys_bytes"]))
+        p, s = plan(eng.args, eng.config).tiers, eng.kv_stats()
+        assert p["key store"][0] == s["device_keys_bytes"]
+        assert p.get(PREFILL_KEYS, (0,))[0] == max(peak)
+        assert ANCHOR_BLOCK not in p                                              # ctx <= exact_prefill_max
 
 
 def test_refusal_names_the_largest_ctx_that_fits():
     a = ModelArgs.from_dict(SMOLLM2)
     cfg = EngineConfig(kv="dense", dtype="bfloat16", ctx=M4)
-    avail = {"host": 4 << 30, "device": None}
+    avail = {"host": 4 * GiB, "device": None}
     cpu = torch.device("cpu")
     with pytest.raises(ContextError) as e:
         check_fits(a, cfg, cpu, avail)
     msg = str(e.value)
     assert "\n" not in msg and "the largest context that fits is" in msg
     best = largest_ctx(a, cfg, cpu, avail)
-    assert str(best) in msg
+    # by hand: weights + 23040 B/token <= 4 GiB
+    weights = 2 * (30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 49152 * 576 + 576)
+    assert best == (4 * GiB - weights) // 23040
+    assert f"--ctx {best}" in msg and f"is {best}" in msg
     check_fits(a, EngineConfig(kv="dense", dtype="bfloat16", ctx=best), cpu, avail)
     with pytest.raises(ContextError):
         check_fits(a, EngineConfig(kv="dense", dtype="bfloat16", ctx=best + 1), cpu, avail)
+    # on a GPU the device tiers are checked against the GPU's memory, the value pool against the host's
+    hca = EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4)
+    gpu = {"host": 1 << 40, "device": 4 * GiB}
+    with pytest.raises(ContextError) as e:
+        check_fits(a, hca, torch.device("cuda"), gpu)
+    best = largest_ctx(a, hca, torch.device("cuda"), gpu)
+    assert "GPU memory" in str(e.value) and str(best) in str(e.value)
+    assert plan(a, hca, best).bytes_on("device") <= 4 * GiB < plan(a, hca, best + 1).bytes_on("device")
 
 
 def run(args, capsys):
@@ -73,7 +123,7 @@ def run(args, capsys):
         main(args)
     except SystemExit as e:
         assert e.code in (0, None), capsys.readouterr().err
-    return capsys.readouterr().out
+    return capsys.readouterr()
 
 
 BENCH = ["-p", "16", "-n", "4", "-d", "0,64", "--kv", "dense,hca", "-r", "2", "--window", "16", "--sinks", "4"]
@@ -81,30 +131,79 @@ BENCH = ["-p", "16", "-n", "4", "-d", "0,64", "--kv", "dense,hca", "-r", "2", "-
 
 def test_bench_json_csv_markdown(tiny_model_dir, capsys):
     d = str(tiny_model_dir("gqa-untied"))
-    rows = json.loads(run(["bench", d, *BENCH, "-o", "json"], capsys))
+    out = run(["bench", d, *BENCH, "-o", "json"], capsys)
+    assert "bench: hca 0.125 tg4 @ d64" in out.err                           # status lines on stderr
+    rows = json.loads(out.out)
     assert len(rows) == 6                                  # 2 modes x (pp16, tg4@d0, tg4@d64)
+    assert [(r["kv"], r["test"]) for r in rows] == [(kv, t) for kv in ("dense", "hca")
+                                                    for t in ("pp16", "tg4 @ d0", "tg4 @ d64")]
     for r in rows:
-        for k in ("model", "device", "dtype", "threads", "kv", "kv_budget", "codebooks", "test", "n_prompt",
-                  "n_gen", "depth", "reps", "tps_mean", "tps_std", "samples", "peak_host_bytes",
-                  "peak_device_bytes", "kv_stats", "date", "version"):
-            assert k in r
-        assert r["tps_mean"] > 0 and len(r["samples"]) == 2 and r["kv_stats"]["tokens"] > 0
-    assert {r["test"] for r in rows} == {"pp16", "tg4 @ d0", "tg4 @ d64"}
-    assert [r for r in rows if r["kv"] == "hca" and r["test"] == "tg4 @ d64"][0]["kv_stats"]["tokens_store"] > 0
-    table = list(csv.DictReader(io.StringIO(run(["bench", d, *BENCH, "-o", "csv"], capsys))))
-    assert len(table) == 6 and float(table[0]["tps_mean"]) > 0 and "kv_tokens" in table[0]
-    md = run(["bench", d, *BENCH], capsys).strip().splitlines()
-    assert md[0].startswith("| model") and len(md) == 2 + 6
+        assert list(r) == FIELDS
+        assert r["tps_mean"] > 0 and r["tps_std"] >= 0 and len(r["samples"]) == 2 and r["reps"] == 2
+        assert r["peak_host_bytes"] > 0 and r["peak_host_scope"] in ("test", "process")
+        assert r["ctx"] == 256 and r["dtype"] == "float32" and r["threads"] >= 1
+        assert r["model_params"] == 112448 and r["model_bytes"] == 4 * 112448
+        pp = r["test"] == "pp16"
+        assert (r["n_prompt"], r["n_gen"], r["depth"]) == ((16, 0, 0) if pp else (0, 4, int(r["test"].split("@ d")[1])))
+        assert r["kv_stats"]["tokens"] == (16 if pp else max(r["depth"], 1) + 4)   # after the last rep
+        assert r["kv_budget"] == (None if r["kv"] == "dense" else 0.125)
+        assert r["codebooks"] == ("-" if r["kv"] == "dense" else "fitted")   # no codebook file here
+    deep = rows[-1]["kv_stats"]
+    assert deep["tokens_store"] == 68 - 4 - 16 and deep["codebook_bytes"] > 0
+
+    table = list(csv.DictReader(io.StringIO(run(["bench", d, *BENCH, "-o", "csv"], capsys).out)))
+    assert len(table) == 6 and float(table[0]["tps_mean"]) > 0
+    assert [f for f in FIELDS if f != "kv_stats"] == list(table[0])[:len(FIELDS) - 1]
+    assert {"kv_tokens", "kv_device_kv_bytes", "kv_host_values_bytes"} <= set(table[0])
+    assert len(table[3]["samples"].split()) == 2 and table[0]["kv_budget"] == "" and table[3]["kv_budget"] == "0.125"
+
+    md = run(["bench", d, *BENCH], capsys).out.strip().splitlines()
+    assert md[0].startswith("| model | size | params |") and "| t/s |" in md[0] and md[1].startswith("| ---")
+    assert len(md) == 2 + 6 and all(line.count("|") == md[0].count("|") for line in md)
+    assert "tg4 @ d64" in md[-1] and "±" in md[-1] and "fitted" in md[-1]
+
+
+def test_bench_options(tiny_model_dir, capsys):
+    assert tokens_needed([512, 2048], 32, [0, 4096]) == 4128 and bench_ctx([512, 2048], 32, [0, 4096]) == 4352
+    assert tokens_needed([], 4, [0]) == 5 and bench_ctx([16], 4, [0, 64]) == 256
+    assert SizeType().convert("80G", None, None) == 80 * GiB == SizeType().convert("80GiB", None, None)
+    assert SizeType().convert("512M", None, None) == 512 << 20
+    d = str(tiny_model_dir("gqa-untied"))
+    for args, err in ((["--kv-budget", "0.3"], "unknown --kv-budget '0.3'"), (["--kv", "paged"], "unknown kv mode"),
+                      (["-p", "600", "--ctx", "512"], "too small for these tests"), (["-d", "x"], "-d: expected")):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", d, *args])
+        assert e.value.code == 1 and err in capsys.readouterr().err
 
 
 def test_plan_bare_llama3_config(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA3_8B))
-    out = run(["plan", str(cfg), "--ctx", "4M", "--kv", "hca", "--kv-budget", "0.125", "--dtype", "bfloat16",
-               "--gpu-mem", "80G", "-o", "json"], capsys)
-    r = json.loads(out)
+    args = ["plan", str(cfg), "--ctx", "4M", "--kv", "hca", "--kv-budget", "0.125", "--dtype", "bfloat16"]
+    r = json.loads(run([*args, "--gpu-mem", "80G", "-o", "json"], capsys).out)
+    n_store = M4 - 272
     tiers = {t["tier"]: t for t in r["tiers"]}
-    assert tiers["key store"]["bytes_per_token"] == 16384 and tiers["value pool"]["bytes_per_token"] == 65536
-    assert r["available"]["device"] == 80 << 30 and r["fits"] in (True, False)
-    text = run(["plan", str(cfg), "--ctx", "4M", "--gpu-mem", "80G"], capsys)
-    assert "| key store | device |" in text and "largest ctx that fits" in text
+    assert r["ctx"] == M4 and r["params"] == 8_030_261_248 and r["dense_bytes_per_token"] == 128 * KiB
+    assert tiers["key store"]["bytes"] == 16 * KiB * n_store and tiers["key store"]["bytes_per_token"] == 16 * KiB
+    assert tiers["value pool"]["bytes"] == 64 * KiB * n_store and tiers["value pool"]["where"] == "host"
+    assert tiers["value pool"]["bytes_per_token"] == 64 * KiB and tiers["weights"]["bytes_per_token"] is None
+    assert tiers[PREFILL_KEYS]["transient"] and not tiers["key store"]["transient"]
+    dev = (2 * 8_030_261_248 + 16 * KiB * n_store + 32 * 8 * 128 * 4 * 272 + 32 * 8 * 32 * 1024 * 16
+           + 32 * n_store * 8 + 128 * KiB * 2032)
+    assert r["device_bytes"] == dev and r["host_bytes"] == 64 * KiB * n_store + 128 * KiB * 65264
+    # 4M tokens: 15 GiB weights + 64 GiB keys + 0.5 GiB scratch... > 80 GiB of GPU memory
+    assert r["available"]["device"] == 80 * GiB and r["fits"] is False and 0 < r["largest_ctx"] < M4
+
+    text = run(args + ["--gpu-mem", "80G"], capsys).out
+    assert "plan: ctx 4194304, kv hca 0.125, bfloat16, cuda, 8.03 B params" in text
+    assert f"| key store | device | {16 * KiB * n_store} | 64.0 GiB | 16384 |" in text
+    assert f"| value pool | host | {64 * KiB * n_store} | 256.0 GiB | 65536 |" in text
+    assert "key store: 16384 B/token = 12.5% of dense K+V (131072 B/token in bfloat16)" in text
+    assert f"GPU total: {dev} B" in text and "does NOT fit: GPU" in text
+    assert f"(largest ctx that fits: {r['largest_ctx']})" in text
+
+    if not torch.cuda.is_available():
+        text = run(args, capsys).out                                          # no --gpu-mem, no GPU
+        assert "cannot check free GPU memory" in text and "host side" in text
+    text = run([*args[:-6], "--kv", "dense", "--device", "cpu"], capsys).out    # dense, on the host
+    assert f"| dense K+V | host | {128 * KiB * M4} | 512.0 GiB | 131072 |" in text and "GPU total" not in text
