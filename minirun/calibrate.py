@@ -1,6 +1,14 @@
-"""Offline codebooks: run the model over text, collect post-RoPE keys, fit per-group k-means."""
+"""Offline codebooks: run the model over text, collect post-RoPE keys, fit per-group k-means.
+
+`minirun calibrate MODEL` writes `codebooks-g{G}-c{C}.safetensors` into the model directory; the
+HCA cache loads it from there (kv/hca.py). Keys come from dense prefills over windows of the
+calibration text (a DenseCache holds post-RoPE keys), sub-sampled evenly across windows and
+positions; the first `skip` positions of each window (attention sinks, whose keys are unusual and
+which HCA keeps exact anyway) are left out.
+"""
 from __future__ import annotations
 
+import math
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -10,86 +18,154 @@ import torch
 from .errors import MiniRunError
 from .kv.codebooks import Codebooks, codebook_filename
 
+# Defaults measured on SmolLM2-135M (2-core CPU; see docs/QUALITY.md): 12 windows of 2048 tokens
+# (~40 s of dense prefill) give 16384 keys per (layer, kv-head); 40 mini-batch steps of 4096 samples
+# take ~50 s for 1440 or 2880 problems of 1024 centroids. 8192 vs 24576 keys and 40 vs 100 steps
+# changed held-out key error and attention-mass recall only in the third digit.
+DEFAULT_WINDOW = 2048
+DEFAULT_WINDOWS = 12
+DEFAULT_TOKENS = 16384
+DEFAULT_ITERS = 40
+DEFAULT_SKIP = 16
+
 
 def builtin_text(part: str = "calibration") -> tuple[str, str]:
-    """Text every Python install has (the stdlib's pydoc topics), split into two disjoint halves:
-    "calibration" for codebooks and "evaluation" for the quality tools. Returns (text, source)."""
+    """Text every Python install has (the stdlib's pydoc topics), split into two disjoint halves by
+    topic name: "calibration" for codebooks and "evaluation" for the quality tools.
+    Returns (text, source description)."""
     import pydoc_data.topics
     topics = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
     half = len(topics) // 2
     chosen = topics[:half] if part == "calibration" else topics[half:]
-    return "\n\n".join(chosen), f"pydoc_data.topics ({part} half: {len(chosen)} topics)"
+    return "\n\n".join(chosen), f"pydoc_data.topics ({part} half: {len(chosen)} of {len(topics)} topics)"
+
+
+def strip_gutenberg(text: str) -> str:
+    """The body of a Project Gutenberg e-text (between its START and END markers), else text as is."""
+    start, end = text.find("*** START OF"), text.find("*** END OF")
+    if start >= 0:
+        nl = text.find("\n", start)
+        text = text[nl + 1 if nl >= 0 else start:end if end > start else None]
+    elif end >= 0:
+        text = text[:end]
+    return text.strip()
 
 
 def read_text(data: str | Path | None, part: str = "calibration") -> tuple[str, str]:
+    """(text, source): the file's text (Gutenberg boilerplate removed) or the built-in text."""
     if data is None:
         return builtin_text(part)
     p = Path(data)
     try:
-        text = p.read_text(encoding="utf-8", errors="replace")
+        text = p.read_text(encoding="utf-8-sig", errors="replace")
     except OSError as e:
         raise MiniRunError(f"cannot read --data {p}: {e.strerror or e}") from None
+    text = strip_gutenberg(text)
     if not text.strip():
         raise MiniRunError(f"--data {p} is empty")
-    return text, str(p)
+    return text, f"{p.name} ({len(text)} chars)"
+
+
+def _spread(n_items: int, k: int) -> list[int]:
+    """k indices spread evenly over range(n_items) (all of them when k >= n_items)."""
+    if k >= n_items:
+        return list(range(n_items))
+    return [int(i * n_items / k) for i in range(k)]
 
 
 @torch.inference_mode()
-def collect_keys(eng, ids: list[int], window: int = 2048, max_tokens: int = 16384, skip: int = 16) -> torch.Tensor:
-    """Post-RoPE keys [L, Hkv, n, hd] (float32) from dense prefills over consecutive windows of ids.
+def collect_keys(eng, ids: list[int], window: int = DEFAULT_WINDOW, max_tokens: int = DEFAULT_TOKENS,
+                 windows: int = DEFAULT_WINDOWS, skip: int = DEFAULT_SKIP, progress=None) -> torch.Tensor:
+    """Post-RoPE keys [L, Hkv, n <= max_tokens, hd] (float32) from dense prefills.
 
-    The first `skip` positions of each window (attention sinks, unusual keys) are left out.
+    The text is cut into consecutive windows of `window` tokens; up to `windows` of them, spread
+    evenly over the text, are prefilled (each in a fresh cache, so every window starts at position
+    0 like a prompt does). From each, about max_tokens / windows positions spread evenly over
+    [skip, len) are kept. progress: optional callable(done_windows, total_windows).
     """
-    chunks, n = [], 0
-    for w0 in range(0, len(ids), window):
-        win = ids[w0:w0 + window]
+    starts = list(range(0, len(ids), window))
+    if starts and len(ids) - starts[-1] < window // 2 and len(starts) > 1:
+        starts.pop()                                   # a short tail window: drop it
+    starts = [starts[i] for i in _spread(len(starts), max(1, windows))]
+    usable = [min(window, len(ids) - s) - skip for s in starts]
+    if not starts or sum(u for u in usable if u > 0) < 64:
+        raise MiniRunError(f"calibration text is too short: {len(ids)} tokens; need a few hundred at least")
+    per = math.ceil(max_tokens / len(starts))
+    chunks = []
+    for i, s in enumerate(starts):
+        win = ids[s:s + window]
         if len(win) <= skip + 1:
-            break
+            continue
         eng.reset()
         eng.prefill(win)
-        k = eng.cache.k[:, :, skip:len(win)].float().clone()
-        chunks.append(k)
-        n += k.shape[2]
-        if n >= max_tokens:
-            break
+        pos = torch.tensor(_spread(len(win) - skip, per)) + skip
+        chunks.append(eng.cache.k[:, :, pos].float().clone())
+        if progress:
+            progress(i + 1, len(starts))
     eng.reset()
-    if not chunks:
-        raise MiniRunError("calibration text is too short: need at least a few hundred tokens")
-    return torch.cat(chunks, 2)[:, :, :max_tokens]
+    keys = torch.cat(chunks, 2)
+    if keys.shape[2] > max_tokens:                     # rounding: thin out evenly, not by truncation
+        keys = keys[:, :, _spread(keys.shape[2], max_tokens)]
+    return keys
 
 
-def calibrate(model_dir: str | Path, groups: int, centroids: int, data=None, tokens: int = 16384,
-              iters: int = 40, window: int = 2048, dtype: str = "float32", progress: bool = True,
+def calibrate(model_dir: str | Path, groups: int, centroids: int = 1024, data=None,
+              tokens: int = DEFAULT_TOKENS, iters: int = DEFAULT_ITERS, window: int = DEFAULT_WINDOW,
+              windows: int = DEFAULT_WINDOWS, dtype: str = "float32", seed: int = 0, progress: bool = True,
               log=print) -> Path:
     """Fit and write `codebooks-g{G}-c{C}.safetensors` into model_dir; returns its path."""
+    from .config import ModelArgs
     from .engine import Engine
     model_dir = Path(model_dir)
+    args = ModelArgs.from_path(model_dir)                       # a bad model dir fails before the text is read
+    if groups < 1 or args.head_dim % groups:
+        raise MiniRunError(f"--groups {groups} does not divide head_dim {args.head_dim}")
+    if not 2 <= centroids <= 32768:
+        raise MiniRunError(f"--centroids must be in [2, 32768], got {centroids}")
+    if tokens < 1 or iters < 1:
+        raise MiniRunError("--tokens and --iters must be positive")
     text, source = read_text(data)
     eng = Engine.load(model_dir, device="cpu", dtype=dtype, ctx=window, kv="dense")
-    hd = eng.args.head_dim
-    if hd % groups:
-        raise MiniRunError(f"--groups {groups} does not divide head_dim {hd}")
     ids = eng.tokenize(text)
+    bar = _bar(progress, "keys", "window")
     t0 = time.perf_counter()
-    keys = collect_keys(eng, ids, window=window, max_tokens=tokens)
-    log(f"calibrate: {keys.shape[2]} keys per (layer, kv-head) from {source} in {time.perf_counter() - t0:.1f}s")
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=1, desc="k-means", unit="step")
-
-    def tick(done, total):
-        bar.total = total
-        bar.update(done - bar.n)
-
+    keys = collect_keys(eng, ids, window=window, max_tokens=tokens, windows=windows,
+                        progress=bar.tick if bar else None)
+    if bar:
+        bar.close()
+    t_keys = time.perf_counter() - t0
+    log(f"calibrate: {keys.shape[2]} keys per (layer, kv-head) from {len(ids)} tokens of {source} "
+        f"in {t_keys:.1f}s")
+    del eng
+    bar = _bar(progress, "k-means", "step")
     t0 = time.perf_counter()
-    cb = Codebooks.fit(keys, groups, centroids, iters=iters, progress=tick if bar else None,
+    cb = Codebooks.fit(keys, groups, centroids, iters=iters, seed=seed, progress=bar.tick if bar else None,
                        source="calibrated")
     if bar:
         bar.close()
+    t_fit = time.perf_counter() - t0
     log(f"calibrate: fitted {keys.shape[0] * keys.shape[1] * groups} codebooks of {centroids} centroids "
-        f"in {time.perf_counter() - t0:.1f}s")
+        f"({iters} steps) in {t_fit:.1f}s")
     path = model_dir / codebook_filename(groups, centroids)
-    meta = {"data": source, "tokens": int(keys.shape[2]), "iters": iters,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+    meta = {"data": source, "tokens": int(keys.shape[2]), "text_tokens": len(ids), "iters": iters,
+            "windows": windows, "window": window, "seed": seed,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+            "seconds": round(t_keys + t_fit, 1)}
     return cb.save(path, meta=meta)
+
+
+class _Bar:
+    def __init__(self, desc, unit):
+        from tqdm import tqdm
+        self.bar = tqdm(total=1, desc=desc, unit=unit, leave=False)
+
+    def tick(self, done, total):
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self):
+        self.bar.close()
+
+
+def _bar(progress: bool, desc: str, unit: str):
+    return _Bar(desc, unit) if progress else None

@@ -6,98 +6,94 @@ from pathlib import Path
 
 import click
 
+from .calibrate import DEFAULT_ITERS, DEFAULT_TOKENS, DEFAULT_WINDOWS
 from .errors import MiniRunError
+
+
+def _floats(value: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise MiniRunError(f"{what}: expected comma-separated numbers, got {value!r}") from None
+
+
+def _ints(value: str, what: str) -> list[int]:
+    from .config import parse_ctx
+    try:
+        return [parse_ctx(x) for x in value.split(",") if x.strip()]
+    except MiniRunError:
+        raise MiniRunError(f"{what}: expected comma-separated token counts (1K = 1024), got {value!r}") from None
 
 
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="calibration text (default: the stdlib's pydoc topics, first half)")
-@click.option("--kv-budget", type=click.Choice(["0.25", "0.125"]), default="0.125", show_default=True,
+              help="calibration text file (default: the stdlib's pydoc topics, calibration half)")
+@click.option("--kv-budget", type=click.Choice(["0.25", "0.125"]), default="0.25", show_default=True,
               help="preset giving the groups (0.25: head_dim/2, 0.125: head_dim/4)")
 @click.option("--groups", type=int, default=None, help="sub-vectors per key (overrides --kv-budget)")
-@click.option("--centroids", type=int, default=1024, show_default=True)
-@click.option("--tokens", type=int, default=16384, show_default=True, help="keys per (layer, kv-head) to fit on")
-@click.option("--iters", type=int, default=40, show_default=True, help="mini-batch k-means steps")
-def calibrate(model, data, kv_budget, groups, centroids, tokens, iters):
+@click.option("--centroids", type=int, default=1024, show_default=True, help="centroids per group")
+@click.option("--tokens", type=int, default=DEFAULT_TOKENS, show_default=True,
+              help="keys per (layer, kv-head) to fit on, sub-sampled across windows and positions")
+@click.option("--windows", type=int, default=DEFAULT_WINDOWS, show_default=True,
+              help="2048-token windows of the text to run, spread over it")
+@click.option("--iters", type=int, default=DEFAULT_ITERS, show_default=True,
+              help="mini-batch k-means steps (4096 samples each)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU threads for torch")
+def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, threads):
     """Fit key codebooks on text and write codebooks-g{G}-c{C}.safetensors into MODEL."""
     from .calibrate import calibrate as run
     from .config import ModelArgs
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
     hd = ModelArgs.from_path(model).head_dim
     g = groups or {"0.25": hd // 2, "0.125": hd // 4}[kv_budget]
-    path = run(model, g, centroids, data=data, tokens=tokens, iters=iters, log=lambda s: click.echo(s, err=True))
+    path = run(model, g, centroids, data=data, tokens=tokens, iters=iters, windows=windows, seed=seed,
+               log=lambda s: click.echo(s, err=True))
     click.echo(str(path))
 
 
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="evaluation text (default: the stdlib's pydoc topics, second half)")
-@click.option("--kv-budget", "budgets", default="0.5,0.25,0.125", show_default=True, help="HCA budgets to compare")
+              help="evaluation text file (default: the stdlib's pydoc topics, evaluation half)")
+@click.option("--kv-budget", "budgets", default="0.5,0.25,0.125", show_default=True,
+              help="HCA budgets to compare with dense (comma-separated; empty: dense only)")
 @click.option("--ppl-tokens", type=int, default=4096, show_default=True, help="0 skips perplexity")
-@click.option("--prompt-tokens", type=int, default=3072, show_default=True)
-@click.option("--positions", type=int, default=256, show_default=True, help="0 skips agreement/KL")
-@click.option("--passkey-lengths", default="1024,2048,4096,7168", show_default=True, help="empty skips passkey")
-@click.option("--passkey-depths", default="0.1,0.5,0.9", show_default=True)
-@click.option("--trials", type=int, default=1, show_default=True)
-@click.option("--tau", type=float, default=0.9, show_default=True)
-@click.option("--window", type=int, default=256, show_default=True)
-@click.option("--sinks", type=int, default=16, show_default=True)
+@click.option("--prompt-tokens", type=int, default=3072, show_default=True, help="teacher forcing: prompt length")
+@click.option("--positions", type=int, default=256, show_default=True,
+              help="teacher forcing: positions compared after the prompt (0 skips agreement/KL)")
+@click.option("--passkey-lengths", default="1K,2K,4K,8000", show_default=True,
+              help="passkey prompt lengths in tokens (empty skips passkey)")
+@click.option("--passkey-depths", default="0.1,0.5,0.9", show_default=True, help="where the key sits (0..1)")
+@click.option("--trials", type=int, default=2, show_default=True, help="random keys per passkey cell")
+@click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: softmax mass kept per head")
+@click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
+@click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("--key-store", type=click.Choice(["codebook", "exact"]), default="codebook", show_default=True,
+              help="HCA keys: codebook indices, or exact (isolates the selection's effect)")
+@click.option("--centroids", type=int, default=None, help="HCA codebook size (default: the preset's 1024)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU threads for torch")
+@click.option("--seed", type=int, default=0, show_default=True, help="passkey keys")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey_lengths, passkey_depths, trials,
-             tau, window, sinks, dtype, output):
+             tau, window, sinks, key_store, centroids, dtype, threads, seed, output):
     """Dense vs HCA on the same inputs: perplexity, top-1 agreement and KL, passkey accuracy."""
     from .calibrate import read_text
-    from .engine import Engine
-    from .evaluate import agreement, passkey, perplexity
+    from .config import ModelArgs
+    from .evaluate import format_markdown, run_grid
+    from .tokenizer import Tokenizer
+    ModelArgs.from_path(model)                                   # a bad model dir: one line, before any work
     text, source = read_text(data, part="evaluation")
-    lengths = [int(x) for x in passkey_lengths.split(",") if x.strip()]
-    depths = [float(x) for x in passkey_depths.split(",") if x.strip()]
-    need = max([ppl_tokens, prompt_tokens + positions] + lengths) + 64
-    modes = [("dense", None)] + [("hca", float(b)) for b in budgets.split(",") if b.strip()]
-    engines = {m: Engine.load(model, device="cpu", dtype=dtype, ctx=need, kv=m[0], tau=tau, window=window,
-                              sinks=sinks, **({"kv_budget": m[1]} if m[1] else {})) for m in modes}
-    ids = engines[modes[0]].tokenize(text)
-    if len(ids) < max(ppl_tokens, prompt_tokens + positions):
-        raise MiniRunError(f"evaluation text has {len(ids)} tokens; need {max(ppl_tokens, prompt_tokens + positions)}")
-    rows = []
-    for m in modes:
-        eng, name = engines[m], m[0] if m[1] is None else f"hca {m[1]}"
-        row = {"mode": name}
-        click.echo(f"eval: {name} ...", err=True)
-        if ppl_tokens:
-            row["ppl"] = perplexity(eng, ids[:ppl_tokens])
-        if positions and m[1] is not None:
-            row.update(agreement(engines[modes[0]], eng, ids[:prompt_tokens],
-                                 ids[prompt_tokens:prompt_tokens + positions]))
-        if lengths:
-            row["passkey"] = passkey(eng, lengths, depths, trials)
-        cb = getattr(eng.cache, "codebooks", None)
-        row["codebooks"] = "-" if cb is None else cb.source
-        rows.append(row)
-    report = {"model": str(model), "data": source, "tau": tau, "window": window, "sinks": sinks, "rows": rows}
-    click.echo(json.dumps(report, indent=2) if output == "json" else format_eval(report))
-
-
-def format_eval(r: dict) -> str:
-    dense = r["rows"][0].get("ppl")
-    lines = [f"data: {r['data']}; tau {r['tau']}, window {r['window']}, sinks {r['sinks']}", "",
-             "| mode | ppl | vs dense | top-1 agreement | mean KL | passkey (all cells) | codebooks |",
-             "|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        ppl = row.get("ppl")
-        rel = f"{100 * (ppl / dense - 1):+.2f}%" if ppl and dense else "-"
-        pk = row.get("passkey", [])
-        acc = f"{sum(c['accuracy'] for c in pk) / len(pk):.2f}" if pk else "-"
-        lines.append(f"| {row['mode']} | {ppl:.3f} | {rel} | {row.get('top1_agreement', '-')} | "
-                     f"{row.get('mean_kl', '-')} | {acc} | {row['codebooks']} |" if ppl else
-                     f"| {row['mode']} | - | - | {row.get('top1_agreement', '-')} | {row.get('mean_kl', '-')} | {acc} | {row['codebooks']} |")
-    pk_rows = [row for row in r["rows"] if row.get("passkey")]
-    if pk_rows:
-        cells = [(c["length"], c["depth"]) for c in pk_rows[0]["passkey"]]
-        lines += ["", "| passkey length, depth | " + " | ".join(row["mode"] for row in pk_rows) + " |",
-                  "|---|" + "---|" * len(pk_rows)]
-        for i, (n, d) in enumerate(cells):
-            lines.append(f"| {n}, {d} | " + " | ".join(f"{row['passkey'][i]['accuracy']:.2f}" for row in pk_rows) + " |")
-    return "\n".join(lines)
+    ids = Tokenizer(model).encode(text)
+    report = run_grid(model, ids, budgets=_floats(budgets, "--kv-budget"), ppl_tokens=ppl_tokens,
+                      prompt_tokens=prompt_tokens, positions=positions,
+                      lengths=_ints(passkey_lengths, "--passkey-lengths"),
+                      depths=_floats(passkey_depths, "--passkey-depths"), trials=trials, tau=tau, window=window,
+                      sinks=sinks, dtype=dtype, key_store=key_store, centroids=centroids, threads=threads, seed=seed,
+                      log=lambda s: click.echo(s, err=True))
+    report["data"] = source
+    click.echo(json.dumps(report, indent=1) if output == "json" else format_markdown(report, data=source))

@@ -1,54 +1,97 @@
 """calibrate writes codebooks the cache then loads; the evaluation functions give sane numbers."""
 import json
+import shutil
 
 import pytest
 import torch
 
 from minirun import Engine
-from minirun.calibrate import calibrate
+from minirun.calibrate import builtin_text, calibrate, collect_keys, read_text
 from minirun.cli import main
 from minirun.errors import CheckpointError
-from minirun.evaluate import agreement, passkey, perplexity
+from minirun.evaluate import (agreement, check_targets, format_markdown, passkey, passkey_prompt, perplexity,
+                              teacher_forced_logits)
+
+QUIET = dict(progress=False, log=lambda s: None)
 
 
 def ids_of(n, seed=0):
     return torch.randint(4, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_calibrate_writes_codebooks_the_cache_loads(tiny_model_dir, tmp_path):
-    import shutil
-    d = tmp_path / "m"
+@pytest.fixture(scope="module")
+def calibrated(tiny_model_dir, tmp_path_factory):
+    """A copy of the tiny GQA model with a calibrated g=8, c=16 codebook file."""
+    d = tmp_path_factory.mktemp("calibrated") / "m"
     shutil.copytree(tiny_model_dir("gqa-untied"), d)
-    path = calibrate(d, groups=8, centroids=16, tokens=600, iters=5, window=256, progress=False, log=lambda s: None)
+    path = calibrate(d, groups=8, centroids=16, tokens=600, iters=5, window=256, windows=4, **QUIET)
+    return d, path
+
+
+def test_calibrate_writes_codebooks_the_cache_loads(calibrated):
+    d, path = calibrated
     assert path.name == "codebooks-g8-c16.safetensors" and path.is_file()
+    assert not list(d.glob("*.tmp"))                                       # written via tmp + rename
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        assert f.get_tensor("centroids").shape == (2, 2, 8, 16, 2)     # [L, Hkv, g, c, hd/g]
+    assert json.loads(meta["tokens"]) == 600 and "pydoc_data" in json.loads(meta["data"])
+    assert {"iters", "date", "windows"} <= set(meta)
     eng = Engine.load(d, device="cpu", ctx=512, kv="hca", groups=8, centroids=16, window=16, sinks=2)
     assert eng.cache.codebooks.source.startswith("calibrated")
     assert eng.cache.codebooks.shape == (2, 2, 8, 16, 2)
     eng.generate(ids_of(200), max_new_tokens=2)
-    assert eng.cache.n_encoded == eng.cache.n_store > 0
+    assert eng.cache.n_encoded == eng.cache.n_store > 0                  # encoded with the file's codebooks
 
 
-def test_mismatched_codebook_file_is_one_line_error(tiny_model_dir, tmp_path):
-    import shutil
-    a, b = tmp_path / "a", tmp_path / "b"
-    shutil.copytree(tiny_model_dir("gqa-untied"), a)
-    shutil.copytree(tiny_model_dir("tied-mha"), b)        # another shape: 4 kv-heads instead of 2
-    calibrate(a, groups=8, centroids=16, tokens=300, iters=2, window=256, progress=False, log=lambda s: None)
-    cb = (a / "codebooks-g8-c16.safetensors").read_bytes()
-    (b / "codebooks-g8-c16.safetensors").write_bytes(cb)
+def test_collect_keys_spreads_over_windows_and_positions(tiny_model_dir):
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=128, kv="dense")
+    ids = ids_of(1000)
+    keys = collect_keys(eng, ids, window=128, max_tokens=64, windows=4, skip=4)
+    assert keys.shape == (2, 2, 64, 16) and torch.isfinite(keys).all()
+    # the keys of window 0 at the chosen positions are those of a dense prefill of that window
+    eng.prefill(ids[:128])
+    pos = torch.tensor([int(i * 124 / 16) for i in range(16)]) + 4
+    torch.testing.assert_close(keys[:, :, :16], eng.cache.k[:, :, pos].float())
+
+
+def test_mismatched_codebook_file_is_one_line_error(calibrated, tiny_model_dir, tmp_path):
+    _, path = calibrated
+    b = tmp_path / "b"
+    shutil.copytree(tiny_model_dir("tied-mha"), b)          # another shape: 4 kv-heads instead of 2
+    (b / path.name).write_bytes(path.read_bytes())
     with pytest.raises(CheckpointError) as e:
         Engine.load(b, device="cpu", ctx=256, kv="hca", groups=8, centroids=16)
     assert "\n" not in str(e.value) and "codebook file" in str(e.value)
-    (b / "codebooks-g8-c16.safetensors").write_bytes(b"\x00" * 40)   # corrupt
-    with pytest.raises(CheckpointError):
+    (b / path.name).write_bytes(b"\x00" * 40)               # corrupt
+    with pytest.raises(CheckpointError) as e:
         Engine.load(b, device="cpu", ctx=256, kv="hca", groups=8, centroids=16)
+    assert "\n" not in str(e.value)
 
 
-def test_calibrate_missing_data_file_is_one_line_error(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("args, message", [
+    (["--data", "{tmp}/none.txt"], "cannot read --data"),
+    (["--data", "{tmp}"], "cannot read --data"),                # a directory
+    (["--data", "{tmp}/empty.txt"], "is empty"),
+    (["--groups", "5"], "does not divide head_dim"),
+])
+def test_calibrate_bad_input_is_one_line_error(tiny_model_dir, tmp_path, capsys, args, message):
+    (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(SystemExit) as e:
-        main(["calibrate", str(tiny_model_dir("gqa-untied")), "--data", str(tmp_path / "none.txt")])
+        main(["calibrate", str(tiny_model_dir("gqa-untied"))] + [a.format(tmp=tmp_path) for a in args])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 1 and len(err.splitlines()) == 1 and "cannot read --data" in err
+    assert e.value.code == 1 and len(err.splitlines()) == 1 and message in err
+
+
+def test_texts_are_disjoint_and_gutenberg_boilerplate_is_dropped(tmp_path):
+    cal, src = builtin_text("calibration")
+    ev, _ = builtin_text("evaluation")
+    assert len(cal) > 100_000 and len(ev) > 100_000 and cal[:2000] not in ev and "calibration half" in src
+    p = tmp_path / "book.txt"
+    p.write_text("\ufeffProject Gutenberg's X\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nOnce upon a time."
+                 "\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\nlicense", encoding="utf-8")
+    assert read_text(p)[0] == "Once upon a time."
 
 
 def test_evaluation_functions_are_sane(tiny_model_dir):
@@ -59,24 +102,44 @@ def test_evaluation_functions_are_sane(tiny_model_dir):
     exact = Engine.load(d, device="cpu", ctx=512, kv="hca", key_store="exact", tau=1.0, window=16, sinks=2)
     assert abs(perplexity(exact, ids_of(300)) - ppl) / ppl < 1e-4
     a = agreement(dense, exact, ids_of(200), ids_of(30, seed=1))
-    assert a["positions"] == 30 and a["top1_agreement"] == 1.0 and abs(a["mean_kl"]) < 1e-6
+    assert a["positions"] == 30 and a["top1_agreement"] == 1.0 and a["mean_kl"] < 1e-6
+    ref = teacher_forced_logits(dense, ids_of(200), ids_of(30, seed=1))   # precomputed reference, same result
+    assert agreement(ref, exact, ids_of(200), ids_of(30, seed=1)) == a
     approx = Engine.load(d, device="cpu", ctx=512, kv="hca", kv_budget=0.125, centroids=8, tau=0.5, window=16,
                          sinks=2, fit_min_tokens=32)
-    b = agreement(dense, approx, ids_of(200), ids_of(30, seed=1))
-    assert 0.0 <= b["top1_agreement"] <= 1.0 and b["mean_kl"] >= 0.0
-    assert approx.cache.n_encoded == approx.cache.n_store > 150      # the approximate path was taken
-    rows = passkey(dense, [80, 120], [0.5], trials=1)
-    assert [(r["length"], r["depth"]) for r in rows] == [(80, 0.5), (120, 0.5)]
-    assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    sel: dict = {}
+    logits = teacher_forced_logits(approx, ids_of(200), ids_of(30, seed=1), selection=sel)
+    assert approx.cache.n_encoded == 0                                       # reset after the run
+    b = agreement(ref, approx, ids_of(200), ids_of(30, seed=1))
+    assert 0.0 <= b["top1_agreement"] <= 1.0 and b["mean_kl"] >= 0.0 and logits.shape == (30, 300)
+    assert sel["steps"] == 29 and sel["fraction"].shape == (2, 4)            # one selection per layer per step
+    assert ((sel["fraction"] > 0) & (sel["fraction"] <= 1)).all()
+    rows = passkey(dense, [80, 120], [0.0, 1.0], trials=2)
+    assert [(r["length"], r["depth"]) for r in rows] == [(80, 0.0), (80, 1.0), (120, 0.0), (120, 1.0)]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and len(r["answers"]) == 2 for r in rows)
+    assert [r["answers"] for r in passkey(exact, [80, 120], [0.0, 1.0], trials=2)] == [r["answers"] for r in rows]
+
+
+def test_passkey_prompt_places_the_key_and_splits_at_the_question(tiny_model_dir):
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=512)
+    for depth in (0.0, 0.5, 1.0):
+        ids, q = passkey_prompt(eng, 1000, depth, 48213)      # one filler sentence is ~90 tiny tokens
+        assert 900 <= len(ids) <= 1000 and 0 < q < len(ids)
+        head, tail = eng.detokenize(ids[:q]), eng.detokenize(ids[q:])
+        assert "48213" in head and tail.startswith("What is the pass key?")
+        where = head.find("48213") / len(head)
+        assert abs(where - depth) < 0.15
 
 
 def test_eval_command_runs_small_grid(tiny_model_dir, capsys):
-    try:
-        main(["eval", str(tiny_model_dir("gqa-untied")), "--ppl-tokens", "200", "--prompt-tokens", "150",
-              "--positions", "10", "--passkey-lengths", "100", "--passkey-depths", "0.5", "--window", "16",
-              "--sinks", "2", "--kv-budget", "0.5", "-o", "json"])
-    except SystemExit as e:
-        assert e.code in (0, None)
+    main(["eval", str(tiny_model_dir("gqa-untied")), "--ppl-tokens", "200", "--prompt-tokens", "150",
+          "--positions", "10", "--passkey-lengths", "300", "--passkey-depths", "0.5", "--trials", "1",
+          "--window", "16", "--sinks", "2", "--kv-budget", "0.5", "-o", "json"])
     r = json.loads(capsys.readouterr().out)
     assert [row["mode"] for row in r["rows"]] == ["dense", "hca 0.5"]
     assert r["rows"][1]["top1_agreement"] >= 0.9 and r["rows"][0]["ppl"] > 1
+    assert len(r["rows"][1]["selected_fraction_by_layer"]) == 2
+    md = format_markdown(r, data=r["data"])
+    assert "| hca 0.5 |" in md and "Passkey accuracy per cell" in md
+    r["rows"][1]["mode"] = "hca 0.25"
+    assert [c["target"] for c in check_targets(r)][0] == "ppl within 2% of dense"
