@@ -10,6 +10,9 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
 * ``lse_merge(os, ms, ls) -> (o, m, l)``
 * ``encode_keys(K, codebooks, out=None) -> P``
+* ``attn_in``, ``attn_out``, ``norm_gemv``: a Llama layer's one-token step around its attention
+  (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
+  as uint16 bits; :mod:`kernels_cpu.decode`)
 
 Each has a NumPy reference ``<name>_ref`` in :mod:`kernels_cpu.reference`.
 float16 key/value pools are accepted; Numba has no CPU float16 type, so they
@@ -22,11 +25,16 @@ This package imports only numpy and numba.
 from .numba_kernels import (
     HALF_CONVERSION,
     approx_scores,
+    set_num_threads,
     attend_exact,
     build_lut,
     codebook_norms,
     transpose_codebooks,
     encode_keys,
+    float_to_bf16_bits,
+    attn_in,
+    attn_out,
+    norm_gemv,
     half_to_float,
     lse_merge,
     threshold_select,
@@ -37,6 +45,10 @@ from .reference import (
     attend_exact_ref,
     build_lut_ref,
     encode_keys_ref,
+    float_to_bf16_bits_ref,
+    attn_in_ref,
+    attn_out_ref,
+    norm_gemv_ref,
     lse_merge_ref,
     threshold_select_ref,
     weighted_value_sum_ref,

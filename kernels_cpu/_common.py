@@ -178,3 +178,34 @@ def _as_i32(a):
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
+
+
+@intrinsic
+def _prefetch(typingctx, arr, off):
+    """Software prefetch (llvm.prefetch, read, high locality) of arr.flat[off].
+
+    Purely a performance hint: it never faults, so off may be anything inside
+    the array's allocation.  Used to hide DRAM latency of gathered value rows.
+    """
+    if not isinstance(arr, types.Array) or not isinstance(off, types.Integer):
+        return None
+    sig = types.void(arr, off)
+
+    def codegen(context, builder, signature, args):
+        ir = cgutils.ir  # llvmlite.ir, reached through numba
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        o = context.cast(builder, args[1], signature.args[1], types.intp)
+        ptr = builder.bitcast(builder.gep(ary.data, [o]), cgutils.voidptr_t)
+        i32 = cgutils.int32_t
+        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def set_num_threads(n: int) -> None:
+    """Threads of the parallel kernels (capped at the pool Numba started with, its core count)."""
+    import numba
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))

@@ -3,8 +3,10 @@
 All kernels take NumPy arrays, use `cache=True` and `fastmath=False`; shapes and dtypes are in
 each function's docstring.
 """
-from ._common import HALF_CONVERSION, _k_half_array, half_to_float  # noqa: F401
+from ._common import HALF_CONVERSION, _k_half_array, half_to_float, set_num_threads  # noqa: F401
 from .attention import attend_exact, lse_merge, weighted_value_sum  # noqa: F401
+from .bf16 import float_to_bf16_bits  # noqa: F401
+from .decode import attn_in, attn_out, norm_gemv  # noqa: F401
 from .pq import approx_scores, build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
 from .select import threshold_select  # noqa: F401
 
@@ -20,4 +22,9 @@ __all__ = [
     "transpose_codebooks",
     "half_to_float",
     "HALF_CONVERSION",
+    "float_to_bf16_bits",
+    "attn_in",
+    "attn_out",
+    "norm_gemv",
+    "set_num_threads",
 ]

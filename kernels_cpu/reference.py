@@ -27,6 +27,10 @@ __all__ = [
     "weighted_value_sum_ref",
     "lse_merge_ref",
     "encode_keys_ref",
+    "float_to_bf16_bits_ref",
+    "attn_in_ref",
+    "attn_out_ref",
+    "norm_gemv_ref",
 ]
 
 
@@ -201,3 +205,64 @@ def encode_keys_ref(K, codebooks):
             dist = (xi**2).sum(1)[:, None] - 2.0 * xc + (ci**2).sum(1)[None, :]  # [n, c]
             P[kv, :, i] = np.argmin(dist, axis=1)
     return P
+
+
+def bf16_bits_to_float_ref(h):
+    """bfloat16 bits uint16 [...] -> float32 [...] (exact: the bits are the float32's top half)."""
+    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def float_to_bf16_bits_ref(f):
+    """float32 [...] -> bfloat16 bits uint16 [...], round to nearest even; NaN stays a (quiet) NaN."""
+    u = np.asarray(f, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return r
+
+
+def _wide(a):
+    """float32 array or bfloat16 bits (uint16) -> float64."""
+    a = np.asarray(a)
+    return (bf16_bits_to_float_ref(a) if a.dtype == np.uint16 else a).astype(np.float64)
+
+
+def _narrow(y, like):
+    """float64 -> float32, then to bfloat16 bits when `like` holds bfloat16 bits."""
+    y = np.asarray(y, dtype=np.float32)
+    return float_to_bf16_bits_ref(y) if np.asarray(like).dtype == np.uint16 else y
+
+
+def _rms_norm_ref(x, w, eps):
+    x = _wide(x)
+    return x / np.sqrt(np.mean(x * x) + eps) * _wide(w)
+
+
+def attn_in_ref(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim):
+    """x [D], w_norm [D], w_qkv [(Hq+2Hkv)*hd, D], inv_freq [hd/2] -> qkv [(Hq+2Hkv)*hd] in the
+    weights' dtype: RoPE (half-split) at position pos applied to the first n_rot heads (q, then k)."""
+    y = _wide(w_qkv) @ _rms_norm_ref(x, w_norm, eps)
+    ang = float(pos) * np.asarray(inv_freq, np.float64)
+    c, s_ = np.cos(ang), np.sin(ang)
+    half = head_dim // 2
+    heads = y[:n_rot * head_dim].reshape(n_rot, head_dim)
+    x1, x2 = heads[:, :half].copy(), heads[:, half:].copy()
+    heads[:, :half] = x1 * c - x2 * s_
+    heads[:, half:] = x2 * c + x1 * s_
+    return _narrow(y, w_qkv)
+
+
+def attn_out_ref(x, o, w_o, w_norm, eps, w_gate_up, w_down):
+    """x + W_o @ o (stored in the weights' dtype), then + W_down @ (silu(g) * u) with
+    g, u = W_gate_up @ rms_norm(.): the new residual [D] in the weights' dtype."""
+    x1 = _wide(_narrow(_wide(x) + _wide(w_o) @ _wide(o), w_o))
+    gu = _wide(w_gate_up) @ _rms_norm_ref(x1, w_norm, eps)
+    F = gu.shape[0] // 2
+    g, u = gu[:F], gu[F:]
+    return _narrow(x1 + _wide(w_down) @ (g / (1.0 + np.exp(-g)) * u), w_o)
+
+
+def norm_gemv_ref(x, w_norm, eps, w):
+    """(rms_norm(x) * w_norm) @ w^T -> float32 [O]."""
+    return (_wide(w) @ _rms_norm_ref(x, w_norm, eps)).astype(np.float32)
+

@@ -8,6 +8,8 @@ from typing import Iterator
 
 import torch
 
+import kernels_cpu
+
 from .config import EngineConfig, ModelArgs
 from .errors import CheckpointError, ContextError
 from .kv import make_cache
@@ -60,6 +62,7 @@ class Engine:
         config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)
         if config.threads:
             torch.set_num_threads(config.threads)
+            kernels_cpu.set_num_threads(config.threads)
         args = ModelArgs.from_path(path)
         dev = resolve_device(config.device)
         check_fits(args, config, dev)   # before any allocation

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs
-from .ops import apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
+from .ops import (attention_input, attention_output_and_mlp, output_logits, prepare_fused_decode, rope_cos_sin,
+                  rope_inv_freq)
 
 
 class Model:
@@ -17,26 +18,19 @@ class Model:
     def __init__(self, args: ModelArgs, weights: dict, device: torch.device, dtype: torch.dtype):
         self.args, self.w, self.device, self.dtype = args, weights, device, dtype
         self.inv_freq = rope_inv_freq(args)
-        hd = args.head_dim
-        self.q_dim = args.num_attention_heads * hd
-        self.kv_dim = args.num_key_value_heads * hd
+        # one-token steps on the CPU: each half of a layer in one fused kernel (ops.py)
+        self.fused_decode = prepare_fused_decode(weights, args, self.inv_freq, device, dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
         """tokens [T] (int64) at positions cache.offset.. -> logits [T, V] or [1, V] (float32)."""
         a = self.args
-        T, hd = tokens.shape[0], a.head_dim
+        T = tokens.shape[0]
         cos, sin = rope_cos_sin(self.inv_freq, cache.offset, T, self.dtype, self.device)
         x = F.embedding(tokens, self.w["embed"])                                  # [T, D]
         for il, lw in enumerate(self.w["layers"]):
-            h = rms_norm(x, lw["attn_norm"], a.rms_norm_eps)
-            qkv = linear(h, lw["wqkv"], lw.get("bqkv"))                        # [T, (Hq+2Hkv)*hd]
-            q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-            q = apply_rope(q.view(T, -1, hd), cos, sin)                          # [T, Hq, hd]
-            k = apply_rope(k.view(T, -1, hd), cos, sin)                          # [T, Hkv, hd]
-            o = cache.attend(il, q, k, v.view(T, -1, hd))                        # [T, Hq, hd]
-            x = x + linear(o.reshape(T, -1), lw["wo"], lw.get("bo"))
-            x = x + swiglu_mlp(rms_norm(x, lw["ffn_norm"], a.rms_norm_eps), lw["w_gate_up"], lw["w_down"])
+            q, k, v = attention_input(x, lw, cos, sin, cache.offset, a)   # rms_norm, QKV, RoPE
+            o = cache.attend(il, q, k, v)                        # [T, Hq, hd]
+            x = attention_output_and_mlp(x, o, lw, a)            # x + o_proj(o); x + mlp(rms_norm(x))
         cache.advance(T)
-        x = rms_norm(x if all_logits else x[-1:], self.w["norm"], a.rms_norm_eps)
-        return linear(x, self.w["lm_head"]).float()
+        return output_logits(x if all_logits else x[-1:], self.w, a)   # [T or 1, V] float32

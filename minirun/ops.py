@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+import kernels_cpu
 
 from .config import ModelArgs
 from .errors import CheckpointError
@@ -73,3 +76,71 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     """x [T, D] -> [T, D]; w_gate_up [2F, D] holds gate then up."""
     gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, w_down)
+
+
+# ---- a layer around its attention: torch for chunks, fused kernels for one CPU token -------------
+# A one-token step is 4 weight GEMVs per layer plus ~60 small ops whose dispatch costs a third of
+# the step on a 2-core CPU; kernels_cpu.decode does each half of the layer in one call instead.
+_FUSED_WEIGHTS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """CPU tensor -> zero-copy numpy array (bfloat16 as uint16 bits)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    """numpy array from _np (or a kernel) -> zero-copy tensor (uint16 bits back to bfloat16)."""
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
+
+
+def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor, device: torch.device,
+                         dtype: torch.dtype) -> bool:
+    """Attach numpy views ("np") of the weights where the fused one-token kernels apply: CPU,
+    float32 or bfloat16, no biases. Returns whether they do."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or args.attention_bias:
+        return False
+    inv = inv_freq.double().numpy()
+    for lw in weights["layers"]:
+        lw["np"] = {k: _np(lw[k].contiguous()) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
+    weights["np"] = {"norm": _np(weights["norm"]), "lm_head": _np(weights["lm_head"].contiguous())}
+    return True
+
+
+def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Tensor, pos0: int, args: ModelArgs):
+    """x [T, D] at positions pos0.. -> q [T, Hq, hd], k, v [T, Hkv, hd]: rms_norm, the fused QKV
+    projection, RoPE (cos, sin [T, hd/2]; the fused kernel makes its own from pos0)."""
+    T, hd, Hq, Hkv = x.shape[0], args.head_dim, args.num_attention_heads, args.num_key_value_heads
+    fused = T == 1 and "np" in lw
+    if fused:
+        w = lw["np"]
+        qkv = _torch(kernels_cpu.attn_in(_np(x).reshape(-1), w["attn_norm"], args.rms_norm_eps, w["wqkv"], pos0,
+                                         w["inv_freq"], Hq + Hkv, hd))
+    else:
+        qkv = linear(rms_norm(x, lw["attn_norm"], args.rms_norm_eps), lw["wqkv"], lw.get("bqkv"))
+    q, k, v = qkv.view(T, Hq + 2 * Hkv, hd).split([Hq, Hkv, Hkv], dim=1)
+    if fused:
+        return q, k, v                                     # rotated by the kernel
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output_and_mlp(x: torch.Tensor, o: torch.Tensor, lw: dict, args: ModelArgs) -> torch.Tensor:
+    """The rest of the layer: x + o_proj(o), then + mlp(rms_norm(.)). x [T, D], o [T, Hq, hd] -> [T, D]."""
+    T = x.shape[0]
+    if T == 1 and "np" in lw:
+        w = lw["np"]
+        out = kernels_cpu.attn_out(_np(x).reshape(-1), _np(o).reshape(-1), w["wo"], w["ffn_norm"], args.rms_norm_eps,
+                                   w["w_gate_up"], w["w_down"])
+        return _torch(out).view(1, -1)
+    x = x + linear(o.reshape(T, -1), lw["wo"], lw.get("bo"))
+    return x + swiglu_mlp(rms_norm(x, lw["ffn_norm"], args.rms_norm_eps), lw["w_gate_up"], lw["w_down"])
+
+
+def output_logits(x: torch.Tensor, weights: dict, args: ModelArgs) -> torch.Tensor:
+    """Final norm and LM head: x [T, D] -> logits [T, V] float32."""
+    if x.shape[0] == 1 and "np" in weights:
+        w = weights["np"]
+        return torch.from_numpy(kernels_cpu.norm_gemv(_np(x).reshape(-1), w["norm"], args.rms_norm_eps,
+                                                      w["lm_head"]))[None]
+    return linear(rms_norm(x, weights["norm"], args.rms_norm_eps), weights["lm_head"]).float()

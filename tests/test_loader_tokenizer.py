@@ -42,6 +42,23 @@ def test_half_precision_close_to_float32(tiny_model_dir, dtype, tol):
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+def test_bfloat16_decode_gemv_matches_prefill(tiny_model_dir):
+    """One-token decode steps (the Numba bfloat16 GEMV, ops.linear) against a prefill of the same
+    tokens (torch's bfloat16 GEMM): the same model to bfloat16 precision."""
+    d = tiny_model_dir("gqa-untied")
+    ids = ids_of(24)
+    eng = Engine.load(d, device="cpu", ctx=64, dtype="bfloat16")
+    full = eng.logits(ids)                                   # [24, V], many rows per GEMM
+    eng.prefill(ids[:1])
+    steps = torch.cat([eng.step(t) for t in ids[1:]])        # [23, V], one row per GEMV
+    ref = Engine.load(d, device="cpu", ctx=64).logits(ids)[1:]   # float32
+    scale = ref.abs().max().item()
+    assert (steps - full[1:]).abs().max().item() < 0.1 * scale
+    # neither path is further from float32 than the other by more than bfloat16 noise
+    assert (steps - ref).abs().max().item() < 0.25 * scale
+    assert (steps.argmax(-1) == full[1:].argmax(-1)).float().mean() > 0.9
+
+
 def test_sentencepiece_tokenizer_and_jinja_template_file(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     corpus = tmp_path / "corpus.txt"

@@ -1,0 +1,52 @@
+"""bfloat16 <-> float32 inside Numba kernels. NumPy has no bfloat16: arrays travel as uint16 bits.
+
+Widening is exact (the bits are a float32's top half); narrowing rounds to nearest even, as torch
+does, so values stored by our kernels equal what torch's `.to(torch.bfloat16)` would store.
+"""
+
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic
+
+from ._common import _u32_as_f32
+
+
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    """Reinterpret a float32 as its uint32 bits."""
+    if not (isinstance(x, types.Float) and x.bitwidth == 32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(x), codegen
+
+
+@njit(inline="always")
+def bf16_to_f32(h):
+    """bfloat16 bits (uint16) -> float32, exact."""
+    return _u32_as_f32(np.uint32(h) << np.uint32(16))
+
+
+@njit(inline="always")
+def f32_to_bf16(f):
+    """float32 -> bfloat16 bits, round to nearest even (NaN stays NaN: its high bits survive)."""
+    u = _f32_as_u32(f)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(cache=True)
+def _k_f32_to_bf16_array(f, out):
+    for i in range(f.shape[0]):
+        out[i] = f32_to_bf16(f[i])
+
+
+def float_to_bf16_bits(f):
+    """float32 [N] -> bfloat16 bits uint16 [N], round to nearest even (the kernel's rounding)."""
+    f = np.ascontiguousarray(f, dtype=np.float32).ravel()
+    out = np.empty(f.shape[0], np.uint16)
+    _k_f32_to_bf16_array(f, out)
+    return out

@@ -1,0 +1,97 @@
+"""The fused one-token layer kernels (kernels_cpu.decode) against their NumPy references, in
+float32 and bfloat16, and the bfloat16 rounding against torch's."""
+import numpy as np
+import pytest
+import torch
+
+import kernels_cpu as kc
+from kernels_cpu.reference import bf16_bits_to_float_ref
+
+
+def bf16_bits(a) -> np.ndarray:
+    return torch.as_tensor(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def as_float(a) -> np.ndarray:
+    return bf16_bits_to_float_ref(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def special_floats(rng) -> np.ndarray:
+    """Random bit patterns of every magnitude, exact halfway cases, +-0, inf, NaN, subnormals."""
+    bits = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    ties = (rng.integers(0, 2**16, 2000, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000
+    fixed = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0, 1.00390625],
+                     np.float32).view(np.uint32)
+    return np.concatenate([bits, ties, fixed]).view(np.float32)
+
+
+def test_float_to_bf16_matches_reference_and_torch():
+    f = special_floats(np.random.default_rng(0))
+    got = kc.float_to_bf16_bits(f)
+    nan = np.isnan(f)
+    assert np.array_equal(got[~nan], kc.float_to_bf16_bits_ref(f)[~nan])
+    assert np.array_equal(got[~nan], bf16_bits(f)[~nan])          # torch rounds to nearest even too
+    assert np.isnan(bf16_bits_to_float_ref(got[nan])).all()
+
+
+def layer(rng, dtype, D=64, Hq=4, Hkv=2, hd=16, F=96):
+    """Random weights of one small GQA layer in `dtype` ("float32" or "bfloat16" bits)."""
+    def w(*shape, scale=1.0):
+        a = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return bf16_bits(a) if dtype == "bfloat16" else a
+    return dict(x=w(D), o=w(Hq * hd), n1=w(D), n2=w(D), wqkv=w((Hq + 2 * Hkv) * hd, D, scale=D ** -0.5), wo=w(D, Hq * hd, scale=0.2),
+                wgu=w(2 * F, D, scale=D ** -0.5), wdown=w(D, F, scale=0.2), Hq=Hq, Hkv=Hkv, hd=hd)
+
+
+def close(got, want, dtype):
+    """float32: summation order only; bfloat16: one rounding step of the stored result."""
+    g, w = as_float(got), as_float(want)
+    scale = np.abs(w).max()
+    rtol = 2.0 ** -7 if dtype == "bfloat16" else 1e-5
+    assert g.dtype == w.dtype and g.shape == w.shape
+    assert np.all(np.abs(g - w) <= rtol * np.abs(w) + rtol * 1e-2 * scale), np.abs(g - w).max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("pos", [0, 7, 100000, 4194303])
+def test_attn_in_vs_ref(dtype, pos):
+    p = layer(np.random.default_rng(pos), dtype)
+    inv_freq = 10000.0 ** (-np.arange(0, p["hd"], 2) / p["hd"])
+    args = (p["x"], p["n1"], 1e-5, p["wqkv"], pos, inv_freq, p["Hq"] + p["Hkv"], p["hd"])
+    got = kc.attn_in(*args)
+    close(got, kc.attn_in_ref(*args), dtype)
+    assert got.dtype == p["wqkv"].dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attn_out_vs_ref(dtype):
+    p = layer(np.random.default_rng(1), dtype)
+    args = (p["x"], p["o"], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"])
+    out = np.empty_like(p["x"])
+    assert kc.attn_out(*args, out=out) is out
+    close(out, kc.attn_out_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_norm_gemv_vs_ref(dtype):
+    p = layer(np.random.default_rng(2), dtype)
+    got = kc.norm_gemv(p["x"], p["n2"], 1e-5, p["wgu"])
+    want = kc.norm_gemv_ref(p["x"], p["n2"], 1e-5, p["wgu"])
+    assert got.dtype == np.float32
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_rows_not_a_multiple_of_the_task_size_and_nan():
+    rng = np.random.default_rng(3)
+    x, n = rng.standard_normal(24).astype(np.float32), np.ones(24, np.float32)
+    w = rng.standard_normal((37, 24)).astype(np.float32)
+    assert np.allclose(kc.norm_gemv(x, n, 1e-6, w), kc.norm_gemv_ref(x, n, 1e-6, w), rtol=1e-5, atol=1e-5)
+    x[5] = np.nan
+    assert np.isnan(kc.norm_gemv(x, n, 1e-6, w)).all()
+
+
+def test_mixed_dtypes_rejected():
+    p = layer(np.random.default_rng(4), "float32")
+    with pytest.raises(ValueError, match="all be float32 or all bfloat16"):
+        kc.attn_out(bf16_bits(p["x"]), p["o"], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"])
+
