@@ -50,6 +50,29 @@ def _u32_as_f32(typingctx, x):
     return sig, codegen
 
 
+
+@njit(inline="always", fastmath={"contract"})
+def _exp32(x):
+    """exp(x) in float32 for x <= 0, branch-free so loops over it vectorize (Numba's np.exp is a
+    scalar libm call: ~14 ns here against ~1 ns for this in a vector loop). Cephes expf:
+    k = round(x / ln 2), r = x - k ln 2 (two-part ln 2), degree-6 polynomial, times 2^k.
+    Within 1 ulp of exp for x >= -87.3 (relative error < 1e-7); below, where float32 goes
+    denormal, 0 (so exp(-inf) = 0; no softmax mass notices a 1e-38). NaN in, NaN out.
+    """
+    tiny = x < np.float32(-87.33654)
+    x = max(x, np.float32(-87.33654))
+    k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+    r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    e = p * _u32_as_f32(np.uint32(np.int32(k) + 127) << np.uint32(23))
+    return np.float32(0.0) if tiny else e
+
 @intrinsic
 def _half_bits_fpext(typingctx, x):
     """uint16 half bits -> float32 via LLVM ``fpext half to float``."""

@@ -3,7 +3,7 @@
 import numpy as np
 from numba import njit, prange
 
-from ._common import _NEG_INF, _ld, _as_pool, _as_f32, _prefetch, _rows_in, _as_i32
+from ._common import _NEG_INF, _exp32, _ld, _as_pool, _as_f32, _prefetch, _rows_in, _as_i32
 
 
 # ---------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def _k_attend_exact(q, K, V, q_to_kv, n, chunk, o, m, l):
         acc = po[it]
         lsum = np.float32(0.0)
         for j in range(j0, j1):
-            w = np.exp(s[j - j0] - mx)
+            w = _exp32(s[j - j0] - mx)
             lsum += w
             Vj = V[kv, j]
             for k in range(d):
@@ -196,7 +196,7 @@ def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l):
                 for e in range(0, d, pf_step):
                     _prefetch(Vflat, off + e)
             j = ih[t]
-            w = np.exp(zh[j] - mx)
+            w = _exp32(zh[j] - mx)
             lsum += w
             Vj = V[kv, j]
             for k in range(d):

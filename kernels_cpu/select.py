@@ -3,7 +3,7 @@
 import numpy as np
 from numba import njit, prange
 
-from ._common import _NEG_INF, _c_rows, _rows_in
+from ._common import _NEG_INF, _c_rows, _exp32, _rows_in
 
 
 # ---------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def _select_head(zh, n, tau, idx_row):
             idx_row[j] = j
             v = zh[j]
             if v > _NEG_INF:
-                S += np.float64(np.exp(v - mx))
+                S += np.float64(_exp32(v - mx))
         return n, mx, S
     if tau <= 0.0:
         return 0, mx, 0.0
@@ -62,15 +62,23 @@ def _select_head(zh, n, tau, idx_row):
     acc = 0.0  # mass of tokens already known to be selected (above the current range)
     zcut = mx
     if hi > lo:
-        # pass 2: total mass and mass histogram (bucketed on z, linear in z)
+        # pass 2: total mass and mass histogram (bucketed on z, linear in z). Weights and
+        # buckets first, in a loop that vectorizes (the float32 exp is most of the cost), then
+        # the scalar histogram. The buckets equal _bucket's; pass 3 reuses them.
         scale = _NBUCKETS / (np.float64(hi) - np.float64(lo))
-        S = 0.0
+        w32 = np.empty(n, np.float32)
+        bk = np.empty(n, np.int32)
         for j in range(n):
             v = zh[j]
-            if v >= lo:  # also drops NaN; tokens below lo have zero float32 weight
-                w = np.float64(np.exp(v - mx))
-                S += w
-                mass[_bucket(v, hi, lo, scale)] += w
+            ok = v >= lo   # also drops NaN; tokens below lo have zero float32 weight
+            w32[j] = _exp32(v - mx) if ok else np.float32(0.0)
+            x = min(max((np.float64(hi) - np.float64(v)) * scale, 0.0), np.float64(_NBUCKETS - 1))
+            bk[j] = np.int32(x) if ok else _NBUCKETS - 1
+        S = 0.0
+        for j in range(n):
+            w = np.float64(w32[j])
+            S += w
+            mass[bk[j]] += w
         target = tau * S
         cum = 0.0
         bstar = -1
@@ -88,8 +96,7 @@ def _select_head(zh, n, tau, idx_row):
             # pass 3: collect the candidates of the boundary bucket (idx_row is scratch)
             k = 0
             for j in range(n):
-                v = zh[j]
-                if v >= lo and _bucket(v, hi, lo, scale) == bstar:
+                if bk[j] == bstar and zh[j] >= lo:   # bk: pass 2's buckets (= _bucket's)
                     idx_row[k] = j
                     k += 1
         # refinement: re-histogram the boundary bucket until it is small or all-tied
@@ -106,7 +113,7 @@ def _select_head(zh, n, tau, idx_row):
                 # all tied: they all go in
                 zcut = cmin
                 for t in range(k):
-                    acc += np.float64(np.exp(zh[idx_row[t]] - mx))
+                    acc += np.float64(_exp32(zh[idx_row[t]] - mx))
                 break
             if k <= _SMALL:
                 vals = np.empty(k, dtype=np.float32)
@@ -119,7 +126,7 @@ def _select_head(zh, n, tau, idx_row):
                     v = vals[t]
                     if reached and v < zcut:
                         break
-                    acc += np.float64(np.exp(v - mx))
+                    acc += np.float64(_exp32(v - mx))
                     if not reached and acc >= target:
                         reached = True
                         zcut = v
@@ -130,7 +137,7 @@ def _select_head(zh, n, tau, idx_row):
             mass[:] = 0.0
             for t in range(k):
                 v = zh[idx_row[t]]
-                mass[_bucket(v, hi2, lo2, scale2)] += np.float64(np.exp(v - mx))
+                mass[_bucket(v, hi2, lo2, scale2)] += np.float64(_exp32(v - mx))
             cum = 0.0
             bstar = -1
             for b in range(_NBUCKETS):
