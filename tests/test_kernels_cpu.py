@@ -120,6 +120,21 @@ def test_approx_scores(n, g, c, pdtype):
     np.testing.assert_array_equal(z2, z)
 
 
+@pytest.mark.parametrize("Hq,Hkv,shuffle", [(4, 4, False), (6, 3, False), (8, 2, False), (10, 2, False),
+                                            (8, 1, False), (12, 3, True)])
+def test_approx_scores_any_gqa_grouping(Hq, Hkv, shuffle):
+    """Groups of 1..8 query heads per kv-head (the kernel takes them 4 at a time), and a head order
+    that is not kv-major."""
+    rng = rng_for("scores-gqa", Hq, Hkv, shuffle)
+    q2k = (np.arange(Hq) // (Hq // Hkv)).astype(np.int32)
+    if shuffle:
+        q2k = rng.permutation(q2k).astype(np.int32)
+    g, c, n = 16, 256, 2100
+    T = rng.standard_normal((Hq, g, c)).astype(np.float32)
+    P = rng.integers(0, c, size=(Hkv, n, g)).astype(np.int16)
+    close(kc.approx_scores(T, P, q2k, n), ref.approx_scores_ref(T, P, q2k, n), scale=g * np.abs(T).max())
+
+
 # ---------------------------------------------------------------------------
 # 3. threshold_select
 # ---------------------------------------------------------------------------
