@@ -10,6 +10,8 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
 * ``lse_merge(os, ms, ls) -> (o, m, l)``
 * ``encode_keys(K, codebooks, out=None) -> P``
+* ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,
+  the store through LUT, scores, selection and value sum, merged) in one call
 * ``attn_in``, ``attn_out``, ``norm_gemv``: a Llama layer's one-token step around its attention
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
@@ -33,6 +35,8 @@ from .numba_kernels import (
     encode_keys,
     float_to_bf16_bits,
     attn_in,
+    hca_decode_attend,
+    heads_by_kv,
     attn_out,
     norm_gemv,
     half_to_float,
@@ -47,6 +51,7 @@ from .reference import (
     encode_keys_ref,
     float_to_bf16_bits_ref,
     attn_in_ref,
+    hca_decode_attend_ref,
     attn_out_ref,
     norm_gemv_ref,
     lse_merge_ref,

@@ -31,6 +31,7 @@ __all__ = [
     "attn_in_ref",
     "attn_out_ref",
     "norm_gemv_ref",
+    "hca_decode_attend_ref",
 ]
 
 
@@ -266,3 +267,23 @@ def norm_gemv_ref(x, w_norm, eps, w):
     """(rms_norm(x) * w_norm) @ w^T -> float32 [O]."""
     return (_wide(w) @ _rms_norm_ref(x, w_norm, eps)).astype(np.float32)
 
+
+
+def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv):
+    """One decode token's HCA attention (see kernels_cpu.hca_step): the exact lse_merge of
+    attend_exact over EK/EV[:, :n_exact], the token's own k, v, and weighted_value_sum over
+    threshold_select(approx_scores(build_lut(q))). codebooks [Hkv, g, c, ds] -> o [Hq, d] f32."""
+    q = np.asarray(q, dtype=np.float32)
+    Hq, d = q.shape
+    o1, m1, l1 = attend_exact_ref(q, EK, EV, q_to_kv, n_exact)
+    kf, vf = np.asarray(k, np.float64)[q_to_kv], np.asarray(v, np.float32)[q_to_kv]
+    m3 = np.einsum("hd,hd->h", q.astype(np.float64), kf).astype(np.float32)
+    if n_store:
+        z = approx_scores_ref(build_lut_ref(q, codebooks, q_to_kv), P, q_to_kv, n_store)
+        idx, counts, _, _ = threshold_select_ref(z, tau)
+        o2, m2, l2 = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
+    else:
+        o2, m2, l2 = np.zeros((Hq, d), np.float32), np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
+    o, _, _ = lse_merge_ref(np.stack([o1, vf, o2]), np.stack([m1, m3, m2]),
+                            np.stack([l1, np.ones(Hq, np.float32), l2]))
+    return o

@@ -40,6 +40,8 @@ class HCACache(KVCache):
         self.S, self.W = sinks, window
         self.scale = 1.0 / math.sqrt(hd)
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
+        self._heads_by_kv = kc.heads_by_kv(self.q_to_kv, Hkv)     # query heads grouped by kv-head
+        self._counts = np.zeros(self.Hq, np.int32)                 # selection sizes of the last step
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
         self.ek = torch.zeros(L, Hkv, sinks + window, hd, dtype=dtype, device=device)
         self.ev = torch.zeros_like(self.ek)
@@ -113,20 +115,17 @@ class HCACache(KVCache):
         return o.to(q.dtype)
 
     def _attend_decode_step(self, layer, qs, k, v):
-        """The common decode step (full ring, encoded store) in a few kernel calls, no torch glue.
-
-        Three exact partials merged by log-sum-exp: sinks + ring (attend_exact over all S+W slots),
-        the new token itself, and the selected store tokens (weighted_value_sum).
-        """
-        qn = qs[0].numpy()                                                        # [Hq, hd]
-        o1, m1, l1 = kc.attend_exact(qn, self._ek_np[layer], self._ev_np[layer], self.q_to_kv, self.S + self.W)
-        kn, vn = k[0].float().numpy(), v[0].float().numpy()                       # [Hkv, hd]
-        m3 = np.einsum("hd,hd->h", qn, kn[self.q_to_kv])
-        o2, m2, l2 = self._attend_store_hca(layer, qs)
-        os_ = np.stack([o1, vn[self.q_to_kv], o2[0].numpy()])
-        ms = np.stack([m1, m3, m2[0].numpy()])
-        ls = np.stack([l1, np.ones_like(m3), l2[0].numpy()])
-        o, _, _ = kc.lse_merge(os_, ms, ls)
+        """The common decode step (full ring, encoded store) in one kernel call: sinks + ring
+        exactly, the new token itself, and the selected store tokens, merged by log-sum-exp."""
+        n = self.n_store
+        cap = self.values.cap_or(n)
+        cbt = self._codebooks_t()[layer]                          # (also makes the self._lut scratch)
+        o = kc.hca_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
+                                 self._ev_np[layer], self.S + self.W, cbt,
+                                 self.indices.view(layer, cap).numpy(), n, self.values.view(layer, cap).numpy(),
+                                 self.tau, self.q_to_kv, *self._heads_by_kv, self._lut,
+                                 self.z.flat(n).reshape(self.Hq, n), self.sel.flat(n).reshape(self.Hq, n),
+                                 self._counts)
         return torch.from_numpy(o)[None]
 
     def _attend_exact_tier(self, layer, qs, k, v):

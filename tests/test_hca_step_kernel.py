@@ -1,0 +1,57 @@
+"""kernels_cpu.hca_decode_attend (one decode token's whole HCA attention in one call) against the
+composition of the NumPy references, and against the same composition of the public kernels."""
+import numpy as np
+import pytest
+
+import kernels_cpu as kc
+
+HQ, HKV, D = 9, 3, 64
+Q2K = (np.arange(HQ) // (HQ // HKV)).astype(np.int32)
+
+
+def setup(rng, n_exact, n_store, g, c, pool_dtype):
+    cap = n_store + 13                                      # wider buffers than the live tokens
+    q = (rng.standard_normal((HQ, D)) / np.sqrt(D) * 3).astype(np.float32)
+    k = rng.standard_normal((HKV, D)).astype(np.float32)
+    v = rng.standard_normal((HKV, D)).astype(np.float32)
+    EK = rng.standard_normal((HKV, n_exact + 5, D)).astype(pool_dtype)
+    EV = rng.standard_normal((HKV, n_exact + 5, D)).astype(pool_dtype)
+    C = rng.standard_normal((HKV, g, c, D // g)).astype(np.float32)
+    P = rng.integers(0, c, size=(HKV, cap, g)).astype(np.int16 if c > 256 else np.uint8)
+    V = rng.standard_normal((HKV, cap, D)).astype(pool_dtype)
+    return q, k, v, EK, EV, C, P, V, cap
+
+
+def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap):
+    heads, starts = kc.heads_by_kv(Q2K, HKV)
+    g, c = C.shape[1], C.shape[2]
+    lut = np.empty((HQ, g, c), np.float32)
+    z = np.full((HQ, cap), np.nan, np.float32)
+    idx = np.zeros((HQ, cap), np.int32)
+    counts = np.zeros(HQ, np.int32)
+    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), P, n_store, V, tau, Q2K,
+                             heads, starts, lut, z, idx, counts)
+    return o, counts
+
+
+@pytest.mark.parametrize("pool_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n_exact,n_store,tau", [(272, 5000, 0.9), (272, 5000, 1.0), (16, 1, 0.9), (272, 0, 0.9),
+                                                 (0, 3000, 0.5)])
+@pytest.mark.parametrize("g,c", [(16, 1024), (32, 256)])
+def test_hca_decode_attend(pool_dtype, n_exact, n_store, tau, g, c):
+    rng = np.random.default_rng([n_exact, n_store, g, c, int(tau * 10)])
+    q, k, v, EK, EV, C, P, V, cap = setup(rng, n_exact, n_store, g, c, pool_dtype)
+    o, counts = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap)
+    assert o.shape == (HQ, D) and o.dtype == np.float32 and np.isfinite(o).all()
+    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
+    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
+    # the same step through the public kernels, one call each (what the cache did before)
+    parts = [kc.attend_exact(q, EK, EV, Q2K, n_exact)]
+    parts.append((v[Q2K], np.einsum("hd,hd->h", q, k[Q2K]), np.ones(HQ, np.float32)))
+    if n_store:
+        z = kc.approx_scores(kc.build_lut(q, C, Q2K), P, Q2K, n_store)
+        idx, cnt, _, _ = kc.threshold_select(z, tau)
+        parts.append(kc.weighted_value_sum(z, idx, cnt, V, Q2K))
+        np.testing.assert_array_equal(counts, cnt)
+    step = kc.lse_merge(*[np.stack(x) for x in zip(*parts)])[0]
+    np.testing.assert_allclose(o, step, rtol=1e-5, atol=1e-6)
