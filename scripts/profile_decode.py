@@ -6,6 +6,7 @@ The cache is filled through its own append path with the K/V of a dense prefill 
 """
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
@@ -102,7 +103,7 @@ def main():
         for _ in range(a.steps):
             eng.step(1)
         pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(int(os.environ.get("PROFILE_ROWS", 15)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,87 @@
+"""Decode speed of several KV modes at one depth, in alternating rounds (paired comparison).
+
+Usage:
+  python scripts/bench_paired.py models/SmolLM2-135M-Instruct --depth 16384 -n 32 --rounds 7 \
+      --modes dense,hca:0.125,hca:0.25 [--dtype float32] [--text FILE]
+
+`minirun bench` runs one mode after the other; on a shared VM whose speed drifts by 10-25% within
+minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
+the same context once (random token ids as `minirun bench` uses, or the start of --text), then
+each round decodes n tokens in every mode back to back (greedy, EOS ignored, the cache rewound to
+the context after each round). Reports the median tok/s per mode and the median of the per-round
+ratios to the first mode, with min and max. Needs memory for all engines at once.
+"""
+import argparse
+import statistics
+import time
+
+from minirun import Engine
+from minirun.bench import random_ids
+
+
+def parse_modes(s: str) -> list[tuple[str, float | None]]:
+    out = []
+    for m in s.split(","):
+        kind, _, budget = m.strip().partition(":")
+        out.append((kind, float(budget) if budget else None))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--depth", type=int, default=16384)
+    ap.add_argument("-n", type=int, default=32, help="tokens decoded per round and mode")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--modes", default="dense,hca:0.125", help="dense, hca:BUDGET, comma-separated")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--text", default=None, help="context from this text file instead of random token ids")
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    engines = []
+    for kind, budget in parse_modes(a.modes):
+        kw = {"kv_budget": budget} if budget else {}
+        eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.n + 8, kv=kind, threads=a.threads,
+                          **kw)
+        if a.text:
+            ids = (eng.tokenize(open(a.text, encoding="utf-8").read()) * (a.depth // 1000 + 1))[:a.depth]
+        else:
+            ids = random_ids(a.depth, eng.args.vocab_size, seed=0)
+        t0 = time.perf_counter()
+        eng.prefill(ids)
+        name = kind + (f" {budget}" if budget else "")
+        print(f"{name}: context of {a.depth} tokens prefilled in {time.perf_counter() - t0:.0f}s", flush=True)
+        engines.append((name, eng, ids))
+    tps = {name: [] for name, _, _ in engines}
+    for r in range(a.rounds + 1):                 # round 0 warms up and is dropped
+        row = []
+        for name, eng, ids in engines:
+            t = decode_round(eng, ids, a.n)
+            row.append(f"{name} {t:.2f}")
+            if r:
+                tps[name].append(t)
+        print(f"round {r}{' (warm-up)' if r == 0 else ''}: " + " | ".join(row), flush=True)
+    base = engines[0][0]
+    print(f"\ntg{a.n} @ d{a.depth}, {a.dtype}, {a.rounds} rounds; tok/s median (min, max); ratio to {base} per round:")
+    for name in tps:
+        xs = tps[name]
+        ratios = [x / b for x, b in zip(xs, tps[base])]
+        print(f"  {name:10s} {statistics.median(xs):.2f} ({min(xs):.2f}, {max(xs):.2f})   "
+              f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}, {max(ratios):.2f})")
+
+
+def decode_round(eng, ids: list[int], n: int) -> float:
+    """n greedy decode steps after the context `ids` (already in the cache: its prefill is a
+    prefix reuse, not timed); the cache is rewound to the context afterwards. Returns tok/s."""
+    logits, _ = eng.prefill(ids)
+    tok = int(logits[-1].argmax())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = int(eng.step(tok)[-1].argmax())
+    dt = time.perf_counter() - t0
+    eng.rewind(len(ids))
+    return n / dt
+
+
+if __name__ == "__main__":
+    main()
