@@ -76,31 +76,22 @@ def agreement(ref, eng, prompt: list[int], continuation: list[int]) -> dict:
 def selection_probe(eng):
     """Record, per layer and query head, the fraction of store tokens the HCA selection keeps.
 
-    Observes the selection kernel while active (decode steps only: one selection per layer per step);
-    yields a dict that holds, on exit, "fraction" [L, Hq] (mean over steps) and "steps". Does nothing
-    for a dense engine.
+    Reads the cache's own record while active (`HCACache.record_selection`: one row per layer per
+    one-token step); yields a dict that holds, on exit, "fraction" [L, Hq] (mean over steps) and
+    "steps". Does nothing for a dense engine.
     """
     out: dict = {}
     cache = getattr(eng, "cache", None)
-    if not hasattr(cache, "tau"):
+    if not hasattr(cache, "record_selection"):
         yield out
         return
-    import kernels_cpu
-    real = kernels_cpu.threshold_select
     L = eng.args.num_hidden_layers
     rows: list = []
-
-    def probe(z, tau, out_idx=None):
-        res = real(z, tau, out_idx=out_idx)
-        if z.shape[1]:
-            rows.append(res[1].astype("float64") / z.shape[1])
-        return res
-
-    kernels_cpu.threshold_select = probe
+    cache.record_selection = rows
     try:
         yield out
     finally:
-        kernels_cpu.threshold_select = real
+        cache.record_selection = None
         steps = len(rows) // L
         if steps:
             import numpy as np

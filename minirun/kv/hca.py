@@ -74,6 +74,9 @@ class HCACache(KVCache):
         self.sel = GrowingBuffer((self.Hq,), 1, torch.int32, store_cap)             # scratch selection
         self._staged: list = [None] * L
         self.notes: list[str] = []
+        # when a list: each one-token step appends, per layer, the fraction of the store each
+        # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
+        self.record_selection: list | None = None
 
     @classmethod
     def create(cls, args, config, device, dtype, capacity, model_dir=None) -> "HCACache":
@@ -126,6 +129,8 @@ class HCACache(KVCache):
                                  self.tau, self.q_to_kv, *self._heads_by_kv, self._lut,
                                  self.z.flat(n).reshape(self.Hq, n), self.sel.flat(n).reshape(self.Hq, n),
                                  self._counts)
+        if self.record_selection is not None:
+            self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
 
     def _attend_exact_tier(self, layer, qs, k, v):
@@ -164,6 +169,8 @@ class HCACache(KVCache):
                 qt = torch.from_numpy(qn[t]).view(self.Hkv, -1, self.hd)
                 z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
             idx, counts, _, _ = kc.threshold_select(z, self.tau, out_idx=sel)
+            if self.record_selection is not None and T == 1:
+                self.record_selection.append(counts / n)
             os_[t], ms[t], ls[t] = kc.weighted_value_sum(z, idx, counts, V, self.q_to_kv)
         return torch.from_numpy(os_), torch.from_numpy(ms), torch.from_numpy(ls)
 

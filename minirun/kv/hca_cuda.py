@@ -186,6 +186,8 @@ class HCACacheCUDA(HCACache):
             if self._gpu:
                 self._sel_event.synchronize()
             cnt = host[:, 0].numpy()
+        if self.record_selection is not None:
+            self.record_selection.append(cnt / z.shape[1])
         self.values.wait()                                        # eviction copies have landed
         hn = host.numpy()
         idx_h, zs_h = hn[:, 1:w + 1], hn[:, w + 1:].view(np.float32)
