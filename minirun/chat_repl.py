@@ -1,6 +1,9 @@
 """The interactive loop behind `minirun chat`."""
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from pathlib import Path
 
 import click
@@ -34,6 +37,29 @@ def _progress_bar(total_hint: str):
         if done >= total:
             bar["b"].close()
     return cb
+
+
+@contextlib.contextmanager
+def stop_on_sigint():
+    """While inside: the first SIGINT (Ctrl-C) sets the yielded Event instead of raising, so the
+    engine stops the answer between two steps (should_stop=event.is_set); a second one raises
+    KeyboardInterrupt as usual. A flag rather than the exception, because a KeyboardInterrupt
+    raised at an arbitrary point can land in code that swallows it (a finalizer, a C callback)
+    or cut a cache update in half."""
+    event = threading.Event()
+    if threading.current_thread() is not threading.main_thread():   # signals go to the main thread only
+        yield event
+        return
+
+    def handler(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None):
@@ -87,11 +113,15 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
             ids = eng.chat_prompt(messages)
             text, interrupted = "", False
             try:
-                for piece in eng.stream(ids, max_new_tokens=max_tokens, progress=_progress_bar("prompt"), **sampling):
-                    text += piece
-                    click.echo(piece, nl=False)
-            except KeyboardInterrupt:
+                with stop_on_sigint() as stopped:
+                    for piece in eng.stream(ids, max_new_tokens=max_tokens, progress=_progress_bar("prompt"),
+                                            should_stop=stopped.is_set, **sampling):
+                        text += piece
+                        click.echo(piece, nl=False)
+                interrupted = eng.last_result.finish_reason == "cancelled"
+            except KeyboardInterrupt:          # a second Ctrl-C, or one in a step that never ends
                 interrupted = True
+            if interrupted:
                 click.echo(" [interrupted]", nl=False)
             click.echo()
             messages.append({"role": "assistant", "content": text})

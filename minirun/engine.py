@@ -30,7 +30,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     reused_tokens: int = 0          # prompt prefix served from the cache of the previous call
-    finish_reason: str = "length"   # "stop" | "length" | "ctx"
+    finish_reason: str = "length"   # "stop" | "length" | "ctx" | "cancelled" (should_stop said so)
     timings: dict = field(default_factory=dict)
 
 
@@ -120,11 +120,13 @@ class Engine:
             self.reset()
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], progress=None) -> tuple[torch.Tensor, int]:
+    def prefill(self, ids: list[int], progress=None, should_stop=None) -> tuple[torch.Tensor, int]:
         """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache).
 
         A prefix shared with what the cache already holds is reused when the cache can truncate to it.
-        progress: optional callable(n_done, n_total) called after each chunk.
+        progress: optional callable(n_done, n_total) called after each chunk. should_stop: optional
+        callable checked after each chunk; when it returns True the cache keeps the chunks done so far
+        (a prefix of `ids`, reused by the next call) and the logits are those of the last chunk done.
         """
         if len(self._cached_ids) != self.cache.offset:   # an interrupted forward: trust nothing
             self.reset()
@@ -147,14 +149,18 @@ class Engine:
         self.cache.begin_prefill(mode)
         t0 = time.perf_counter()
         logits = None
+        done = 0
         for i in range(0, todo.numel(), chunk):
             logits = self.model.forward(todo[i:i + chunk], self.cache)
+            done = min(i + chunk, todo.numel())
             if progress:
-                progress(min(i + chunk, todo.numel()), todo.numel())
+                progress(done, todo.numel())
+            if should_stop is not None and done < todo.numel() and should_stop():
+                break
         self.cache.end_prefill()
         dt = time.perf_counter() - t0
-        self.last_prefill = {"tokens": todo.numel(), "seconds": dt, "tps": todo.numel() / max(dt, 1e-9), "mode": mode}
-        self._cached_ids = list(ids)
+        self.last_prefill = {"tokens": done, "seconds": dt, "tps": done / max(dt, 1e-9), "mode": mode}
+        self._cached_ids = list(ids[:common + done])
         return logits, common
 
     @torch.inference_mode()
@@ -166,21 +172,30 @@ class Engine:
 
     # ---- generation ---------------------------------------------------------------------------
     def _run(self, prompt, max_new_tokens: int, stop, sampling: SamplingParams,
-             progress=None, ignore_eos: bool = False) -> Iterator[tuple[str, GenerationResult]]:
-        """Core loop: yields (text piece, result so far); the last yield carries the final result."""
+             progress=None, ignore_eos: bool = False, should_stop=None) -> Iterator[tuple[str, GenerationResult]]:
+        """Core loop: yields (text piece, result so far); the last yield carries the final result.
+
+        should_stop: optional callable, checked after each prefill chunk and before each decode step;
+        True ends the generation cleanly (finish_reason "cancelled"), never in the middle of a step,
+        so the cache stays consistent (how the chat's Ctrl-C stops an answer).
+        """
         ids = self._ids(prompt)
         sampler = Sampler(sampling)
         stops = tuple(s for s in (stop or ()) if s)
         hold = max((len(s) for s in stops), default=1) - 1   # chars held back: they may start a stop string
         t0 = time.perf_counter()
-        logits, reused = self.prefill(ids, progress)
+        logits, reused = self.prefill(ids, progress, should_stop)
         history = torch.tensor(ids, dtype=torch.long)
         t1 = time.perf_counter()
         res = GenerationResult([], "", len(ids), (len(ids) - reused) / max(t1 - t0, 1e-9), 0.0,
                                prefill_s=t1 - t0, reused_tokens=reused)
         emitted = 0
         eos = set() if ignore_eos else set(self.tokenizer.eos_ids) | set(self.args.eos_ids)
+        cancelled = len(self._cached_ids) < len(ids)        # the prefill itself was stopped
         while True:
+            if cancelled or (should_stop is not None and should_stop()):
+                res.finish_reason = "cancelled"
+                break
             if len(res.tokens) >= max_new_tokens:
                 res.finish_reason = "length"
                 break
@@ -215,20 +230,20 @@ class Engine:
 
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
-                 stop=(), progress=None, ignore_eos: bool = False) -> GenerationResult:
+                 stop=(), progress=None, ignore_eos: bool = False, should_stop=None) -> GenerationResult:
         """prompt: str or list[int]. Returns the new tokens, their text and timings."""
         sp = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
         res = None
-        for _, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos):
+        for _, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos, should_stop):
             pass
         return res
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
-               stop=(), progress=None, ignore_eos: bool = False) -> Iterator[str]:
+               stop=(), progress=None, ignore_eos: bool = False, should_stop=None) -> Iterator[str]:
         """Yield text pieces as they are decoded. `self.last_result` holds the timings afterwards."""
         sp = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        for piece, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos):
+        for piece, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos, should_stop):
             self.last_result = res
             if piece:
                 yield piece
