@@ -15,6 +15,8 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * ``attn_in``, ``attn_out``, ``norm_gemv``: a Llama layer's one-token step around its attention
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
+* ``dense_attend(q, K, V, n) -> o``: one decode token's exact GQA attention over a dense cache
+  (float32 or bfloat16 bits)
 
 Each has a NumPy reference ``<name>_ref`` in :mod:`kernels_cpu.reference`.
 float16 key/value pools are accepted; Numba has no CPU float16 type, so they
@@ -38,6 +40,7 @@ from .numba_kernels import (
     hca_decode_attend,
     heads_by_kv,
     attn_out,
+    dense_attend,
     norm_gemv,
     half_to_float,
     lse_merge,
@@ -53,6 +56,7 @@ from .reference import (
     attn_in_ref,
     hca_decode_attend_ref,
     attn_out_ref,
+    dense_attend_ref,
     norm_gemv_ref,
     lse_merge_ref,
     threshold_select_ref,

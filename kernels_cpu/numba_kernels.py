@@ -6,7 +6,7 @@ each function's docstring.
 from ._common import HALF_CONVERSION, _k_half_array, half_to_float, set_num_threads  # noqa: F401
 from .attention import attend_exact, lse_merge, weighted_value_sum  # noqa: F401
 from .bf16 import float_to_bf16_bits  # noqa: F401
-from .decode import attn_in, attn_out, norm_gemv  # noqa: F401
+from .decode import attn_in, attn_out, dense_attend, norm_gemv  # noqa: F401
 from .hca_step import hca_decode_attend, heads_by_kv  # noqa: F401
 from .pq import approx_scores, build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
 from .select import threshold_select  # noqa: F401
@@ -27,6 +27,7 @@ __all__ = [
     "attn_in",
     "attn_out",
     "norm_gemv",
+    "dense_attend",
     "hca_decode_attend",
     "heads_by_kv",
     "set_num_threads",

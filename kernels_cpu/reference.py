@@ -31,6 +31,7 @@ __all__ = [
     "attn_in_ref",
     "attn_out_ref",
     "norm_gemv_ref",
+    "dense_attend_ref",
     "hca_decode_attend_ref",
 ]
 
@@ -267,6 +268,17 @@ def norm_gemv_ref(x, w_norm, eps, w):
     """(rms_norm(x) * w_norm) @ w^T -> float32 [O]."""
     return (_wide(w) @ _rms_norm_ref(x, w_norm, eps)).astype(np.float32)
 
+
+
+def dense_attend_ref(q, K, V, n, scale=1.0):
+    """q [Hq, d], K, V [Hkv, >=n, d] float32 or bfloat16 bits -> softmax(scale q K^T) V over the
+    first n keys, float32 [Hq, d]; query head h reads kv-head h // (Hq / Hkv)."""
+    q = _wide(q) * scale
+    rep = q.shape[0] // K.shape[0]
+    Kf, Vf = _wide(K)[:, :n].repeat(rep, 0), _wide(V)[:, :n].repeat(rep, 0)   # [Hq, n, d]
+    s = np.einsum("hd,hnd->hn", q, Kf)
+    w = np.exp(s - s.max(1, keepdims=True))
+    return (np.einsum("hn,hnd->hd", w, Vf) / w.sum(1, keepdims=True)).astype(np.float32)
 
 
 def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv):

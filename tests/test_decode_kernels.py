@@ -95,3 +95,41 @@ def test_mixed_dtypes_rejected():
     with pytest.raises(ValueError, match="all be float32 or all bfloat16"):
         kc.attn_out(bf16_bits(p["x"]), p["o"], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"])
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (9, 3), (8, 1), (16, 8)])
+@pytest.mark.parametrize("n", [1, 63, 512, 1537, 5000])
+def test_dense_attend_vs_ref(dtype, Hq, Hkv, n):
+    rng = np.random.default_rng(n + Hq)
+    d, cap, scale = 64, n + 37, 0.125
+    q = (rng.standard_normal((Hq, d)) * 4).astype(np.float32)
+    K, V = (rng.standard_normal((2, Hkv, cap, d)) * 1.5).astype(np.float32)
+    K[:, n:], V[:, n:] = np.nan, np.nan             # slots past n must never be read
+    if dtype == "bfloat16":                         # the engine's bfloat16 step: q, K, V and out as bits
+        q, K, V = bf16_bits(q), bf16_bits(K), bf16_bits(V)
+    got = kc.dense_attend(q, K, V, n, scale)
+    want = kc.dense_attend_ref(q, K, V, n, scale)
+    assert got.dtype == np.float32 and got.shape == (Hq, d)
+    if dtype == "bfloat16":                         # out in bfloat16: the float32 result, rounded
+        out = np.empty((Hq, d), np.uint16)
+        assert kc.dense_attend(q, K, V, n, scale, out=out) is out
+        assert np.array_equal(out, kc.float_to_bf16_bits(got).reshape(Hq, d))
+    # float32 scores and sums of n terms against a float64 reference, relative to the values' size
+    atol = 2e-6 * np.nanmax(np.abs(as_float(V))) * max(1.0, (n / 64) ** 0.5)
+    assert np.allclose(got, want, rtol=1e-5, atol=atol), np.abs(got - want).max()
+
+
+def test_dense_attend_rejects_bad_arguments():
+    q = np.zeros((6, 8), np.float32)
+    K = np.zeros((4, 10, 8), np.float32)
+    with pytest.raises(ValueError, match="Hq % Hkv"):
+        kc.dense_attend(q, K, K, 5)                  # 6 query heads over 4 kv-heads
+    with pytest.raises(ValueError, match="n <= 10"):
+        kc.dense_attend(q[:4], K, K, 11)
+
+
+def test_bfloat16_weights_need_even_columns():
+    p = layer(np.random.default_rng(5), "bfloat16")
+    with pytest.raises(ValueError, match="even number of columns"):
+        kc.norm_gemv(p["x"][:63], p["n2"][:63], 1e-5, np.ascontiguousarray(p["wgu"][:, :63]))

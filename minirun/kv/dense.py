@@ -1,9 +1,15 @@
 """Full-precision K and V for every token: the exact baseline."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+import kernels_cpu
+
+from ..ops import as_numpy, from_numpy_bits
 from .base import KVCache, causal_mask
 
 
@@ -16,10 +22,23 @@ class DenseCache(KVCache):
         shape = (n_layers, n_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # one-token steps on the CPU go to kernels_cpu.dense_attend over numpy views of the cache
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            self._k_np, self._v_np = as_numpy(self.k), as_numpy(self.v)
+            self._scale = 1.0 / math.sqrt(head_dim)
+        else:
+            self._k_np = self._v_np = None
 
     def attend(self, layer, q, k, v):
         T, pos0 = q.shape[0], self.offset
         end = pos0 + T
+        if T == 1 and self._k_np is not None and q.dtype is self.k.dtype:
+            # numpy views only: torch's per-op dispatch cost ~50 us per layer of a one-token step
+            K, V = self._k_np[layer], self._v_np[layer]
+            K[:, pos0], V[:, pos0] = as_numpy(k[0]), as_numpy(v[0])
+            o = np.empty(q.shape[1:], K.dtype)
+            kernels_cpu.dense_attend(as_numpy(q[0]), K, V, end, self._scale, out=o)
+            return from_numpy_bits(o)[None]
         self.k[layer, :, pos0:end] = k.transpose(0, 1)
         self.v[layer, :, pos0:end] = v.transpose(0, 1)
         return dense_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], pos0)
@@ -39,9 +58,10 @@ def dense_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos0: int
     T, Hq, hd = q.shape
     Hkv = K.shape[0]
     if T == 1:
-        # decode: the n_rep query heads of a kv-head act as n_rep queries of one head, no mask, no K
-        # copy; 4-D inputs take torch's fused CPU kernel, 3-D ones its math path (measured on the
-        # 2-core VM, 2026-11-23: 3x slower at 512 keys and 9x at 16K in bfloat16, 1.5x at 16K in float32)
+        # decode on the GPU or in float16 (the CPU's float32/bfloat16 steps take dense_attend): the
+        # n_rep query heads of a kv-head act as n_rep queries of one head, no mask, no K copy; 4-D
+        # inputs take torch's fused CPU kernel, 3-D ones its math path (measured on the 2-core VM,
+        # 2026-11-23: 3x slower at 512 keys and 9x at 16K in bfloat16, 1.5x at 16K in float32)
         qg = q.view(1, Hkv, Hq // Hkv, hd)
         return F.scaled_dot_product_attention(qg, K[None], V[None]).reshape(1, Hq, hd)
     # prefill: 4-D inputs with K/V repeated per query head take torch's fused CPU kernel; 3-D
