@@ -182,3 +182,26 @@ def test_partial_attention_paths_and_merge_of_splits():
     assert torch.isfinite(o).all() and (o - ref[0]).abs().max() < 1e-5
     o0, m0, l0 = merge(partial_attention(q, K[:, :0], V[:, :0]), partial_attention(q, K[:, :0], V[:, :0]))
     assert torch.isfinite(o0).all() and (o0 == 0).all() and (l0 == 0).all()
+
+
+def test_bfloat16_on_cpu_takes_the_fused_decode_step(tiny_model_dir):
+    """bfloat16 runs keep the exact tier as float16 on the CPU, so decode takes the one-call Numba
+    step; it must agree with the per-kernel path (the exact tier in torch) it replaces."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(500)
+    kw = dict(device="cpu", dtype="bfloat16", ctx=1024, kv="hca", kv_budget=0.25, centroids=64, window=32,
+              sinks=4, fit_min_tokens=128)
+    fast, slow = Engine.load(d, **kw), Engine.load(d, **kw)
+    assert fast.cache.ek.dtype == torch.float16 and fast.cache._numpy_exact_tier
+    slow.cache._numpy_exact_tier = False
+    calls = []
+    real = fast.cache._attend_decode_step
+    fast.cache._attend_decode_step = lambda *a: calls.append(1) or real(*a)
+    lf, ls = [fast.prefill(ids)[0]], [slow.prefill(ids)[0]]
+    for t in ids[:8]:
+        lf.append(fast.step(t))
+        ls.append(slow.step(t))
+    assert len(calls) == 8 * 2              # every decode step of both layers went through it
+    lf, ls = torch.cat(lf).float(), torch.cat(ls).float()
+    assert (lf.argmax(-1) == ls.argmax(-1)).all()
+    assert (lf - ls).abs().max().item() <= 0.02 * lf.abs().max().item()

@@ -43,11 +43,11 @@ class HCACache(KVCache):
         self._heads_by_kv = kc.heads_by_kv(self.q_to_kv, Hkv)     # query heads grouped by kv-head
         self._counts = np.zeros(self.Hq, np.int32)                 # selection sizes of the last step
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
-        self.ek = torch.zeros(L, Hkv, sinks + window, hd, dtype=dtype, device=device)
+        self.ek = torch.zeros(L, Hkv, sinks + window, hd, dtype=self.exact_tier_dtype(dtype, device), device=device)
         self.ev = torch.zeros_like(self.ek)
         self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
         # numpy views of the exact tier for the decode fast path (float32/float16 on the CPU only)
-        self._numpy_exact_tier = device.type == "cpu" and dtype in (torch.float32, torch.float16)
+        self._numpy_exact_tier = device.type == "cpu" and self.ek.dtype in (torch.float32, torch.float16)
         self._ek_np = self.ek.numpy() if self._numpy_exact_tier else None
         self._ev_np = self.ev.numpy() if self._numpy_exact_tier else None
         store_cap = max(0, capacity - sinks - window)
@@ -77,6 +77,14 @@ class HCACache(KVCache):
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
         self.record_selection: list | None = None
+
+    @staticmethod
+    def exact_tier_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The sinks + ring dtype: the compute dtype, except bfloat16 on the CPU, which is held as
+        float16 (the same bytes, so the planner's figures stand) because the Numba decode step
+        reads float32 or float16 only; float16 holds every bfloat16 value exactly between 6e-5 and
+        65504 (keys and values live well inside), like the host value pool of bfloat16 runs."""
+        return torch.float16 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
 
     @classmethod
     def create(cls, args, config, device, dtype, capacity, model_dir=None) -> "HCACache":
@@ -137,8 +145,8 @@ class HCACache(KVCache):
         """Sinks + ring (all positions < offset) and the chunk itself (causal)."""
         T = qs.shape[0]
         valid = self.slot_pos >= 0                                               # [S+W]
-        K = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.dtype)], 1)     # [Hkv, S+W+T, hd]
-        V = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.dtype)], 1)
+        K = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1)  # [Hkv, S+W+T, hd]
+        V = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ek.dtype)], 1)
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         mask = torch.cat([valid[None, :].expand(T, -1), causal], 1).to(qs.device)
         return partial_attention(qs, K, V, mask)
@@ -186,8 +194,8 @@ class HCACache(KVCache):
         ev_pos = torch.arange(ev_lo, max(ev_lo, ev_hi))
         keep = torch.arange(pos0, end)                              # chunk positions that stay exact
         keep = keep[(keep < S) | (keep >= ev_hi)]
-        Kn = torch.stack([kv[0] for kv in self._staged]).transpose(1, 2).to(self.dtype)   # [L, Hkv, T, hd]
-        Vn = torch.stack([kv[1] for kv in self._staged]).transpose(1, 2).to(self.dtype)
+        Kn = torch.stack([kv[0] for kv in self._staged]).transpose(1, 2).to(self.ek.dtype)   # [L, Hkv, T, hd]
+        Vn = torch.stack([kv[1] for kv in self._staged]).transpose(1, 2).to(self.ek.dtype)
         if ev_pos.numel():
             from_ring = ev_pos[ev_pos < pos0]
             ring_slots = S + (from_ring - S) % W

@@ -76,6 +76,11 @@ class HCACacheCUDA(HCACache):
         self._h2d_event = torch.cuda.Event() if self._gpu else None
         self._h2d_pending = False
 
+    @staticmethod
+    def exact_tier_dtype(dtype, device):
+        """The compute dtype: the CUDA kernels read bfloat16 (and the emulator runs them as they are)."""
+        return dtype
+
     def _host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=self._gpu)
 
