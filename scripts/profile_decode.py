@@ -1,8 +1,14 @@
 """Where one decode step's time goes, at a given context depth, for dense or HCA.
 
 Usage: python scripts/profile_decode.py MODEL --depth 16384 [--kv hca --kv-budget 0.125] [--steps 20]
+           [--fill text|random|tokens] [--profiler torch|cprofile|none] [--breakdown]
 The cache is filled through its own append path with the K/V of a dense prefill over natural text
-(computed once, cached in /tmp) or with random K/V; then decode steps are timed. Prints ms/step and the top operators (torch profiler) or functions (cProfile).
+(computed once, cached in /tmp) or with random K/V, or by prefilling random token ids through the
+engine ("tokens", what `minirun bench` does); then decode steps are timed. Prints ms/step and the
+top operators (torch profiler) or functions (cProfile). --breakdown (HCA, CPU): captures the
+arguments of every layer's fused HCA call in one real step and times each kernel of that step on
+them (LUT, scores, selection, value sum, sinks + ring), summed over the layers.
+PROFILE_ROWS=N prints N rows of the cProfile table.
 """
 import argparse
 import cProfile
@@ -39,6 +45,10 @@ def fill(eng: Engine, depth: int, source: str, chunk: int = 4096) -> None:
     """Make the cache hold `depth` tokens: random K/V ("random": worst case for selection, since
     attention is diffuse) or the K/V of real text ("text"), through the cache's own append path."""
     a, cache = eng.args, eng.cache
+    if source == "tokens":
+        from minirun.bench import random_ids
+        eng.prefill(random_ids(depth, a.vocab_size, seed=0))
+        return
     g = torch.Generator().manual_seed(0)
     if source == "text":
         K, V = real_kv(str(eng.path), depth, eng.config.dtype)
@@ -76,8 +86,10 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profiler", default="torch", choices=["torch", "cprofile", "none"])
-    ap.add_argument("--fill", default="text", choices=["text", "random"],
-                    help="cache contents: K/V of real text (realistic selection sizes) or random")
+    ap.add_argument("--fill", default="text", choices=["text", "random", "tokens"],
+                    help="cache contents: K/V of real text (realistic selection sizes), random K/V, or "
+                         "random token ids prefilled through the model (as minirun bench)")
+    ap.add_argument("--breakdown", action="store_true", help="HCA: time each kernel of one real step")
     a = ap.parse_args()
     eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.steps * 3 + 8, kv=a.kv,
                       kv_budget=a.kv_budget, tau=a.tau, threads=a.threads)
@@ -97,6 +109,8 @@ def main():
             for _ in range(a.steps):
                 eng.step(1)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if a.breakdown:
+        breakdown(eng)
     elif a.profiler == "cprofile":
         pr = cProfile.Profile()
         pr.enable()
@@ -104,6 +118,47 @@ def main():
             eng.step(1)
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(int(os.environ.get("PROFILE_ROWS", 15)))
+
+
+def breakdown(eng: Engine) -> None:
+    """Time each kernel of one real HCA decode step on its captured per-layer arguments."""
+    import kernels_cpu as kc
+    import minirun.kv.hca as hca
+    calls, real = [], kc.hca_decode_attend
+
+    def capture(*args):
+        calls.append(args)
+        return real(*args)
+    hca.kc.hca_decode_attend = capture
+    try:
+        eng.step(1)
+    finally:
+        hca.kc.hca_decode_attend = real
+
+    def ms(f, k=10):
+        f()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            f()
+        return (time.perf_counter() - t0) / k * 1e3
+    tot = dict.fromkeys(["lut", "scores", "select", "value sum", "sinks+ring", "fused call"], 0.0)
+    cache, sel = eng.cache, []
+    for layer, args in enumerate(calls):
+        q, k, v, EK, EV, n_exact, cbt, P, n, V, tau, q2k, heads, starts, lut, z, idx, counts = args
+        C = cache.codebooks.centroids[layer].numpy()
+        tot["lut"] += ms(lambda: kc.build_lut(q, C, q2k, codebooks_t=cbt, out=lut))
+        tot["scores"] += ms(lambda: kc.approx_scores(lut, P, q2k, n, out=z))
+        zz = kc.approx_scores(lut, P, q2k, n).copy()
+        tot["select"] += ms(lambda: kc.threshold_select(zz, tau))
+        ii, cc, _, _ = kc.threshold_select(zz, tau)
+        sel.append(cc.mean() / n)
+        tot["value sum"] += ms(lambda: kc.weighted_value_sum(zz, ii, cc, V, q2k))
+        tot["sinks+ring"] += ms(lambda: kc.attend_exact(q, EK, EV, q2k, n_exact))
+        tot["fused call"] += ms(lambda: real(*args))
+    print(f"kernels of one step, summed over {len(calls)} layers (store of {calls[0][8]} tokens, "
+          f"mean selected fraction {sum(sel) / len(sel):.3f}):")
+    for name, t in tot.items():
+        print(f"  {name:11s} {t:7.1f} ms  ({t / len(calls):.3f} ms per layer)")
 
 
 if __name__ == "__main__":
