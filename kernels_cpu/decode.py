@@ -73,7 +73,8 @@ def _rms_norm(x, w, eps, out):
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _gemv_rows_f32(w, x, out):
     """out [O] = w [O, I] @ x [I], all float32. Each row is a contiguous 1-D view: indexing w[r, i]
-    instead left LLVM with partly scalar code (measured 0.82x the time per step this way)."""
+    instead left LLVM with partly scalar code (~0.88x the time per step this way on the Zen 4 VM,
+    scripts/bench_decode_kernels.py)."""
     O = w.shape[0]
     for b in prange((O + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         for r in range(b * _ROWS_PER_TASK, min(O, (b + 1) * _ROWS_PER_TASK)):
@@ -90,7 +91,7 @@ def _gemv_rows_bf16_pairs(w2, x_even, x_odd, out):
     each word is element 2i, the high half element 2i+1 (little endian), so both widen to
     float32 with one shift or one mask and every lane stays 32 bits wide, which vectorizes;
     x_even = x[0::2], x_odd = x[1::2]. Element-wise uint16 loads were assembled word by word
-    (vpinsrw) and the FMAs stayed scalar: this is 0.76x the time per step."""
+    (vpinsrw) and the FMAs stayed scalar: this is ~0.79x the time per step (Zen 4 VM)."""
     O = w2.shape[0]
     for b in prange((O + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         for r in range(b * _ROWS_PER_TASK, min(O, (b + 1) * _ROWS_PER_TASK)):
@@ -298,7 +299,6 @@ def norm_gemv(x, w_norm, eps, w, out=None):
         out = np.empty(w.shape[0], np.float32)
     _k_norm_gemv(x, w_norm, np.float32(eps), w, out)
     return out
-
 
 
 def dense_attend(q, K, V, n, scale=1.0, out=None):
