@@ -13,6 +13,8 @@ $(BIN)/minirun: pyproject.toml
 	# the CPU build of torch first (on these machines it is on disk); then the project
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# compile the Numba kernels once (cached on disk): the first answer then runs at full speed
+	$(BIN)/python scripts/warmup_kernels.py
 	touch $(BIN)/minirun
 
 setup: $(BIN)/minirun
