@@ -90,7 +90,7 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def from_numpy_bits(a: np.ndarray) -> torch.Tensor:
-    """numpy array from _np (or a kernel) -> zero-copy tensor (uint16 bits back to bfloat16)."""
+    """numpy array from as_numpy (or a kernel) -> zero-copy tensor (uint16 bits back to bfloat16)."""
     t = torch.from_numpy(a)
     return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
 
@@ -115,8 +115,8 @@ def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Ten
     fused = T == 1 and "np" in lw
     if fused:
         w = lw["np"]
-        qkv = from_numpy_bits(kernels_cpu.attn_in(as_numpy(x).reshape(-1), w["attn_norm"], args.rms_norm_eps, w["wqkv"], pos0,
-                                         w["inv_freq"], Hq + Hkv, hd))
+        qkv = from_numpy_bits(kernels_cpu.attn_in(as_numpy(x).reshape(-1), w["attn_norm"], args.rms_norm_eps,
+                                                  w["wqkv"], pos0, w["inv_freq"], Hq + Hkv, hd))
     else:
         qkv = linear(rms_norm(x, lw["attn_norm"], args.rms_norm_eps), lw["wqkv"], lw.get("bqkv"))
     qkv = qkv.view(T, Hq + 2 * Hkv, hd)
