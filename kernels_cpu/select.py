@@ -34,15 +34,27 @@ def _bucket(v, hi, lo, scale):
 @njit(cache=True)
 def _select_head(zh, n, tau, idx_row):
     """One head of threshold_select.  Returns (count, m, l_sel)."""
-    # pass 1: max / min (NaN ignored)
-    mx = _NEG_INF
-    mn = np.float32(np.inf)
-    for j in range(n):
-        v = zh[j]
-        if v > mx:
-            mx = v
-        if v < mn:
-            mn = v
+    # pass 1: max / min (NaN ignored), in 4 chains (one compare-select chain runs at its latency)
+    mx0 = mx1 = mx2 = mx3 = _NEG_INF
+    mn0 = mn1 = mn2 = mn3 = np.float32(np.inf)
+    j = 0
+    while j + 4 <= n:
+        v0, v1, v2, v3 = zh[j], zh[j + 1], zh[j + 2], zh[j + 3]
+        mx0 = v0 if v0 > mx0 else mx0
+        mx1 = v1 if v1 > mx1 else mx1
+        mx2 = v2 if v2 > mx2 else mx2
+        mx3 = v3 if v3 > mx3 else mx3
+        mn0 = v0 if v0 < mn0 else mn0
+        mn1 = v1 if v1 < mn1 else mn1
+        mn2 = v2 if v2 < mn2 else mn2
+        mn3 = v3 if v3 < mn3 else mn3
+        j += 4
+    for r in range(j, n):
+        v = zh[r]
+        mx0 = v if v > mx0 else mx0
+        mn0 = v if v < mn0 else mn0
+    mx = max(max(mx0, mx1), max(mx2, mx3))
+    mn = min(min(mn0, mn1), min(mn2, mn3))
     if n == 0 or mx == _NEG_INF or not (mx < np.inf):
         return 0, mx, 0.0
     if tau >= 1.0:
@@ -74,11 +86,26 @@ def _select_head(zh, n, tau, idx_row):
             w32[j] = _exp32(v - mx) if ok else np.float32(0.0)
             x = min(max((np.float64(hi) - np.float64(v)) * scale, 0.0), np.float64(_NBUCKETS - 1))
             bk[j] = np.int32(x) if ok else _NBUCKETS - 1
+        # two half-histograms and sums (even / odd tokens): neighbours often share a bucket, and
+        # one read-modify-write chain through memory would serialize them
+        mass2 = np.zeros(_NBUCKETS, dtype=np.float64)
         S = 0.0
-        for j in range(n):
+        S2 = 0.0
+        j = 0
+        while j + 2 <= n:
             w = np.float64(w32[j])
+            w2 = np.float64(w32[j + 1])
             S += w
+            S2 += w2
             mass[bk[j]] += w
+            mass2[bk[j + 1]] += w2
+            j += 2
+        if j < n:
+            S += np.float64(w32[j])
+            mass[bk[j]] += np.float64(w32[j])
+        S += S2
+        for b in range(_NBUCKETS):
+            mass[b] += mass2[b]
         target = tau * S
         cum = 0.0
         bstar = -1
