@@ -5,6 +5,9 @@ function in :mod:`kernels_cpu.numba_kernels`:
 
 * ``build_lut(q, codebooks, q_to_kv) -> T``
 * ``approx_scores(T, P, q_to_kv, n, out=None) -> z``
+* ``pack_lut(T, q_to_kv) -> PackedLUT``, ``packed_scores(packed, PT, n, out=None) -> z``: the
+  scores from integer-quantized tables, 4 query heads per uint64 (the CPU cache's path;
+  :mod:`kernels_cpu.packed`); ``group_major(P)`` the index layout they read
 * ``threshold_select(z, tau, out_idx=None) -> (idx, counts, m, l_sel)``
 * ``attend_exact(q, K, V, q_to_kv, n) -> (o, m, l)``
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
@@ -38,7 +41,11 @@ from .numba_kernels import (
     float_to_bf16_bits,
     attn_in,
     hca_decode_attend,
-    heads_by_kv,
+    PackedLUT,
+    group_major,
+    lane_map,
+    pack_lut,
+    packed_scores,
     attn_out,
     dense_attend,
     norm_gemv,
@@ -49,6 +56,8 @@ from .numba_kernels import (
 )
 from .reference import (
     approx_scores_ref,
+    pack_lut_ref,
+    packed_scores_ref,
     attend_exact_ref,
     build_lut_ref,
     encode_keys_ref,

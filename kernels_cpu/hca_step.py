@@ -1,24 +1,26 @@
 """One HCA decode step of one layer's attention in a single call.
 
-The step is seven kernels (exact attention over sinks + ring, the new token's own score, lookup
-table, approximate scores, threshold selection, weighted value sum, log-sum-exp merge). Called
-one by one from Python, their wrappers, checks and small NumPy glue cost ~1 ms per layer on the
-2-core VM, as much as the scoring itself; here they run back to back inside one compiled function.
+The step is eight kernels (exact attention over sinks + ring, the new token's own score, lookup
+table, its integer packing and the approximate scores (kernels_cpu.packed), threshold selection,
+weighted value sum, log-sum-exp merge). Called one by one from Python, their wrappers, checks and
+small NumPy glue cost ~1 ms per layer on the 2-core VM, as much as the scoring itself; here they run
+back to back inside one compiled function.
 Reference: kernels_cpu.reference.hca_decode_attend_ref (the composition of the kernels' references).
 """
 
 import numpy as np
 from numba import njit
 
-from ._common import _NEG_INF, _as_f32, _as_i32, _as_pool, _ld
+from ._common import _NEG_INF, _as_f32, _as_pool, _ld
 from .attention import _ATT_CHUNK, _WVS_CHUNK, _k_attend_exact, _k_lse_merge, _k_weighted_value_sum
-from .pq import _k_approx_scores, _k_build_lut_t
+from .packed import _k_pack_lut, _k_packed_scores
+from .pq import _k_build_lut_t, _k_encode_few
 from .select import _k_threshold_select
 
 
 @njit(cache=True)
-def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, P, n_store, V, tau, q_to_kv, heads, starts, lut, z, idx,
-                  counts, out):
+def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, lanes, lut, tables, scale,
+                  offset, z, idx, counts, out, enc_slot, cnorm, codes):
     Hq, d = q.shape
     os = np.zeros((3, Hq, d), np.float32)
     ms = np.full((3, Hq), _NEG_INF, np.float32)
@@ -35,7 +37,10 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, P, n_store, V, tau, q_to_kv, he
         ls[1, h] = 1.0
     if n_store > 0:                                                   # 3. the store, approximately
         _k_build_lut_t(q, cbt, q_to_kv, lut)
-        _k_approx_scores(lut, P, heads, starts, n_store, z)
+        if enc_slot >= 0:   # encode a ring key while this layer's codebooks are in cache
+            _k_encode_few(EK[:, enc_slot:enc_slot + 1], cbt, cnorm, codes)
+        _k_pack_lut(lut, lanes, tables, scale, offset)
+        _k_packed_scores(tables, lanes, scale, offset, PT, n_store, z)
         msel = np.empty(Hq, np.float32)
         lsel = np.empty(Hq, np.float32)
         _k_threshold_select(z, n_store, tau, idx, counts, msel, lsel)
@@ -47,30 +52,38 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, P, n_store, V, tau, q_to_kv, he
     _k_lse_merge(os, ms, ls, out, m, l)                               # 4. exact merge
 
 
-def heads_by_kv(q_to_kv, Hkv):
-    """Query heads grouped by kv-head: (heads int32 [Hq], starts int32 [Hkv + 1]) for hca_decode_attend."""
-    from .pq import _heads_by_kv
-    return _heads_by_kv(_as_i32(q_to_kv), Hkv)
-
-
-def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, P, n_store, V, tau, q_to_kv, heads, starts,
-                      lut, z, idx, counts=None):
+def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau, q_to_kv, packed,
+                      lut, z, idx, counts=None, encode=None):
     """Attention of one decode token over sinks + ring (exact), itself, and the store (HCA).
 
     q [Hq, d] f32 (pre-scaled by 1/sqrt(d)); k, v [Hkv, d] (the token's own key and value);
     EK, EV [Hkv, >=n_exact, d] the exact tier; codebooks_t [Hkv, g, ds, c] f32
-    (transpose_codebooks); P [Hkv, >=n_store, g] uint8/int16 indices; V [Hkv, >=n_store, d] the
-    value pool; heads, starts from heads_by_kv. K/V arrays f32 or f16. Scratch (C-contiguous rows):
-    lut f32 [Hq, g, c], z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store], counts int32 [Hq].
+    (transpose_codebooks); PT [Hkv, g, >=n_store] uint8/int16 indices, group-major, C-contiguous;
+    V [Hkv, >=n_store, d] the value pool. K/V arrays f32 or f16. Scratch (C-contiguous rows):
+    packed (a PackedLUT of preallocated arrays, its lanes from lane_map), lut f32 [Hq, g, c],
+    z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store], counts int32 [Hq].
     -> o [Hq, d] f32, exactly the lse_merge of attend_exact(EK, EV), the token itself, and
-    weighted_value_sum over threshold_select(approx_scores(build_lut(q))); counts holds the
-    selection size per head afterwards.
+    weighted_value_sum over threshold_select(packed_scores(pack_lut(build_lut(q)))); counts
+    holds the selection size per head afterwards.
+    encode: optional (slot, cnorm [Hkv, g, c] f32, codes [Hkv, 1, g] of the index dtype): also
+    writes encode_keys(EK[:, slot:slot + 1]) into codes (the ring key that leaves next; the cache
+    encodes it here because the codebooks were just read for the LUT). Needs n_store > 0.
     """
     Hq = q.shape[0]
     if counts is None:
         counts = np.zeros(Hq, np.int32)
     out = np.empty(q.shape, np.float32)
+    if encode is None:
+        slot, cnorm, codes = -1, _NO_CNORM, _NO_CODES[PT.dtype.itemsize]
+    else:
+        slot, cnorm, codes = encode
+        if not 0 <= slot < n_exact or n_store <= 0:
+            raise ValueError(f"encode slot {slot} outside the exact tier [0, {n_exact}) or empty store")
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
-                  codebooks_t, P, int(n_store), _as_pool(V), float(tau), q_to_kv, heads, starts, lut, z, idx,
-                  counts, out)
+                  codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv, packed.lanes, lut,
+                  packed.tables, packed.scale, packed.offset, z, idx, counts, out, int(slot), cnorm, codes)
     return out
+
+
+_NO_CNORM = np.zeros((1, 1, 1), np.float32)
+_NO_CODES = {1: np.zeros((1, 1, 1), np.uint8), 2: np.zeros((1, 1, 1), np.int16)}

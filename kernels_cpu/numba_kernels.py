@@ -7,7 +7,8 @@ from ._common import HALF_CONVERSION, _k_half_array, half_to_float, set_num_thre
 from .attention import attend_exact, lse_merge, weighted_value_sum  # noqa: F401
 from .bf16 import float_to_bf16_bits  # noqa: F401
 from .decode import attn_in, attn_out, dense_attend, norm_gemv  # noqa: F401
-from .hca_step import hca_decode_attend, heads_by_kv  # noqa: F401
+from .hca_step import hca_decode_attend  # noqa: F401
+from .packed import PackedLUT, group_major, lane_map, pack_lut, packed_scores  # noqa: F401
 from .pq import approx_scores, build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
 from .select import threshold_select  # noqa: F401
 
@@ -29,6 +30,10 @@ __all__ = [
     "norm_gemv",
     "dense_attend",
     "hca_decode_attend",
-    "heads_by_kv",
+    "PackedLUT",
+    "lane_map",
+    "pack_lut",
+    "packed_scores",
+    "group_major",
     "set_num_threads",
 ]

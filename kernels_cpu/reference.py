@@ -22,6 +22,8 @@ import numpy as np
 __all__ = [
     "build_lut_ref",
     "approx_scores_ref",
+    "pack_lut_ref",
+    "packed_scores_ref",
     "threshold_select_ref",
     "attend_exact_ref",
     "weighted_value_sum_ref",
@@ -59,6 +61,42 @@ def approx_scores_ref(T, P, q_to_kv, n):
         codes = P[q_to_kv[h], :n].astype(np.int64)  # [n, g]
         z[h] = T[h, groups[None, :], codes].sum(axis=1)
     return z.astype(np.float32)
+
+
+def pack_lut_ref(T):
+    """T [Hq, g, c] f32 -> (Q int64 [Hq, g, c], scale f32 [Hq], offset f32 [Hq]): the quantized
+    tables of kernels_cpu.packed (one head per row, unpacked), with its exact float32 operations."""
+    T = np.asarray(T, dtype=np.float32)
+    Hq, g, c = T.shape
+    qmax = 65535 // g
+    Q = np.zeros((Hq, g, c), np.int64)
+    scale, offset = np.empty(Hq, np.float32), np.empty(Hq, np.float32)
+    for h in range(Hq):
+        lo = T[h].min(axis=1)                                     # [g]
+        width = (T[h].max(axis=1) - lo).max()
+        s = np.float32(np.float64(width) / qmax) if width > 0 else np.float32(1.0)
+        inv = np.float32(1.0 / np.float64(s))
+        x = np.floor((T[h] - lo[:, None]) * inv + np.float32(0.5))
+        Q[h] = np.clip(x, 0, qmax).astype(np.int64)
+        off = 0.0
+        for i in range(g):                                        # the kernel's summation order
+            off += np.float64(lo[i])
+        scale[h], offset[h] = s, np.float32(off)
+    return Q, scale, offset
+
+
+def packed_scores_ref(T, P, q_to_kv, n):
+    """Scores from the quantized tables of pack_lut_ref: T [Hq, g, c] f32, P [Hkv, n_cap, g]
+    (token-major, as approx_scores_ref) -> z [Hq, n] f32 = scale * sum_i Q[h, i, P[j, i]] + offset."""
+    Q, scale, offset = pack_lut_ref(T)
+    Hq, g, _ = Q.shape
+    z = np.empty((Hq, n), np.float32)
+    groups = np.arange(g)
+    for h in range(Hq):
+        codes = P[q_to_kv[h], :n].astype(np.int64)
+        sums = Q[h, groups[None, :], codes].sum(axis=1)           # exact integers
+        z[h] = sums.astype(np.float32) * scale[h] + offset[h]
+    return z
 
 
 def threshold_select_ref(z, tau):
@@ -284,14 +322,15 @@ def dense_attend_ref(q, K, V, n, scale=1.0):
 def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv):
     """One decode token's HCA attention (see kernels_cpu.hca_step): the exact lse_merge of
     attend_exact over EK/EV[:, :n_exact], the token's own k, v, and weighted_value_sum over
-    threshold_select(approx_scores(build_lut(q))). codebooks [Hkv, g, c, ds] -> o [Hq, d] f32."""
+    threshold_select(packed_scores(pack_lut(build_lut(q)))). codebooks [Hkv, g, c, ds],
+    P [Hkv, >=n_store, g] (token-major here; the kernel reads it group-major) -> o [Hq, d] f32."""
     q = np.asarray(q, dtype=np.float32)
     Hq, d = q.shape
     o1, m1, l1 = attend_exact_ref(q, EK, EV, q_to_kv, n_exact)
     kf, vf = np.asarray(k, np.float64)[q_to_kv], np.asarray(v, np.float32)[q_to_kv]
     m3 = np.einsum("hd,hd->h", q.astype(np.float64), kf).astype(np.float32)
     if n_store:
-        z = approx_scores_ref(build_lut_ref(q, codebooks, q_to_kv), P, q_to_kv, n_store)
+        z = packed_scores_ref(build_lut_ref(q, codebooks, q_to_kv), P, q_to_kv, n_store)
         idx, counts, _, _ = threshold_select_ref(z, tau)
         o2, m2, l2 = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
     else:

@@ -7,7 +7,7 @@ compilation, or loading from the on-disk cache, is excluded).  References
 that would take too long at large n (encode_keys_ref) are timed on a prefix
 of the tokens and scaled linearly; those rows are marked with '*'.
 
-    PYTHONPATH=. python scripts/bench_kernels_cpu.py [--n 16384 131072] [--tau 0.9]
+    PYTHONPATH=. python scripts/bench_kernels_cpu.py [--n 16384 131072] [--tau 0.9] [--groups 16 --centroids 256]
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
     P = kc.encode_keys(K, cb)
     zbuf = np.empty((Hq, n), np.float32)
     row("approx_scores", lambda: kc.approx_scores(T, P, q2k, n, out=zbuf), lambda: kc.approx_scores_ref(T, P, q2k, n))
+    PT = kc.group_major(P)
+    row("pack_lut", lambda: kc.pack_lut(T, q2k), lambda: kc.pack_lut_ref(T), reps=50, ref_reps=3)
+    packed = kc.pack_lut(T, q2k)
+    row("packed_scores", lambda: kc.packed_scores(packed, PT, n, out=zbuf),
+        lambda: kc.packed_scores_ref(T, P, q2k, n))
     z = kc.approx_scores(T, P, q2k, n)
     ibuf = np.empty((Hq, n), np.int32)
     row(f"threshold_select tau={tau}", lambda: kc.threshold_select(z, tau, out_idx=ibuf), lambda: kc.threshold_select_ref(z, tau))
@@ -97,6 +102,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[16384, 131072])
     ap.add_argument("--tau", type=float, default=0.9)
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--centroids", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None, help="numba threads (default: all)")
     args = ap.parse_args()
     import os
@@ -110,9 +117,10 @@ def main():
         f"numba {numba.__version__} (threads {numba.get_num_threads()}), "
         f"numpy {np.__version__}, half conversion: {kc.HALF_CONVERSION}, cpus {os.cpu_count()}, load {load:.2f}"
     )
-    print("shapes: Hq=9 Hkv=3 d=64 g=16 c=256; times = best of several runs, compile excluded")
+    print(f"shapes: Hq=9 Hkv=3 d=64 g={args.groups} c={args.centroids}; times = best of several runs, "
+          "compile excluded")
     for n in args.n:
-        rows = bench(n, args.tau)
+        rows = bench(n, args.tau, g=args.groups, c=args.centroids)
         print(f"\nn = {n}")
         print(f"{'kernel':44s} {'numba':>11s} {'reference':>11s} {'speedup':>8s}")
         for name, tn, tr, extrap in rows:

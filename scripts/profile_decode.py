@@ -7,7 +7,8 @@ The cache is filled through its own append path with the K/V of a dense prefill 
 engine ("tokens", what `minirun bench` does); then decode steps are timed. Prints ms/step and the
 top operators (torch profiler) or functions (cProfile). --breakdown (HCA, CPU): captures the
 arguments of every layer's fused HCA call in one real step and times each kernel of that step on
-them (LUT, scores, selection, value sum, sinks + ring), summed over the layers.
+them (LUT, its packing, scores, selection, value sum, sinks + ring), summed over the layers (the
+fused call as replayed does not encode the ring key that the real step encodes ahead).
 PROFILE_ROWS=N prints N rows of the cProfile table.
 """
 import argparse
@@ -126,9 +127,9 @@ def breakdown(eng: Engine) -> None:
     import minirun.kv.hca as hca
     calls, real = [], kc.hca_decode_attend
 
-    def capture(*args):
+    def capture(*args, **kw):
         calls.append(args)
-        return real(*args)
+        return real(*args, **kw)
     hca.kc.hca_decode_attend = capture
     try:
         eng.step(1)
@@ -141,14 +142,15 @@ def breakdown(eng: Engine) -> None:
         for _ in range(k):
             f()
         return (time.perf_counter() - t0) / k * 1e3
-    tot = dict.fromkeys(["lut", "scores", "select", "value sum", "sinks+ring", "fused call"], 0.0)
+    tot = dict.fromkeys(["lut", "pack", "scores", "select", "value sum", "sinks+ring", "fused call"], 0.0)
     cache, sel = eng.cache, []
     for layer, args in enumerate(calls):
-        q, k, v, EK, EV, n_exact, cbt, P, n, V, tau, q2k, heads, starts, lut, z, idx, counts = args
+        q, k, v, EK, EV, n_exact, cbt, PT, n, V, tau, q2k, packed, lut, z, idx, counts = args
         C = cache.codebooks.centroids[layer].numpy()
         tot["lut"] += ms(lambda: kc.build_lut(q, C, q2k, codebooks_t=cbt, out=lut))
-        tot["scores"] += ms(lambda: kc.approx_scores(lut, P, q2k, n, out=z))
-        zz = kc.approx_scores(lut, P, q2k, n).copy()
+        tot["pack"] += ms(lambda: kc.pack_lut(lut, q2k, out=packed))
+        tot["scores"] += ms(lambda: kc.packed_scores(packed, PT, n, out=z))
+        zz = kc.packed_scores(packed, PT, n).copy()
         tot["select"] += ms(lambda: kc.threshold_select(zz, tau))
         ii, cc, _, _ = kc.threshold_select(zz, tau)
         sel.append(cc.mean() / n)

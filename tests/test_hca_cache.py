@@ -153,14 +153,22 @@ def test_decode_fast_path_equals_general_path(tiny_model_dir):
     """The numpy decode step (full ring, encoded store) gives the general torch path's logits."""
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(400)
-    outs = []
+    outs, codes, encodes = [], [], []
     for fast in (True, False):
         eng = Engine.load(d, device="cpu", ctx=512, kv="hca", kv_budget=0.25, centroids=32, window=32, sinks=4,
                           fit_min_tokens=64)
         eng.cache._numpy_exact_tier = fast
         eng.prefill(ids)
+        calls, real = [], eng.cache._encode
+        eng.cache._encode = lambda K: calls.append(K.shape[2]) or real(K)
         outs.append(torch.cat([eng.step(t) for t in (5, 6, 7)]))
+        codes.append(eng.cache.indices.data[..., :eng.cache.n_store].clone())
+        encodes.append(calls)
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
+    # the fast step encodes the key leaving the ring itself (no separate encode call), and the
+    # store ends up with the same indices as the general path's encode in advance()
+    assert encodes == [[], [1, 1, 1]]
+    assert torch.equal(codes[0], codes[1])
 
 
 def test_partial_attention_paths_and_merge_of_splits():

@@ -23,14 +23,16 @@ def setup(rng, n_exact, n_store, g, c, pool_dtype):
 
 
 def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap):
-    heads, starts = kc.heads_by_kv(Q2K, HKV)
     g, c = C.shape[1], C.shape[2]
+    lanes = kc.lane_map(Q2K, HKV)
+    packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(HQ, np.float32),
+                          np.empty(HQ, np.float32))
     lut = np.empty((HQ, g, c), np.float32)
     z = np.full((HQ, cap), np.nan, np.float32)
     idx = np.zeros((HQ, cap), np.int32)
     counts = np.zeros(HQ, np.int32)
-    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), P, n_store, V, tau, Q2K,
-                             heads, starts, lut, z, idx, counts)
+    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), kc.group_major(P), n_store, V,
+                             tau, Q2K, packed, lut, z, idx, counts)
     return o, counts
 
 
@@ -49,7 +51,7 @@ def test_hca_decode_attend(pool_dtype, n_exact, n_store, tau, g, c):
     parts = [kc.attend_exact(q, EK, EV, Q2K, n_exact)]
     parts.append((v[Q2K], np.einsum("hd,hd->h", q, k[Q2K]), np.ones(HQ, np.float32)))
     if n_store:
-        z = kc.approx_scores(kc.build_lut(q, C, Q2K), P, Q2K, n_store)
+        z = kc.packed_scores(kc.pack_lut(kc.build_lut(q, C, Q2K), Q2K), kc.group_major(P), n_store)
         idx, cnt, _, _ = kc.threshold_select(z, tau)
         parts.append(kc.weighted_value_sum(z, idx, cnt, V, Q2K))
         np.testing.assert_array_equal(counts, cnt)

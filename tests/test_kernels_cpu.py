@@ -386,6 +386,22 @@ def test_encode_keys_exact_centroids(g, c, kdt):
     np.testing.assert_array_equal(P.astype(np.int64), codes)
 
 
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("g,c", [(16, 1024), (32, 1024), (16, 16), (8, 256), (64, 256)])
+@pytest.mark.parametrize("kdt", [np.float32, np.float16])
+def test_encode_keys_few_tokens_path(n, g, c, kdt):
+    """With codebooks_t, up to 8 tokens take the centroids-as-lanes kernel: the same indices as
+    the tile kernel, bit for bit (same expression order and tie rule)."""
+    rng = rng_for("encfew", n, g, c, str(kdt))
+    cb = make_codebooks(rng, g, c)
+    K = rng.standard_normal((HKV, n, D)).astype(kdt)
+    P = kc.encode_keys(K, cb)
+    out = np.zeros((HKV, n + 2, g), dtype=P.dtype)
+    Pf = kc.encode_keys(K, cb, out=out, codebooks_t=kc.transpose_codebooks(cb))
+    np.testing.assert_array_equal(Pf, P)
+    assert (out[:, n:] == 0).all()
+
+
 def test_encode_keys_ties_lowest_index():
     g, c = 16, 40
     cb = np.zeros((HKV, g, c, D // g), dtype=np.float32)
@@ -393,6 +409,8 @@ def test_encode_keys_ties_lowest_index():
     K = np.zeros((HKV, 3, D), dtype=np.float32)
     K[:, 1] = 5.0
     P = kc.encode_keys(K, cb)
+    assert (P[:, [0, 2]] == 0).all() and (P[:, 1] == 37).all()
+    P = kc.encode_keys(K, cb, codebooks_t=kc.transpose_codebooks(cb))    # the few-token path
     assert (P[:, [0, 2]] == 0).all() and (P[:, 1] == 37).all()
 
 

@@ -23,7 +23,7 @@ from .attention import merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
 from .hca_layout import HCALayout, resolve_layout
-from .store import GrowingBuffer
+from .store import ColumnBuffer, GrowingBuffer
 
 
 
@@ -40,7 +40,7 @@ class HCACache(KVCache):
         self.S, self.W = sinks, window
         self.scale = 1.0 / math.sqrt(hd)
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
-        self._heads_by_kv = kc.heads_by_kv(self.q_to_kv, Hkv)     # query heads grouped by kv-head
+        self._lanes = kc.lane_map(self.q_to_kv, Hkv)               # query heads in the packed tables' lanes
         self._counts = np.zeros(self.Hq, np.int32)                 # selection sizes of the last step
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
         self.ek = torch.zeros(L, Hkv, sinks + window, hd, dtype=self.exact_tier_dtype(dtype, device), device=device)
@@ -54,7 +54,8 @@ class HCACache(KVCache):
         vdt = torch.float32 if dtype == torch.float32 else torch.float16
         self.values = GrowingBuffer((L, Hkv), hd, vdt, store_cap)                    # host tier
         idx_dt = torch.uint8 if layout.index_bytes == 1 else torch.int16
-        self.indices = None if layout.exact_keys else GrowingBuffer((L, Hkv), layout.groups, idx_dt, store_cap)
+        # group-major [L, Hkv, g, cap]: the scoring kernel's layout (kernels_cpu.packed)
+        self.indices = None if layout.exact_keys else ColumnBuffer((L, Hkv), layout.groups, idx_dt, store_cap)
         # full-precision store keys: permanent with exact_keys, else only while codebooks are
         # missing or an exact prefill runs; they cover store positions [exact_base, n_store)
         self.exact_keys = GrowingBuffer((L, Hkv), hd, torch.float32, store_cap)
@@ -63,8 +64,14 @@ class HCACache(KVCache):
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
         self.codebooks = codebooks
         self._cnorm = None        # (codebooks, their ||c||^2) for the encode kernel
+        # decode steps encode the ring's oldest key (the next to leave) inside each layer's fused
+        # call, where the codebooks are in cache: codes [L, Hkv, 1, g] for position _pending_pos
+        self._pending = None
+        self._pending_pos = -1
+        self._pending_done = np.zeros(L, bool)
         self._cbt = None          # (codebooks, their [L, Hkv, g, ds, c] layout) for the LUT kernel
         self._lut = None          # [Hq, g, c] scratch lookup table
+        self._packed = None       # its packed integer form (kc.PackedLUT of scratch arrays)
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
         # anchor prefill (paper App. B): exact copies of the store's first keys, during prefill only
@@ -131,12 +138,19 @@ class HCACache(KVCache):
         n = self.n_store
         cap = self.values.cap_or(n)
         cbt = self._codebooks_t()[layer]                          # (also makes the self._lut scratch)
+        cnorm = self._codebook_norms()[layer]                     # (also makes self._pending)
+        pos = self.S + n                                          # the ring's oldest token leaves next
+        if pos != self._pending_pos:
+            self._pending_pos = pos
+            self._pending_done[:] = False
+        encode = (self.S + n % self.W, cnorm, self._pending[layer])
         o = kc.hca_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
                                  self._ev_np[layer], self.S + self.W, cbt,
                                  self.indices.view(layer, cap).numpy(), n, self.values.view(layer, cap).numpy(),
-                                 self.tau, self.q_to_kv, *self._heads_by_kv, self._lut,
+                                 self.tau, self.q_to_kv, self._packed, self._lut,
                                  self.z.flat(n).reshape(self.Hq, n), self.sel.flat(n).reshape(self.Hq, n),
-                                 self._counts)
+                                 self._counts, encode=encode)
+        self._pending_done[layer] = True
         if self.record_selection is not None:
             self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
@@ -172,7 +186,7 @@ class HCACache(KVCache):
         for t in range(T):
             if ne:
                 lut = kc.build_lut(qn[t], C, self.q_to_kv, codebooks_t=Ct, out=self._lut)
-                kc.approx_scores(lut, P, self.q_to_kv, ne, out=z)
+                kc.packed_scores(kc.pack_lut(lut, self.q_to_kv, out=self._packed), P, ne, out=z)
             if n > ne:   # keys not yet encoded: exact scores
                 qt = torch.from_numpy(qn[t]).view(self.Hkv, -1, self.hd)
                 z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
@@ -202,7 +216,11 @@ class HCACache(KVCache):
             from_chunk = ev_pos[ev_pos >= pos0] - pos0
             Ke = torch.cat([self.ek[:, :, ring_slots], Kn[:, :, from_chunk]], 2)            # [L, Hkv, m, hd]
             Ve = torch.cat([self.ev[:, :, ring_slots], Vn[:, :, from_chunk]], 2)
-            self._store_append(Ke, Ve)
+            codes = None
+            if ev_pos.numel() == 1 and int(ev_pos[0]) == self._pending_pos and self._pending_done.all():
+                codes = torch.from_numpy(self._pending)                                   # [L, Hkv, 1, g]
+            self._pending_pos = -1
+            self._store_append(Ke, Ve, codes)
             self.slot_pos[ring_slots] = -1
         if keep.numel():
             slots = torch.where(keep < S, keep, S + (keep - S) % W)
@@ -223,20 +241,35 @@ class HCACache(KVCache):
         if self._cbt is None or self._cbt[0] is not self.codebooks:
             C = self.codebooks.centroids.numpy()
             self._cbt = (self.codebooks, np.ascontiguousarray(C.transpose(0, 1, 2, 4, 3)))
-            self._lut = np.empty((self.Hq, self.layout.groups, self.layout.centroids), np.float32)
+            g, c = self.layout.groups, self.layout.centroids
+            self._lut = np.empty((self.Hq, g, c), np.float32)
+            self._packed = kc.PackedLUT(np.empty((self._lanes.shape[0], g, c), np.uint64), self._lanes,
+                                        np.empty(self.Hq, np.float32), np.empty(self.Hq, np.float32))
         return self._cbt[1]
+
+    def _codebook_norms(self) -> np.ndarray:
+        """||c||^2 per centroid, [L, Hkv, g, c] f32 (made once per codebook set); also makes the
+        decode steps' scratch for the codes they encode."""
+        if self._cnorm is None or self._cnorm[0] is not self.codebooks:
+            C = self.codebooks.centroids.numpy()
+            self._cnorm = (self.codebooks, kc.codebook_norms(C.reshape(-1, *C.shape[2:])).reshape(C.shape[:-1]))
+            self._pending = np.empty((self.n_layers, self.Hkv, 1, self.layout.groups),
+                                     np.uint8 if self.layout.index_bytes == 1 else np.int16)
+            self._pending_pos = -1
+        return self._cnorm[1]
 
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         """K [L, Hkv, m, hd] -> indices [L, Hkv, m, g], one kernel call for all layers."""
         L, Hkv, m, hd = K.shape
         C = self.codebooks.centroids.reshape(L * Hkv, *self.codebooks.centroids.shape[2:]).numpy()
-        if self._cnorm is None or self._cnorm[0] is not self.codebooks:   # ||c||^2 once per codebook set
-            self._cnorm = (self.codebooks, kc.codebook_norms(C))
-        P = kc.encode_keys(K.float().reshape(L * Hkv, m, hd).numpy(), C, cnorm=self._cnorm[1])
+        cn = self._codebook_norms().reshape(L * Hkv, *self._cnorm[1].shape[2:])
+        Ct = self._codebooks_t().reshape(L * Hkv, *self._cbt[1].shape[2:]) if m <= 8 else None
+        P = kc.encode_keys(K.float().reshape(L * Hkv, m, hd).numpy(), C, cnorm=cn, codebooks_t=Ct)
         return torch.from_numpy(P).view(L, Hkv, m, -1)
 
-    def _store_append(self, K, V):
-        """K, V [L, Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact)."""
+    def _store_append(self, K, V, codes=None):
+        """K, V [L, Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact).
+        codes: their indices [L, Hkv, m, g] when already encoded (by the decode step)."""
         j0, m = self.n_store, K.shape[2]
         self.values.reserve(j0 + m)
         self.z.reserve(j0 + m)
@@ -250,7 +283,7 @@ class HCACache(KVCache):
             self.exact_keys.write_all(j0 - self.exact_base, K.float())
         else:
             self.indices.reserve(j0 + m)
-            self.indices.write_all(j0, self._encode(K))
+            self.indices.write_all(j0, self._encode(K) if codes is None else codes)
             self.n_encoded = j0 + m
         self.n_store = j0 + m
 
@@ -293,10 +326,12 @@ class HCACache(KVCache):
         drop = (self.slot_pos >= n)
         self.slot_pos[drop] = -1
         self.offset = n
+        self._pending_pos = -1
         return True
 
     def reset(self) -> None:
         self.offset = self.n_store = self.n_encoded = self.exact_base = 0
+        self._pending_pos = -1
         self.slot_pos.fill_(-1)
         self.exact_keys.free()
         self.mode = "hca"

@@ -234,11 +234,12 @@ class HCACacheCUDA(HCACache):
         P = kcu.encode_keys(K.reshape(L * Hkv, m, hd), C.reshape(L * Hkv, *C.shape[2:]))
         return P.view(L, Hkv, m, -1)
 
-    def _store_append(self, K, V):
+    def _store_append(self, K, V, codes=None):
         """As the base class (values go to the pinned pool asynchronously, keys are encoded on the
-        GPU), plus the device copies of values the exact / anchor prefill attends to."""
+        GPU), plus the device copies of values the exact / anchor prefill attends to. (codes: always
+        None here; only the CPU decode step encodes ahead.)"""
         j0, m = self.n_store, K.shape[2]
-        super()._store_append(K, V)
+        super()._store_append(K, V, codes)
         if self.mode == "exact":
             self.prefill_values.reserve(j0 + m)
             self.prefill_values.write_all(j0, V)

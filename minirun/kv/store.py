@@ -24,10 +24,16 @@ class GrowingBuffer:
         new_cap = min(self.max_cap, max(n, 2 * self.cap, MIN_GROW))
         if n > new_cap:
             raise ValueError(f"store overflow: {n} tokens > capacity {self.max_cap}")
-        new = torch.empty(*self.lead, new_cap, self.width, dtype=self.dtype, device=self.device)
+        new = self._alloc(new_cap)
         if self.data is not None:
-            new[..., :self.cap, :] = self.data
+            self._copy_into(new)
         self.data, self.cap = new, new_cap
+
+    def _alloc(self, cap: int) -> torch.Tensor:
+        return torch.empty(*self.lead, cap, self.width, dtype=self.dtype, device=self.device)
+
+    def _copy_into(self, new: torch.Tensor) -> None:
+        new[..., :self.cap, :] = self.data
 
     def write_all(self, j0: int, rows: torch.Tensor) -> None:
         """rows [*lead, m, width] into positions j0..j0+m of every leading index."""
@@ -53,3 +59,23 @@ class GrowingBuffer:
     @property
     def nbytes(self) -> int:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
+
+
+class ColumnBuffer(GrowingBuffer):
+    """Like GrowingBuffer, but data [*lead, width, cap]: each of a row's `width` fields is contiguous
+    over tokens. The CPU key store uses it for codebook indices ([L, Hkv, g, cap]), so the scoring
+    kernel reads one group of a block of tokens at unit stride (kernels_cpu.packed)."""
+
+    def _alloc(self, cap: int) -> torch.Tensor:
+        return torch.empty(*self.lead, self.width, cap, dtype=self.dtype, device=self.device)
+
+    def _copy_into(self, new: torch.Tensor) -> None:
+        new[..., :self.cap] = self.data
+
+    def write_all(self, j0: int, rows: torch.Tensor) -> None:
+        """rows [*lead, m, width] (token-major, as GrowingBuffer takes them) into positions j0..j0+m."""
+        self.data[..., j0:j0 + rows.shape[-2]] = rows.transpose(-1, -2)
+
+    def view(self, layer: int, n: int) -> torch.Tensor:
+        """[Hkv, width, n] of `layer` (a view)."""
+        return self.data[layer, ..., :n]
