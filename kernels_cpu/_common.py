@@ -51,6 +51,32 @@ def _u32_as_f32(typingctx, x):
 
 
 
+@njit(inline="always")
+def _min_max(x, n):
+    """(min, max) of x[:n], NaN ignored ((inf, -inf) if none is a number). Four compare-select
+    chains: LLVM does not vectorize a float min/max reduction without fastmath, and a single chain
+    runs at the compare-select latency (pack_lut 0.09 -> 0.07 ms at 9 heads, g = 16, c = 1024)."""
+    a0 = a1 = a2 = a3 = np.float32(np.inf)
+    b0 = b1 = b2 = b3 = np.float32(-np.inf)
+    j = 0
+    while j + 4 <= n:
+        v0, v1, v2, v3 = x[j], x[j + 1], x[j + 2], x[j + 3]
+        a0 = v0 if v0 < a0 else a0
+        a1 = v1 if v1 < a1 else a1
+        a2 = v2 if v2 < a2 else a2
+        a3 = v3 if v3 < a3 else a3
+        b0 = v0 if v0 > b0 else b0
+        b1 = v1 if v1 > b1 else b1
+        b2 = v2 if v2 > b2 else b2
+        b3 = v3 if v3 > b3 else b3
+        j += 4
+    for r in range(j, n):
+        v = x[r]
+        a0 = v if v < a0 else a0
+        b0 = v if v > b0 else b0
+    return min(min(a0, a1), min(a2, a3)), max(max(b0, b1), max(b2, b3))
+
+
 @njit(inline="always", fastmath={"contract"})
 def _exp32(x):
     """exp(x) in float32 for x <= 0, branch-free so loops over it vectorize (Numba's np.exp is a

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import _as_f32, _as_i32, _c_rows
+from ._common import _as_f32, _as_i32, _c_rows, _min_max
 
 LANES = 4            # 16-bit lanes of a uint64
 _BLOCK = 1024        # tokens scored per task: the uint64 accumulators (8 KB) stay in L1
@@ -58,29 +58,9 @@ def lane_map(q_to_kv, Hkv: int) -> np.ndarray:
     return lanes
 
 
-@njit(cache=True, inline="always")
-def _min_max(x, n):
-    # 4 independent chains: LLVM does not vectorize a float min/max reduction without fastmath
-    # (nnan is not enough), and one chain runs at the min/max latency (pack_lut 0.09 -> 0.07 ms at
-    # 9 heads, g = 16, c = 1024)
-    a0 = a1 = a2 = a3 = x[0]
-    b0 = b1 = b2 = b3 = x[0]
-    j = 0
-    while j + 4 <= n:
-        a0, b0 = min(a0, x[j]), max(b0, x[j])
-        a1, b1 = min(a1, x[j + 1]), max(b1, x[j + 1])
-        a2, b2 = min(a2, x[j + 2]), max(b2, x[j + 2])
-        a3, b3 = min(a3, x[j + 3]), max(b3, x[j + 3])
-        j += 4
-    for k in range(j, n):
-        a0, b0 = min(a0, x[k]), max(b0, x[k])
-    return min(min(a0, a1), min(a2, a3)), max(max(b0, b1), max(b2, b3))
-
-
-@njit(cache=True, parallel=True, fastmath={"nnan", "nsz"})
+@njit(cache=True, parallel=True)
 def _k_pack_lut(T, lanes, tables, scale, offset):
-    # T [Hq, g, c] f32 -> tables [R, g, c] uint64, scale / offset [Hq]. nnan/nsz let the min/max
-    # reductions vectorize; they change no finite result (no reassociation, no contraction).
+    # T [Hq, g, c] f32 -> tables [R, g, c] uint64, scale / offset [Hq].
     Hq, g, c = T.shape
     qmax = 65535 // g
     lo = np.empty((Hq, g), np.float32)

@@ -3,7 +3,7 @@
 import numpy as np
 from numba import njit, prange
 
-from ._common import _NEG_INF, _c_rows, _exp32, _rows_in
+from ._common import _NEG_INF, _c_rows, _exp32, _min_max, _rows_in
 
 
 # ---------------------------------------------------------------------------
@@ -34,27 +34,7 @@ def _bucket(v, hi, lo, scale):
 @njit(cache=True)
 def _select_head(zh, n, tau, idx_row):
     """One head of threshold_select.  Returns (count, m, l_sel)."""
-    # pass 1: max / min (NaN ignored), in 4 chains (one compare-select chain runs at its latency)
-    mx0 = mx1 = mx2 = mx3 = _NEG_INF
-    mn0 = mn1 = mn2 = mn3 = np.float32(np.inf)
-    j = 0
-    while j + 4 <= n:
-        v0, v1, v2, v3 = zh[j], zh[j + 1], zh[j + 2], zh[j + 3]
-        mx0 = v0 if v0 > mx0 else mx0
-        mx1 = v1 if v1 > mx1 else mx1
-        mx2 = v2 if v2 > mx2 else mx2
-        mx3 = v3 if v3 > mx3 else mx3
-        mn0 = v0 if v0 < mn0 else mn0
-        mn1 = v1 if v1 < mn1 else mn1
-        mn2 = v2 if v2 < mn2 else mn2
-        mn3 = v3 if v3 < mn3 else mn3
-        j += 4
-    for r in range(j, n):
-        v = zh[r]
-        mx0 = v if v > mx0 else mx0
-        mn0 = v if v < mn0 else mn0
-    mx = max(max(mx0, mx1), max(mx2, mx3))
-    mn = min(min(mn0, mn1), min(mn2, mn3))
+    mn, mx = _min_max(zh, n)                          # pass 1: max / min (NaN ignored)
     if n == 0 or mx == _NEG_INF or not (mx < np.inf):
         return 0, mx, 0.0
     if tau >= 1.0:

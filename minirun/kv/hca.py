@@ -263,7 +263,7 @@ class HCACache(KVCache):
         L, Hkv, m, hd = K.shape
         C = self.codebooks.centroids.reshape(L * Hkv, *self.codebooks.centroids.shape[2:]).numpy()
         cn = self._codebook_norms().reshape(L * Hkv, *self._cnorm[1].shape[2:])
-        Ct = self._codebooks_t().reshape(L * Hkv, *self._cbt[1].shape[2:]) if m <= 8 else None
+        Ct = self._codebooks_t().reshape(L * Hkv, *self._cbt[1].shape[2:])   # encode_keys picks its path by m
         P = kc.encode_keys(K.float().reshape(L * Hkv, m, hd).numpy(), C, cnorm=cn, codebooks_t=Ct)
         return torch.from_numpy(P).view(L, Hkv, m, -1)
 
