@@ -2,8 +2,8 @@
 
 `approx_scores` adds g float32 table entries per (token, query head). On a CPU that is bound by
 loads, not arithmetic: each (token, group) index costs one scalar load and add per query head of
-the kv-head (measured ~4 cycles per index on Zen 4). Here each query head's table is quantized to
-unsigned integers (SWAR, "SIMD within a register"):
+the kv-head. Here each query head's table is quantized to unsigned integers (SWAR, "SIMD within
+a register"):
 
   qmax = 65535 // g                      (g values of at most qmax never overflow 16 bits)
   lo[h, i] = min_j T[h, i, j]
