@@ -8,6 +8,8 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * ``pack_lut(T, q_to_kv) -> PackedLUT``, ``packed_scores(packed, PT, n, out=None) -> z``: the
   scores from integer-quantized tables, 4 query heads per uint64 (the CPU cache's path;
   :mod:`kernels_cpu.packed`); ``group_major(P)`` the index layout they read
+* ``packed_select(packed, PT, n, tau) -> (idx, counts, m, l_sel, z_sel)``: the same scores kept as
+  integer levels and the threshold selection made on them (:mod:`kernels_cpu.level_select`)
 * ``threshold_select(z, tau, out_idx=None) -> (idx, counts, m, l_sel)``
 * ``attend_exact(q, K, V, q_to_kv, n) -> (o, m, l)``
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
@@ -46,6 +48,8 @@ from .numba_kernels import (
     lane_map,
     pack_lut,
     packed_scores,
+    packed_select,
+    level_hist,
     attn_out,
     dense_attend,
     norm_gemv,
@@ -58,6 +62,7 @@ from .reference import (
     approx_scores_ref,
     pack_lut_ref,
     packed_scores_ref,
+    packed_select_ref,
     attend_exact_ref,
     build_lut_ref,
     encode_keys_ref,

@@ -151,7 +151,8 @@ _PF_DIST = 16  # rows prefetched ahead in weighted_value_sum
 
 
 @njit(cache=True, parallel=True)
-def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l):
+def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l, compact=False):
+    # compact: z[h, t] is the score of token idx[h, t] (packed_select's z_sel), else z[h, idx[h, t]]
     Hq = z.shape[0]
     Hkv, ncap, d = V.shape
     Vflat = V.reshape(Hkv * ncap * d)
@@ -182,7 +183,7 @@ def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l):
             _prefetch(Vflat, base + np.int64(ih[t]) * d)
         mx = _NEG_INF
         for t in range(t0, t1):
-            v = zh[ih[t]]
+            v = zh[t] if compact else zh[ih[t]]
             if v > mx:
                 mx = v
         pm[it] = mx
@@ -196,7 +197,7 @@ def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l):
                 for e in range(0, d, pf_step):
                     _prefetch(Vflat, off + e)
             j = ih[t]
-            w = _exp32(zh[j] - mx)
+            w = _exp32((zh[t] if compact else zh[j]) - mx)
             lsum += w
             Vj = V[kv, j]
             for k in range(d):
@@ -206,7 +207,7 @@ def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l):
         _merge_partials(first, po, pm, pl, h, o, m, l)
 
 
-def weighted_value_sum(z, idx, counts, V, q_to_kv):
+def weighted_value_sum(z, idx, counts, V, q_to_kv, compact=False):
     """Softmax-weighted sum of selected value rows (the hot CPU decode kernel).
 
     z [Hq, >=n] f32 scores, idx int32 [Hq, >=max(counts)] token indices,
@@ -219,6 +220,7 @@ def weighted_value_sum(z, idx, counts, V, q_to_kv):
     2048 tokens processed in parallel (float32 accumulation inside a chunk,
     value rows software-prefetched 16 ahead), chunks merged exactly by
     log-sum-exp in float64.  Indices are not bounds-checked.
+    compact=True: z[h, t] is the score of token idx[h, t] (as packed_select returns them).
     """
     z = _rows_in(z, np.float32)
     idx = np.asarray(idx, dtype=np.int32)
@@ -240,7 +242,7 @@ def weighted_value_sum(z, idx, counts, V, q_to_kv):
     m = np.full(Hq, -np.inf, dtype=np.float32)
     l = np.zeros(Hq, dtype=np.float32)
     if Hq and int(counts.max()) > 0:
-        _k_weighted_value_sum(z, idx, counts, V, q_to_kv, _WVS_CHUNK, o, m, l)
+        _k_weighted_value_sum(z, idx, counts, V, q_to_kv, _WVS_CHUNK, o, m, l, bool(compact))
     return o, m, l
 
 

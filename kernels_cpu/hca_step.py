@@ -1,26 +1,26 @@
 """One HCA decode step of one layer's attention in a single call.
 
 The step is eight kernels (exact attention over sinks + ring, the new token's own score, lookup
-table, its integer packing and the approximate scores (kernels_cpu.packed), threshold selection,
-weighted value sum, log-sum-exp merge). Called one by one from Python, their wrappers, checks and
+table, its integer packing (kernels_cpu.packed), the integer scores and the selection on them
+(kernels_cpu.level_select), weighted value sum, log-sum-exp merge). Called one by one from Python, their wrappers, checks and
 small NumPy glue cost ~1 ms per layer on the 2-core VM, as much as the scoring itself; here they run
 back to back inside one compiled function.
 Reference: kernels_cpu.reference.hca_decode_attend_ref (the composition of the kernels' references).
 """
 
+import numba
 import numpy as np
 from numba import njit
 
 from ._common import _NEG_INF, _as_f32, _as_pool, _ld
 from .attention import _ATT_CHUNK, _WVS_CHUNK, _k_attend_exact, _k_lse_merge, _k_weighted_value_sum
-from .packed import _k_pack_lut, _k_packed_scores
-from .pq import _k_build_lut_t, _k_encode_few
-from .select import _k_threshold_select
+from .level_select import _k_packed_levels, _k_select_levels, level_hist
+from .packed import _k_lut_pack
 
 
 @njit(cache=True)
 def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, lanes, lut, tables, scale,
-                  offset, z, idx, counts, out, enc_slot, cnorm, codes):
+                  offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, cnorm, codes):
     Hq, d = q.shape
     os = np.zeros((3, Hq, d), np.float32)
     ms = np.full((3, Hq), _NEG_INF, np.float32)
@@ -36,16 +36,16 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
         ms[1, h] = s
         ls[1, h] = 1.0
     if n_store > 0:                                                   # 3. the store, approximately
-        _k_build_lut_t(q, cbt, q_to_kv, lut)
-        if enc_slot >= 0:   # encode a ring key while this layer's codebooks are in cache
-            _k_encode_few(EK[:, enc_slot:enc_slot + 1], cbt, cnorm, codes)
-        _k_pack_lut(lut, lanes, tables, scale, offset)
-        _k_packed_scores(tables, lanes, scale, offset, PT, n_store, z)
+        # LUT and its packing; also encodes the ring key that leaves next (enc_slot >= 0) while
+        # this layer's codebooks are in cache (EK[:, 0] is not read when enc_slot < 0)
+        _k_lut_pack(q, cbt, lanes, lut, tables, scale, offset, top, shift, enc_slot >= 0, EK[:, max(enc_slot, 0)],
+                    cnorm, codes)
+        _k_packed_levels(tables, lanes, top, shift, PT, n_store, lev, hist, nt)
         msel = np.empty(Hq, np.float32)
         lsel = np.empty(Hq, np.float32)
-        _k_threshold_select(z, n_store, tau, idx, counts, msel, lsel)
-        if counts.max() > 0:
-            _k_weighted_value_sum(z, idx, counts, V, q_to_kv, _WVS_CHUNK, os[2], ms[2], ls[2])
+        _k_select_levels(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, counts, msel, lsel)
+        if counts.max() > 0:   # z holds the selected tokens' scores, compacted
+            _k_weighted_value_sum(z, idx, counts, V, q_to_kv, _WVS_CHUNK, os[2], ms[2], ls[2], True)
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
     out[:] = 0.0
@@ -53,7 +53,7 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
 
 
 def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau, q_to_kv, packed,
-                      lut, z, idx, counts=None, encode=None):
+                      lut, z, idx, counts=None, encode=None, levels=None):
     """Attention of one decode token over sinks + ring (exact), itself, and the store (HCA).
 
     q [Hq, d] f32 (pre-scaled by 1/sqrt(d)); k, v [Hkv, d] (the token's own key and value);
@@ -61,10 +61,12 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     (transpose_codebooks); PT [Hkv, g, >=n_store] uint8/int16 indices, group-major, C-contiguous;
     V [Hkv, >=n_store, d] the value pool. K/V arrays f32 or f16. Scratch (C-contiguous rows):
     packed (a PackedLUT of preallocated arrays, its lanes from lane_map), lut f32 [Hq, g, c],
-    z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store], counts int32 [Hq].
+    z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store], counts int32 [Hq]; levels optional
+    (lev uint16 [Hq, >=n_store], level_hist(Hq)).
     -> o [Hq, d] f32, exactly the lse_merge of attend_exact(EK, EV), the token itself, and
-    weighted_value_sum over threshold_select(packed_scores(pack_lut(build_lut(q)))); counts
-    holds the selection size per head afterwards.
+    weighted_value_sum over packed_select(pack_lut(build_lut(q))) (kernels_cpu.level_select);
+    afterwards counts holds the selection size per head, idx / z rows the selected tokens and
+    their scores.
     encode: optional (slot, cnorm [Hkv, g, c] f32, codes [Hkv, 1, g] of the index dtype): also
     writes encode_keys(EK[:, slot:slot + 1]) into codes (the ring key that leaves next; the cache
     encodes it here because the codebooks were just read for the LUT). Needs n_store > 0.
@@ -79,9 +81,12 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
         slot, cnorm, codes = encode
         if not 0 <= slot < n_exact or n_store <= 0:
             raise ValueError(f"encode slot {slot} outside the exact tier [0, {n_exact}) or empty store")
+    lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
+    nt = min(numba.get_num_threads(), hist.shape[0])
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                   codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv, packed.lanes, lut,
-                  packed.tables, packed.scale, packed.offset, z, idx, counts, out, int(slot), cnorm, codes)
+                  packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist, nt, z, idx,
+                  counts, out, int(slot), cnorm, codes)
     return out
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._common import _as_f32, _as_i32, _c_rows, _min_max
+from .pq import _nearest
 
 LANES = 4            # 16-bit lanes of a uint64
 _BLOCK = 1024        # tokens scored per task: the uint64 accumulators (8 KB) stay in L1
@@ -38,11 +39,28 @@ _BLOCK = 1024        # tokens scored per task: the uint64 accumulators (8 KB) st
 
 class PackedLUT:
     """tables uint64 [R, g, c] (row r serves kv-head r // (R // Hkv)); lanes int32 [R, 4]: the query
-    head in each 16-bit lane (-1: empty); scale, offset f32 [Hq]: z = scale * lane_sum + offset."""
-    __slots__ = ("tables", "lanes", "scale", "offset")
+    head in each 16-bit lane (-1: empty); scale, offset f32 [Hq]: z = scale * lane_sum + offset;
+    top int64 [Hq]: sum over groups of the largest table entry (no lane sum exceeds it); shift int64
+    [Hq]: the level buckets of kernels_cpu.level_select. top and shift are filled by pack_lut."""
+    __slots__ = ("tables", "lanes", "scale", "offset", "top", "shift")
 
     def __init__(self, tables: np.ndarray, lanes: np.ndarray, scale: np.ndarray, offset: np.ndarray):
         self.tables, self.lanes, self.scale, self.offset = tables, lanes, scale, offset
+        self.top = np.zeros(scale.shape[0], np.int64)
+        self.shift = np.zeros(scale.shape[0], np.int64)
+
+
+_BUCKET_LOGITS = 1.0 / 32   # the widest level bucket of level_select, in logits
+
+
+@njit(cache=True)
+def _bucket_shift(s):
+    """The largest sh <= 15 with s * 2**sh <= 1/32 (0 when one level is wider): level buckets of
+    2**sh levels span at most 1/32 of a logit."""
+    sh = 0
+    while sh < 15 and np.float64(s) * (1 << (sh + 1)) <= _BUCKET_LOGITS:
+        sh += 1
+    return sh
 
 
 def lane_map(q_to_kv, Hkv: int) -> np.ndarray:
@@ -59,17 +77,57 @@ def lane_map(q_to_kv, Hkv: int) -> np.ndarray:
 
 
 @njit(cache=True, parallel=True)
-def _k_pack_lut(T, lanes, tables, scale, offset):
-    # T [Hq, g, c] f32 -> tables [R, g, c] uint64, scale / offset [Hq].
+def _k_pack_lut(T, lanes, tables, scale, offset, top, shift):
+    # T [Hq, g, c] f32 -> tables [R, g, c] uint64, scale / offset / top / shift [Hq].
     Hq, g, c = T.shape
-    qmax = 65535 // g
     lo = np.empty((Hq, g), np.float32)
     width = np.empty((Hq, g), np.float32)
     for t in prange(Hq * g):                       # 1. each row's min and range
         h, i = t // g, t % g
-        Thi = T[h, i]
-        lo[h, i], hi = _min_max(Thi, c)
+        lo[h, i], hi = _min_max(T[h, i], c)
         width[h, i] = hi - lo[h, i]
+    _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift)
+
+
+@njit(cache=True, parallel=True)
+def _k_lut_pack(q, cbt, lanes, T, tables, scale, offset, top, shift, encode, key, cnorm, codes):
+    # build_lut and pack_lut in one pass over the codebooks, one task per (kv-head, group) for all
+    # of its query heads (build_lut reads each group's codebook once per query head, serially);
+    # with `encode`, the same task also encodes group i of key [Hkv, d] into codes [Hkv, 1, g]
+    # (the ring key that leaves next). T [Hq, g, c] f32 is written as build_lut writes it.
+    Hkv, g, ds, c = cbt.shape
+    Hq = T.shape[0]
+    npass = lanes.shape[0] // Hkv
+    lo = np.empty((Hq, g), np.float32)
+    width = np.empty((Hq, g), np.float32)
+    for t in prange(Hkv * g):
+        kv, i = t // g, t % g
+        Cti = cbt[kv, i]
+        for r in range(kv * npass, (kv + 1) * npass):
+            for e in range(LANES):
+                h = lanes[r, e]
+                if h < 0:
+                    continue
+                Thi = T[h, i]
+                for j in range(c):
+                    Thi[j] = 0.0
+                for k in range(ds):
+                    qk = q[h, i * ds + k]
+                    row = Cti[k]
+                    for j in range(c):
+                        Thi[j] += qk * row[j]
+                lo[h, i], hi = _min_max(Thi, c)
+                width[h, i] = hi - lo[h, i]
+        if encode:
+            codes[kv, 0, i] = _nearest(key[kv], i, Cti, cnorm[kv, i], np.empty(c, np.float32))
+    _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift)
+
+
+@njit(cache=True, parallel=True)
+def _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift):
+    # pack_lut after its row minima / ranges: per-head steps, then the packed tables.
+    Hq, g, c = T.shape
+    qmax = 65535 // g
     inv = np.empty(Hq, np.float32)
     for h in range(Hq):                            # 2. each head's step (its widest group) and offset
         w = width[h].max()
@@ -80,6 +138,14 @@ def _k_pack_lut(T, lanes, tables, scale, offset):
         scale[h] = s
         offset[h] = np.float32(off)
         inv[h] = np.float32(1.0 / np.float64(s))
+        shift[h] = _bucket_shift(s)
+        # the largest entry of each quantized row is its largest T's (the rounding is monotone),
+        # and top bounds every lane sum
+        tp = 0
+        for i in range(g):
+            tp += np.int64(min(max(np.floor(width[h, i] * inv[h] + np.float32(0.5)), np.float32(0.0)),
+                               np.float32(qmax)))
+        top[h] = tp
     R = lanes.shape[0]
     for t in prange(R * g):                        # 3. quantize, 4 heads per uint64, in one pass
         r, i = t // g, t % g
@@ -96,12 +162,12 @@ def _k_pack_lut(T, lanes, tables, scale, offset):
         T0, T1, T2, T3 = T[h0, i], T[h1, i], T[h2, i], T[h3, i]
         l0, l1, l2, l3 = lo[h0, i], lo[h1, i], lo[h2, i], lo[h3, i]
         v0, v1, v2, v3 = inv[h0], inv[h1], inv[h2], inv[h3]
-        top = np.float32(qmax)
+        qtop = np.float32(qmax)
         for j in range(c):
-            x0 = min(max(np.floor((T0[j] - l0) * v0 + np.float32(0.5)), np.float32(0.0)), top)
-            x1 = min(max(np.floor((T1[j] - l1) * v1 + np.float32(0.5)), np.float32(0.0)), top)
-            x2 = min(max(np.floor((T2[j] - l2) * v2 + np.float32(0.5)), np.float32(0.0)), top)
-            x3 = min(max(np.floor((T3[j] - l3) * v3 + np.float32(0.5)), np.float32(0.0)), top)
+            x0 = min(max(np.floor((T0[j] - l0) * v0 + np.float32(0.5)), np.float32(0.0)), qtop)
+            x1 = min(max(np.floor((T1[j] - l1) * v1 + np.float32(0.5)), np.float32(0.0)), qtop)
+            x2 = min(max(np.floor((T2[j] - l2) * v2 + np.float32(0.5)), np.float32(0.0)), qtop)
+            x3 = min(max(np.floor((T3[j] - l3) * v3 + np.float32(0.5)), np.float32(0.0)), qtop)
             out[j] = (np.uint64(np.int32(x0)) | ((np.uint64(np.int32(x1)) & m1) << np.uint64(16))
                       | ((np.uint64(np.int32(x2)) & m2) << np.uint64(32))
                       | ((np.uint64(np.int32(x3)) & m3) << np.uint64(48)))
@@ -154,7 +220,7 @@ def pack_lut(T, q_to_kv, lanes=None, out: PackedLUT | None = None) -> PackedLUT:
     if out is None:
         out = PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes,
                         np.empty(Hq, np.float32), np.empty(Hq, np.float32))
-    _k_pack_lut(T, out.lanes, out.tables, out.scale, out.offset)
+    _k_pack_lut(T, out.lanes, out.tables, out.scale, out.offset, out.top, out.shift)
     return out
 
 
@@ -165,6 +231,21 @@ def packed_scores(packed: PackedLUT, PT, n: int, out=None) -> np.ndarray:
     from [Hkv, n, g]) -> z [Hq, n] f32 (a view of out [Hq, >=n] when given),
     z[h, j] = scale[h] * sum_i Q[h, i, PT[kv(h), i, j]] + offset[h].
     """
+    PT, n = _check_indices(packed, PT, n)
+    Hq = packed.scale.shape[0]
+    if out is None:
+        out = np.empty((Hq, n), np.float32)
+    buf = _c_rows(out) if isinstance(out, np.ndarray) and out.ndim == 2 else None
+    if buf is None or out.dtype != np.float32 or out.shape[0] != Hq or out.shape[1] < n:
+        raise ValueError("out must be float32 [Hq, >=n] with unit-stride rows")
+    if n > 0:
+        _k_packed_scores(packed.tables, packed.lanes, packed.scale, packed.offset, PT, n, buf)
+    return out[:, :n]
+
+
+def _check_indices(packed: PackedLUT, PT, n: int):
+    """PT as the kernels read it (C-contiguous [Hkv, g, n_cap], uint8/int16, matching the tables)
+    and n as an int, or a one-line error."""
     PT = np.asarray(PT)
     if PT.dtype not in (np.uint8, np.int16):
         raise TypeError(f"indices must be uint8 or int16, got {PT.dtype}")
@@ -178,15 +259,7 @@ def packed_scores(packed: PackedLUT, PT, n: int, out=None) -> np.ndarray:
     n = int(n)
     if n > PT.shape[2]:
         raise ValueError(f"n={n} exceeds the indices' capacity {PT.shape[2]}")
-    Hq = packed.scale.shape[0]
-    if out is None:
-        out = np.empty((Hq, n), np.float32)
-    buf = _c_rows(out) if isinstance(out, np.ndarray) and out.ndim == 2 else None
-    if buf is None or out.dtype != np.float32 or out.shape[0] != Hq or out.shape[1] < n:
-        raise ValueError("out must be float32 [Hq, >=n] with unit-stride rows")
-    if n > 0:
-        _k_packed_scores(packed.tables, packed.lanes, packed.scale, packed.offset, PT, n, buf)
-    return out[:, :n]
+    return PT, n
 
 
 def group_major(P) -> np.ndarray:

@@ -260,36 +260,43 @@ def _k_encode_few(K, Ct, cn, out):
     # runs scalar for one token (2.6 ms per decode step for 30 layers); here the centroids are the
     # lanes. Same expression, same order, same tie rule, so the same indices as _k_encode_keys.
     Hkv, n, d = K.shape
-    g, ds, c = Ct.shape[1], Ct.shape[2], Ct.shape[3]
+    g, c = Ct.shape[1], Ct.shape[3]
     for it in prange(Hkv * g):
         kv, i = it // g, it % g
         dist = np.empty(c, np.float32)
-        cni = cn[kv, i]
         for t in range(n):
-            for jj in range(c):
-                dist[jj] = cni[jj]
-            for k in range(ds):
-                x2 = np.float32(2.0) * _ld(K[kv, t, i * ds + k])
-                row = Ct[kv, i, k]
-                for jj in range(c):
-                    dist[jj] -= x2 * row[jj]
-            # argmin as min (4 chains: one compare-select chain runs at its latency) + first match
-            b0 = b1 = b2 = b3 = np.float32(np.inf)
-            jj = 0
-            while jj + 4 <= c:
-                b0 = dist[jj] if dist[jj] < b0 else b0
-                b1 = dist[jj + 1] if dist[jj + 1] < b1 else b1
-                b2 = dist[jj + 2] if dist[jj + 2] < b2 else b2
-                b3 = dist[jj + 3] if dist[jj + 3] < b3 else b3
-                jj += 4
-            for r in range(jj, c):
-                b0 = dist[r] if dist[r] < b0 else b0
-            best = min(min(b0, b1), min(b2, b3))
-            bi = 0
-            if best < np.inf:
-                while dist[bi] != best:
-                    bi += 1
-            out[kv, t, i] = bi
+            out[kv, t, i] = _nearest(K[kv, t], i, Ct[kv, i], cn[kv, i], dist)
+
+
+@njit(inline="always")
+def _nearest(k, i, Cti, cni, dist):
+    """Index of the centroid of group i nearest to the key row k (f32 or half bits): Cti [ds, c]
+    transposed codebook, cni [c] norms, dist [c] scratch. Ties go to the lowest index."""
+    ds, c = Cti.shape
+    for jj in range(c):
+        dist[jj] = cni[jj]
+    for k_ in range(ds):
+        x2 = np.float32(2.0) * _ld(k[i * ds + k_])
+        row = Cti[k_]
+        for jj in range(c):
+            dist[jj] -= x2 * row[jj]
+    # argmin as min (4 chains: one compare-select chain runs at its latency) + first match
+    b0 = b1 = b2 = b3 = np.float32(np.inf)
+    jj = 0
+    while jj + 4 <= c:
+        b0 = dist[jj] if dist[jj] < b0 else b0
+        b1 = dist[jj + 1] if dist[jj + 1] < b1 else b1
+        b2 = dist[jj + 2] if dist[jj + 2] < b2 else b2
+        b3 = dist[jj + 3] if dist[jj + 3] < b3 else b3
+        jj += 4
+    for r in range(jj, c):
+        b0 = dist[r] if dist[r] < b0 else b0
+    best = min(min(b0, b1), min(b2, b3))
+    bi = 0
+    if best < np.inf:
+        while dist[bi] != best:
+            bi += 1
+    return bi
 
 
 def codebook_norms(codebooks):

@@ -24,6 +24,7 @@ __all__ = [
     "approx_scores_ref",
     "pack_lut_ref",
     "packed_scores_ref",
+    "packed_select_ref",
     "threshold_select_ref",
     "attend_exact_ref",
     "weighted_value_sum_ref",
@@ -97,6 +98,49 @@ def packed_scores_ref(T, P, q_to_kv, n):
         sums = Q[h, groups[None, :], codes].sum(axis=1)           # exact integers
         z[h] = sums.astype(np.float32) * scale[h] + offset[h]
     return z
+
+
+def packed_select_ref(T, P, q_to_kv, n, tau):
+    """The selection of kernels_cpu.level_select on the levels of pack_lut_ref's tables.
+
+    T [Hq, g, c] f32, P [Hkv, n_cap, g] (token-major) -> (idx int32 [Hq, n], counts, m f32, l_sel f32,
+    z_sel f32 [Hq, n]) as packed_select returns them (rows past counts[h] are 0 here)."""
+    from .level_select import _COVER, NB
+    from .packed import _BUCKET_LOGITS
+    Q, scale, offset = pack_lut_ref(T)
+    Hq, g, _ = Q.shape
+    idx, zsel = np.zeros((Hq, n), np.int32), np.zeros((Hq, n), np.float32)
+    counts = np.zeros(Hq, np.int32)
+    m, l_sel = np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
+    if n == 0:
+        return idx, counts, m, l_sel, zsel
+    for h in range(Hq):
+        L = Q[h, np.arange(g)[None, :], P[q_to_kv[h], :n].astype(np.int64)].sum(axis=1)   # levels
+        z = L.astype(np.float32) * scale[h] + offset[h]
+        top, sh = int(Q[h].max(axis=1).sum()), 0
+        while sh < 15 and np.float64(scale[h]) * 2 ** (sh + 1) <= _BUCKET_LOGITS:
+            sh += 1
+        w = np.float64(scale[h]) * 2 ** sh
+        H = np.bincount(np.minimum((top - L) >> sh, NB - 1), minlength=NB)
+        bt = int(np.flatnonzero(H)[0])
+        if tau >= 1:
+            sel = np.arange(n)
+        elif tau <= 0:
+            sel = np.arange(0)
+        elif H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:                  # the exact fallback
+            ridx, rcnt, _, _ = threshold_select_ref(z[None], tau)
+            sel = ridx[0, :rcnt[0]]
+        else:
+            e = np.concatenate([[1.0], np.cumprod(np.full(NB - bt - 1, np.exp(-w)))])   # e_k = e_{k-1} r
+            cum = np.cumsum(H[bt:] * e)                                      # in bucket order
+            bstar = bt + int(np.argmax(cum >= tau * cum[-1]))
+            sel = np.arange(n) if bstar == NB - 1 else np.flatnonzero(((top - L) >> sh) <= bstar)
+        counts[h] = sel.size
+        idx[h, :sel.size] = sel
+        zsel[h, :sel.size] = z[sel]
+        m[h] = z.max()
+        l_sel[h] = np.exp(z[sel].astype(np.float64) - np.float64(m[h])).astype(np.float32).astype(np.float64).sum()
+    return idx, counts, m, l_sel, zsel
 
 
 def threshold_select_ref(z, tau):
@@ -322,7 +366,7 @@ def dense_attend_ref(q, K, V, n, scale=1.0):
 def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv):
     """One decode token's HCA attention (see kernels_cpu.hca_step): the exact lse_merge of
     attend_exact over EK/EV[:, :n_exact], the token's own k, v, and weighted_value_sum over
-    threshold_select(packed_scores(pack_lut(build_lut(q)))). codebooks [Hkv, g, c, ds],
+    packed_select(pack_lut(build_lut(q))). codebooks [Hkv, g, c, ds],
     P [Hkv, >=n_store, g] (token-major here; the kernel reads it group-major) -> o [Hq, d] f32."""
     q = np.asarray(q, dtype=np.float32)
     Hq, d = q.shape
@@ -330,9 +374,9 @@ def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, ta
     kf, vf = np.asarray(k, np.float64)[q_to_kv], np.asarray(v, np.float32)[q_to_kv]
     m3 = np.einsum("hd,hd->h", q.astype(np.float64), kf).astype(np.float32)
     if n_store:
-        z = packed_scores_ref(build_lut_ref(q, codebooks, q_to_kv), P, q_to_kv, n_store)
-        idx, counts, _, _ = threshold_select_ref(z, tau)
-        o2, m2, l2 = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
+        T = build_lut_ref(q, codebooks, q_to_kv)
+        idx, counts, _, _, _ = packed_select_ref(T, P, q_to_kv, n_store, tau)
+        o2, m2, l2 = weighted_value_sum_ref(packed_scores_ref(T, P, q_to_kv, n_store), idx, counts, V, q_to_kv)
     else:
         o2, m2, l2 = np.zeros((Hq, d), np.float32), np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
     o, _, _ = lse_merge_ref(np.stack([o1, vf, o2]), np.stack([m1, m3, m2]),

@@ -161,7 +161,7 @@ def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, 
     from .config import EngineConfig, ModelArgs
     from .planner import format_plan, plan_report
     args = ModelArgs.from_path(model_or_config)
-    cfg = EngineConfig(ctx=ctx, device="cpu", dtype=dtype, kv=kv, kv_budget=float(kv_budget), window=window,
+    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, kv_budget=float(kv_budget), window=window,
                        sinks=sinks)
     report = plan_report(args, cfg, device, gpu_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))

@@ -68,8 +68,11 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
     packed = kc.pack_lut(T, q2k)
     row("packed_scores", lambda: kc.packed_scores(packed, PT, n, out=zbuf),
         lambda: kc.packed_scores_ref(T, P, q2k, n))
-    z = kc.approx_scores(T, P, q2k, n)
     ibuf = np.empty((Hq, n), np.int32)
+    scratch = (np.empty((Hq, n), np.uint16), kc.level_hist(Hq))
+    row(f"packed_select tau={tau}", lambda: kc.packed_select(packed, PT, n, tau, out_idx=ibuf, out_z=zbuf, scratch=scratch),
+        lambda: kc.packed_select_ref(T, P, q2k, n, tau))
+    z = kc.approx_scores(T, P, q2k, n)
     row(f"threshold_select tau={tau}", lambda: kc.threshold_select(z, tau, out_idx=ibuf), lambda: kc.threshold_select_ref(z, tau))
     idx, cnt, m, l = kc.threshold_select(z, tau)
     frac = cnt.mean() / n

@@ -7,8 +7,8 @@ The cache is filled through its own append path with the K/V of a dense prefill 
 engine ("tokens", what `minirun bench` does); then decode steps are timed. Prints ms/step and the
 top operators (torch profiler) or functions (cProfile). --breakdown (HCA, CPU): captures the
 arguments of every layer's fused HCA call in one real step and times each kernel of that step on
-them (LUT, its packing, scores, selection, value sum, sinks + ring), summed over the layers (the
-fused call as replayed does not encode the ring key that the real step encodes ahead).
+them (LUT, its packing, scores + selection, value sum, sinks + ring) and the fused call itself
+(with the ring-key encode the real step does), summed over the layers.
 PROFILE_ROWS=N prints N rows of the cProfile table.
 """
 import argparse
@@ -91,6 +91,9 @@ def main():
                     help="cache contents: K/V of real text (realistic selection sizes), random K/V, or "
                          "random token ids prefilled through the model (as minirun bench)")
     ap.add_argument("--breakdown", action="store_true", help="HCA: time each kernel of one real step")
+    ap.add_argument("--cold", action="store_true",
+                    help="with --breakdown: evict the caches (write 64 MB) before each timed call, as the "
+                         "layer's weight GEMVs do in a real step")
     a = ap.parse_args()
     eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.steps * 3 + 8, kv=a.kv,
                       kv_budget=a.kv_budget, tau=a.tau, threads=a.threads)
@@ -111,7 +114,7 @@ def main():
                 eng.step(1)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     if a.breakdown:
-        breakdown(eng)
+        breakdown(eng, a.cold)
     elif a.profiler == "cprofile":
         pr = cProfile.Profile()
         pr.enable()
@@ -121,14 +124,15 @@ def main():
         pstats.Stats(pr).sort_stats("tottime").print_stats(int(os.environ.get("PROFILE_ROWS", 15)))
 
 
-def breakdown(eng: Engine) -> None:
-    """Time each kernel of one real HCA decode step on its captured per-layer arguments."""
+def breakdown(eng: Engine, cold: bool = False) -> None:
+    """Time each kernel of one real HCA decode step on its captured per-layer arguments (cold: with
+    the caches evicted before each call, as in a real step, where the weights stream through)."""
     import kernels_cpu as kc
     import minirun.kv.hca as hca
     calls, real = [], kc.hca_decode_attend
 
     def capture(*args, **kw):
-        calls.append(args)
+        calls.append((args, kw))
         return real(*args, **kw)
     hca.kc.hca_decode_attend = capture
     try:
@@ -136,29 +140,47 @@ def breakdown(eng: Engine) -> None:
     finally:
         hca.kc.hca_decode_attend = real
 
+    import numpy as np
+    from numba import njit, prange
+
+    @njit(parallel=True)
+    def evict(x):    # on the kernels' own threads, as a GEMV would (a serial NumPy pass lets them sleep)
+        for i in prange(x.shape[0]):
+            x[i] += 1.0
+    junk = np.ones(8 << 20)                           # 64 MB: more than the last-level cache
+
     def ms(f, k=10):
         f()
-        t0 = time.perf_counter()
+        if not cold:
+            t0 = time.perf_counter()
+            for _ in range(k):
+                f()
+            return (time.perf_counter() - t0) / k * 1e3
+        t = 0.0
         for _ in range(k):
+            evict(junk)
+            t0 = time.perf_counter()
             f()
-        return (time.perf_counter() - t0) / k * 1e3
-    tot = dict.fromkeys(["lut", "pack", "scores", "select", "value sum", "sinks+ring", "fused call"], 0.0)
+            t += time.perf_counter() - t0
+        return t / k * 1e3
+    tot = dict.fromkeys(["lut", "pack", "scores+select", "value sum", "sinks+ring", "fused call"], 0.0)
     cache, sel = eng.cache, []
-    for layer, args in enumerate(calls):
+    for layer, (args, kw) in enumerate(calls):
         q, k, v, EK, EV, n_exact, cbt, PT, n, V, tau, q2k, packed, lut, z, idx, counts = args
         C = cache.codebooks.centroids[layer].numpy()
         tot["lut"] += ms(lambda: kc.build_lut(q, C, q2k, codebooks_t=cbt, out=lut))
         tot["pack"] += ms(lambda: kc.pack_lut(lut, q2k, out=packed))
-        tot["scores"] += ms(lambda: kc.packed_scores(packed, PT, n, out=z))
-        zz = kc.packed_scores(packed, PT, n).copy()
-        tot["select"] += ms(lambda: kc.threshold_select(zz, tau))
-        ii, cc, _, _ = kc.threshold_select(zz, tau)
-        sel.append(cc.mean() / n)
-        tot["value sum"] += ms(lambda: kc.weighted_value_sum(zz, ii, cc, V, q2k))
+        scratch = (np.empty((len(q), n), np.uint16), kc.level_hist(len(q)))
+        tot["scores+select"] += ms(lambda: kc.packed_select(packed, PT, n, tau, scratch=scratch))
+        ii, cc, _, _, zs = kc.packed_select(packed, PT, n, tau)
+        exact = kc.threshold_select(kc.packed_scores(packed, PT, n), tau)[1]   # the exact minimal sets
+        sel.append((cc.mean() / n, exact.mean() / n))
+        tot["value sum"] += ms(lambda: kc.weighted_value_sum(zs, ii, cc, V, q2k, compact=True))
         tot["sinks+ring"] += ms(lambda: kc.attend_exact(q, EK, EV, q2k, n_exact))
-        tot["fused call"] += ms(lambda: real(*args))
-    print(f"kernels of one step, summed over {len(calls)} layers (store of {calls[0][8]} tokens, "
-          f"mean selected fraction {sum(sel) / len(sel):.3f}):")
+        tot["fused call"] += ms(lambda: real(*args, **kw))
+    print(f"kernels of one step, summed over {len(calls)} layers (store of {calls[0][0][8]} tokens, "
+          f"mean selected fraction {sum(a for a, _ in sel) / len(sel):.4f}; exact minimal sets on the same "
+          f"scores {sum(b for _, b in sel) / len(sel):.4f}):")
     for name, t in tot.items():
         print(f"  {name:11s} {t:7.1f} ms  ({t / len(calls):.3f} ms per layer)")
 

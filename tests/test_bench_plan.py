@@ -32,7 +32,7 @@ def test_smollm2_bytes_per_tier_at_4m():
     assert 4 * L * Hkv * d == 23040 == 22.5 * KiB                                # K+V, 2 bytes each, per token
     assert set(dense) == {"weights", "dense K+V"}
 
-    t = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4)).tiers
+    t = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4, device="cuda")).tiers
     n_store = M4 - 16 - 256                                                      # sinks and ring stay exact
     assert t["key store"] == (2 * L * Hkv * 16 * n_store, "device")             # g = d/4 = 16 int16 indices
     assert 2 * L * Hkv * 16 == 2880 == 23040 // 8                               # exactly the 12.5% preset
@@ -40,6 +40,8 @@ def test_smollm2_bytes_per_tier_at_4m():
     assert t["sinks+ring K+V"] == (4 * L * Hkv * d * 272, "device")
     assert t["codebooks"] == (L * Hkv * 16 * 1024 * 4 * 4, "device")            # g x c centroids of d/g f32
     assert t["scratch"] == (Hq * n_store * 8, "device")                         # f32 score + i32 index
+    t_cpu = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4, device="cpu")).tiers
+    assert t_cpu["scratch"] == (Hq * n_store * 10, "device")                    # + u16 level (CPU)
     # transient: an exact prefill (auto mode: prompts up to 65536 tokens) keeps f32 keys of the
     # store tokens until it ends; an anchor prefill (longer prompts) holds 2048 - 16 anchor keys
     assert t[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "host")
@@ -63,7 +65,7 @@ def test_llama3_8b_bytes_per_tier_at_4m():
     dense = plan(a, EngineConfig(kv="dense", dtype="bfloat16", ctx=M4)).tiers
     assert dense["dense K+V"][0] == 128 * KiB * M4 == 512 * GiB                # 128 KiB per token
     assert dense["weights"] == (2 * 8_030_261_248, "device")
-    t = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4)).tiers
+    t = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4, device="cuda")).tiers
     n_store = M4 - 272
     assert t["key store"] == (2 * L * Hkv * 32 * n_store, "device")             # 16 KiB per token = 1/8
     assert 2 * L * Hkv * 32 == 16 * KiB

@@ -51,9 +51,9 @@ def test_hca_decode_attend(pool_dtype, n_exact, n_store, tau, g, c):
     parts = [kc.attend_exact(q, EK, EV, Q2K, n_exact)]
     parts.append((v[Q2K], np.einsum("hd,hd->h", q, k[Q2K]), np.ones(HQ, np.float32)))
     if n_store:
-        z = kc.packed_scores(kc.pack_lut(kc.build_lut(q, C, Q2K), Q2K), kc.group_major(P), n_store)
-        idx, cnt, _, _ = kc.threshold_select(z, tau)
-        parts.append(kc.weighted_value_sum(z, idx, cnt, V, Q2K))
+        packed = kc.pack_lut(kc.build_lut(q, C, Q2K), Q2K)
+        idx, cnt, _, _, zs = kc.packed_select(packed, kc.group_major(P), n_store, tau)
+        parts.append(kc.weighted_value_sum(zs, idx, cnt, V, Q2K, compact=True))
         np.testing.assert_array_equal(counts, cnt)
     step = kc.lse_merge(*[np.stack(x) for x in zip(*parts)])[0]
     np.testing.assert_allclose(o, step, rtol=1e-5, atol=1e-6)

@@ -29,6 +29,7 @@ from .store import ColumnBuffer, GrowingBuffer
 
 class HCACache(KVCache):
     """See the module docstring. CPU backend: torch for the exact part, Numba kernels for the rest."""
+    uses_levels = True    # keeps the level scratch of the CPU selection (kernels_cpu.level_select)
 
     def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
                  dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
@@ -71,6 +72,7 @@ class HCACache(KVCache):
         self._pending_done = np.zeros(L, bool)
         self._cbt = None          # (codebooks, their [L, Hkv, g, ds, c] layout) for the LUT kernel
         self._lut = None          # [Hq, g, c] scratch lookup table
+        self._hist = None         # level-bucket counts of the selection (kc.level_hist)
         self._packed = None       # its packed integer form (kc.PackedLUT of scratch arrays)
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
@@ -79,6 +81,8 @@ class HCACache(KVCache):
         self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32
         self.z = GrowingBuffer((self.Hq,), 1, torch.float32, store_cap)             # scratch scores
         self.sel = GrowingBuffer((self.Hq,), 1, torch.int32, store_cap)             # scratch selection
+        # the selection's integer score levels (uint16 bits; a CPU-only scratch: kernels_cpu.level_select)
+        self.lev = GrowingBuffer((self.Hq,), 1, torch.int16, store_cap) if self.uses_levels else None
         self._staged: list = [None] * L
         self.notes: list[str] = []
         # when a list: each one-token step appends, per layer, the fraction of the store each
@@ -144,16 +148,21 @@ class HCACache(KVCache):
             self._pending_pos = pos
             self._pending_done[:] = False
         encode = (self.S + n % self.W, cnorm, self._pending[layer])
+        z = self.z.flat(n).reshape(self.Hq, n)
         o = kc.hca_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
                                  self._ev_np[layer], self.S + self.W, cbt,
                                  self.indices.view(layer, cap).numpy(), n, self.values.view(layer, cap).numpy(),
-                                 self.tau, self.q_to_kv, self._packed, self._lut,
-                                 self.z.flat(n).reshape(self.Hq, n), self.sel.flat(n).reshape(self.Hq, n),
-                                 self._counts, encode=encode)
+                                 self.tau, self.q_to_kv, self._packed, self._lut, z,
+                                 self.sel.flat(n).reshape(self.Hq, n), self._counts, encode=encode,
+                                 levels=(self._levels(n), self._hist))
         self._pending_done[layer] = True
         if self.record_selection is not None:
             self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
+
+    def _levels(self, n: int) -> np.ndarray:
+        """The level scratch [Hq, n] uint16 of the CPU selection (kernels_cpu.level_select)."""
+        return self.lev.flat(n).view(np.uint16).reshape(self.Hq, n)
 
     def _attend_exact_tier(self, layer, qs, k, v):
         """Sinks + ring (all positions < offset) and the chunk itself (causal)."""
@@ -186,7 +195,16 @@ class HCACache(KVCache):
         for t in range(T):
             if ne:
                 lut = kc.build_lut(qn[t], C, self.q_to_kv, codebooks_t=Ct, out=self._lut)
-                kc.packed_scores(kc.pack_lut(lut, self.q_to_kv, out=self._packed), P, ne, out=z)
+                packed = kc.pack_lut(lut, self.q_to_kv, out=self._packed)
+            if ne == n:   # the decode step's scores and selection (kernels_cpu.level_select)
+                idx, counts, _, _, zs = kc.packed_select(packed, P, n, self.tau, out_idx=sel, out_z=z,
+                                                         scratch=(self._levels(n), self._hist))
+                if self.record_selection is not None and T == 1:
+                    self.record_selection.append(counts / n)
+                os_[t], ms[t], ls[t] = kc.weighted_value_sum(zs, idx, counts, V, self.q_to_kv, compact=True)
+                continue
+            if ne:
+                kc.packed_scores(packed, P, ne, out=z)
             if n > ne:   # keys not yet encoded: exact scores
                 qt = torch.from_numpy(qn[t]).view(self.Hkv, -1, self.hd)
                 z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
@@ -245,6 +263,7 @@ class HCACache(KVCache):
             self._lut = np.empty((self.Hq, g, c), np.float32)
             self._packed = kc.PackedLUT(np.empty((self._lanes.shape[0], g, c), np.uint64), self._lanes,
                                         np.empty(self.Hq, np.float32), np.empty(self.Hq, np.float32))
+            self._hist = kc.level_hist(self.Hq)                    # per-thread level-bucket counts
         return self._cbt[1]
 
     def _codebook_norms(self) -> np.ndarray:
@@ -274,6 +293,8 @@ class HCACache(KVCache):
         self.values.reserve(j0 + m)
         self.z.reserve(j0 + m)
         self.sel.reserve(j0 + m)
+        if self.lev is not None:
+            self.lev.reserve(j0 + m)
         self.values.write_all(j0, V)
         if self.anchor_k is not None and j0 < self.anchor_k.shape[2]:
             cnt = min(m, self.anchor_k.shape[2] - j0)
@@ -347,7 +368,7 @@ class HCACache(KVCache):
             "device_ring_sinks_bytes": exact_tier,
             "codebook_bytes": self.codebooks.nbytes if self.codebooks is not None else 0,
             "host_values_bytes": self.values.nbytes,
-            "scratch_bytes": self.z.nbytes + self.sel.nbytes,
+            "scratch_bytes": self.z.nbytes + self.sel.nbytes + (self.lev.nbytes if self.lev is not None else 0),
             "prefill_keys_bytes": 0 if self.layout.exact_keys else self.exact_keys.nbytes,
         }
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))

@@ -48,6 +48,7 @@ INITIAL_WIDTH = 1024   # selected tokens per head copied back on the first try
 
 class HCACacheCUDA(HCACache):
     """HCACache with the GPU pipeline above; same tiers, modes and semantics as the CPU class."""
+    uses_levels = False   # the GPU selects on float scores (kernels_cuda.threshold_select)
 
     def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None, **kw):
         super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, **kw)

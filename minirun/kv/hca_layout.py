@@ -47,6 +47,12 @@ def value_elem_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+def on_cpu(cfg: EngineConfig) -> bool:
+    """Whether the engine of this config runs on the CPU ("auto" without a CUDA device)."""
+    import torch
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
 def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     """name -> (bytes, "device" | "host") for an HCA cache holding `ctx` tokens."""
     lay = resolve_layout(args, cfg)
@@ -58,8 +64,9 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
         "sinks+ring K+V": (2 * L * Hkv * n_exact * hd * e, "device"),
         "key store": (L * Hkv * n_store * key_bytes, "device"),
         "value pool": (L * Hkv * n_store * hd * value_elem_bytes(cfg.dtype), "host"),
-        # per-step scratch: approximate scores [Hq, n] f32 and selected indices [Hq, n] int32
-        "scratch": (Hq * n_store * 8, "device"),
+        # per-step scratch: approximate scores [Hq, n] f32 and selected indices [Hq, n] int32, and
+        # on the CPU the integer score levels [Hq, n] uint16 (kernels_cpu.level_select)
+        "scratch": (Hq * n_store * (8 + 2 * on_cpu(cfg)), "device"),
     }
     if not lay.exact_keys:
         tiers["codebooks"] = (L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4, "device")

@@ -1,0 +1,198 @@
+"""HCA scoring and selection on the packed tables' integer levels (the CPU decode path).
+
+packed_scores (kernels_cpu.packed) makes every score z = scale[h] * L + offset[h] from an integer
+level L = sum_i Q[h, i, P[j, i]] in [0, top[h]], top[h] = sum_i max_j Q[h, i, j]. The selection can
+work on the levels themselves, with no float score and no exp per token:
+
+1. The scoring pass writes L as uint16 (2 bytes instead of a 4-byte float) and counts the tokens
+   per level bucket below top: b = min((top - L) >> sh, NB - 1), where sh (PackedLUT.shift) is the
+   largest shift with w = scale * 2**sh <= 1/32 of a logit (sh = 0 when one level is wider).
+2. Per head, bucket b's softmax mass is estimated as count_b * exp(-w (b - b_top)) (b_top the top
+   non-empty bucket; one multiply per bucket), and the cut is the first bucket b* from the top at
+   which the cumulative estimate reaches tau times the total.
+3. One pass collects {j : (top - L_j) >> sh <= b*} (the boundary bucket whole) in increasing token
+   order, with each selected token's float score, compacted (what the value sum reads).
+
+Bound: a bucket's tokens lie within w / 2 of its centre, so each estimate is within a factor
+exp(+-w / 2) of the bucket's exact mass: the selection holds at least tau * exp(-w) of the exact
+softmax mass over these scores, and the selection without its boundary bucket less than
+tau * exp(w) (0.872 and 0.929 at tau = 0.9, w = 1/32); one level per bucket (sh = 0) is exact.
+The NB buckets reach NB * w >= 64 logits below top, but top only bounds the best score from
+above: when the last (catch-all) bucket is within 40 logits of the top non-empty bucket, that
+head is selected by threshold_select on its float scores instead (the exact minimal set).
+
+tau >= 1 selects every token, tau <= 0 none. Reference: kernels_cpu.reference.packed_select_ref.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ._common import _NEG_INF, _c_rows, _exp32, _prefetch
+from .packed import _BLOCK, LANES, PackedLUT, _check_indices
+from .select import _select_head
+
+NB = 4096           # level buckets per head
+_COVER = 40.0       # logits: the catch-all bucket must lie this far below the top bucket
+
+
+def level_hist(Hq: int) -> np.ndarray:
+    """Scratch for the per-thread bucket counts: int32 [max threads, Hq, NB]."""
+    return np.empty((numba.config.NUMBA_NUM_THREADS, Hq, NB), np.int32)
+
+
+@njit(cache=True)
+def _level_task(tables, lanes, top, shift, PT, n, lev, hh_slot, t, acc):
+    # One (token block, table row) task of _k_packed_levels; hh_slot int32 [Hq, NB] its slot's counts.
+    R, g = tables.shape[0], tables.shape[1]
+    b, r = t // R, t % R
+    kv = r // (R // PT.shape[0])
+    j0 = b * _BLOCK
+    L = min(n, j0 + _BLOCK) - j0
+    acc[:] = 0
+    cap = PT.shape[2]
+    nxt = (np.int64(kv) * g + 1) * cap + j0        # flat offset of group i + 1's indices of this block
+    for i in range(g):
+        # the groups' index rows are cap apart, 2 KB each per block: too short for the hardware
+        # prefetcher to ramp up on, so prefetch the next group's while scoring this one
+        if i + 1 < g:
+            for e in range(0, L, 64 // PT.itemsize):
+                _prefetch(PT, nxt + e)
+            nxt += cap
+        Ti = tables[r, i]
+        Pi = PT[kv, i, j0:j0 + L]
+        for u in range(L):
+            acc[u] += Ti[np.int32(Pi[u]) & 0x7FFF]   # the mask: indices are < 32768, never wrap
+    for e in range(LANES):
+        h = lanes[r, e]
+        if h < 0:
+            continue
+        sh16 = np.uint64(16 * e)
+        lh = lev[h, j0:j0 + L]
+        for u in range(L):
+            lh[u] = np.uint16((acc[u] >> sh16) & np.uint64(0xFFFF))
+        hh = hh_slot[h]
+        tp = top[h]
+        sh = shift[h]
+        for u in range(L):
+            hh[min((tp - np.int64(lh[u])) >> sh, NB - 1)] += 1
+
+
+@njit(cache=True, parallel=True)
+def _k_packed_levels(tables, lanes, top, shift, PT, n, lev, hist, nt):
+    # As _k_packed_scores, writing lev uint16 [Hq, >=n] and the counts hist[slot, h, bucket]: slot
+    # sl of nt (one per thread) does tasks sl, sl + nt, ... into its own counts
+    # (numba.get_thread_id would do, but a function that calls it cannot be cached on disk).
+    nb = (n + _BLOCK - 1) // _BLOCK
+    ntask = nb * tables.shape[0]
+    for sl in prange(nt):
+        hist[sl] = 0
+        acc = np.empty(_BLOCK, np.uint64)
+        for t in range(sl, ntask, nt):
+            _level_task(tables, lanes, top, shift, PT, n, lev, hist[sl], t, acc)
+
+
+@njit(cache=True)
+def _select_levels_head(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
+    """One head: H int64 [NB] its bucket counts. Fills idx_row / z_row[:count]; -> (count, m, l_sel)."""
+    if n == 0:
+        return 0, _NEG_INF, 0.0
+    bt = 0
+    while H[bt] == 0:
+        bt += 1
+    w = np.float64(s) * (1 << sh)
+    if tau >= 1.0:
+        lcut = np.int64(0)
+    elif tau <= 0.0:
+        lcut = np.int64(1 << 17)                         # above every level: nothing selected
+    elif H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:   # top is too loose: exact float selection
+        zf = np.empty(n, np.float32)
+        for j in range(n):
+            zf[j] = np.float32(lh[j]) * s + o
+        cnt, mh, lsel = _select_head(zf, n, tau, idx_row)
+        for k in range(cnt):
+            z_row[k] = zf[idx_row[k]]
+        return cnt, mh, lsel
+    else:
+        r = np.exp(-w)
+        S = 0.0
+        e = 1.0
+        for b in range(bt, NB):
+            S += H[b] * e
+            e *= r
+        target = tau * S
+        cum = 0.0
+        e = 1.0
+        bstar = NB - 1
+        for b in range(bt, NB):
+            cum += H[b] * e
+            if cum >= target:
+                bstar = b
+                break
+            e *= r
+        lcut = np.int64(0) if bstar == NB - 1 else tp - ((np.int64(bstar) + 1) << sh) + 1
+    # collect without a branch: every token is written at the next free slot, which only a
+    # selected one keeps (a branch taken for ~5% of the tokens at random mispredicts often)
+    cnt = 0
+    lmax = np.int64(-1)
+    lc = np.int64(min(lcut, 1 << 16))
+    last = idx_row.shape[0] - 1
+    for j in range(n):
+        L = np.int64(lh[j])
+        lmax = max(lmax, L)
+        k = min(cnt, last)
+        idx_row[k] = j
+        z_row[k] = np.float32(L) * s + o
+        cnt += np.int64(L >= lc)
+    m = np.float32(lmax) * s + o
+    lsel = 0.0
+    for k in range(cnt):
+        lsel += np.float64(_exp32(z_row[k] - m))
+    return cnt, m, lsel
+
+
+@njit(cache=True, parallel=True)
+def _k_select_levels(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zsel, counts, m, l_sel):
+    Hq = lev.shape[0]
+    for h in prange(Hq):
+        H = np.zeros(NB, np.int64)
+        for t in range(nt):
+            Ht = hist[t, h]
+            for b in range(NB):
+                H[b] += Ht[b]
+        cnt, mh, lh = _select_levels_head(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H,
+                                          idx[h], zsel[h])
+        counts[h] = cnt
+        m[h] = mh
+        l_sel[h] = np.float32(lh)
+
+
+def packed_select(packed: PackedLUT, PT, n: int, tau: float, out_idx=None, out_z=None, scratch=None):
+    """Scores from a PackedLUT (pack_lut) over group-major indices and the selection on their levels.
+
+    PT [Hkv, g, n_cap] uint8/int16 (first n columns read), tau float; out_idx int32 / out_z f32
+    [Hq, >=n] optional outputs; scratch optional (lev uint16 [Hq, >=n], level_hist(Hq))
+    -> (idx int32 [Hq, n], counts int32 [Hq], m f32 [Hq] = max score, l_sel f32 [Hq] = sum of
+    exp(z - m) over the selection, z_sel f32 [Hq, n]): row h's first counts[h] entries of idx are the
+    selected tokens in increasing order and those of z_sel their scores (= packed_scores' values).
+    """
+    PT, n = _check_indices(packed, PT, n)
+    Hq = packed.scale.shape[0]
+    idx = np.empty((Hq, n), np.int32) if out_idx is None else out_idx
+    zsel = np.empty((Hq, n), np.float32) if out_z is None else out_z
+    ibuf, zbuf = (_c_rows(a) if isinstance(a, np.ndarray) and a.ndim == 2 else None for a in (idx, zsel))
+    if ibuf is None or idx.dtype != np.int32 or idx.shape[0] != Hq or idx.shape[1] < n:
+        raise ValueError("out_idx must be int32 [Hq, >=n] with unit-stride rows")
+    if zbuf is None or zsel.dtype != np.float32 or zsel.shape[0] != Hq or zsel.shape[1] < n:
+        raise ValueError("out_z must be float32 [Hq, >=n] with unit-stride rows")
+    lev, hist = scratch if scratch is not None else (np.empty((Hq, n), np.uint16), level_hist(Hq))
+    counts = np.zeros(Hq, np.int32)
+    m = np.full(Hq, -np.inf, np.float32)
+    l_sel = np.zeros(Hq, np.float32)
+    if n > 0:
+        nt = min(numba.get_num_threads(), hist.shape[0])
+        _k_packed_levels(packed.tables, packed.lanes, packed.top, packed.shift, PT, n, lev, hist, nt)
+        _k_select_levels(lev, n, float(tau), packed.scale, packed.offset, packed.top, packed.shift, hist, nt,
+                         ibuf, zbuf, counts, m, l_sel)
+    return idx[:, :n], counts, m, l_sel, zsel[:, :n]
