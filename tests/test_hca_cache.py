@@ -213,3 +213,23 @@ def test_bfloat16_on_cpu_takes_the_fused_decode_step(tiny_model_dir):
     lf, ls = torch.cat(lf).float(), torch.cat(ls).float()
     assert (lf.argmax(-1) == ls.argmax(-1)).all()
     assert (lf - ls).abs().max().item() <= 0.02 * lf.abs().max().item()
+
+
+def test_decode_fast_path_across_store_growth(tiny_model_dir, monkeypatch):
+    """The fused step keeps numpy views of the store and scratch between steps; when the buffers
+    grow (reallocate) mid-decode it must take fresh ones: same logits as the general path."""
+    import minirun.kv.store as store
+    monkeypatch.setattr(store, "MIN_GROW", 16)          # grow by doubling from 16 rows
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(36 + 250)                          # sinks + ring + 250 store tokens: cap 256
+    outs, caps = [], []
+    for fast in (True, False):
+        eng = Engine.load(d, device="cpu", ctx=512, kv="hca", kv_budget=0.25, centroids=32, window=32, sinks=4,
+                          fit_min_tokens=64)
+        eng.cache._numpy_exact_tier = fast
+        eng.prefill(ids)
+        cap0 = eng.cache.values.cap
+        outs.append(torch.cat([eng.step(t) for t in range(5, 17)]))
+        caps.append((cap0, eng.cache.values.cap))
+    assert caps[0][0] < eng.cache.n_store <= caps[0][1]  # the store grew during the decode steps
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-4

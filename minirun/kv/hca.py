@@ -73,6 +73,7 @@ class HCACache(KVCache):
         self._cbt = None          # (codebooks, their [L, Hkv, g, ds, c] layout) for the LUT kernel
         self._lut = None          # [Hq, g, c] scratch lookup table
         self._hist = None         # level-bucket counts of the selection (kc.level_hist)
+        self._views = {}          # layer -> (buffer addresses, numpy views) for the decode kernel
         self._packed = None       # its packed integer form (kc.PackedLUT of scratch arrays)
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
@@ -140,7 +141,6 @@ class HCACache(KVCache):
         """The common decode step (full ring, encoded store) in one kernel call: sinks + ring
         exactly, the new token itself, and the selected store tokens, merged by log-sum-exp."""
         n = self.n_store
-        cap = self.values.cap_or(n)
         cbt = self._codebooks_t()[layer]                          # (also makes the self._lut scratch)
         cnorm = self._codebook_norms()[layer]                     # (also makes self._pending)
         pos = self.S + n                                          # the ring's oldest token leaves next
@@ -148,17 +148,30 @@ class HCACache(KVCache):
             self._pending_pos = pos
             self._pending_done[:] = False
         encode = (self.S + n % self.W, cnorm, self._pending[layer])
-        z = self.z.flat(n).reshape(self.Hq, n)
+        PT, V, z, sel, lev = self._decode_views(layer)
         o = kc.hca_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
-                                 self._ev_np[layer], self.S + self.W, cbt,
-                                 self.indices.view(layer, cap).numpy(), n, self.values.view(layer, cap).numpy(),
-                                 self.tau, self.q_to_kv, self._packed, self._lut, z,
-                                 self.sel.flat(n).reshape(self.Hq, n), self._counts, encode=encode,
-                                 levels=(self._levels(n), self._hist))
+                                 self._ev_np[layer], self.S + self.W, cbt, PT, n, V, self.tau, self.q_to_kv,
+                                 self._packed, self._lut, z, sel, self._counts, encode=encode,
+                                 levels=(lev, self._hist))
         self._pending_done[layer] = True
         if self.record_selection is not None:
             self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
+
+    def _decode_views(self, layer: int) -> tuple:
+        """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
+        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap]. Made again only when a buffer
+        was reallocated (grown): building them each step cost more Python time than dense's call."""
+        bufs = (self.indices, self.values, self.z, self.sel, self.lev)
+        key = tuple(b.data.data_ptr() for b in bufs)
+        hit = self._views.get(layer)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        cap = self.values.cap
+        views = (self.indices.view(layer, cap).numpy(), self.values.view(layer, cap).numpy(),
+                 self.z.data[..., 0].numpy(), self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16))
+        self._views[layer] = (key, views)
+        return views
 
     def _levels(self, n: int) -> np.ndarray:
         """The level scratch [Hq, n] uint16 of the CPU selection (kernels_cpu.level_select)."""
