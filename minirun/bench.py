@@ -247,7 +247,7 @@ def _params(n: int) -> str:
 def kv_split(stats: dict) -> tuple[int, int]:
     """(bytes in the device tiers, bytes in the host tiers) of a cache's stats()."""
     dev = stats.get("device_kv_bytes", 0) + sum(stats.get(k, 0) for k in (
-        "device_keys_bytes", "device_ring_sinks_bytes", "codebook_bytes", "scratch_bytes"))
+        "device_keys_bytes", "device_ring_sinks_bytes", "codebook_bytes", "scratch_bytes", "decode_scratch_bytes"))
     host = stats.get("host_values_bytes", 0) + stats.get("prefill_keys_bytes", 0)
     return dev, host
 

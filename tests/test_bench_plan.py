@@ -42,16 +42,22 @@ def test_smollm2_bytes_per_tier_at_4m():
     assert t["scratch"] == (Hq * n_store * 8, "device")                         # f32 score + i32 index
     t_cpu = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4, device="cpu")).tiers
     assert t_cpu["scratch"] == (Hq * n_store * 10, "device")                    # + u16 level (CPU)
+    # the CPU kernels also hold the codebooks transposed and their norms, and a fixed decode scratch
+    assert t_cpu["codebooks"] == (2 * L * Hkv * 16 * 1024 * 4 * 4 + L * Hkv * 16 * 1024 * 4, "device")
+    import numba
+    assert t_cpu["decode scratch"] == (Hq * 16 * 1024 * 4 + Hkv * 16 * 1024 * 8 + Hq * 24
+                                       + numba.config.NUMBA_NUM_THREADS * Hq * 4096 * 4 + L * Hkv * 16 * 2, "device")
+    assert "decode scratch" not in t
     # transient: an exact prefill (auto mode: prompts up to 65536 tokens) keeps f32 keys of the
     # store tokens until it ends; an anchor prefill (longer prompts) holds 2048 - 16 anchor keys
     assert t[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "host")
     assert t[ANCHOR_BLOCK] == (4 * L * Hkv * d * (2048 - 16), "device")
     assert len(t) == 8
 
-    t25 = plan(a, EngineConfig(kv="hca", kv_budget=0.25, dtype="bfloat16", ctx=M4)).tiers
+    t25 = plan(a, EngineConfig(kv="hca", kv_budget=0.25, dtype="bfloat16", ctx=M4, device="cuda")).tiers
     assert t25["key store"][0] == 2 * L * Hkv * 32 * n_store                    # g = d/2: 25%
     assert t25["codebooks"][0] == L * Hkv * 32 * 1024 * 2 * 4
-    t50 = plan(a, EngineConfig(kv="hca", kv_budget=0.5, dtype="bfloat16", ctx=M4)).tiers
+    t50 = plan(a, EngineConfig(kv="hca", kv_budget=0.5, dtype="bfloat16", ctx=M4, device="cuda")).tiers
     # the 50% preset keeps exact keys, and HCACache stores them in float32 whatever the dtype
     assert t50["key store"][0] == 4 * L * Hkv * d * n_store
     assert "codebooks" not in t50 and PREFILL_KEYS not in t50

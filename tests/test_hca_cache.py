@@ -112,7 +112,11 @@ def test_kv_stats_equal_allocated_arrays(tiny_model_dir):
     assert s["device_keys_bytes"] == nb(c.indices.data)
     assert s["host_values_bytes"] == nb(c.values.data)
     assert s["device_ring_sinks_bytes"] == nb(c.ek) + nb(c.ev)
-    assert s["codebook_bytes"] == nb(c.codebooks.centroids)
+    # the codebooks, and on the CPU the LUT kernel's transposed copy and the encoder's norms
+    assert s["codebook_bytes"] == 2 * nb(c.codebooks.centroids) + c._cnorm[1].nbytes
+    assert c._cnorm[1].nbytes == nb(c.codebooks.centroids) // c.layout.sub_dim
+    assert s["decode_scratch_bytes"] == (c._lut.nbytes + c._packed.tables.nbytes + c._hist.nbytes + c._pending.nbytes
+                                         + c.Hq * 24) > 0
     assert s["prefill_keys_bytes"] == 0            # full-precision prompt keys were dropped
     assert c.indices.data.dtype == torch.uint8   # 32 centroids fit a byte
     assert s["total_bytes"] == sum(v for k, v in s.items() if k.endswith("_bytes") and k != "total_bytes")
@@ -130,6 +134,7 @@ def test_planner_matches_kv_stats_at_full_context(tiny_model_dir):
     assert p["sinks+ring K+V"][0] == s["device_ring_sinks_bytes"]
     assert p["codebooks"][0] == s["codebook_bytes"]
     assert p["scratch"][0] == s["scratch_bytes"]
+    assert p["decode scratch"][0] == s["decode_scratch_bytes"]
 
 
 @pytest.mark.parametrize("n", [90, 150])

@@ -173,6 +173,21 @@ class HCACache(KVCache):
         self._views[layer] = (key, views)
         return views
 
+    def _codebook_copy_bytes(self) -> int:
+        """The CPU kernels' copies of the current codebooks: the transposed layout of the LUT kernel
+        and the centroid norms of the encoder (made on first use)."""
+        own = [c for c in (self._cbt, self._cnorm) if c is not None and c[0] is self.codebooks]
+        return sum(c[1].nbytes for c in own)
+
+    def _decode_scratch(self) -> list:
+        """Fixed-size scratch of the CPU decode kernels, where made: the lookup table, its packed
+        form, the level-bucket counts and the ring-key codes encoded ahead."""
+        arrs = [a for a in (self._lut, self._hist, self._pending) if a is not None]
+        if self._packed is not None:
+            p = self._packed
+            arrs += [p.tables, p.scale, p.offset, p.top, p.shift]   # (lanes is self._lanes, not scratch)
+        return arrs
+
     def _levels(self, n: int) -> np.ndarray:
         """The level scratch [Hq, n] uint16 of the CPU selection (kernels_cpu.level_select)."""
         return self.lev.flat(n).view(np.uint16).reshape(self.Hq, n)
@@ -379,10 +394,11 @@ class HCACache(KVCache):
             "tokens_store": self.n_store,
             "device_keys_bytes": keys + (self.exact_keys.nbytes if self.layout.exact_keys else 0),
             "device_ring_sinks_bytes": exact_tier,
-            "codebook_bytes": self.codebooks.nbytes if self.codebooks is not None else 0,
+            "codebook_bytes": (self.codebooks.nbytes if self.codebooks is not None else 0) + self._codebook_copy_bytes(),
             "host_values_bytes": self.values.nbytes,
             "scratch_bytes": self.z.nbytes + self.sel.nbytes + (self.lev.nbytes if self.lev is not None else 0),
             "prefill_keys_bytes": 0 if self.layout.exact_keys else self.exact_keys.nbytes,
+            "decode_scratch_bytes": sum(a.nbytes for a in self._decode_scratch()),
         }
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
         return s

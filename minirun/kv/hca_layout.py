@@ -69,5 +69,25 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
         "scratch": (Hq * n_store * (8 + 2 * on_cpu(cfg)), "device"),
     }
     if not lay.exact_keys:
-        tiers["codebooks"] = (L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4, "device")
+        cb = L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4
+        if on_cpu(cfg):   # + the LUT kernel's transposed copy and the encoder's centroid norms
+            cb = 2 * cb + L * Hkv * lay.groups * lay.centroids * 4
+            tiers["decode scratch"] = (cpu_decode_scratch_bytes(args, lay), "device")
+        tiers["codebooks"] = (cb, "device")
     return tiers
+
+
+def cpu_decode_scratch_bytes(args: ModelArgs, lay: HCALayout) -> int:
+    """Fixed scratch of the CPU decode step (HCACache._decode_scratch): the lookup table f32
+    [Hq, g, c], its packed uint64 tables [R, g, c] (R = Hkv x ceil(query heads per kv-head / 4)) with
+    per-head scale, offset (f32), top, shift (int64), the level-bucket counts int32
+    [Numba threads, Hq, 4096], and the ring-key codes encoded ahead [L, Hkv, 1, g]."""
+    import math
+
+    import numba
+    from kernels_cpu.level_select import NB
+    L, Hkv, Hq = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads
+    g, c = lay.groups, lay.centroids
+    R = Hkv * math.ceil(Hq // Hkv / 4)
+    return (Hq * g * c * 4 + R * g * c * 8 + Hq * (4 + 4 + 8 + 8)
+            + numba.config.NUMBA_NUM_THREADS * Hq * NB * 4 + L * Hkv * g * lay.index_bytes)
