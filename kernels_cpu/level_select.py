@@ -29,8 +29,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import _NEG_INF, _c_rows, _exp32, _prefetch
-from .packed import _BLOCK, LANES, PackedLUT, _check_indices
+from ._common import _NEG_INF, _c_rows, _exp32
+from .packed import _BLOCK, LANES, PackedLUT, _accumulate_block, _check_indices
 from .select import _select_head
 
 NB = 4096           # level buckets per head
@@ -45,25 +45,12 @@ def level_hist(Hq: int) -> np.ndarray:
 @njit(cache=True)
 def _level_task(tables, lanes, top, shift, PT, n, lev, hh_slot, t, acc):
     # One (token block, table row) task of _k_packed_levels; hh_slot int32 [Hq, NB] its slot's counts.
-    R, g = tables.shape[0], tables.shape[1]
+    R = tables.shape[0]
     b, r = t // R, t % R
     kv = r // (R // PT.shape[0])
     j0 = b * _BLOCK
     L = min(n, j0 + _BLOCK) - j0
-    acc[:] = 0
-    cap = PT.shape[2]
-    nxt = (np.int64(kv) * g + 1) * cap + j0        # flat offset of group i + 1's indices of this block
-    for i in range(g):
-        # the groups' index rows are cap apart, 2 KB each per block: too short for the hardware
-        # prefetcher to ramp up on, so prefetch the next group's while scoring this one
-        if i + 1 < g:
-            for e in range(0, L, 64 // PT.itemsize):
-                _prefetch(PT, nxt + e)
-            nxt += cap
-        Ti = tables[r, i]
-        Pi = PT[kv, i, j0:j0 + L]
-        for u in range(L):
-            acc[u] += Ti[np.int32(Pi[u]) & 0x7FFF]   # the mask: indices are < 32768, never wrap
+    _accumulate_block(tables, r, PT, kv, j0, L, acc)
     for e in range(LANES):
         h = lanes[r, e]
         if h < 0:

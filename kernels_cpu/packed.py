@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import _as_f32, _as_i32, _c_rows, _min_max
+from ._common import _as_f32, _as_i32, _c_rows, _min_max, _prefetch
 from .pq import _nearest
 
 LANES = 4            # 16-bit lanes of a uint64
@@ -173,6 +173,26 @@ def _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift):
                       | ((np.uint64(np.int32(x3)) & m3) << np.uint64(48)))
 
 
+@njit(inline="always")
+def _accumulate_block(tables, r, PT, kv, j0, L, acc):
+    """acc[:L] = the packed lane sums of tokens j0 .. j0 + L over all groups, table row r, kv-head kv
+    (one group at a time, its table in L1)."""
+    g, cap = tables.shape[1], PT.shape[2]
+    acc[:L] = 0
+    nxt = (np.int64(kv) * g + 1) * cap + j0        # flat offset of group i + 1's indices of this block
+    for i in range(g):
+        # the groups' index rows are cap apart, 2 KB each per block: too short for the hardware
+        # prefetcher to ramp up on, so prefetch the next group's while scoring this one
+        if i + 1 < g:
+            for e in range(0, L, 64 // PT.itemsize):
+                _prefetch(PT, nxt + e)
+            nxt += cap
+        Ti = tables[r, i]
+        Pi = PT[kv, i, j0:j0 + L]
+        for u in range(L):
+            acc[u] += Ti[np.int32(Pi[u]) & 0x7FFF]   # the mask: indices are < 32768, never wrap
+
+
 @njit(cache=True, parallel=True)
 def _k_packed_scores(tables, lanes, scale, offset, PT, n, z):
     # tables [R, g, c] uint64, PT [Hkv, g, >=n] uint8/int16 (group-major), z [Hq, >=n] f32.
@@ -185,12 +205,8 @@ def _k_packed_scores(tables, lanes, scale, offset, PT, n, z):
         kv = r // npass
         j0 = b * _BLOCK
         L = min(n, j0 + _BLOCK) - j0
-        acc = np.zeros(_BLOCK, np.uint64)
-        for i in range(g):
-            Ti = tables[r, i]
-            Pi = PT[kv, i, j0:j0 + L]
-            for u in range(L):
-                acc[u] += Ti[np.int32(Pi[u]) & 0x7FFF]   # the mask: indices are < 32768, never wrap
+        acc = np.empty(_BLOCK, np.uint64)
+        _accumulate_block(tables, r, PT, kv, j0, L, acc)
         for e in range(LANES):
             h = lanes[r, e]
             if h < 0:

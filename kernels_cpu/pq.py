@@ -318,7 +318,8 @@ def encode_keys(K, codebooks, out=None, cnorm=None, codebooks_t=None):
     lanes.  cnorm: optional precomputed ||c||^2 [Hkv, g, c] f32 (callers that encode
     with the same codebooks every step pass it to skip recomputing it). codebooks_t: optional
     transpose_codebooks(codebooks); with it, up to 8 tokens (a decode step's one token leaving
-    the ring) are encoded with the centroids as the vector lanes (same result, ~5x faster).  (As with any float32 expansion, near-ties whose squared distances
+    the ring) are encoded with the centroids as the vector lanes (same result; the tile path runs
+    scalar for so few tokens).  (As with any float32 expansion, near-ties whose squared distances
     differ by less than ~1e-6 x (||x||^2 + ||c||^2) may be resolved
     differently from exact arithmetic.)
     """

@@ -161,7 +161,7 @@ class HCACache(KVCache):
     def _decode_views(self, layer: int) -> tuple:
         """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
         PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap]. Made again only when a buffer
-        was reallocated (grown): building them each step cost more Python time than dense's call."""
+        was reallocated (grown), not five times per layer and step."""
         bufs = (self.indices, self.values, self.z, self.sel, self.lev)
         key = tuple(b.data.data_ptr() for b in bufs)
         hit = self._views.get(layer)
