@@ -10,6 +10,8 @@ function in :mod:`kernels_cpu.numba_kernels`:
   :mod:`kernels_cpu.packed`); ``group_major(P)`` the index layout they read
 * ``packed_select(packed, PT, n, tau) -> (idx, counts, m, l_sel, z_sel)``: the same scores kept as
   integer levels and the threshold selection made on them (:mod:`kernels_cpu.level_select`)
+* ``level_value_sum(packed, PT, n, tau, V) -> (o, m, l, counts)``: those scores, that selection and
+  its value sum read from the levels, with no selection list (:mod:`kernels_cpu.level_sum`)
 * ``threshold_select(z, tau, out_idx=None) -> (idx, counts, m, l_sel)``
 * ``attend_exact(q, K, V, q_to_kv, n) -> (o, m, l)``
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
@@ -49,6 +51,7 @@ from .numba_kernels import (
     pack_lut,
     packed_scores,
     packed_select,
+    level_value_sum,
     level_hist,
     attn_out,
     dense_attend,

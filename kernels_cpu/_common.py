@@ -258,3 +258,21 @@ def set_num_threads(n: int) -> None:
     """Threads of the parallel kernels (capped at the pool Numba started with, its core count)."""
     import numba
     numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+
+
+@intrinsic
+def _ctz64(typingctx, x):
+    """Index of the lowest set bit of x != 0 (llvm.cttz, zero input poison: callers test x first)."""
+    if not isinstance(x, types.Integer):
+        return None
+    sig = types.uint64(x)
+
+    def codegen(context, builder, signature, args):
+        ir = cgutils.ir
+        i64 = ir.IntType(64)
+        v = context.cast(builder, args[0], signature.args[0], types.uint64)
+        fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.cttz.i64")
+        return builder.call(fn, [v, ir.IntType(1)(1)])
+
+    return sig, codegen

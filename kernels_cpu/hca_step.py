@@ -1,8 +1,9 @@
 """One HCA decode step of one layer's attention in a single call.
 
 The step is eight kernels (exact attention over sinks + ring, the new token's own score, lookup
-table, its integer packing (kernels_cpu.packed), the integer scores and the selection on them
-(kernels_cpu.level_select), weighted value sum, log-sum-exp merge). Called one by one from Python, their wrappers, checks and
+table, its integer packing (kernels_cpu.packed), the integer scores (kernels_cpu.level_select),
+each head's level cut and the value sum over the selection read from the levels
+(kernels_cpu.level_sum), log-sum-exp merge). Called one by one from Python, their wrappers, checks and
 small NumPy glue cost ~1 ms per layer on the 2-core VM, as much as the scoring itself; here they run
 back to back inside one compiled function.
 Reference: kernels_cpu.reference.hca_decode_attend_ref (the composition of the kernels' references).
@@ -13,8 +14,9 @@ import numpy as np
 from numba import njit
 
 from ._common import _NEG_INF, _as_f32, _as_pool, _ld
-from .attention import _ATT_CHUNK, _WVS_CHUNK, _k_attend_exact, _k_lse_merge, _k_weighted_value_sum
-from .level_select import _k_packed_levels, _k_select_levels, level_hist
+from .attention import _ATT_CHUNK, _k_attend_exact, _k_lse_merge
+from .level_select import _k_packed_levels, level_hist
+from .level_sum import _k_level_cuts, _k_level_value_sum
 from .packed import _k_lut_pack
 
 
@@ -25,7 +27,7 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
     os = np.zeros((3, Hq, d), np.float32)
     ms = np.full((3, Hq), _NEG_INF, np.float32)
     ls = np.zeros((3, Hq), np.float32)
-    if n_exact > 0:                                                   # 1. sinks + ring, exact
+    if n_exact > 0 and n_store == 0:                                  # 1. sinks + ring, exact
         _k_attend_exact(q, EK, EV, q_to_kv, n_exact, _ATT_CHUNK, os[0], ms[0], ls[0])
     for h in range(Hq):                                               # 2. the new token itself
         kv = q_to_kv[h]
@@ -41,11 +43,12 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
         _k_lut_pack(q, cbt, lanes, lut, tables, scale, offset, top, shift, enc_slot >= 0, EK[:, max(enc_slot, 0)],
                     cnorm, codes)
         _k_packed_levels(tables, lanes, top, shift, PT, n_store, lev, hist, nt)
-        msel = np.empty(Hq, np.float32)
-        lsel = np.empty(Hq, np.float32)
-        _k_select_levels(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, counts, msel, lsel)
-        if counts.max() > 0:   # z holds the selected tokens' scores, compacted
-            _k_weighted_value_sum(z, idx, counts, V, q_to_kv, _WVS_CHUNK, os[2], ms[2], ls[2], True)
+        lcut = np.empty(Hq, np.int64)
+        mref = np.empty(Hq, np.float32)
+        _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref)
+        # the value sum over the selection, and (1.) sinks + ring in the same parallel region
+        _k_level_value_sum(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, os[2], ms[2], ls[2], counts,
+                           q, EK, EV, n_exact, os[0], ms[0], ls[0])
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
     out[:] = 0.0
@@ -61,12 +64,12 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     (transpose_codebooks); PT [Hkv, g, >=n_store] uint8/int16 indices, group-major, C-contiguous;
     V [Hkv, >=n_store, d] the value pool. K/V arrays f32 or f16. Scratch (C-contiguous rows):
     packed (a PackedLUT of preallocated arrays, its lanes from lane_map), lut f32 [Hq, g, c],
-    z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store], counts int32 [Hq]; levels optional
-    (lev uint16 [Hq, >=n_store], level_hist(Hq)).
-    -> o [Hq, d] f32, exactly the lse_merge of attend_exact(EK, EV), the token itself, and
-    weighted_value_sum over packed_select(pack_lut(build_lut(q))) (kernels_cpu.level_select);
-    afterwards counts holds the selection size per head, idx / z rows the selected tokens and
-    their scores.
+    z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store] (scratch of the selection's exact fallback),
+    counts int32 [Hq]; levels optional (lev uint16 [Hq, >=n_store], level_hist(Hq)).
+    -> o [Hq, d] f32, the lse_merge of attend_exact(EK, EV), the token itself, and
+    weighted_value_sum over packed_select(pack_lut(build_lut(q))) (kernels_cpu.level_select; the
+    value sum is kernels_cpu.level_value_sum's, the same up to float rounding); afterwards counts
+    holds the selection size per head.
     encode: optional (slot, cnorm [Hkv, g, c] f32, codes [Hkv, 1, g] of the index dtype): also
     writes encode_keys(EK[:, slot:slot + 1]) into codes (the ring key that leaves next; the cache
     encodes it here because the codebooks were just read for the LUT). Needs n_store > 0.

@@ -29,7 +29,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import _NEG_INF, _c_rows, _exp32
+from ._common import _NEG_INF, _c_rows, _ctz64, _exp32
 from .packed import _BLOCK, LANES, PackedLUT, _accumulate_block, _check_indices
 from .select import _select_head
 
@@ -81,57 +81,80 @@ def _k_packed_levels(tables, lanes, top, shift, PT, n, lev, hist, nt):
 
 
 @njit(cache=True)
-def _select_levels_head(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
-    """One head: H int64 [NB] its bucket counts. Fills idx_row / z_row[:count]; -> (count, m, l_sel)."""
-    if n == 0:
-        return 0, _NEG_INF, 0.0
+def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
+    """One head's cut: the selection is every token with level >= the returned lcut (lcut > 65535:
+    none). lh uint16 [>=n] its levels, H int64 [NB] its bucket counts, s / o / tp / sh its scale,
+    offset, top and shift; idx_row / z_row [>=n]: scratch of the exact float fallback."""
+    if n == 0 or tau <= 0.0:
+        return np.int64(1 << 17)                         # above every level: nothing selected
+    if tau >= 1.0:
+        return np.int64(0)
     bt = 0
     while H[bt] == 0:
         bt += 1
     w = np.float64(s) * (1 << sh)
-    if tau >= 1.0:
-        lcut = np.int64(0)
-    elif tau <= 0.0:
-        lcut = np.int64(1 << 17)                         # above every level: nothing selected
-    elif H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:   # top is too loose: exact float selection
-        zf = np.empty(n, np.float32)
+    if H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:     # top is too loose: exact float selection
+        # threshold_select keeps every token whose score reaches its cut, and the scores grow with
+        # the level, so its set is every level >= the least selected one
         for j in range(n):
-            zf[j] = np.float32(lh[j]) * s + o
-        cnt, mh, lsel = _select_head(zf, n, tau, idx_row)
+            z_row[j] = np.float32(lh[j]) * s + o
+        cnt, _, _ = _select_head(z_row, n, tau, idx_row)
+        lmin = np.int64(1 << 17)
         for k in range(cnt):
-            z_row[k] = zf[idx_row[k]]
-        return cnt, mh, lsel
-    else:
-        r = np.exp(-w)
-        S = 0.0
-        e = 1.0
-        for b in range(bt, NB):
-            S += H[b] * e
-            e *= r
-        target = tau * S
-        cum = 0.0
-        e = 1.0
-        bstar = NB - 1
-        for b in range(bt, NB):
-            cum += H[b] * e
-            if cum >= target:
-                bstar = b
-                break
-            e *= r
-        lcut = np.int64(0) if bstar == NB - 1 else tp - ((np.int64(bstar) + 1) << sh) + 1
-    # collect without a branch: every token is written at the next free slot, which only a
-    # selected one keeps (a branch taken for ~5% of the tokens at random mispredicts often)
+            lmin = min(lmin, np.int64(lh[idx_row[k]]))
+        return lmin
+    bl = NB - 1                                          # the last non-empty bucket
+    while H[bl] == 0:
+        bl -= 1
+    r = np.exp(-w)
+    S = 0.0
+    e = 1.0
+    for b in range(bt, bl + 1):
+        S += H[b] * e
+        e *= r
+    target = tau * S
+    cum = 0.0
+    e = 1.0
+    bstar = bl
+    for b in range(bt, bl + 1):
+        cum += H[b] * e
+        if cum >= target:
+            bstar = b
+            break
+        e *= r
+    return np.int64(0) if bstar == NB - 1 else tp - ((np.int64(bstar) + 1) << sh) + 1
+
+
+@njit(inline="always")
+def _word_mask(lh, j0, L, lc):
+    """Bit u set where lh[j0 + u] >= lc, u < L <= 64 (a compare-and-or loop that vectorizes)."""
+    msk = np.uint64(0)
+    for u in range(L):
+        msk |= np.uint64(np.int64(lh[j0 + u]) >= lc) << np.uint64(u)
+    return msk
+
+
+@njit(cache=True)
+def _select_levels_head(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
+    """One head: H int64 [NB] its bucket counts. Fills idx_row / z_row[:count]; -> (count, m, l_sel)."""
+    if n == 0:
+        return 0, _NEG_INF, 0.0
+    lc = _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row)
+    # collect 64 tokens at a time: a bit mask of the selected ones, then only its set bits (~5%
+    # of the tokens at random: a branch per token mispredicts, a write per token costs as much)
     cnt = 0
-    lmax = np.int64(-1)
-    lc = np.int64(min(lcut, 1 << 16))
-    last = idx_row.shape[0] - 1
-    for j in range(n):
-        L = np.int64(lh[j])
-        lmax = max(lmax, L)
-        k = min(cnt, last)
-        idx_row[k] = j
-        z_row[k] = np.float32(L) * s + o
-        cnt += np.int64(L >= lc)
+    lmax = np.uint16(0)
+    for j0 in range(0, n, 64):
+        L = min(64, n - j0)
+        for u in range(L):
+            lmax = max(lmax, lh[j0 + u])
+        msk = _word_mask(lh, j0, L, lc)
+        while msk:
+            j = j0 + np.int64(_ctz64(msk))
+            idx_row[cnt] = j
+            z_row[cnt] = np.float32(lh[j]) * s + o
+            cnt += 1
+            msk &= msk - np.uint64(1)
     m = np.float32(lmax) * s + o
     lsel = 0.0
     for k in range(cnt):

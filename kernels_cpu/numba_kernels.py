@@ -9,6 +9,7 @@ from .bf16 import float_to_bf16_bits  # noqa: F401
 from .decode import attn_in, attn_out, dense_attend, norm_gemv  # noqa: F401
 from .hca_step import hca_decode_attend  # noqa: F401
 from .level_select import level_hist, packed_select  # noqa: F401
+from .level_sum import level_value_sum  # noqa: F401
 from .packed import PackedLUT, group_major, lane_map, pack_lut, packed_scores  # noqa: F401
 from .pq import approx_scores, build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
 from .select import threshold_select  # noqa: F401
@@ -36,6 +37,7 @@ __all__ = [
     "pack_lut",
     "packed_scores",
     "packed_select",
+    "level_value_sum",
     "level_hist",
     "group_major",
     "set_num_threads",

@@ -176,21 +176,32 @@ def _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift):
 @njit(inline="always")
 def _accumulate_block(tables, r, PT, kv, j0, L, acc):
     """acc[:L] = the packed lane sums of tokens j0 .. j0 + L over all groups, table row r, kv-head kv
-    (one group at a time, its table in L1)."""
+    (four groups at a time, their tables (4 x 8 KB at c = 1024) in L1: one read-modify-write of
+    acc per four lookups instead of per lookup)."""
     g, cap = tables.shape[1], PT.shape[2]
     acc[:L] = 0
-    nxt = (np.int64(kv) * g + 1) * cap + j0        # flat offset of group i + 1's indices of this block
-    for i in range(g):
+    base = np.int64(kv) * g * cap + j0             # flat offset of group 0's indices of this block
+    step = 64 // PT.itemsize
+    i = 0
+    while i < g:
         # the groups' index rows are cap apart, 2 KB each per block: too short for the hardware
-        # prefetcher to ramp up on, so prefetch the next group's while scoring this one
-        if i + 1 < g:
-            for e in range(0, L, 64 // PT.itemsize):
-                _prefetch(PT, nxt + e)
-            nxt += cap
-        Ti = tables[r, i]
-        Pi = PT[kv, i, j0:j0 + L]
-        for u in range(L):
-            acc[u] += Ti[np.int32(Pi[u]) & 0x7FFF]   # the mask: indices are < 32768, never wrap
+        # prefetcher to ramp up on, so prefetch the next groups' while scoring these
+        for nx in range(i + 4, min(i + 8, g)):
+            for e in range(0, L, step):
+                _prefetch(PT, base + nx * cap + e)
+        if i + 4 <= g:
+            T0, T1, T2, T3 = tables[r, i], tables[r, i + 1], tables[r, i + 2], tables[r, i + 3]
+            P0, P1 = PT[kv, i, j0:j0 + L], PT[kv, i + 1, j0:j0 + L]
+            P2, P3 = PT[kv, i + 2, j0:j0 + L], PT[kv, i + 3, j0:j0 + L]
+            for u in range(L):                     # the masks: indices are < 32768, never wrap
+                acc[u] += ((T0[np.int32(P0[u]) & 0x7FFF] + T1[np.int32(P1[u]) & 0x7FFF])
+                           + (T2[np.int32(P2[u]) & 0x7FFF] + T3[np.int32(P3[u]) & 0x7FFF]))
+            i += 4
+        else:
+            Ti, Pi = tables[r, i], PT[kv, i, j0:j0 + L]
+            for u in range(L):
+                acc[u] += Ti[np.int32(Pi[u]) & 0x7FFF]
+            i += 1
 
 
 @njit(cache=True, parallel=True)

@@ -1,0 +1,271 @@
+"""The store's part of an HCA decode step from the integer levels, without a list of the selection.
+
+After kernels_cpu.level_select's scoring pass (levels and bucket counts), each head's selection is
+a level cut: every token with level >= lcut[h] (`_level_cut`). Here the value sum reads the levels
+directly. One task takes a table row's query heads (the heads of one kv-head, up to 4) over a range
+of tokens: per 64 tokens, one bit mask per head and their union; each token of the union has its
+value row read once for all of those heads (the heads of a kv-head select overlapping sets: 1.6
+selections per distinct token on SmolLM2's real K/V at 16K), weighted by exp(z - m) with
+z = scale * level + offset, 0 for a head that did not select it.
+
+m[h] is the top non-empty level bucket's highest level as a score (the highest level itself when
+that is the catch-all bucket): >= every score, within one bucket (<= 1/32 logit) of the highest, so the partial sums of all tasks share it and add without
+a log-sum-exp merge. The result is (o, m, l) as weighted_value_sum returns them over
+packed_select's selection, with this m (the same softmax, another reference point).
+Reference: weighted_value_sum_ref over packed_select_ref (tests/test_level_sum.py).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ._common import _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
+from .attention import _dot
+from .level_select import NB, _k_packed_levels, _level_cut, level_hist
+from .packed import LANES, PackedLUT, _check_indices
+
+_RANGE = 1024       # tokens per task (a multiple of 64)
+_PF_DIST = 16       # value rows prefetched ahead
+
+
+@njit(cache=True, parallel=True)
+def _k_level_cuts(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zs, lcut, mref):
+    # Per head: sum the threads' bucket counts, the cut level and the reference score m.
+    # idx / zs [Hq, >=n]: scratch of _level_cut's exact fallback.
+    for h in prange(lev.shape[0]):
+        H = np.zeros(NB, np.int64)
+        for t in range(nt):
+            Ht = hist[t, h]
+            for b in range(NB):
+                H[b] += Ht[b]
+        lcut[h] = _level_cut(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H, idx[h], zs[h])
+        bt = 0
+        while bt < NB - 1 and H[bt] == 0:
+            bt += 1
+        if bt < NB - 1:
+            lhi = max(top[h] - (np.int64(bt) << shift[h]), 0)
+        else:                       # all in the catch-all bucket (any distance below top): scan
+            lhi = 0
+            for j in range(n):
+                lhi = max(lhi, np.int64(lev[h, j]))
+        mref[h] = np.float32(lhi) * scale[h] + offset[h]
+
+
+@njit(cache=True)
+def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, acc, lsum, cnt):
+    # Table row r's heads over tokens [j0, j1): adds into acc [LANES, d] f32, lsum [LANES] f64,
+    # cnt [LANES] int64 (lane order). Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects
+    # the token), ul int64 [>= j1 - j0] (the union's tokens).
+    d = V.shape[2]
+    kv = r // (lanes.shape[0] // V.shape[0])
+    h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
+    # an empty lane reads lane 0's head and never selects (cut above every level)
+    c0 = lcut[h0]
+    c1 = lcut[h1] if h1 >= 0 else np.int64(1 << 17)
+    c2 = lcut[h2] if h2 >= 0 else np.int64(1 << 17)
+    c3 = lcut[h3] if h3 >= 0 else np.int64(1 << 17)
+    h1, h2, h3 = max(h1, h0), max(h2, h0), max(h3, h0)
+    L0, L1, L2, L3 = lev[h0, j0:j1], lev[h1, j0:j1], lev[h2, j0:j1], lev[h3, j0:j1]
+    nj = j1 - j0
+    for u in range(nj):                          # the lanes' selections as bits (vectorizes)
+        fl[u] = (np.uint8(np.int64(L0[u]) >= c0) | (np.uint8(np.int64(L1[u]) >= c1) << np.uint8(1))
+                 | (np.uint8(np.int64(L2[u]) >= c2) << np.uint8(2))
+                 | (np.uint8(np.int64(L3[u]) >= c3) << np.uint8(3)))
+    for u in range(nj, (nj + 7) // 8 * 8):
+        fl[u] = 0
+    fl64 = fl.view(np.uint64)
+    nu = 0
+    for k in range((nj + 7) // 8):               # the union, 8 tokens per test
+        x = fl64[k]
+        while x:
+            b = _ctz64(x) >> np.uint64(3)
+            ul[nu] = j0 + 8 * k + np.int64(b)
+            nu += 1
+            x &= ~(np.uint64(0xFF) << (b * np.uint64(8)))
+    if nu == 0:
+        return
+    s0, s1, s2, s3 = scale[h0], scale[h1], scale[h2], scale[h3]
+    o0, o1, o2, o3 = offset[h0] - mref[h0], offset[h1] - mref[h1], offset[h2] - mref[h2], offset[h3] - mref[h3]
+    a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
+    Vkv = V[kv]
+    Vflat = V.reshape(V.size)
+    base = np.int64(kv) * V.shape[1] * d
+    pf_step = max(1, 64 // V.itemsize)
+    for t in range(min(nu, _PF_DIST)):
+        _prefetch(Vflat, base + ul[t] * d)
+    l0 = l1 = l2 = l3 = 0.0
+    n0 = n1 = n2 = n3 = 0
+    for t in range(nu):
+        if t + _PF_DIST < nu:
+            off = base + ul[t + _PF_DIST] * d
+            for e in range(0, d, pf_step):
+                _prefetch(Vflat, off + e)
+        j = ul[t]
+        f = fl[j - j0]
+        b0, b1, b2, b3 = f & 1, (f >> 1) & 1, (f >> 2) & 1, (f >> 3) & 1
+        n0 += b0
+        n1 += b1
+        n2 += b2
+        n3 += b3
+        u = j - j0
+        w0 = _exp32(np.float32(L0[u]) * s0 + o0) if b0 else np.float32(0.0)
+        w1 = _exp32(np.float32(L1[u]) * s1 + o1) if b1 else np.float32(0.0)
+        w2 = _exp32(np.float32(L2[u]) * s2 + o2) if b2 else np.float32(0.0)
+        w3 = _exp32(np.float32(L3[u]) * s3 + o3) if b3 else np.float32(0.0)
+        l0 += w0
+        l1 += w1
+        l2 += w2
+        l3 += w3
+        Vj = Vkv[j]
+        for k in range(d):
+            x = _ld(Vj[k])
+            a0[k] += w0 * x
+            a1[k] += w1 * x
+            a2[k] += w2 * x
+            a3[k] += w3 * x
+    lsum[0] += l0
+    lsum[1] += l1
+    lsum[2] += l2
+    lsum[3] += l3
+    cnt[0] += n0
+    cnt[1] += n1
+    cnt[2] += n2
+    cnt[3] += n3
+
+
+@njit(cache=True)
+def _exact_task(q, EK, EV, n_exact, lanes, r, eo, em, el):
+    # Table row r's heads over the exact tier EK / EV [Hkv, >=n_exact, d] (the decode step's sinks
+    # + ring): writes their (o, m, l) into eo [Hq, d], em, el [Hq]; each K / V row read once.
+    d = q.shape[1]
+    kv = r // (lanes.shape[0] // EK.shape[0])
+    buf = np.empty(d, np.float32)
+    s = np.empty(n_exact, np.float32)
+    acc = np.empty(d, np.float32)
+    for e in range(LANES):
+        h = lanes[r, e]
+        if h < 0:
+            continue
+        qh = q[h]
+        mx = _NEG_INF
+        for j in range(n_exact):
+            v = _dot(qh, EK[kv, j], buf)
+            s[j] = v
+            mx = max(mx, v)
+        acc[:] = 0.0
+        lsum = np.float32(0.0)
+        if mx > _NEG_INF and mx < np.inf:
+            for j in range(n_exact):
+                w = _exp32(s[j] - mx)
+                lsum += w
+                Vj = EV[kv, j]
+                for k in range(d):
+                    acc[k] += w * _ld(Vj[k])
+        if not lsum > 0.0:
+            eo[h] = 0.0
+            em[h] = _NEG_INF
+            el[h] = 0.0
+            continue
+        for k in range(d):
+            eo[h, k] = acc[k] / lsum
+        em[h] = mx
+        el[h] = lsum
+
+
+@njit(cache=True, parallel=True)
+def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l, counts,
+                       q, EK, EV, n_exact, eo, em, el):
+    # o [Hq, d] f32, m / l [Hq] f32, counts [Hq] int32 out. Tasks: with n_exact > 0, first one per
+    # table row over the exact tier (_exact_task, into eo / em / el: the fused decode step's sinks
+    # + ring in the same parallel region), then (table row, token range), row-interleaved; slot sl
+    # of nt does tasks sl, sl + nt, ... into its own sums.
+    Hq, d = o.shape
+    R = lanes.shape[0]
+    nr = (n + _RANGE - 1) // _RANGE
+    nx = R if n_exact > 0 else 0
+    po = np.zeros((nt, R, LANES, d), np.float64)
+    pl = np.zeros((nt, R, LANES), np.float64)
+    pc = np.zeros((nt, R, LANES), np.int64)
+    for sl in prange(nt):
+        ul = np.empty(_RANGE, np.int64)
+        fl = np.empty(_RANGE + 8, np.uint8)
+        acc = np.empty((LANES, d), np.float32)
+        lsum = np.empty(LANES, np.float64)
+        cnt = np.empty(LANES, np.int64)
+        for t in range(sl, nx + nr * R, nt):
+            if t < nx:
+                _exact_task(q, EK, EV, n_exact, lanes, t, eo, em, el)
+                continue
+            r, j0 = (t - nx) % R, ((t - nx) // R) * _RANGE
+            acc[:] = 0.0
+            lsum[:] = 0.0
+            cnt[:] = 0
+            _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, min(n, j0 + _RANGE), fl, ul, acc,
+                        lsum, cnt)
+            for e in range(LANES):
+                pl[sl, r, e] += lsum[e]
+                pc[sl, r, e] += cnt[e]
+                for k in range(d):
+                    po[sl, r, e, k] += acc[e, k]
+    for r in range(R):
+        for e in range(LANES):
+            h = lanes[r, e]
+            if h < 0:
+                continue
+            L = 0.0
+            c = 0
+            for sl in range(nt):
+                L += pl[sl, r, e]
+                c += pc[sl, r, e]
+            counts[h] = c
+            if c == 0 or not L > 0.0:
+                o[h] = 0.0
+                m[h] = _NEG_INF
+                l[h] = 0.0
+                continue
+            for k in range(d):
+                x = 0.0
+                for sl in range(nt):
+                    x += po[sl, r, e, k]
+                o[h, k] = np.float32(x / L)
+            m[h] = mref[h]
+            l[h] = np.float32(L)
+
+
+def level_value_sum(packed: PackedLUT, PT, n: int, tau: float, V, scratch=None):
+    """The store's attention for one decode token: scores from a PackedLUT, the level selection
+    and the softmax-weighted value sum over it, with no list of the selected tokens.
+
+    PT [Hkv, g, n_cap] uint8/int16 group-major indices (first n columns read), tau float,
+    V [Hkv, >=n, d] f32/f16 value pool (C-contiguous); scratch optional (lev uint16 [Hq, >=n],
+    level_hist(Hq)) -> (o [Hq, d] f32, m [Hq] f32, l [Hq] f32, counts int32 [Hq]): over each
+    head's selection (packed_select's), o = sum_j w_j V[kv, j] / l, l = sum_j w_j,
+    w_j = exp(z_j - m), m within 1/32 logit above the head's best score (module docstring);
+    a head with nothing selected: o = 0, m = -inf, l = 0.
+    """
+    PT, n = _check_indices(packed, PT, n)
+    V = _as_pool(V)
+    if V.ndim != 3 or V.shape[0] != PT.shape[0] or V.shape[1] < n or not V.flags.c_contiguous:
+        raise ValueError(f"V must be C-contiguous [Hkv={PT.shape[0]}, >={n}, d], got {V.shape}")
+    Hq, d = packed.scale.shape[0], V.shape[2]
+    lev, hist = scratch if scratch is not None else (np.empty((Hq, max(n, 1)), np.uint16), level_hist(Hq))
+    lev = _c_rows(lev)
+    o = np.zeros((Hq, d), np.float32)
+    m = np.full(Hq, -np.inf, np.float32)
+    l = np.zeros(Hq, np.float32)
+    counts = np.zeros(Hq, np.int32)
+    if n > 0:
+        nt = min(numba.get_num_threads(), hist.shape[0])
+        _k_packed_levels(packed.tables, packed.lanes, packed.top, packed.shift, PT, n, lev, hist, nt)
+        lcut = np.empty(Hq, np.int64)
+        mref = np.empty(Hq, np.float32)
+        fb_idx, fb_z = np.empty((Hq, n), np.int32), np.empty((Hq, n), np.float32)
+        _k_level_cuts(lev, n, float(tau), packed.scale, packed.offset, packed.top, packed.shift, hist, nt,
+                      fb_idx, fb_z, lcut, mref)
+        _k_level_value_sum(lev, n, lcut, packed.scale, packed.offset, mref, packed.lanes, V, nt, o, m, l, counts,
+                           _NO_Q, V, V, 0, o, m, l)
+    return o, m, l, counts
+
+
+_NO_Q = np.zeros((1, 1), np.float32)     # level_value_sum runs no exact-tier task (n_exact = 0)
