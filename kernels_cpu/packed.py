@@ -13,8 +13,8 @@ a register"):
 
 and the tables of up to 4 query heads that share a kv-head go into the four 16-bit lanes of one
 uint64, so one 64-bit load and one integer add score all of them; no lane carries into the next.
-The indices are read group-major (PT [Hkv, g, n]) and a block of tokens is scored one group at a
-time, so that group's table (c x 8 bytes, 8 KB at c = 1024) stays in the L1 cache.
+The indices are read group-major (PT [Hkv, g, n]) and a block of tokens is scored four groups at a
+time, so their tables (c x 8 bytes each, 8 KB at c = 1024) stay in the L1 cache.
 
 Accuracy: |z - z_float| <= g * s[h] / 2 plus float32 rounding of the final multiply-add; s[h] is
 the widest group's range / qmax (g = 16: 1/4095 of it). That is far below the error of the
