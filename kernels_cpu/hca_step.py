@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit
 
 from ._common import _NEG_INF, _as_f32, _as_pool, _ld
-from .attention import _ATT_CHUNK, _k_attend_exact, _k_lse_merge
+from .attention import _k_lse_merge
 from .level_select import _k_packed_levels, level_hist
 from .level_sum import _k_level_cuts, _k_level_value_sum
 from .packed import _k_lut_pack
@@ -27,8 +27,6 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
     os = np.zeros((3, Hq, d), np.float32)
     ms = np.full((3, Hq), _NEG_INF, np.float32)
     ls = np.zeros((3, Hq), np.float32)
-    if n_exact > 0 and n_store == 0:                                  # 1. sinks + ring, exact
-        _k_attend_exact(q, EK, EV, q_to_kv, n_exact, _ATT_CHUNK, os[0], ms[0], ls[0])
     for h in range(Hq):                                               # 2. the new token itself
         kv = q_to_kv[h]
         s = np.float32(0.0)
@@ -37,18 +35,19 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
             os[1, h, i] = _ld(v[kv, i])
         ms[1, h] = s
         ls[1, h] = 1.0
+    lcut = np.empty(Hq, np.int64)                                     # (not read when n_store = 0)
+    mref = np.empty(Hq, np.float32)
     if n_store > 0:                                                   # 3. the store, approximately
         # LUT and its packing; also encodes the ring key that leaves next (enc_slot >= 0) while
         # this layer's codebooks are in cache (EK[:, 0] is not read when enc_slot < 0)
         _k_lut_pack(q, cbt, lanes, lut, tables, scale, offset, top, shift, enc_slot >= 0, EK[:, max(enc_slot, 0)],
                     cnorm, codes)
         _k_packed_levels(tables, lanes, top, shift, PT, n_store, lev, hist, nt)
-        lcut = np.empty(Hq, np.int64)
-        mref = np.empty(Hq, np.float32)
         _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref)
-        # the value sum over the selection, and (1.) sinks + ring in the same parallel region
-        _k_level_value_sum(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, os[2], ms[2], ls[2], counts,
-                           q, EK, EV, n_exact, os[0], ms[0], ls[0])
+    # the value sum over the selection (none when n_store = 0), and 1. sinks + ring, exactly, as
+    # tasks of the same parallel region
+    _k_level_value_sum(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, os[2], ms[2], ls[2], counts,
+                       q, EK, EV, n_exact, os[0], ms[0], ls[0])
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
     out[:] = 0.0

@@ -80,6 +80,17 @@ def _k_packed_levels(tables, lanes, top, shift, PT, n, lev, hist, nt):
             _level_task(tables, lanes, top, shift, PT, n, lev, hist[sl], t, acc)
 
 
+@njit(inline="always")
+def _merged_counts(hist, h, nt):
+    """Head h's bucket counts summed over the nt slots of hist [threads, Hq, NB] -> int64 [NB]."""
+    H = np.zeros(NB, np.int64)
+    for t in range(nt):
+        Ht = hist[t, h]
+        for b in range(NB):
+            H[b] += Ht[b]
+    return H
+
+
 @njit(cache=True)
 def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
     """One head's cut: the selection is every token with level >= the returned lcut (lcut > 65535:
@@ -166,11 +177,7 @@ def _select_levels_head(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
 def _k_select_levels(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zsel, counts, m, l_sel):
     Hq = lev.shape[0]
     for h in prange(Hq):
-        H = np.zeros(NB, np.int64)
-        for t in range(nt):
-            Ht = hist[t, h]
-            for b in range(NB):
-                H[b] += Ht[b]
+        H = _merged_counts(hist, h, nt)
         cnt, mh, lh = _select_levels_head(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H,
                                           idx[h], zsel[h])
         counts[h] = cnt

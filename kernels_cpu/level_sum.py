@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from ._common import _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
 from .attention import _dot
-from .level_select import NB, _k_packed_levels, _level_cut, level_hist
+from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, level_hist
 from .packed import LANES, PackedLUT, _check_indices
 
 _RANGE = 1024       # tokens per task (a multiple of 64)
@@ -34,11 +34,7 @@ def _k_level_cuts(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zs, lcu
     # Per head: sum the threads' bucket counts, the cut level and the reference score m.
     # idx / zs [Hq, >=n]: scratch of _level_cut's exact fallback.
     for h in prange(lev.shape[0]):
-        H = np.zeros(NB, np.int64)
-        for t in range(nt):
-            Ht = hist[t, h]
-            for b in range(NB):
-                H[b] += Ht[b]
+        H = _merged_counts(hist, h, nt)
         lcut[h] = _level_cut(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H, idx[h], zs[h])
         bt = 0
         while bt < NB - 1 and H[bt] == 0:
