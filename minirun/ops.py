@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import kernels_cpu
 
+from . import hugepages
 from .config import ModelArgs
 from .errors import CheckpointError
 
@@ -98,13 +99,20 @@ def from_numpy_bits(a: np.ndarray) -> torch.Tensor:
 def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor, device: torch.device,
                          dtype: torch.dtype) -> bool:
     """Attach numpy views ("np") of the weights where the fused one-token kernels apply: CPU,
-    float32 or bfloat16, no biases. Returns whether they do."""
+    float32 or bfloat16, no biases. Returns whether they do. Those weights (each step streams all
+    of them) are moved to huge pages first (minirun.hugepages)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or args.attention_bias:
         return False
     inv = inv_freq.double().numpy()
     for lw in weights["layers"]:
-        lw["np"] = {k: as_numpy(lw[k].contiguous()) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
-    weights["np"] = {"norm": as_numpy(weights["norm"]), "lm_head": as_numpy(weights["lm_head"].contiguous())}
+        for k in _FUSED_WEIGHTS:
+            lw[k] = hugepages.clone(lw[k].contiguous())
+        lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
+    tied = weights["lm_head"] is weights["embed"]
+    weights["lm_head"] = hugepages.clone(weights["lm_head"].contiguous())
+    if tied:
+        weights["embed"] = weights["lm_head"]
+    weights["np"] = {"norm": as_numpy(weights["norm"]), "lm_head": as_numpy(weights["lm_head"])}
     return True
 
 

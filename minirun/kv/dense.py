@@ -9,19 +9,21 @@ import torch.nn.functional as F
 
 import kernels_cpu
 
+from .. import hugepages
 from ..ops import as_numpy, from_numpy_bits
 from .base import KVCache, causal_mask
 
 
 class DenseCache(KVCache):
-    """k, v [L, Hkv, capacity, hd] preallocated in the compute dtype on the compute device."""
+    """k, v [L, Hkv, capacity, hd] preallocated in the compute dtype on the compute device (on huge
+    pages on the CPU: minirun.hugepages)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__(n_layers, capacity)
         shape = (n_layers, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = hugepages.zeros(*shape, dtype=dtype, device=device)
+        self.v = hugepages.zeros(*shape, dtype=dtype, device=device)
         # one-token steps on the CPU go to kernels_cpu.dense_attend over numpy views of the cache
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self._k_np, self._v_np = as_numpy(self.k), as_numpy(self.v)

@@ -19,6 +19,7 @@ import torch
 
 import kernels_cpu as kc
 
+from .. import hugepages
 from .attention import merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
@@ -44,8 +45,8 @@ class HCACache(KVCache):
         self._lanes = kc.lane_map(self.q_to_kv, Hkv)               # query heads in the packed tables' lanes
         self._counts = np.zeros(self.Hq, np.int32)                 # selection sizes of the last step
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
-        self.ek = torch.zeros(L, Hkv, sinks + window, hd, dtype=self.exact_tier_dtype(dtype, device), device=device)
-        self.ev = torch.zeros_like(self.ek)
+        self.ek = hugepages.zeros(L, Hkv, sinks + window, hd, dtype=self.exact_tier_dtype(dtype, device), device=device)
+        self.ev = hugepages.zeros(*self.ek.shape, dtype=self.ek.dtype, device=device)
         self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
         # numpy views of the exact tier for the decode fast path (float32/float16 on the CPU only)
         self._numpy_exact_tier = device.type == "cpu" and self.ek.dtype in (torch.float32, torch.float16)

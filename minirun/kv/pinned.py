@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .. import hugepages
+
 _D2H = 2   # cudaMemcpyDeviceToHost
 
 
@@ -40,7 +42,8 @@ class PinnedPool:
             return
         if n > self.max_cap:
             raise ValueError(f"store overflow: {n} tokens > capacity {self.max_cap}")
-        self.data = torch.empty(*self.lead, self.max_cap, self.width, dtype=self.dtype)
+        # huge pages (minirun.hugepages): the CPU's value sums gather scattered rows from it
+        self.data = hugepages.empty(*self.lead, self.max_cap, self.width, dtype=self.dtype)
         self.cap = self.max_cap
         if self.device.type == "cuda" and self.data.numel():
             rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.nbytes, 1))   # portable

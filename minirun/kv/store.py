@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import hugepages
+
 MIN_GROW = 4096
 
 
@@ -10,7 +12,8 @@ class GrowingBuffer:
     """data [*lead, cap, width] (width 1 is squeezed for scratch rows), grown by doubling up to max_cap.
 
     lead: leading dims, e.g. (L, Hkv) for per-layer stores or (Hq,) for scratch. Memory is only
-    allocated when tokens arrive, and `nbytes` is what is allocated.
+    allocated when tokens arrive, and `nbytes` is what is allocated (on huge pages on the CPU:
+    minirun.hugepages).
     """
 
     def __init__(self, lead: tuple, width: int, dtype: torch.dtype, max_cap: int, device="cpu"):
@@ -30,7 +33,7 @@ class GrowingBuffer:
         self.data, self.cap = new, new_cap
 
     def _alloc(self, cap: int) -> torch.Tensor:
-        return torch.empty(*self.lead, cap, self.width, dtype=self.dtype, device=self.device)
+        return hugepages.empty(*self.lead, cap, self.width, dtype=self.dtype, device=self.device)
 
     def _copy_into(self, new: torch.Tensor) -> None:
         new[..., :self.cap, :] = self.data
@@ -67,7 +70,7 @@ class ColumnBuffer(GrowingBuffer):
     kernel reads one group of a block of tokens at unit stride (kernels_cpu.packed)."""
 
     def _alloc(self, cap: int) -> torch.Tensor:
-        return torch.empty(*self.lead, self.width, cap, dtype=self.dtype, device=self.device)
+        return hugepages.empty(*self.lead, self.width, cap, dtype=self.dtype, device=self.device)
 
     def _copy_into(self, new: torch.Tensor) -> None:
         new[..., :self.cap] = self.data

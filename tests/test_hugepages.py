@@ -1,0 +1,57 @@
+"""minirun.hugepages: the advised buffers hold what torch's would, and get 2 MiB pages where the
+kernel's transparent huge pages are on ("always" or "madvise")."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minirun import hugepages
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    """The selected THP mode ("always", "madvise", "never"), or None off Linux."""
+    if not _THP.exists():
+        return None
+    text = _THP.read_text()
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _anon_huge_kb(addr: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process that holds addr."""
+    cur = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            cur = lo <= addr < hi
+        elif cur and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_values_match_torch():
+    z = hugepages.zeros(3, 1 << 20, dtype=torch.float32)
+    assert z.shape == (3, 1 << 20) and z.dtype == torch.float32 and z.is_contiguous()
+    assert not z.any()
+    x = torch.randn(5, 7).t()                      # non-contiguous source
+    c = hugepages.clone(x)
+    assert c.is_contiguous() and torch.equal(c, x) and c.data_ptr() != x.data_ptr()
+    e = hugepages.empty(4, 5, dtype=torch.int16)
+    assert e.shape == (4, 5) and e.dtype == torch.int16
+
+
+def test_small_buffers_are_not_advised():
+    assert not hugepages.advise(torch.empty(1000))  # no whole 2 MiB page inside
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
+                    reason=f"transparent huge pages are {_thp_mode() or 'absent'} on this system")
+def test_large_buffer_gets_huge_pages():
+    t = hugepages.empty(16 << 20, dtype=torch.uint8)
+    assert hugepages.advise(t)
+    t.fill_(1)                                      # first touch: the faults take 2 MiB pages
+    assert _anon_huge_kb(t.data_ptr() + (8 << 20)) >= 2048
+    assert sys.platform.startswith("linux")
