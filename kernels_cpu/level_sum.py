@@ -48,11 +48,20 @@ def _k_level_cuts(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zs, lcu
         mref[h] = np.float32(lhi) * scale[h] + offset[h]
 
 
+@njit(inline="always")
+def _lane_weights(Le, nj, c, s, o, We):
+    """We[u] = exp(Le[u] * s + o) where Le[u] >= c, else 0, for u < nj (vectorizes: a branch per
+    token costs more than the exp)."""
+    for u in range(nj):
+        x = _exp32(np.float32(Le[u]) * s + o)
+        We[u] = x if np.int64(Le[u]) >= c else np.float32(0.0)
+
+
 @njit(cache=True)
-def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, acc, lsum, cnt):
+def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, acc, lsum, cnt):
     # Table row r's heads over tokens [j0, j1): adds into acc [LANES, d] f32, lsum [LANES] f64,
     # cnt [LANES] int64 (lane order). Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects
-    # the token), ul int64 [>= j1 - j0] (the union's tokens).
+    # the token), ul int64 [>= j1 - j0] (the union's tokens), W f32 [LANES, >= j1 - j0] (weights).
     d = V.shape[2]
     kv = r // (lanes.shape[0] // V.shape[0])
     h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
@@ -61,6 +70,7 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, acc
     c1 = lcut[h1] if h1 >= 0 else np.int64(1 << 17)
     c2 = lcut[h2] if h2 >= 0 else np.int64(1 << 17)
     c3 = lcut[h3] if h3 >= 0 else np.int64(1 << 17)
+    four = h3 >= 0
     h1, h2, h3 = max(h1, h0), max(h2, h0), max(h3, h0)
     L0, L1, L2, L3 = lev[h0, j0:j1], lev[h1, j0:j1], lev[h2, j0:j1], lev[h3, j0:j1]
     nj = j1 - j0
@@ -81,45 +91,67 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, acc
             x &= ~(np.uint64(0xFF) << (b * np.uint64(8)))
     if nu == 0:
         return
-    s0, s1, s2, s3 = scale[h0], scale[h1], scale[h2], scale[h3]
-    o0, o1, o2, o3 = offset[h0] - mref[h0], offset[h1] - mref[h1], offset[h2] - mref[h2], offset[h3] - mref[h3]
+    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
+    _lane_weights(L0, nj, c0, scale[h0], offset[h0] - mref[h0], W0)
+    _lane_weights(L1, nj, c1, scale[h1], offset[h1] - mref[h1], W1)
+    _lane_weights(L2, nj, c2, scale[h2], offset[h2] - mref[h2], W2)
+    if four:
+        _lane_weights(L3, nj, c3, scale[h3], offset[h3] - mref[h3], W3)
     a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
     Vkv = V[kv]
     Vflat = V.reshape(V.size)
     base = np.int64(kv) * V.shape[1] * d
     pf_step = max(1, 64 // V.itemsize)
     for t in range(min(nu, _PF_DIST)):
-        _prefetch(Vflat, base + ul[t] * d)
+        off = base + ul[t] * d
+        for e in range(0, d, pf_step):
+            _prefetch(Vflat, off + e)
     l0 = l1 = l2 = l3 = 0.0
     n0 = n1 = n2 = n3 = 0
-    for t in range(nu):
-        if t + _PF_DIST < nu:
-            off = base + ul[t + _PF_DIST] * d
+    for t in range(nu):                          # weights and counts
+        u = ul[t] - j0
+        f = fl[u]
+        n0 += f & 1
+        n1 += (f >> 1) & 1
+        n2 += (f >> 2) & 1
+        n3 += (f >> 3) & 1
+        l0 += W0[u]
+        l1 += W1[u]
+        l2 += W2[u]
+        if four:
+            l3 += W3[u]
+    # the rows, two per pass over the accumulators (half their loads and stores); each value row
+    # read once for all lanes
+    t = 0
+    while t < nu:
+        for tt in range(t + _PF_DIST, min(t + _PF_DIST + 2, nu)):
+            off = base + ul[tt] * d
             for e in range(0, d, pf_step):
                 _prefetch(Vflat, off + e)
-        j = ul[t]
-        f = fl[j - j0]
-        b0, b1, b2, b3 = f & 1, (f >> 1) & 1, (f >> 2) & 1, (f >> 3) & 1
-        n0 += b0
-        n1 += b1
-        n2 += b2
-        n3 += b3
-        u = j - j0
-        w0 = _exp32(np.float32(L0[u]) * s0 + o0) if b0 else np.float32(0.0)
-        w1 = _exp32(np.float32(L1[u]) * s1 + o1) if b1 else np.float32(0.0)
-        w2 = _exp32(np.float32(L2[u]) * s2 + o2) if b2 else np.float32(0.0)
-        w3 = _exp32(np.float32(L3[u]) * s3 + o3) if b3 else np.float32(0.0)
-        l0 += w0
-        l1 += w1
-        l2 += w2
-        l3 += w3
-        Vj = Vkv[j]
-        for k in range(d):
-            x = _ld(Vj[k])
-            a0[k] += w0 * x
-            a1[k] += w1 * x
-            a2[k] += w2 * x
-            a3[k] += w3 * x
+        ja = ul[t]
+        jb = ul[t + 1] if t + 1 < nu else ja
+        ua, ub = ja - j0, jb - j0
+        wb = np.float32(1.0) if t + 1 < nu else np.float32(0.0)   # an odd last row pairs with nothing
+        w0a, w1a, w2a, w3a = W0[ua], W1[ua], W2[ua], W3[ua] if four else np.float32(0.0)
+        w0b, w1b, w2b = W0[ub] * wb, W1[ub] * wb, W2[ub] * wb
+        Va, Vb = Vkv[ja], Vkv[jb]
+        if four:
+            w3b = W3[ub] * wb
+            for k in range(d):
+                xa = _ld(Va[k])
+                xb = _ld(Vb[k])
+                a0[k] += w0a * xa + w0b * xb
+                a1[k] += w1a * xa + w1b * xb
+                a2[k] += w2a * xa + w2b * xb
+                a3[k] += w3a * xa + w3b * xb
+        else:
+            for k in range(d):
+                xa = _ld(Va[k])
+                xb = _ld(Vb[k])
+                a0[k] += w0a * xa + w0b * xb
+                a1[k] += w1a * xa + w1b * xb
+                a2[k] += w2a * xa + w2b * xb
+        t += 2
     lsum[0] += l0
     lsum[1] += l1
     lsum[2] += l2
@@ -186,6 +218,7 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
     for sl in prange(nt):
         ul = np.empty(_RANGE, np.int64)
         fl = np.empty(_RANGE + 8, np.uint8)
+        W = np.empty((LANES, _RANGE), np.float32)
         acc = np.empty((LANES, d), np.float32)
         lsum = np.empty(LANES, np.float64)
         cnt = np.empty(LANES, np.int64)
@@ -197,8 +230,8 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
             acc[:] = 0.0
             lsum[:] = 0.0
             cnt[:] = 0
-            _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, min(n, j0 + _RANGE), fl, ul, acc,
-                        lsum, cnt)
+            _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, min(n, j0 + _RANGE), fl, ul, W,
+                        acc, lsum, cnt)
             for e in range(LANES):
                 pl[sl, r, e] += lsum[e]
                 pc[sl, r, e] += cnt[e]
