@@ -43,8 +43,9 @@ def level_hist(Hq: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def _level_task(tables, lanes, top, shift, PT, n, lev, hh_slot, t, acc):
-    # One (token block, table row) task of _k_packed_levels; hh_slot int32 [Hq, NB] its slot's counts.
+def _level_task(tables, lanes, top, shift, PT, n, lev, hh_slot, t, acc, bk):
+    # One (token block, table row) task of _k_packed_levels; hh_slot int32 [Hq, NB] its slot's counts,
+    # bk int32 [_BLOCK] scratch (the block's bucket numbers, made in a loop that vectorizes).
     R = tables.shape[0]
     b, r = t // R, t % R
     kv = r // (R // PT.shape[0])
@@ -60,10 +61,12 @@ def _level_task(tables, lanes, top, shift, PT, n, lev, hh_slot, t, acc):
         for u in range(L):
             lh[u] = np.uint16((acc[u] >> sh16) & np.uint64(0xFFFF))
         hh = hh_slot[h]
-        tp = top[h]
-        sh = shift[h]
+        tp = np.int32(top[h])                       # top <= 65535: 32-bit lanes suffice
+        sh = np.int32(shift[h])
         for u in range(L):
-            hh[min((tp - np.int64(lh[u])) >> sh, NB - 1)] += 1
+            bk[u] = min((tp - np.int32(lh[u])) >> sh, np.int32(NB - 1))
+        for u in range(L):
+            hh[bk[u]] += 1
 
 
 @njit(cache=True, parallel=True)
@@ -76,8 +79,9 @@ def _k_packed_levels(tables, lanes, top, shift, PT, n, lev, hist, nt):
     for sl in prange(nt):
         hist[sl] = 0
         acc = np.empty(_BLOCK, np.uint64)
+        bk = np.empty(_BLOCK, np.int32)
         for t in range(sl, ntask, nt):
-            _level_task(tables, lanes, top, shift, PT, n, lev, hist[sl], t, acc)
+            _level_task(tables, lanes, top, shift, PT, n, lev, hist[sl], t, acc, bk)
 
 
 @njit(inline="always")
