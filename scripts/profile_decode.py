@@ -1,7 +1,7 @@
 """Where one decode step's time goes, at a given context depth, for dense or HCA.
 
 Usage: python scripts/profile_decode.py MODEL --depth 16384 [--kv hca --kv-budget 0.125] [--steps 20]
-           [--fill text|random|tokens] [--profiler torch|cprofile|none] [--breakdown]
+           [--fill text|random|tokens] [--profiler torch|cprofile|none] [--breakdown] [--attention-time]
 The cache is filled through its own append path with the K/V of a dense prefill over natural text
 (computed once, cached in /tmp) or with random K/V, or by prefilling random token ids through the
 engine ("tokens", what `minirun bench` does); then decode steps are timed. Prints ms/step and the
@@ -11,6 +11,8 @@ them (LUT, its packing, scores + selection as a list (packed_select, the multi-t
 the value sum over that list, the decode path's scores + cut + value sum from the levels
 (level_value_sum), sinks + ring) and the fused call itself (with the ring-key encode the real step
 does), summed over the layers.
+--attention-time: the attention kernel's own time inside the timed steps (dense or HCA), so the
+two modes' attention can be compared apart from the rest of the step, which both share.
 PROFILE_ROWS=N prints N rows of the cProfile table.
 """
 import argparse
@@ -93,6 +95,9 @@ def main():
                     help="cache contents: K/V of real text (realistic selection sizes), random K/V, or "
                          "random token ids prefilled through the model (as minirun bench)")
     ap.add_argument("--breakdown", action="store_true", help="HCA: time each kernel of one real step")
+    ap.add_argument("--attention-time", action="store_true",
+                    help="time the cache's one-token attention kernel (hca_decode_attend or dense_attend) "
+                         "inside the timed steps: ms per call and per step; the rest of the step is the rest")
     ap.add_argument("--cold", action="store_true",
                     help="with --breakdown: evict the caches (write 64 MB) before each timed call, as the "
                          "layer's weight GEMVs do in a real step")
@@ -104,12 +109,17 @@ def main():
     print(f"filled {a.depth} tokens in {time.perf_counter() - t0:.1f}s; kv_stats={eng.kv_stats()}")
     for _ in range(3):
         eng.step(1)                                   # warm-up (JIT, allocator)
+    timer = AttentionTimer(a.kv) if a.attention_time else None
     t0 = time.perf_counter()
     for _ in range(a.steps):
         eng.step(1)
     dt = (time.perf_counter() - t0) / a.steps
     print(f"{a.kv} depth {a.depth} dtype {a.dtype} threads {torch.get_num_threads()}: "
           f"{dt * 1e3:.1f} ms/step = {1 / dt:.2f} tok/s")
+    if timer is not None:
+        timer.restore()
+        print(f"  attention kernel: {timer.total / timer.calls * 1e3:.3f} ms per call (layer), "
+              f"{timer.total / a.steps * 1e3:.1f} ms/step; rest of the step {(dt - timer.total / a.steps) * 1e3:.1f} ms")
     if a.profiler == "torch":
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(a.steps):
@@ -124,6 +134,30 @@ def main():
             eng.step(1)
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(int(os.environ.get("PROFILE_ROWS", 15)))
+
+
+class AttentionTimer:
+    """Wraps the one-token attention kernel the cache calls (kernels_cpu.hca_decode_attend for HCA,
+    kernels_cpu.dense_attend for dense) with a timer: total seconds and calls."""
+
+    def __init__(self, kv: str):
+        import kernels_cpu as kc
+        import minirun.kv.dense as dense
+        import minirun.kv.hca as hca
+        self.mod, self.name = (hca.kc, "hca_decode_attend") if kv == "hca" else (dense.kernels_cpu, "dense_attend")
+        self.real = getattr(kc, self.name)
+        self.total, self.calls = 0.0, 0
+
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            out = self.real(*args, **kw)
+            self.total += time.perf_counter() - t
+            self.calls += 1
+            return out
+        setattr(self.mod, self.name, timed)
+
+    def restore(self) -> None:
+        setattr(self.mod, self.name, self.real)
 
 
 def breakdown(eng: Engine, cold: bool = False) -> None:
