@@ -70,7 +70,6 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, 
     c1 = lcut[h1] if h1 >= 0 else np.int64(1 << 17)
     c2 = lcut[h2] if h2 >= 0 else np.int64(1 << 17)
     c3 = lcut[h3] if h3 >= 0 else np.int64(1 << 17)
-    four = h3 >= 0
     h1, h2, h3 = max(h1, h0), max(h2, h0), max(h3, h0)
     L0, L1, L2, L3 = lev[h0, j0:j1], lev[h1, j0:j1], lev[h2, j0:j1], lev[h3, j0:j1]
     nj = j1 - j0
@@ -95,8 +94,7 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, 
     _lane_weights(L0, nj, c0, scale[h0], offset[h0] - mref[h0], W0)
     _lane_weights(L1, nj, c1, scale[h1], offset[h1] - mref[h1], W1)
     _lane_weights(L2, nj, c2, scale[h2], offset[h2] - mref[h2], W2)
-    if four:
-        _lane_weights(L3, nj, c3, scale[h3], offset[h3] - mref[h3], W3)
+    _lane_weights(L3, nj, c3, scale[h3], offset[h3] - mref[h3], W3)   # (all 0 for an empty lane)
     a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
     Vkv = V[kv]
     Vflat = V.reshape(V.size)
@@ -118,8 +116,7 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, 
         l0 += W0[u]
         l1 += W1[u]
         l2 += W2[u]
-        if four:
-            l3 += W3[u]
+        l3 += W3[u]
     # the rows, two per pass over the accumulators (half their loads and stores); each value row
     # read once for all lanes
     t = 0
@@ -132,25 +129,16 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, 
         jb = ul[t + 1] if t + 1 < nu else ja
         ua, ub = ja - j0, jb - j0
         wb = np.float32(1.0) if t + 1 < nu else np.float32(0.0)   # an odd last row pairs with nothing
-        w0a, w1a, w2a, w3a = W0[ua], W1[ua], W2[ua], W3[ua] if four else np.float32(0.0)
-        w0b, w1b, w2b = W0[ub] * wb, W1[ub] * wb, W2[ub] * wb
+        w0a, w1a, w2a, w3a = W0[ua], W1[ua], W2[ua], W3[ua]
+        w0b, w1b, w2b, w3b = W0[ub] * wb, W1[ub] * wb, W2[ub] * wb, W3[ub] * wb
         Va, Vb = Vkv[ja], Vkv[jb]
-        if four:
-            w3b = W3[ub] * wb
-            for k in range(d):
-                xa = _ld(Va[k])
-                xb = _ld(Vb[k])
-                a0[k] += w0a * xa + w0b * xb
-                a1[k] += w1a * xa + w1b * xb
-                a2[k] += w2a * xa + w2b * xb
-                a3[k] += w3a * xa + w3b * xb
-        else:
-            for k in range(d):
-                xa = _ld(Va[k])
-                xb = _ld(Vb[k])
-                a0[k] += w0a * xa + w0b * xb
-                a1[k] += w1a * xa + w1b * xb
-                a2[k] += w2a * xa + w2b * xb
+        for k in range(d):
+            xa = _ld(Va[k])
+            xb = _ld(Vb[k])
+            a0[k] += w0a * xa + w0b * xb
+            a1[k] += w1a * xa + w1b * xb
+            a2[k] += w2a * xa + w2b * xb
+            a3[k] += w3a * xa + w3b * xb
         t += 2
     lsum[0] += l0
     lsum[1] += l1

@@ -106,10 +106,10 @@ def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor,
     inv = inv_freq.double().numpy()
     for lw in weights["layers"]:
         for k in _FUSED_WEIGHTS:
-            lw[k] = hugepages.clone(lw[k].contiguous())
+            lw[k] = hugepages.clone(lw[k])
         lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
     tied = weights["lm_head"] is weights["embed"]
-    weights["lm_head"] = hugepages.clone(weights["lm_head"].contiguous())
+    weights["lm_head"] = hugepages.clone(weights["lm_head"])
     if tied:
         weights["embed"] = weights["lm_head"]
     weights["np"] = {"norm": as_numpy(weights["norm"]), "lm_head": as_numpy(weights["lm_head"])}
