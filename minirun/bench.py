@@ -1,7 +1,12 @@
 """llama-bench-style measurements: `pp N` (prefill N tokens) and `tg N @ dD` (N decode steps after D).
 
-Every test runs on random token ids (seeded), greedy, end-of-sequence ignored, once per KV mode
-(dense, and HCA at each budget); one Engine per mode. Each test runs one warm-up repetition
+Every test runs greedy, end-of-sequence ignored, once per KV mode (dense, and HCA at each budget);
+one Engine per mode. The context's tokens (`context`): "random" ids (seeded, llama-bench's way),
+"text" (the stdlib's pydoc topics, the evaluation half: natural text every Python install has,
+not the half codebooks are calibrated on) or a text file's tokens, repeated when shorter than a
+test. What the context holds matters to HCA: on natural text a few percent of the tokens carry
+90% of a head's attention mass, on random ids attention is diffuse and the selection is several
+times larger (docs/BENCHMARKS.md), so the decode speed differs. Each test runs one warm-up repetition
 (Numba JIT, allocator, cache fill), then `reps` timed ones: mean +- sample std of tokens/s.
 
 - pp N: the cache is reset, N fresh tokens are prefilled; tokens/s is the engine's own prefill
@@ -19,7 +24,9 @@ JSON/CSV fields, one object/row per (mode, test):
   model (directory name), model_bytes (weights in this dtype), model_params, device, dtype,
   threads (torch CPU threads), ctx (cache size), kv ("dense" | "hca"), kv_budget (None for dense),
   codebooks ("calibrated" | "fitted" | "-"), test ("pp512", "tg32 @ d4096"), n_prompt, n_gen,
-  depth, reps, tps_mean, tps_std (sample std; 0 with one rep), samples (tokens/s of each rep; CSV:
+  depth, context ("random" | "text" | the file's name), reps, tps_mean, tps_std (sample std; 0
+  with one rep), selected (HCA tg: the share of the store tokens the selection kept, mean over
+  layers and heads in one untimed step after the timed ones; None otherwise), samples (tokens/s of each rep; CSV:
   space-separated), peak_host_bytes (VmHWM during the test), peak_host_scope ("test" when the peak
   was reset before the test, "process" when /proc/self/clear_refs refused and it is the process
   peak so far), peak_device_bytes (torch.cuda.max_memory_allocated during the test; 0 on CPU),
@@ -36,6 +43,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -44,7 +52,7 @@ from .errors import MiniRunError
 from .planner import format_bytes, param_count, weight_bytes
 
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
-          "codebooks", "test", "n_prompt", "n_gen", "depth", "reps", "tps_mean", "tps_std", "samples",
+          "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected", "samples",
           "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version"]
 CTX_ROUND = 256
 
@@ -65,9 +73,11 @@ class BenchResult:
     n_prompt: int
     n_gen: int
     depth: int
+    context: str
     reps: int
     tps_mean: float
     tps_std: float
+    selected: float | None = None
     samples: list = field(default_factory=list)
     peak_host_bytes: int = 0
     peak_host_scope: str = "test"
@@ -126,11 +136,40 @@ def _forget_fitted_codebooks(eng) -> None:
         eng.cache.codebooks = None
 
 
-def measure_pp(eng, n: int, seed: int) -> float:
+class Context:
+    """The tokens a test's prompt or context is made of: random ids, or a text's tokens.
+
+    source: "random", "text" (the built-in evaluation text) or a text file's path; a file that
+    cannot be read is a one-line MiniRunError here, before any engine is loaded."""
+
+    def __init__(self, source: str = "random"):
+        self.source = source
+        self.name = source if source in ("random", "text") else Path(source).name
+        self._text = None
+        if source != "random":
+            from .calibrate import read_text
+            self._text, _ = read_text(None if source == "text" else source, "evaluation", flag="--context")
+        self._ids: dict = {}
+
+    def ids(self, eng, n: int, seed: int) -> list[int]:
+        """n token ids for eng: random ids drawn with seed, or the text's first n tokens (the text
+        repeated as often as needed; seed unused)."""
+        if self._text is None:
+            return random_ids(n, eng.args.vocab_size, seed)
+        key = id(eng.tokenizer)
+        if key not in self._ids:
+            self._ids[key] = eng.tokenize(self._text)
+        toks = self._ids[key]
+        if not toks:
+            raise MiniRunError(f"--context {self.source} has no tokens")
+        return (toks * (n // len(toks) + 1))[:n]
+
+
+def measure_pp(eng, n: int, seed: int, context: Context | None = None) -> float:
     """Prefill n fresh tokens; tokens/s."""
     eng.reset()
     _forget_fitted_codebooks(eng)
-    ids = random_ids(n, eng.args.vocab_size, seed)
+    ids = (context or Context()).ids(eng, n, seed)
     _sync(eng)
     t0 = time.perf_counter()
     eng.prefill(ids)
@@ -141,12 +180,15 @@ def measure_pp(eng, n: int, seed: int) -> float:
     return eng.last_prefill["tps"]
 
 
-def measure_tg(eng, n: int, depth: int, seed: int) -> tuple[float, dict]:
+def measure_tg(eng, n: int, depth: int, seed: int, context: Context | None = None,
+               probe: bool = False) -> tuple[float, dict, float | None]:
     """Decode n tokens greedily after `depth` tokens of context (prefill not timed).
 
-    Returns (tokens/s, the cache's stats after the n steps). Afterwards the cache is rewound to the
-    context, so the next call's prefill reuses it (the engine reuses a cached prefix)."""
-    ctx_ids = random_ids(max(depth, 1), eng.args.vocab_size, seed)
+    Returns (tokens/s, the cache's stats after the n steps, the selected share of the store in one
+    more, untimed step when probe and the cache is HCA's, else None). Afterwards the cache is
+    rewound to the context, so the next call's prefill reuses it (the engine reuses a cached prefix)."""
+    from .evaluate import selection_probe
+    ctx_ids = (context or Context()).ids(eng, max(depth, 1), seed)
     logits, _ = eng.prefill(ctx_ids)
     tok = int(logits[-1].argmax())
     _sync(eng)
@@ -156,8 +198,14 @@ def measure_tg(eng, n: int, depth: int, seed: int) -> tuple[float, dict]:
     _sync(eng)
     dt = time.perf_counter() - t0
     stats = eng.kv_stats()
+    selected = None
+    if probe and hasattr(eng.cache, "record_selection"):
+        with selection_probe(eng) as sel:
+            eng.step(tok)
+        if "fraction" in sel:
+            selected = float(sel["fraction"].mean())
     eng.rewind(len(ctx_ids))          # drop the generated tokens (or everything, when it cannot)
-    return n / dt, stats
+    return n / dt, stats, selected
 
 
 def tokens_needed(pp: list[int], tg: int, depths: list[int]) -> int:
@@ -172,11 +220,12 @@ def bench_ctx(pp: list[int], tg: int, depths: list[int]) -> int:
 
 def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: int, depths: list[int],
               reps: int, dtype: str = "float32", device: str = "auto", ctx: int | None = None,
-              threads: int | None = None, log=print, **engine_kw) -> list[BenchResult]:
+              threads: int | None = None, log=print, context: str = "random", **engine_kw) -> list[BenchResult]:
     """modes: [("dense", None), ("hca", 0.125), ...]. Returns one BenchResult per (mode, test).
 
-    ctx: the cache size of every engine (default: bench_ctx of the tests). engine_kw: any other
-    EngineConfig field (tau, window, sinks, ...)."""
+    ctx: the cache size of every engine (default: bench_ctx of the tests); context: what the
+    prompts and contexts are made of (Context). engine_kw: any other EngineConfig field (tau,
+    window, sinks, ...)."""
     from .engine import Engine
     pp = [n for n in pp if n > 0]
     need = tokens_needed(pp, tg, depths)
@@ -188,6 +237,7 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
     tests = [("pp", n, 0) for n in pp] + ([("tg", tg, d) for d in depths] if tg > 0 else [])
     if not tests:
         raise MiniRunError("no tests: give -p and/or -n > 0")
+    source = Context(context)
     results = []
     scope_warned = False
     for kv, budget in modes:
@@ -195,7 +245,7 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
         if kv == "hca" and budget is not None:
             kw["kv_budget"] = budget
         eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, threads=threads, **kw)
-        source = codebook_source(eng)
+        codebooks = codebook_source(eng)
         label = kv if kv == "dense" else f"{kv} {budget}"
         for kind, n, depth in tests:
             name = f"pp{n}" if kind == "pp" else f"tg{n} @ d{depth}"
@@ -210,22 +260,23 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
                 scope_warned = True
             if eng.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(eng.device)
-            samples, stats = [], {}
+            samples, stats, selected = [], {}, None
             for r in range(reps + 1):          # repetition 0 warms up
                 if kind == "pp":
-                    tps = measure_pp(eng, n, seed=r)
+                    tps = measure_pp(eng, n, seed=r, context=source)
                     stats = eng.kv_stats()
                 else:
-                    tps, stats = measure_tg(eng, n, depth, seed=0)
+                    tps, stats, selected = measure_tg(eng, n, depth, seed=0, context=source, probe=r == reps)
                 if r:
                     samples.append(tps)
             results.append(BenchResult(
                 model=str(model).rstrip("/").split("/")[-1], model_bytes=weight_bytes(eng.args, dtype),
                 model_params=param_count(eng.args), device=str(eng.device), dtype=dtype,
                 threads=torch.get_num_threads(), ctx=eng.config.ctx, kv=kv,
-                kv_budget=budget if kv == "hca" else None, codebooks=source, test=name,
-                n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0, depth=depth, reps=reps,
-                tps_mean=statistics.mean(samples), tps_std=statistics.stdev(samples) if len(samples) > 1 else 0.0,
+                kv_budget=budget if kv == "hca" else None, codebooks=codebooks, test=name,
+                n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0, depth=depth,
+                context=source.name, reps=reps, tps_mean=statistics.mean(samples),
+                tps_std=statistics.stdev(samples) if len(samples) > 1 else 0.0, selected=selected,
                 samples=samples, peak_host_bytes=_peak_host(), peak_host_scope=scope,
                 peak_device_bytes=torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0,
                 kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
@@ -252,8 +303,8 @@ def kv_split(stats: dict) -> tuple[int, int]:
     return dev, host
 
 
-MD_HEAD = ["model", "size", "params", "device", "threads", "dtype", "kv", "budget", "codebooks", "test", "t/s",
-           "peak host", "peak device", "kv device", "kv host"]
+MD_HEAD = ["model", "size", "params", "device", "threads", "dtype", "kv", "budget", "codebooks", "context", "test",
+           "t/s", "selected", "peak host", "peak device", "kv device", "kv host"]
 
 
 def to_markdown(results: list[BenchResult]) -> str:
@@ -264,8 +315,8 @@ def to_markdown(results: list[BenchResult]) -> str:
         dev, host = kv_split(r.kv_stats)
         rows.append("| " + " | ".join([
             r.model, format_bytes(r.model_bytes), _params(r.model_params), r.device, str(r.threads), r.dtype,
-            r.kv, "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.test,
-            f"{r.tps_mean:.2f} ± {r.tps_std:.2f}",
+            r.kv, "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
+            f"{r.tps_mean:.2f} ± {r.tps_std:.2f}", "-" if r.selected is None else f"{100 * r.selected:.1f}%",
             _size(r.peak_host_bytes) + ("" if r.peak_host_scope == "test" else " (process)"),
             _size(r.peak_device_bytes), _size(dev), _size(host)]) + " |")
     return "\n".join(rows)
@@ -289,6 +340,7 @@ def to_csv(results: list[BenchResult]) -> str:
     for r in results:
         row = {k: v for k, v in asdict(r).items() if k != "kv_stats"}
         row["kv_budget"] = "" if r.kv_budget is None else r.kv_budget
+        row["selected"] = "" if r.selected is None else r.selected
         row["samples"] = " ".join(f"{x:.3f}" for x in r.samples)
         row.update({c: r.kv_stats.get(c[3:], "") for c in cols if c.startswith("kv_") and c != "kv_budget"})
         w.writerow(row)

@@ -51,18 +51,19 @@ def strip_gutenberg(text: str) -> str:
     return text.strip()
 
 
-def read_text(data: str | Path | None, part: str = "calibration") -> tuple[str, str]:
-    """(text, source): the file's text (Gutenberg boilerplate removed) or the built-in text."""
+def read_text(data: str | Path | None, part: str = "calibration", flag: str = "--data") -> tuple[str, str]:
+    """(text, source): the file's text (Gutenberg boilerplate removed) or the built-in text; flag
+    names the option in the one-line errors."""
     if data is None:
         return builtin_text(part)
     p = Path(data)
     try:
         text = p.read_text(encoding="utf-8-sig", errors="replace")
     except OSError as e:
-        raise MiniRunError(f"cannot read --data {p}: {e.strerror or e}") from None
+        raise MiniRunError(f"cannot read {flag} {p}: {e.strerror or e}") from None
     text = strip_gutenberg(text)
     if not text.strip():
-        raise MiniRunError(f"--data {p} is empty")
+        raise MiniRunError(f"{flag} {p} is empty")
     return text, f"{p.name} ({len(text)} chars)"
 
 

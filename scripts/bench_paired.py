@@ -2,11 +2,12 @@
 
 Usage:
   python scripts/bench_paired.py models/SmolLM2-135M-Instruct --depth 16384 -n 32 --rounds 7 \
-      --modes dense,hca:0.125,hca:0.25 [--dtype float32] [--text FILE]
+      --modes dense,hca:0.125,hca:0.25 [--dtype float32] [--context random|text|FILE]
 
 `minirun bench` runs one mode after the other; on a shared VM whose speed drifts by 10-25% within
 minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
-the same context once (random token ids as `minirun bench` uses, or the start of --text), then
+the same context once (minirun.bench.Context: random token ids, the built-in natural text, or a
+text file's tokens; HCA's selection, and so its speed, depends on it), then
 each round decodes n tokens in every mode back to back (greedy, EOS ignored, the cache rewound to
 the context after each round). Reports the median tok/s per mode and the median of the per-round
 ratios to the first mode, with min and max. Needs memory for all engines at once.
@@ -16,7 +17,8 @@ import statistics
 import time
 
 from minirun import Engine
-from minirun.bench import random_ids
+from minirun.bench import Context
+from minirun.evaluate import selection_probe
 
 
 def parse_modes(s: str) -> list[tuple[str, float | None]]:
@@ -35,18 +37,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--modes", default="dense,hca:0.125", help="dense, hca:BUDGET, comma-separated")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--text", default=None, help="context from this text file instead of random token ids")
+    ap.add_argument("--context", default="random", help="random (token ids), text (the stdlib's pydoc topics) or a "
+                                                        "text file")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
+    context = Context(a.context)
     engines = []
     for kind, budget in parse_modes(a.modes):
         kw = {"kv_budget": budget} if budget else {}
         eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.n + 8, kv=kind, threads=a.threads,
                           **kw)
-        if a.text:
-            ids = (eng.tokenize(open(a.text, encoding="utf-8").read()) * (a.depth // 1000 + 1))[:a.depth]
-        else:
-            ids = random_ids(a.depth, eng.args.vocab_size, seed=0)
+        ids = context.ids(eng, a.depth, seed=0)
         t0 = time.perf_counter()
         eng.prefill(ids)
         name = kind + (f" {budget}" if budget else "")
@@ -61,13 +62,25 @@ def main():
             if r:
                 tps[name].append(t)
         print(f"round {r}{' (warm-up)' if r == 0 else ''}: " + " | ".join(row), flush=True)
+    selected = {name: selected_share(eng, ids) for name, eng, ids in engines}
     base = engines[0][0]
     print(f"\ntg{a.n} @ d{a.depth}, {a.dtype}, {a.rounds} rounds; tok/s median (min, max); ratio to {base} per round:")
     for name in tps:
         xs = tps[name]
         ratios = [x / b for x, b in zip(xs, tps[base])]
+        sel = "" if selected[name] is None else f"   selected {100 * selected[name]:.1f}% of the store"
         print(f"  {name:10s} {statistics.median(xs):.2f} ({min(xs):.2f}, {max(xs):.2f})   "
-              f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}, {max(ratios):.2f})")
+              f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}, {max(ratios):.2f}){sel}")
+
+
+def selected_share(eng, ids: list[int]) -> float | None:
+    """HCA: the share of the store its selection keeps in the first step after the context (mean
+    over layers and heads); None for dense."""
+    logits, _ = eng.prefill(ids)
+    with selection_probe(eng) as sel:
+        eng.step(int(logits[-1].argmax()))
+    eng.rewind(len(ids))
+    return float(sel["fraction"].mean()) if "fraction" in sel else None
 
 
 def decode_round(eng, ids: list[int], n: int) -> float:

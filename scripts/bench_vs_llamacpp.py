@@ -59,7 +59,7 @@ def main():
     rows = {"minirun pp": [], "minirun tg": [], "llama.cpp pp": [], "llama.cpp tg": []}
     for r in range(a.rounds + 1):                 # round 0 warms both up (JIT, caches) and is dropped
         pp_m = measure_pp(eng, a.p, seed=0)
-        tg_m, _ = measure_tg(eng, a.n, a.p, seed=0)
+        tg_m, _, _ = measure_tg(eng, a.n, a.p, seed=0)
         pp_l, tg_l = llama_round(llm, ids, a.n)
         if r:
             for k, v in zip(rows, (pp_m, tg_m, pp_l, tg_l)):

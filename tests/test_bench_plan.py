@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minirun import Engine
-from minirun.bench import FIELDS, bench_ctx, tokens_needed
+from minirun.bench import FIELDS, MD_HEAD, Context, bench_ctx, tokens_needed
 from minirun.cli import main
 from minirun.cli_bench import SizeType
 from minirun.config import EngineConfig, ModelArgs
@@ -156,6 +156,11 @@ def test_bench_json_csv_markdown(tiny_model_dir, capsys):
         assert r["kv_stats"]["tokens"] == (16 if pp else max(r["depth"], 1) + 4)   # after the last rep
         assert r["kv_budget"] == (None if r["kv"] == "dense" else 0.125)
         assert r["codebooks"] == ("-" if r["kv"] == "dense" else "fitted")   # no codebook file here
+        assert r["context"] == "random"
+        if r["kv"] == "hca" and r["depth"] == 64:                   # a store to select from
+            assert 0 < r["selected"] <= 1
+        elif r["kv"] == "dense" or pp:
+            assert r["selected"] is None
     deep = rows[-1]["kv_stats"]
     assert deep["tokens_store"] == 68 - 4 - 16 and deep["codebook_bytes"] > 0
 
@@ -168,7 +173,35 @@ def test_bench_json_csv_markdown(tiny_model_dir, capsys):
     md = run(["bench", d, *BENCH], capsys).out.strip().splitlines()
     assert md[0].startswith("| model | size | params |") and "| t/s |" in md[0] and md[1].startswith("| ---")
     assert len(md) == 2 + 6 and all(line.count("|") == md[0].count("|") for line in md)
-    assert "tg4 @ d64" in md[-1] and "±" in md[-1] and "fitted" in md[-1]
+    assert "tg4 @ d64" in md[-1] and "±" in md[-1] and "fitted" in md[-1] and "| random |" in md[-1]
+    assert md[-1].split("|")[MD_HEAD.index("selected") + 1].strip().endswith("%")
+
+
+def test_bench_context_text_and_file(tiny_model_dir, tmp_path, capsys):
+    d = str(tiny_model_dir("gqa-untied"))
+    args = ["-p", "16", "-n", "2", "-d", "40", "--kv", "hca", "-r", "1", "--window", "16", "--sinks", "4", "-o", "json"]
+    rows = json.loads(run(["bench", d, *args, "--context", "text"], capsys).out)
+    assert [r["context"] for r in rows] == ["text", "text"] and 0 < rows[1]["selected"] <= 1
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document. " * 3)
+    rows = json.loads(run(["bench", d, *args, "--context", str(doc)], capsys).out)
+    assert [r["context"] for r in rows] == ["doc.txt", "doc.txt"]
+    with pytest.raises(SystemExit) as e:
+        main(["bench", d, *args, "--context", str(tmp_path / "missing.txt")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "cannot read --context" in err and "Traceback" not in err
+
+
+def test_context_ids(tiny_model_dir):
+    from minirun import Engine
+    eng = Engine.load(str(tiny_model_dir("gqa-untied")), ctx=256)
+    text = Context("text")
+    ids = eng.tokenize(text._text)
+    assert text.ids(eng, 50, seed=3) == ids[:50]                        # the text's first tokens
+    short = text.ids(eng, len(ids) + 7, seed=0)
+    assert short == ids + ids[:7]                                       # repeated to length
+    rnd = Context("random")
+    assert rnd.ids(eng, 40, seed=1) == rnd.ids(eng, 40, seed=1) != rnd.ids(eng, 40, seed=2)
 
 
 def test_bench_options(tiny_model_dir, capsys):
