@@ -49,6 +49,7 @@ import torch
 
 from . import __version__
 from .errors import MiniRunError
+from .evaluate import selection_probe
 from .planner import format_bytes, param_count, weight_bytes
 
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
@@ -187,7 +188,6 @@ def measure_tg(eng, n: int, depth: int, seed: int, context: Context | None = Non
     Returns (tokens/s, the cache's stats after the n steps, the selected share of the store in one
     more, untimed step when probe and the cache is HCA's, else None). Afterwards the cache is
     rewound to the context, so the next call's prefill reuses it (the engine reuses a cached prefix)."""
-    from .evaluate import selection_probe
     ctx_ids = (context or Context()).ids(eng, max(depth, 1), seed)
     logits, _ = eng.prefill(ctx_ids)
     tok = int(logits[-1].argmax())
