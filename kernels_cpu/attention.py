@@ -4,6 +4,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._common import _NEG_INF, _exp32, _ld, _as_pool, _as_f32, _prefetch, _rows_in, _as_i32
+from .packed import lane_map
 
 
 # ---------------------------------------------------------------------------
@@ -73,43 +74,75 @@ def _merge_partials(first, po, pm, pl, h, o, m, l):
 _ATT_CHUNK = 512
 
 
+@njit(cache=True)
+def _exact_chunk(q, K, V, lanes, r, kv, j0, j1, nch, c, s, buf, po, pm, pl):
+    """The query heads of table row r (lanes [R, 4], -1: empty) over keys j0..j1 of kv-head kv,
+    each K and V row read once for all of them: writes, for each head h of the row, item
+    it = h * nch + c of po [items, d] f32 (sum of exp(s - pm) v), pm [items] f32 (max score),
+    pl [items] f64 (sum of the weights, float32-accumulated); nothing finite: pm = -inf, pl = 0.
+    s [4, >= j1 - j0] f32, buf [d] f32: scratch. Per head the same operations in the same order
+    as one head at a time (scores by _dot, then weights, then the weighted rows in key order)."""
+    d = q.shape[1]
+    nl = lanes.shape[1]
+    for j in range(j0, j1):
+        Kj = K[kv, j]
+        for e in range(nl):
+            h = lanes[r, e]
+            if h >= 0:
+                s[e, j - j0] = _dot(q[h], Kj, buf)
+    live = 0                                     # bit e: lane e has a finite max
+    for e in range(nl):
+        h = lanes[r, e]
+        if h < 0:
+            continue
+        it = h * nch + c
+        mx = _NEG_INF
+        for j in range(j1 - j0):
+            if s[e, j] > mx:                     # (a NaN score never becomes the max)
+                mx = s[e, j]
+        pm[it] = mx
+        po[it] = 0.0
+        pl[it] = 0.0
+        if mx > _NEG_INF and mx < np.inf:
+            live |= 1 << e
+            lsum = np.float32(0.0)
+            for j in range(j1 - j0):
+                w = _exp32(s[e, j] - mx)
+                s[e, j] = w
+                lsum += w
+            pl[it] = lsum
+    if live == 0:
+        return
+    for j in range(j0, j1):
+        Vj = V[kv, j]
+        for e in range(nl):
+            if live & (1 << e):
+                w = s[e, j - j0]
+                acc = po[lanes[r, e] * nch + c]
+                for k in range(d):
+                    acc[k] += w * _ld(Vj[k])
+
+
 @njit(cache=True, parallel=True)
-def _k_attend_exact(q, K, V, q_to_kv, n, chunk, o, m, l):
+def _k_attend_exact(q, K, V, lanes, n, chunk, o, m, l):
+    # tasks: (table row, chunk of keys), each K / V row read once for the row's heads; then each
+    # head's chunks merged by log-sum-exp
     Hq, d = q.shape
+    R = lanes.shape[0]
+    npass = R // K.shape[0]
     nch = (n + chunk - 1) // chunk
-    total = Hq * nch
     first = np.empty(Hq + 1, dtype=np.int64)
     for h in range(Hq + 1):
         first[h] = h * nch
-    po = np.zeros((total, d), dtype=np.float32)
-    pm = np.full(total, _NEG_INF, dtype=np.float32)
-    pl = np.zeros(total, dtype=np.float64)
-    for it in prange(total):
-        h = it // nch
-        kv = q_to_kv[h]
-        j0 = (it % nch) * chunk
-        j1 = min(n, j0 + chunk)
-        qh = q[h]
-        s = np.empty(j1 - j0, dtype=np.float32)
+    po = np.zeros((Hq * nch, d), dtype=np.float32)
+    pm = np.full(Hq * nch, _NEG_INF, dtype=np.float32)
+    pl = np.zeros(Hq * nch, dtype=np.float64)
+    for it in prange(R * nch):
+        r, c = it // nch, it % nch
+        j0 = c * chunk
+        s = np.empty((lanes.shape[1], min(n, j0 + chunk) - j0), dtype=np.float32)
         buf = np.empty(d, dtype=np.float32)
-        mx = _NEG_INF
-        for j in range(j0, j1):
-            v = _dot(qh, K[kv, j], buf)
-            s[j - j0] = v
-            if v > mx:
-                mx = v
-        pm[it] = mx
-        if mx == _NEG_INF or not (mx < np.inf):
-            continue
-        acc = po[it]
-        lsum = np.float32(0.0)
-        for j in range(j0, j1):
-            w = _exp32(s[j - j0] - mx)
-            lsum += w
-            Vj = V[kv, j]
-            for k in range(d):
-                acc[k] += w * _ld(Vj[k])
-        pl[it] = lsum
+        _exact_chunk(q, K, V, lanes, r, r // npass, j0, min(n, j0 + chunk), nch, c, s, buf, po, pm, pl)
     for h in prange(Hq):
         _merge_partials(first, po, pm, pl, h, o, m, l)
 
@@ -120,9 +153,10 @@ def attend_exact(q, K, V, q_to_kv, n):
     q [Hq, d] f32 (pre-scaled), K, V [Hkv, n_cap, d] f32 or f16 (each may be
     either), q_to_kv int32 [Hq], n int -> (o [Hq, d] f32 normalized
     (sum softmax * v), m [Hq] f32 max score, l [Hq] f32 sum exp(s - m)).
-    n == 0 -> o = 0, m = -inf, l = 0.  Work split into (head, 512-token chunk)
-    items run in parallel, float32 inside a chunk (scores by a pairwise dot),
-    chunks merged exactly by log-sum-exp in float64.
+    n == 0 -> o = 0, m = -inf, l = 0.  Work split into (kv-head, 512-token chunk)
+    items run in parallel, each K / V row read once for the kv-head's query heads,
+    float32 inside a chunk (scores by a pairwise dot), chunks merged exactly by
+    log-sum-exp in float64.
     """
     q = _as_f32(q)
     q_to_kv = _as_i32(q_to_kv)
@@ -138,7 +172,7 @@ def attend_exact(q, K, V, q_to_kv, n):
     m = np.full(Hq, -np.inf, dtype=np.float32)
     l = np.zeros(Hq, dtype=np.float32)
     if n > 0 and Hq > 0:
-        _k_attend_exact(q, K, V, q_to_kv, n, _ATT_CHUNK, o, m, l)
+        _k_attend_exact(q, K, V, lane_map(q_to_kv, K.shape[0]), n, _ATT_CHUNK, o, m, l)
     return o, m, l
 
 

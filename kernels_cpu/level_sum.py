@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._common import _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
-from .attention import _dot
+from .attention import _exact_chunk
 from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, level_hist
 from .packed import LANES, PackedLUT, _check_indices
 
@@ -58,10 +58,11 @@ def _lane_weights(Le, nj, c, s, o, We):
 
 
 @njit(cache=True)
-def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, acc, lsum, cnt):
+def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, W, acc, lsum, cnt):
     # Table row r's heads over tokens [j0, j1): adds into acc [LANES, d] f32, lsum [LANES] f64,
     # cnt [LANES] int64 (lane order). Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects
-    # the token), ul int64 [>= j1 - j0] (the union's tokens), W f32 [LANES, >= j1 - j0] (weights).
+    # the token), ul int64 [>= j1 - j0] (the union's tokens), G uint16 [LANES, >= j1 - j0] (their
+    # levels), W f32 [LANES, >= j1 - j0] (their weights).
     d = V.shape[2]
     kv = r // (lanes.shape[0] // V.shape[0])
     h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
@@ -90,11 +91,17 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, 
             x &= ~(np.uint64(0xFF) << (b * np.uint64(8)))
     if nu == 0:
         return
+    # the union's levels, compacted, then their weights in loops that vectorize (on natural text
+    # the union is ~10% of the tokens: an exp per token of the range would cost ~10x more)
+    G0, G1, G2, G3 = G[0], G[1], G[2], G[3]
+    for t in range(nu):
+        u = ul[t] - j0
+        G0[t], G1[t], G2[t], G3[t] = L0[u], L1[u], L2[u], L3[u]
     W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
-    _lane_weights(L0, nj, c0, scale[h0], offset[h0] - mref[h0], W0)
-    _lane_weights(L1, nj, c1, scale[h1], offset[h1] - mref[h1], W1)
-    _lane_weights(L2, nj, c2, scale[h2], offset[h2] - mref[h2], W2)
-    _lane_weights(L3, nj, c3, scale[h3], offset[h3] - mref[h3], W3)   # (all 0 for an empty lane)
+    _lane_weights(G0, nu, c0, scale[h0], offset[h0] - mref[h0], W0)
+    _lane_weights(G1, nu, c1, scale[h1], offset[h1] - mref[h1], W1)
+    _lane_weights(G2, nu, c2, scale[h2], offset[h2] - mref[h2], W2)
+    _lane_weights(G3, nu, c3, scale[h3], offset[h3] - mref[h3], W3)   # (all 0 for an empty lane)
     a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
     Vkv = V[kv]
     Vflat = V.reshape(V.size)
@@ -107,16 +114,15 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, 
     l0 = l1 = l2 = l3 = 0.0
     n0 = n1 = n2 = n3 = 0
     for t in range(nu):                          # weights and counts
-        u = ul[t] - j0
-        f = fl[u]
+        f = fl[ul[t] - j0]
         n0 += f & 1
         n1 += (f >> 1) & 1
         n2 += (f >> 2) & 1
         n3 += (f >> 3) & 1
-        l0 += W0[u]
-        l1 += W1[u]
-        l2 += W2[u]
-        l3 += W3[u]
+        l0 += W0[t]
+        l1 += W1[t]
+        l2 += W2[t]
+        l3 += W3[t]
     # the rows, two per pass over the accumulators (half their loads and stores); each value row
     # read once for all lanes
     t = 0
@@ -126,11 +132,11 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, 
             for e in range(0, d, pf_step):
                 _prefetch(Vflat, off + e)
         ja = ul[t]
-        jb = ul[t + 1] if t + 1 < nu else ja
-        ua, ub = ja - j0, jb - j0
+        tb = t + 1 if t + 1 < nu else t
+        jb = ul[tb]
         wb = np.float32(1.0) if t + 1 < nu else np.float32(0.0)   # an odd last row pairs with nothing
-        w0a, w1a, w2a, w3a = W0[ua], W1[ua], W2[ua], W3[ua]
-        w0b, w1b, w2b, w3b = W0[ub] * wb, W1[ub] * wb, W2[ub] * wb, W3[ub] * wb
+        w0a, w1a, w2a, w3a = W0[t], W1[t], W2[t], W3[t]
+        w0b, w1b, w2b, w3b = W0[tb] * wb, W1[tb] * wb, W2[tb] * wb, W3[tb] * wb
         Va, Vb = Vkv[ja], Vkv[jb]
         for k in range(d):
             xa = _ld(Va[k])
@@ -150,81 +156,56 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, W, 
     cnt[3] += n3
 
 
-@njit(cache=True)
-def _exact_task(q, EK, EV, n_exact, lanes, r, eo, em, el):
-    # Table row r's heads over the exact tier EK / EV [Hkv, >=n_exact, d] (the decode step's sinks
-    # + ring): writes their (o, m, l) into eo [Hq, d], em, el [Hq]; each K / V row read once.
-    d = q.shape[1]
-    kv = r // (lanes.shape[0] // EK.shape[0])
-    buf = np.empty(d, np.float32)
-    s = np.empty(n_exact, np.float32)
-    acc = np.empty(d, np.float32)
-    for e in range(LANES):
-        h = lanes[r, e]
-        if h < 0:
-            continue
-        qh = q[h]
-        mx = _NEG_INF
-        for j in range(n_exact):
-            v = _dot(qh, EK[kv, j], buf)
-            s[j] = v
-            mx = max(mx, v)
-        acc[:] = 0.0
-        lsum = np.float32(0.0)
-        if mx > _NEG_INF and mx < np.inf:
-            for j in range(n_exact):
-                w = _exp32(s[j] - mx)
-                lsum += w
-                Vj = EV[kv, j]
-                for k in range(d):
-                    acc[k] += w * _ld(Vj[k])
-        if not lsum > 0.0:
-            eo[h] = 0.0
-            em[h] = _NEG_INF
-            el[h] = 0.0
-            continue
-        for k in range(d):
-            eo[h, k] = acc[k] / lsum
-        em[h] = mx
-        el[h] = lsum
-
-
 @njit(cache=True, parallel=True)
 def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l, counts,
                        q, EK, EV, n_exact, eo, em, el):
     # o [Hq, d] f32, m / l [Hq] f32, counts [Hq] int32 out. Tasks: with n_exact > 0, first one per
-    # table row over the exact tier (_exact_task, into eo / em / el: the fused decode step's sinks
-    # + ring in the same parallel region), then (table row, token range), row-interleaved; slot sl
-    # of nt does tasks sl, sl + nt, ... into its own sums.
+    # table row over the exact tier EK / EV [Hkv, >=n_exact, d] (attention._exact_chunk, into eo /
+    # em / el: the fused decode step's sinks + ring in the same parallel region), then (table row,
+    # token range), row-interleaved; slot sl of nt does tasks sl, sl + nt, ... into its own sums.
     Hq, d = o.shape
     R = lanes.shape[0]
     nr = (n + _RANGE - 1) // _RANGE
     nx = R if n_exact > 0 else 0
+    xo = np.empty((Hq, d), np.float32)             # the exact tier's partials (one chunk per head)
+    xm = np.empty(Hq, np.float32)
+    xl = np.zeros(Hq, np.float64)
     po = np.zeros((nt, R, LANES, d), np.float64)
     pl = np.zeros((nt, R, LANES), np.float64)
     pc = np.zeros((nt, R, LANES), np.int64)
     for sl in prange(nt):
         ul = np.empty(_RANGE, np.int64)
         fl = np.empty(_RANGE + 8, np.uint8)
-        W = np.empty((LANES, _RANGE), np.float32)
+        G = np.empty((LANES, _RANGE), np.uint16)
+        W = np.empty((LANES, max(_RANGE, n_exact)), np.float32)   # (also the exact tier's scores)
         acc = np.empty((LANES, d), np.float32)
         lsum = np.empty(LANES, np.float64)
         cnt = np.empty(LANES, np.int64)
         for t in range(sl, nx + nr * R, nt):
             if t < nx:
-                _exact_task(q, EK, EV, n_exact, lanes, t, eo, em, el)
+                _exact_chunk(q, EK, EV, lanes, t, t // (R // EK.shape[0]), 0, n_exact, 1, 0, W, acc[0], xo, xm, xl)
                 continue
             r, j0 = (t - nx) % R, ((t - nx) // R) * _RANGE
             acc[:] = 0.0
             lsum[:] = 0.0
             cnt[:] = 0
-            _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, min(n, j0 + _RANGE), fl, ul, W,
+            _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, min(n, j0 + _RANGE), fl, ul, G, W,
                         acc, lsum, cnt)
             for e in range(LANES):
                 pl[sl, r, e] += lsum[e]
                 pc[sl, r, e] += cnt[e]
                 for k in range(d):
                     po[sl, r, e, k] += acc[e, k]
+    for h in range(Hq if nx > 0 else 0):           # the exact tier's (o, m, l), normalized
+        if not xl[h] > 0.0:
+            eo[h] = 0.0
+            em[h] = _NEG_INF
+            el[h] = 0.0
+            continue
+        for k in range(d):
+            eo[h, k] = xo[h, k] / np.float32(xl[h])
+        em[h] = xm[h]
+        el[h] = np.float32(xl[h])
     for r in range(R):
         for e in range(LANES):
             h = lanes[r, e]

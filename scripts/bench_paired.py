@@ -7,10 +7,10 @@ Usage:
 `minirun bench` runs one mode after the other; on a shared VM whose speed drifts by 10-25% within
 minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
 the same context once (minirun.bench.Context: random token ids, the built-in natural text, or a
-text file's tokens; HCA's selection, and so its speed, depends on it), then
-each round decodes n tokens in every mode back to back (greedy, EOS ignored, the cache rewound to
-the context after each round). Reports the median tok/s per mode and the median of the per-round
-ratios to the first mode, with min and max. Needs memory for all engines at once.
+text file's tokens; HCA's selection, and so its speed, depends on it), then each round decodes n
+tokens in every mode back to back, in reversed order every other round (greedy, EOS ignored, the
+cache rewound to the context after each round). Reports the median tok/s per mode and the median
+of the per-round ratios to the first mode, with min and max. Needs memory for all engines at once.
 """
 import argparse
 import statistics
@@ -56,7 +56,7 @@ def main():
     tps = {name: [] for name, _, _ in engines}
     for r in range(a.rounds + 1):                 # round 0 warms up and is dropped
         row = []
-        for name, eng, ids in engines:
+        for name, eng, ids in (engines if r % 2 == 0 else engines[::-1]):   # ABBA: no mode always first
             t = decode_round(eng, ids, a.n)
             row.append(f"{name} {t:.2f}")
             if r:
