@@ -95,6 +95,15 @@ def _merged_counts(hist, h, nt):
     return H
 
 
+@njit(inline="always")
+def _top_bucket(H):
+    """The first non-empty bucket of H int64 [NB] (NB - 1, the catch-all, when only it is)."""
+    bt = 0
+    while bt < NB - 1 and H[bt] == 0:
+        bt += 1
+    return bt
+
+
 @njit(cache=True)
 def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
     """One head's cut: the selection is every token with level >= the returned lcut (lcut > 65535:
@@ -104,9 +113,7 @@ def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
         return np.int64(1 << 17)                         # above every level: nothing selected
     if tau >= 1.0:
         return np.int64(0)
-    bt = 0
-    while H[bt] == 0:
-        bt += 1
+    bt = _top_bucket(H)
     w = np.float64(s) * (1 << sh)
     if H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:     # top is too loose: exact float selection
         # threshold_select keeps every token whose score reaches its cut, and the scores grow with

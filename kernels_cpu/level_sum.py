@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from ._common import _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
 from .attention import _exact_chunk
-from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, level_hist
+from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, _top_bucket, level_hist
 from .packed import LANES, PackedLUT, _check_indices
 
 _RANGE = 1024       # tokens per task (a multiple of 64)
@@ -36,9 +36,7 @@ def _k_level_cuts(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zs, lcu
     for h in prange(lev.shape[0]):
         H = _merged_counts(hist, h, nt)
         lcut[h] = _level_cut(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H, idx[h], zs[h])
-        bt = 0
-        while bt < NB - 1 and H[bt] == 0:
-            bt += 1
+        bt = _top_bucket(H)
         if bt < NB - 1:
             lhi = max(top[h] - (np.int64(bt) << shift[h]), 0)
         else:                       # all in the catch-all bucket (any distance below top): scan
