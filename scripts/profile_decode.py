@@ -116,7 +116,10 @@ def main():
     dt = (time.perf_counter() - t0) / a.steps
     print(f"{a.kv} depth {a.depth} dtype {a.dtype} threads {torch.get_num_threads()}: "
           f"{dt * 1e3:.1f} ms/step = {1 / dt:.2f} tok/s")
-    if timer is not None:
+    if timer is not None and timer.calls == 0:
+        timer.restore()
+        print(f"  attention kernel: {timer.name} was not called (this cache's one-token step takes another path)")
+    elif timer is not None:
         timer.restore()
         print(f"  attention kernel: {timer.total / timer.calls * 1e3:.3f} ms per call (layer), "
               f"{timer.total / a.steps * 1e3:.1f} ms/step; rest of the step {(dt - timer.total / a.steps) * 1e3:.1f} ms")
