@@ -79,7 +79,8 @@ def _exact_chunk(q, K, V, lanes, r, kv, j0, j1, nch, c, s, buf, po, pm, pl):
     """The query heads of table row r (lanes [R, 4], -1: empty) over keys j0..j1 of kv-head kv,
     each K and V row read once for all of them: writes, for each head h of the row, item
     it = h * nch + c of po [items, d] f32 (sum of exp(s - pm) v), pm [items] f32 (max score),
-    pl [items] f64 (sum of the weights, float32-accumulated); nothing finite: pm = -inf, pl = 0.
+    pl [items] f64 (sum of the weights, float32-accumulated); a max of -inf, +inf or NaN: pm = that
+    max, po = 0, pl = 0 (the merge skips items with pl = 0).
     s [4, >= j1 - j0] f32, buf [d] f32: scratch. Per head the same operations in the same order
     as one head at a time (scores by _dot, then weights, then the weighted rows in key order)."""
     d = q.shape[1]
@@ -153,10 +154,10 @@ def attend_exact(q, K, V, q_to_kv, n):
     q [Hq, d] f32 (pre-scaled), K, V [Hkv, n_cap, d] f32 or f16 (each may be
     either), q_to_kv int32 [Hq], n int -> (o [Hq, d] f32 normalized
     (sum softmax * v), m [Hq] f32 max score, l [Hq] f32 sum exp(s - m)).
-    n == 0 -> o = 0, m = -inf, l = 0.  Work split into (kv-head, 512-token chunk)
-    items run in parallel, each K / V row read once for the kv-head's query heads,
-    float32 inside a chunk (scores by a pairwise dot), chunks merged exactly by
-    log-sum-exp in float64.
+    n == 0 -> o = 0, m = -inf, l = 0.  Work split into (lane_map row: up to 4
+    query heads of one kv-head, 512-token chunk) items run in parallel, each K / V
+    row read once per item for its heads, float32 inside a chunk (scores by a
+    pairwise dot), chunks merged exactly by log-sum-exp in float64.
     """
     q = _as_f32(q)
     q_to_kv = _as_i32(q_to_kv)

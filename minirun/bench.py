@@ -3,8 +3,8 @@
 Every test runs greedy, end-of-sequence ignored, once per KV mode (dense, and HCA at each budget);
 one Engine per mode. The context's tokens (`context`): "random" ids (seeded, llama-bench's way),
 "text" (the stdlib's pydoc topics, the evaluation half: natural text every Python install has,
-not the half codebooks are calibrated on) or a text file's tokens, repeated when shorter than a
-test. What the context holds matters to HCA: on natural text a few percent of the tokens carry
+not the half codebooks are calibrated on) or a text file's tokens (a file named text: ./text),
+repeated when shorter than a test. What the context holds matters to HCA: on natural text a few percent of the tokens carry
 90% of a head's attention mass, on random ids attention is diffuse and the selection is several
 times larger (docs/BENCHMARKS.md), so the decode speed differs. Each test runs one warm-up repetition
 (Numba JIT, allocator, cache fill), then `reps` timed ones: mean +- sample std of tokens/s.
@@ -25,8 +25,8 @@ JSON/CSV fields, one object/row per (mode, test):
   threads (torch CPU threads), ctx (cache size), kv ("dense" | "hca"), kv_budget (None for dense),
   codebooks ("calibrated" | "fitted" | "-"), test ("pp512", "tg32 @ d4096"), n_prompt, n_gen,
   depth, context ("random" | "text" | the file's name), reps, tps_mean, tps_std (sample std; 0
-  with one rep), selected (HCA tg: the share of the store tokens the selection kept, mean over
-  layers and heads in one untimed step after the timed ones; None otherwise), samples (tokens/s of each rep; CSV:
+  with one rep), selected (HCA tg: the share of the store tokens the selection keeps in the first
+  step after the context, mean over layers and heads, from an untimed step; None otherwise), samples (tokens/s of each rep; CSV:
   space-separated), peak_host_bytes (VmHWM during the test), peak_host_scope ("test" when the peak
   was reset before the test, "process" when /proc/self/clear_refs refused and it is the process
   peak so far), peak_device_bytes (torch.cuda.max_memory_allocated during the test; 0 on CPU),
@@ -150,20 +150,33 @@ class Context:
         if source != "random":
             from .calibrate import read_text
             self._text, _ = read_text(None if source == "text" else source, "evaluation", flag="--context")
-        self._ids: dict = {}
+        self._tokenized = None          # (the tokenizer, its ids of the text without BOS)
 
     def ids(self, eng, n: int, seed: int) -> list[int]:
         """n token ids for eng: random ids drawn with seed, or the text's first n tokens (the text
-        repeated as often as needed; seed unused)."""
+        repeated as often as needed, BOS, where the model wants one, only at the start; seed unused)."""
         if self._text is None:
             return random_ids(n, eng.args.vocab_size, seed)
-        key = id(eng.tokenizer)
-        if key not in self._ids:
-            self._ids[key] = eng.tokenize(self._text)
-        toks = self._ids[key]
+        if self._tokenized is None or self._tokenized[0] is not eng.tokenizer:
+            self._tokenized = (eng.tokenizer, eng.tokenize(self._text, add_bos=False))
+        toks = self._tokenized[1]
         if not toks:
             raise MiniRunError(f"--context {self.source} has no tokens")
-        return (toks * (n // len(toks) + 1))[:n]
+        bos = eng.tokenize("")                                 # [BOS] or []
+        return (bos + toks * (n // len(toks) + 1))[:n]
+
+
+def selected_share(eng, ids: list[int]) -> float | None:
+    """HCA: the share of the store its selection keeps in the first step after the context `ids`
+    (mean over layers and heads); None when the cache records no selection (dense). The cache is
+    left holding `ids`."""
+    if not hasattr(eng.cache, "record_selection"):
+        return None
+    logits, _ = eng.prefill(ids)                               # (a cached prefix: nothing to do)
+    with selection_probe(eng) as sel:
+        eng.step(int(logits[-1].argmax()))
+    eng.rewind(len(ids))
+    return float(sel["fraction"].mean()) if "fraction" in sel else None
 
 
 def measure_pp(eng, n: int, seed: int, context: Context | None = None) -> float:
@@ -185,9 +198,9 @@ def measure_tg(eng, n: int, depth: int, seed: int, context: Context | None = Non
                probe: bool = False) -> tuple[float, dict, float | None]:
     """Decode n tokens greedily after `depth` tokens of context (prefill not timed).
 
-    Returns (tokens/s, the cache's stats after the n steps, the selected share of the store in one
-    more, untimed step when probe and the cache is HCA's, else None). Afterwards the cache is
-    rewound to the context, so the next call's prefill reuses it (the engine reuses a cached prefix)."""
+    Returns (tokens/s, the cache's stats after the n steps, with probe the selected_share after the
+    context (an untimed step), else None). Afterwards the cache is rewound to the context, so the
+    next call's prefill reuses it (the engine reuses a cached prefix)."""
     ctx_ids = (context or Context()).ids(eng, max(depth, 1), seed)
     logits, _ = eng.prefill(ctx_ids)
     tok = int(logits[-1].argmax())
@@ -198,14 +211,8 @@ def measure_tg(eng, n: int, depth: int, seed: int, context: Context | None = Non
     _sync(eng)
     dt = time.perf_counter() - t0
     stats = eng.kv_stats()
-    selected = None
-    if probe and hasattr(eng.cache, "record_selection"):
-        with selection_probe(eng) as sel:
-            eng.step(tok)
-        if "fraction" in sel:
-            selected = float(sel["fraction"].mean())
     eng.rewind(len(ctx_ids))          # drop the generated tokens (or everything, when it cannot)
-    return n / dt, stats, selected
+    return n / dt, stats, selected_share(eng, ctx_ids) if probe else None
 
 
 def tokens_needed(pp: list[int], tg: int, depths: list[int]) -> int:

@@ -113,7 +113,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
-                   "stdlib's pydoc topics: natural text, offline) or a text file")
+                   "stdlib's pydoc topics: natural text, offline) or a text file (./text for one named text)")
 @click.option("-o", "--output", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")

@@ -17,8 +17,8 @@ import statistics
 import time
 
 from minirun import Engine
-from minirun.bench import Context
-from minirun.evaluate import selection_probe
+from minirun.bench import Context, selected_share
+from minirun.errors import MiniRunError
 
 
 def parse_modes(s: str) -> list[tuple[str, float | None]]:
@@ -41,7 +41,10 @@ def main():
                                                         "text file")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
-    context = Context(a.context)
+    try:
+        context = Context(a.context)
+    except MiniRunError as e:
+        raise SystemExit(f"error: {e}") from None
     engines = []
     for kind, budget in parse_modes(a.modes):
         kw = {"kv_budget": budget} if budget else {}
@@ -71,16 +74,6 @@ def main():
         sel = "" if selected[name] is None else f"   selected {100 * selected[name]:.1f}% of the store"
         print(f"  {name:10s} {statistics.median(xs):.2f} ({min(xs):.2f}, {max(xs):.2f})   "
               f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}, {max(ratios):.2f}){sel}")
-
-
-def selected_share(eng, ids: list[int]) -> float | None:
-    """HCA: the share of the store its selection keeps in the first step after the context (mean
-    over layers and heads); None for dense."""
-    logits, _ = eng.prefill(ids)
-    with selection_probe(eng) as sel:
-        eng.step(int(logits[-1].argmax()))
-    eng.rewind(len(ids))
-    return float(sel["fraction"].mean()) if "fraction" in sel else None
 
 
 def decode_round(eng, ids: list[int], n: int) -> float:

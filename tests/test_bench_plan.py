@@ -192,14 +192,24 @@ def test_bench_context_text_and_file(tiny_model_dir, tmp_path, capsys):
     assert e.value.code == 1 and "cannot read --context" in err and "Traceback" not in err
 
 
+def test_bench_selected_probe_fits_an_exact_ctx(tiny_model_dir, capsys):
+    # the selection probe's untimed step must fit a cache of exactly depth + n tokens
+    d = str(tiny_model_dir("gqa-untied"))
+    rows = json.loads(run(["bench", d, "-p", "0", "-n", "4", "-d", "60", "--kv", "hca", "-r", "1", "--ctx", "64",
+                           "--window", "16", "--sinks", "4", "-o", "json"], capsys).out)
+    assert rows[0]["ctx"] == 64 and 0 < rows[0]["selected"] <= 1
+
+
 def test_context_ids(tiny_model_dir):
     from minirun import Engine
     eng = Engine.load(str(tiny_model_dir("gqa-untied")), ctx=256)
     text = Context("text")
     ids = eng.tokenize(text._text)
     assert text.ids(eng, 50, seed=3) == ids[:50]                        # the text's first tokens
-    short = text.ids(eng, len(ids) + 7, seed=0)
-    assert short == ids + ids[:7]                                       # repeated to length
+    toks, bos = eng.tokenize(text._text, add_bos=False), eng.tokenize("")
+    long = text.ids(eng, len(ids) + 7, seed=0)
+    assert long == (bos + toks + toks)[:len(ids) + 7]                   # repeated to length, one BOS
+    assert ids == bos + toks and long[len(ids):] == toks[:7]
     rnd = Context("random")
     assert rnd.ids(eng, 40, seed=1) == rnd.ids(eng, 40, seed=1) != rnd.ids(eng, 40, seed=2)
 

@@ -57,3 +57,31 @@ def test_hca_decode_attend(pool_dtype, n_exact, n_store, tau, g, c):
         np.testing.assert_array_equal(counts, cnt)
     step = kc.lse_merge(*[np.stack(x) for x in zip(*parts)])[0]
     np.testing.assert_allclose(o, step, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hq,hkv,d,n_exact,n_store", [(8, 1, 48, 1500, 2100), (2, 2, 48, 40, 900),
+                                                      (5, 1, 64, 600, 1300)])
+def test_hca_decode_attend_other_shapes(hq, hkv, d, n_exact, n_store):
+    # more than 4 query heads per kv-head (two lane rows, one partly empty), one head per kv-head
+    # (three empty lanes), and a sinks + ring longer than a value-sum range (its scores share the
+    # range task's scratch)
+    rng = np.random.default_rng([hq, hkv, d, n_exact])
+    g, c = d // 4, 256
+    q2k = (np.arange(hq) // (hq // hkv)).astype(np.int32)
+    q = (rng.standard_normal((hq, d)) / np.sqrt(d) * 3).astype(np.float32)
+    k, v = rng.standard_normal((2, hkv, d)).astype(np.float32)
+    EK, EV = rng.standard_normal((2, hkv, n_exact, d)).astype(np.float32)
+    C = rng.standard_normal((hkv, g, c, d // g)).astype(np.float32)
+    P = rng.integers(0, c, size=(hkv, n_store, g)).astype(np.uint8)
+    V = rng.standard_normal((hkv, n_store, d)).astype(np.float32)
+    lanes = kc.lane_map(q2k, hkv)
+    packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(hq, np.float32),
+                          np.empty(hq, np.float32))
+    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), kc.group_major(P), n_store, V,
+                             0.9, q2k, packed, np.empty((hq, g, c), np.float32), np.empty((hq, n_store), np.float32),
+                             np.empty((hq, n_store), np.int32))
+    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, 0.9, q2k)
+    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
+    got, ref = kc.attend_exact(q, EK, EV, q2k, n_exact), kc.attend_exact_ref(q, EK, EV, q2k, n_exact)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
