@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._common import _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
-from .attention import _exact_chunk
+from .attention import _exact_chunk, _merge_partials
 from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, _top_bucket, level_hist
 from .packed import LANES, PackedLUT, _check_indices
 
@@ -194,16 +194,10 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
                 pc[sl, r, e] += cnt[e]
                 for k in range(d):
                     po[sl, r, e, k] += acc[e, k]
-    for h in range(Hq if nx > 0 else 0):           # the exact tier's (o, m, l), normalized
-        if not xl[h] > 0.0:
-            eo[h] = 0.0
-            em[h] = _NEG_INF
-            el[h] = 0.0
-            continue
-        for k in range(d):
-            eo[h, k] = xo[h, k] / np.float32(xl[h])
-        em[h] = xm[h]
-        el[h] = np.float32(xl[h])
+    if nx > 0:                                     # the exact tier's (o, m, l): one chunk per head
+        first = np.arange(Hq + 1)
+        for h in range(Hq):
+            _merge_partials(first, xo, xm, xl, h, eo, em, el)
     for r in range(R):
         for e in range(LANES):
             h = lanes[r, e]

@@ -4,10 +4,11 @@ Every test runs greedy, end-of-sequence ignored, once per KV mode (dense, and HC
 one Engine per mode. The context's tokens (`context`): "random" ids (seeded, llama-bench's way),
 "text" (the stdlib's pydoc topics, the evaluation half: natural text every Python install has,
 not the half codebooks are calibrated on) or a text file's tokens (a file named text: ./text),
-repeated when shorter than a test. What the context holds matters to HCA: on natural text a few percent of the tokens carry
-90% of a head's attention mass, on random ids attention is diffuse and the selection is several
-times larger (docs/BENCHMARKS.md), so the decode speed differs. Each test runs one warm-up repetition
-(Numba JIT, allocator, cache fill), then `reps` timed ones: mean +- sample std of tokens/s.
+repeated when shorter than a test. What the context holds matters to HCA: on natural text a few
+percent of the tokens carry 90% of a head's attention mass, on random ids attention is diffuse and
+the selection is several times larger (docs/BENCHMARKS.md), so the decode speed differs. Each test
+runs one warm-up repetition (Numba JIT, allocator, cache fill), then `reps` timed ones: mean +-
+sample std of tokens/s.
 
 - pp N: the cache is reset, N fresh tokens are prefilled; tokens/s is the engine's own prefill
   timing (`Engine.last_prefill`; on CUDA, a wall-clock time between two stream syncs instead).
@@ -26,8 +27,8 @@ JSON/CSV fields, one object/row per (mode, test):
   codebooks ("calibrated" | "fitted" | "-"), test ("pp512", "tg32 @ d4096"), n_prompt, n_gen,
   depth, context ("random" | "text" | the file's name), reps, tps_mean, tps_std (sample std; 0
   with one rep), selected (HCA tg: the share of the store tokens the selection keeps in the first
-  step after the context, mean over layers and heads, from an untimed step; None otherwise), samples (tokens/s of each rep; CSV:
-  space-separated), peak_host_bytes (VmHWM during the test), peak_host_scope ("test" when the peak
+  step after the context, mean over layers and heads, from an untimed step; None otherwise),
+  samples (tokens/s of each rep; CSV: space-separated), peak_host_bytes (VmHWM during the test), peak_host_scope ("test" when the peak
   was reset before the test, "process" when /proc/self/clear_refs refused and it is the process
   peak so far), peak_device_bytes (torch.cuda.max_memory_allocated during the test; 0 on CPU),
   kv_stats (the cache's stats() at the end of the last rep: tokens and bytes per tier; CSV: one
@@ -53,8 +54,8 @@ from .evaluate import selection_probe
 from .planner import format_bytes, param_count, weight_bytes
 
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
-          "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected", "samples",
-          "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version"]
+          "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected",
+          "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version"]
 CTX_ROUND = 256
 
 
