@@ -19,6 +19,8 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * ``encode_keys(K, codebooks, out=None) -> P``
 * ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,
   the store through LUT, scores, selection and value sum, merged) in one call
+* ``hca_exact_decode_attend(...) -> o``: the same for a store of exact keys (the 50% preset:
+  :mod:`kernels_cpu.exact_step`)
 * ``attn_in``, ``attn_out``, ``norm_gemv``: a Llama layer's one-token step around its attention
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
@@ -45,6 +47,7 @@ from .numba_kernels import (
     float_to_bf16_bits,
     attn_in,
     hca_decode_attend,
+    hca_exact_decode_attend,
     PackedLUT,
     group_major,
     lane_map,
@@ -72,6 +75,8 @@ from .reference import (
     float_to_bf16_bits_ref,
     attn_in_ref,
     hca_decode_attend_ref,
+    hca_exact_decode_attend_ref,
+    exact_select_ref,
     attn_out_ref,
     dense_attend_ref,
     norm_gemv_ref,

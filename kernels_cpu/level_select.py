@@ -125,6 +125,15 @@ def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
         for k in range(cnt):
             lmin = min(lmin, np.int64(lh[idx_row[k]]))
         return lmin
+    bstar = _bucket_cut(H, bt, w, tau)
+    return np.int64(0) if bstar == NB - 1 else tp - ((np.int64(bstar) + 1) << sh) + 1
+
+
+@njit(inline="always")
+def _bucket_cut(H, bt, w, tau):
+    """The cut bucket b*: the first from the top bucket bt (buckets w logits wide, b counting down
+    from the highest scores) at which the cumulative mass, estimated as count_b * exp(-w (b - bt)),
+    reaches tau times the estimated total. H int64 [NB] the counts, some non-empty."""
     bl = NB - 1                                          # the last non-empty bucket
     while H[bl] == 0:
         bl -= 1
@@ -137,14 +146,12 @@ def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
     target = tau * S
     cum = 0.0
     e = 1.0
-    bstar = bl
     for b in range(bt, bl + 1):
         cum += H[b] * e
         if cum >= target:
-            bstar = b
-            break
+            return b
         e *= r
-    return np.int64(0) if bstar == NB - 1 else tp - ((np.int64(bstar) + 1) << sh) + 1
+    return bl
 
 
 @njit(inline="always")

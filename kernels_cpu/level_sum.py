@@ -52,7 +52,7 @@ def _lane_weights(Le, nj, c, s, o, We):
     token costs more than the exp)."""
     for u in range(nj):
         x = _exp32(np.float32(Le[u]) * s + o)
-        We[u] = x if np.int64(Le[u]) >= c else np.float32(0.0)
+        We[u] = x if Le[u] >= c else np.float32(0.0)
 
 
 @njit(cache=True)
@@ -73,9 +73,9 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
     L0, L1, L2, L3 = lev[h0, j0:j1], lev[h1, j0:j1], lev[h2, j0:j1], lev[h3, j0:j1]
     nj = j1 - j0
     for u in range(nj):                          # the lanes' selections as bits (vectorizes)
-        fl[u] = (np.uint8(np.int64(L0[u]) >= c0) | (np.uint8(np.int64(L1[u]) >= c1) << np.uint8(1))
-                 | (np.uint8(np.int64(L2[u]) >= c2) << np.uint8(2))
-                 | (np.uint8(np.int64(L3[u]) >= c3) << np.uint8(3)))
+        fl[u] = (np.uint8(L0[u] >= c0) | (np.uint8(L1[u] >= c1) << np.uint8(1))
+                 | (np.uint8(L2[u] >= c2) << np.uint8(2))
+                 | (np.uint8(L3[u] >= c3) << np.uint8(3)))
     for u in range(nj, (nj + 7) // 8 * 8):
         fl[u] = 0
     fl64 = fl.view(np.uint64)
@@ -174,7 +174,7 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
     for sl in prange(nt):
         ul = np.empty(_RANGE, np.int64)
         fl = np.empty(_RANGE + 8, np.uint8)
-        G = np.empty((LANES, _RANGE), np.uint16)
+        G = np.empty((LANES, _RANGE), lev.dtype)
         W = np.empty((LANES, max(_RANGE, n_exact)), np.float32)   # (also the exact tier's scores)
         acc = np.empty((LANES, d), np.float32)
         lsum = np.empty(LANES, np.float64)

@@ -1,12 +1,14 @@
 """The Numba kernels (one module per family); each has a NumPy reference in kernels_cpu.reference.
 
-All kernels take NumPy arrays, use `cache=True` and `fastmath=False`; shapes and dtypes are in
-each function's docstring.
+All kernels take NumPy arrays and use `cache=True`; fastmath (reassoc, contract: vectorized dot
+products) only in kernels_cpu.decode and kernels_cpu.exact_step. Shapes and dtypes are in each
+function's docstring.
 """
 from ._common import HALF_CONVERSION, _k_half_array, half_to_float, set_num_threads  # noqa: F401
 from .attention import attend_exact, lse_merge, weighted_value_sum  # noqa: F401
 from .bf16 import float_to_bf16_bits  # noqa: F401
 from .decode import attn_in, attn_out, dense_attend, norm_gemv  # noqa: F401
+from .exact_step import hca_exact_decode_attend  # noqa: F401
 from .hca_step import hca_decode_attend  # noqa: F401
 from .level_select import level_hist, packed_select  # noqa: F401
 from .level_sum import level_value_sum  # noqa: F401
@@ -32,6 +34,7 @@ __all__ = [
     "norm_gemv",
     "dense_attend",
     "hca_decode_attend",
+    "hca_exact_decode_attend",
     "PackedLUT",
     "lane_map",
     "pack_lut",

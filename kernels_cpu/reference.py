@@ -25,6 +25,7 @@ __all__ = [
     "pack_lut_ref",
     "packed_scores_ref",
     "packed_select_ref",
+    "exact_select_ref",
     "threshold_select_ref",
     "attend_exact_ref",
     "weighted_value_sum_ref",
@@ -36,6 +37,7 @@ __all__ = [
     "norm_gemv_ref",
     "dense_attend_ref",
     "hca_decode_attend_ref",
+    "hca_exact_decode_attend_ref",
 ]
 
 
@@ -377,6 +379,58 @@ def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, ta
         T = build_lut_ref(q, codebooks, q_to_kv)
         idx, counts, _, _, _ = packed_select_ref(T, P, q_to_kv, n_store, tau)
         o2, m2, l2 = weighted_value_sum_ref(packed_scores_ref(T, P, q_to_kv, n_store), idx, counts, V, q_to_kv)
+    else:
+        o2, m2, l2 = np.zeros((Hq, d), np.float32), np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
+    o, _, _ = lse_merge_ref(np.stack([o1, vf, o2]), np.stack([m1, m3, m2]),
+                            np.stack([l1, np.ones(Hq, np.float32), l2]))
+    return o
+
+
+def exact_select_ref(z, tau):
+    """The selection of kernels_cpu.exact_step on float scores: buckets B = floor(32 z), counted
+    down from the highest (the last, NB - 1, takes the rest); the cut bucket b* is the first whose
+    cumulative mass, estimated as count_b * exp(-b / 32), reaches tau times the estimated total.
+    z [Hq, n] f32 -> sel bool [Hq, n] (z >= (R - b*) / 32, R the top bucket)."""
+    from .level_select import NB
+    Hq, n = z.shape
+    sel = np.zeros((Hq, n), bool)
+    if n == 0 or tau <= 0:
+        return sel
+    if tau >= 1:
+        return np.ones((Hq, n), bool)
+    w = 1.0 / 32
+    for h in range(Hq):
+        B = np.floor(z[h].astype(np.float32) * np.float32(32)).astype(np.int64)
+        R = B.max()
+        H = np.bincount(np.minimum(R - B, NB - 1), minlength=NB)
+        e = np.concatenate([[1.0], np.cumprod(np.full(NB - 1, np.exp(-w)))])
+        cum = np.cumsum(H * e)
+        bstar = int(np.argmax(cum >= tau * cum[-1]))
+        sel[h] = True if bstar == NB - 1 else z[h] >= np.float32((R - bstar) / 32)
+    return sel
+
+
+def hca_exact_decode_attend_ref(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, z=None):
+    """One decode token's attention over a store of exact keys (see kernels_cpu.exact_step): the
+    lse_merge of attend_exact over EK/EV[:, :n_exact], the token's own k, v, and
+    weighted_value_sum over exact_select_ref of z = q . K (float64 products; z [Hq, n_store]:
+    use these scores instead, e.g. the kernel's, to compare selections bit for bit). K, V
+    [Hkv, >=n_store, d] -> o [Hq, d] f32."""
+    q = np.asarray(q, dtype=np.float32)
+    Hq, d = q.shape
+    o1, m1, l1 = attend_exact_ref(q, EK, EV, q_to_kv, n_exact)
+    kf, vf = np.asarray(k, np.float64)[q_to_kv], np.asarray(v, np.float32)[q_to_kv]
+    m3 = np.einsum("hd,hd->h", q.astype(np.float64), kf).astype(np.float32)
+    if n_store:
+        if z is None:
+            Kh = np.asarray(K, np.float64)[q_to_kv, :n_store]                      # [Hq, n, d]
+            z = np.einsum("hd,hnd->hn", q.astype(np.float64), Kh).astype(np.float32)
+        sel = exact_select_ref(z, tau)
+        counts = sel.sum(1).astype(np.int32)
+        idx = np.zeros((Hq, n_store), np.int32)
+        for h in range(Hq):
+            idx[h, :counts[h]] = np.flatnonzero(sel[h])
+        o2, m2, l2 = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
     else:
         o2, m2, l2 = np.zeros((Hq, d), np.float32), np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
     o, _, _ = lse_merge_ref(np.stack([o1, vf, o2]), np.stack([m1, m3, m2]),

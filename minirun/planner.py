@@ -83,11 +83,8 @@ def plan(args: ModelArgs, cfg: EngineConfig, ctx: int | None = None) -> Plan:
     if cfg.kv == "dense":
         tiers["dense K+V"] = (2 * L * Hkv * hd * e * ctx, "device")
     else:
-        from .kv.hca_layout import hca_tier_bytes, resolve_layout
-        tiers.update(hca_tier_bytes(args, cfg, ctx))
-        if resolve_layout(args, cfg).exact_keys:   # the cache stores exact keys in float32
-            n_store = max(0, ctx - cfg.sinks - cfg.window)
-            tiers["key store"] = (L * Hkv * n_store * hd * EXACT_KEY_ELEM, tiers["key store"][1])
+        from .kv.hca_layout import hca_tier_bytes
+        tiers.update(hca_tier_bytes(args, cfg, ctx))    # (exact keys: float32, as the caches store them)
         tiers.update(prefill_transient_tiers(args, cfg, ctx))
     return Plan(tiers, ctx)
 

@@ -96,8 +96,8 @@ def main():
                          "random token ids prefilled through the model (as minirun bench)")
     ap.add_argument("--breakdown", action="store_true", help="HCA: time each kernel of one real step")
     ap.add_argument("--attention-time", action="store_true",
-                    help="time the cache's one-token attention kernel (hca_decode_attend or dense_attend) "
-                         "inside the timed steps: ms per call and per step; the rest of the step is the rest")
+                    help="time the cache's one-token attention kernel (hca_decode_attend, "
+                         "hca_exact_decode_attend or dense_attend) inside the timed steps: ms per call and per step; the rest of the step is the rest")
     ap.add_argument("--cold", action="store_true",
                     help="with --breakdown: evict the caches (write 64 MB) before each timed call, as the "
                          "layer's weight GEMVs do in a real step")
@@ -109,7 +109,7 @@ def main():
     print(f"filled {a.depth} tokens in {time.perf_counter() - t0:.1f}s; kv_stats={eng.kv_stats()}")
     for _ in range(3):
         eng.step(1)                                   # warm-up (JIT, allocator)
-    timer = AttentionTimer(a.kv) if a.attention_time else None
+    timer = AttentionTimer(a.kv, getattr(eng.cache, "layout", None)) if a.attention_time else None
     t0 = time.perf_counter()
     for _ in range(a.steps):
         eng.step(1)
@@ -141,13 +141,17 @@ def main():
 
 class AttentionTimer:
     """Wraps the one-token attention kernel the cache calls (kernels_cpu.hca_decode_attend for HCA,
-    kernels_cpu.dense_attend for dense) with a timer: total seconds and calls."""
+    hca_exact_decode_attend for HCA with exact keys, kernels_cpu.dense_attend for dense) with a
+    timer: total seconds and calls."""
 
-    def __init__(self, kv: str):
+    def __init__(self, kv: str, layout=None):
         import kernels_cpu as kc
         import minirun.kv.dense as dense
         import minirun.kv.hca as hca
-        self.mod, self.name = (hca.kc, "hca_decode_attend") if kv == "hca" else (dense.kernels_cpu, "dense_attend")
+        if kv == "hca":
+            self.mod, self.name = hca.kc, ("hca_exact_decode_attend" if layout.exact_keys else "hca_decode_attend")
+        else:
+            self.mod, self.name = dense.kernels_cpu, "dense_attend"
         self.real = getattr(kc, self.name)
         self.total, self.calls = 0.0, 0
 

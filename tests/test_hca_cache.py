@@ -238,3 +238,68 @@ def test_decode_fast_path_across_store_growth(tiny_model_dir, monkeypatch):
         caps.append((cap0, eng.cache.values.cap))
     assert caps[0][0] < eng.cache.n_store <= caps[0][1]  # the store grew during the decode steps
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
+
+
+def test_exact_keys_decode_takes_the_fused_step(tiny_model_dir):
+    """The 50% preset's decode steps go through kernels_cpu.hca_exact_decode_attend (one call per
+    layer): at tau 1 the logits equal dense's, at tau 0.9 they stay close to the general torch
+    path's (which selects each head's exact minimal set; the fused step cuts at 1/32-logit
+    buckets), and the selection is recorded as the codebook path's is."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(400)
+    dense = Engine.load(d, device="cpu", ctx=512)
+    ref = [dense.prefill(ids)[0]] + [dense.step(t) for t in (5, 6, 7)]
+    for tau in (1.0, 0.9):
+        outs, calls = [], []
+        for fast in (True, False):
+            eng = Engine.load(d, device="cpu", ctx=512, kv="hca", kv_budget=0.5, tau=tau, window=32, sinks=4,
+                              prefill_mode="hca")
+            assert eng.cache.layout.exact_keys
+            eng.cache._numpy_exact_tier = fast
+            real = eng.cache._attend_exact_keys_step
+            eng.cache._attend_exact_keys_step = lambda *a, real=real: calls.append(fast) or real(*a)
+            eng.cache.record_selection = []
+            outs.append([eng.prefill(ids)[0]] + [eng.step(t) for t in (5, 6, 7)])
+            if fast:
+                assert len(eng.cache.record_selection) == 3 * 2     # one record per decode step and layer
+                share = eng.cache.record_selection[-1]
+                assert ((share > 0) & (share <= 1)).all() and (share == 1).all() == (tau == 1.0)
+        assert calls == [True] * 6                # 3 steps x 2 layers, none from the general path
+        fast_l, slow_l = torch.cat(outs[0]), torch.cat(outs[1])
+        if tau == 1.0:
+            assert (fast_l - torch.cat(ref)).abs().max().item() <= 1e-4
+        assert (fast_l - slow_l).abs().max().item() <= 0.02 * slow_l.abs().max().item()
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.25])
+def test_fused_steps_after_a_truncate(tiny_model_dir, budget):
+    """A prompt that shares a prefix with the cache truncates it to the prefix: the ring then holds
+    fewer than W tokens and stale slots until it refills, so the one-call steps (which read every
+    ring slot) must wait; they used to attend to the dropped tokens. Same logits as the general path."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(90, seed=1)
+    kw = dict(device="cpu", ctx=256, kv="hca", kv_budget=budget, centroids=16, tau=1.0, window=16, sinks=4,
+              prefill_chunk=32, fit_min_tokens=32)
+    outs = []
+    for fast in (True, False):
+        eng = Engine.load(d, **kw)
+        eng.cache._numpy_exact_tier = fast
+        gen = eng.generate(ids, max_new_tokens=10, ignore_eos=True).tokens
+        outs.append(torch.cat([eng.prefill(ids + gen[:7])[0]] + [eng.step(t) for t in gen[7:]]))
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planner_matches_kv_stats_with_exact_keys(tiny_model_dir, dtype):
+    """The 50% preset: float32 store keys in every dtype, and the decode step's bucket counts."""
+    d = tiny_model_dir("gqa-untied")
+    ctx = 400
+    eng = Engine.load(d, device="cpu", dtype=dtype, ctx=ctx, kv="hca", kv_budget=0.5, window=32, sinks=4)
+    eng.prefill(random_ids(ctx - 2))
+    eng.step(5)                                  # the one-call step makes its scratch
+    s = eng.kv_stats()
+    p = plan(eng.args, eng.config).tiers
+    assert p["key store"][0] == s["device_keys_bytes"] == eng.cache.exact_keys.nbytes
+    assert p["value pool"][0] == s["host_values_bytes"]
+    assert p["decode scratch"][0] == s["decode_scratch_bytes"] == eng.cache._hist.nbytes
+    assert p["scratch"][0] == s["scratch_bytes"]

@@ -122,9 +122,13 @@ class HCACache(KVCache):
         T = q.shape[0]
         self._staged[layer] = (k, v)
         qs = q.float() * self.scale
-        if T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.n_encoded == self.n_store > 0 \
-                and self.offset >= self.S + self.W:
-            return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
+        # the one-call steps read every sinks + ring slot: only with the ring full (after a truncate
+        # it holds fewer than W tokens, and stale slots, until it refills)
+        if T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset == self.S + self.W + self.n_store:
+            if self.n_encoded == self.n_store > 0:
+                return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
+            if self.layout.exact_keys and self.exact_base == 0 and self.n_store > 0:
+                return self._attend_exact_keys_step(layer, qs, k, v).to(q.dtype)
         o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v)
         if self.n_store == 0:
             return o1.to(q.dtype)
@@ -155,6 +159,22 @@ class HCACache(KVCache):
                                  self._packed, self._lut, z, sel, self._counts, encode=encode,
                                  levels=(lev, self._hist))
         self._pending_done[layer] = True
+        if self.record_selection is not None:
+            self.record_selection.append(self._counts / n)
+        return torch.from_numpy(o)[None]
+
+    def _attend_exact_keys_step(self, layer, qs, k, v):
+        """The decode step of a store of exact keys (the 50% preset) in one kernel call
+        (kernels_cpu.exact_step): each store key read once, only the selected values."""
+        n = self.n_store
+        if self._hist is None:
+            self._hist = kc.level_hist(self.Hq)
+        K = self.exact_keys.view(layer, self.exact_keys.cap).numpy()    # full-capacity views: contiguous
+        V = self.values.view(layer, self.values.cap).numpy()
+        z = self.z.data[..., 0].numpy()
+        o = kc.hca_exact_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
+                                       self._ev_np[layer], self.S + self.W, K, n, V, self.tau, self.q_to_kv,
+                                       self._lanes, z, self._hist, self._counts)
         if self.record_selection is not None:
             self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
@@ -251,6 +271,9 @@ class HCACache(KVCache):
         moves the same positions.
         """
         pos0, end, S, W = self.offset, self.offset + n, self.S, self.W
+        if n == 1 and W > 0 and S + self.n_store == pos0 - W:    # a full ring (decode)
+            self._advance_one(pos0)
+            return
         ev_lo, ev_hi = S + self.n_store, max(S, end - W)          # positions leaving for the store
         ev_pos = torch.arange(ev_lo, max(ev_lo, ev_hi))
         keep = torch.arange(pos0, end)                              # chunk positions that stay exact
@@ -276,6 +299,27 @@ class HCACache(KVCache):
             self.slot_pos[slots] = keep
         self._staged = [None] * self.n_layers
         self.offset = end
+        self._fit_when_due()
+
+    def _advance_one(self, pos: int) -> None:
+        """advance(1) with a full ring (every decode step): the ring's oldest token leaves for the
+        store and the new one takes its slot. The general path's index arithmetic and gathers cost
+        ~1.5 ms per step in torch calls on the 2-core VM; this is a few slice copies."""
+        slot = self.S + (pos - self.S) % self.W                   # = the leaving token's slot
+        codes = None
+        if pos - self.W == self._pending_pos and self._pending_done.all():
+            codes = torch.from_numpy(self._pending)                                       # [L, Hkv, 1, g]
+        self._pending_pos = -1
+        self._store_append(self.ek[:, :, slot:slot + 1], self.ev[:, :, slot:slot + 1], codes)   # (copies)
+        self.ek[:, :, slot] = torch.stack([kv[0][0] for kv in self._staged])         # [L, Hkv, hd]
+        self.ev[:, :, slot] = torch.stack([kv[1][0] for kv in self._staged])
+        self.slot_pos[slot] = pos
+        self._staged = [None] * self.n_layers
+        self.offset = pos + 1
+        self._fit_when_due()
+
+    def _fit_when_due(self) -> None:
+        """Without codebooks, fit them from the prompt's keys once fit_min_tokens have left the ring."""
         if self.codebooks is None and self.mode != "exact" and not self.layout.exact_keys \
                 and self.n_store >= self.fit_min_tokens:
             self._fit_and_encode()

@@ -59,7 +59,7 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     L, Hkv, Hq, hd, e = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads, args.head_dim, ELEM[cfg.dtype]
     n_exact = cfg.sinks + cfg.window
     n_store = max(0, ctx - n_exact)
-    key_bytes = hd * e if lay.exact_keys else lay.groups * lay.index_bytes
+    key_bytes = hd * 4 if lay.exact_keys else lay.groups * lay.index_bytes   # exact keys: float32 in both caches
     tiers = {
         "sinks+ring K+V": (2 * L * Hkv * n_exact * hd * e, "device"),
         "key store": (L * Hkv * n_store * key_bytes, "device"),
@@ -68,6 +68,8 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
         # on the CPU the integer score levels [Hq, n] uint16 (kernels_cpu.level_select)
         "scratch": (Hq * n_store * (8 + 2 * on_cpu(cfg)), "device"),
     }
+    if lay.exact_keys and on_cpu(cfg):
+        tiers["decode scratch"] = (cpu_decode_scratch_bytes(args, lay), "device")
     if not lay.exact_keys:
         cb = L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4
         if on_cpu(cfg):   # + the LUT kernel's transposed copy and the encoder's centroid norms
@@ -81,12 +83,15 @@ def cpu_decode_scratch_bytes(args: ModelArgs, lay: HCALayout) -> int:
     """Fixed scratch of the CPU decode step (HCACache._decode_scratch): the lookup table f32
     [Hq, g, c], its packed uint64 tables [R, g, c] (R = Hkv x ceil(query heads per kv-head / 4)) with
     per-head scale, offset (f32), top, shift (int64), the level-bucket counts int32
-    [Numba threads, Hq, 4096], and the ring-key codes encoded ahead [L, Hkv, 1, g]."""
+    [Numba threads, Hq, 4096], and the ring-key codes encoded ahead [L, Hkv, 1, g]. With exact keys
+    (kernels_cpu.exact_step) only the bucket counts."""
     import math
 
     import numba
     from kernels_cpu.level_select import NB
     L, Hkv, Hq = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads
+    if lay.exact_keys:
+        return numba.config.NUMBA_NUM_THREADS * Hq * NB * 4
     g, c = lay.groups, lay.centroids
     R = Hkv * math.ceil(Hq // Hkv / 4)
     return (Hq * g * c * 4 + R * g * c * 8 + Hq * (4 + 4 + 8 + 8)

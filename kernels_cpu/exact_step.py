@@ -1,0 +1,244 @@
+"""One HCA decode step of one layer when the store keeps exact keys (the 50% preset, key_store="exact").
+
+The keys of the store are full precision, the values are the offloaded tier: the step reads every
+key once and only the selected values, about half of dense attention's bytes on natural text (each
+kv-head's query heads select ~5-10% of the tokens, 1.6 picks per distinct token). In one call:
+
+1. Scores (`_k_exact_scores`): one task per (1024 keys, table row), each key row read once for the
+   row's query heads (lanes of kernels_cpu.packed.lane_map), z[h, j] = q[h] . K[kv, j] in float32.
+   While the block is in L1 the task counts its tokens into per-thread buckets of 1/32 logit on an
+   absolute grid, B = floor(32 z), numbered down from the thread's highest bucket so far (a thread
+   that meets a higher block shifts its counts down; the catch-all bucket NB - 1 takes the rest).
+2. Cuts (`_k_float_cuts`): per head, the threads' counts aligned on the highest bucket R, and the
+   cut bucket b* of level_select._bucket_cut (the bucket-resolution mass estimate of the level
+   path: the selection holds at least tau * exp(-1/32) of the softmax mass); the selection is
+   every token with z >= (R - b*) / 32, compared on the float scores (floor(32 z) >= k exactly
+   when z >= k / 32, both exact in float32). tau >= 1 selects every token, tau <= 0 none.
+3. The value sum over the selection and sinks + ring exactly, in one parallel region
+   (level_sum._k_level_value_sum, which reads float scores as it reads levels: scale 1, offset 0,
+   m = the exact max score), the token itself, and the log-sum-exp merge, as hca_step does.
+
+Reference: kernels_cpu.reference.hca_exact_decode_attend_ref.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ._common import _NEG_INF, _as_f32, _as_pool, _c_rows, _ld
+from .attention import _k_lse_merge
+from .level_select import NB, _bucket_cut
+from .level_sum import _k_level_value_sum
+from .packed import LANES
+
+_BLOCK = 1024                  # keys per scoring task
+_PER_LOGIT = 32                # buckets per logit
+_NO_REF = -(1 << 62)           # a thread's reference bucket before it has counted a token
+_FASTMATH = {"reassoc", "contract"}   # the dot products vectorize; NaN/inf still propagate
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _dots3(q, K, kv, j0, j1, z, bmax, h0, h1, h2):
+    """z[h, j] = q[h] . K[kv, j] for heads h0, h1, h2 (repeats allowed: a repeated head writes the
+    same score twice), j in [j0, j1); bmax [3] f32 their highest scores. Each key row is read once,
+    the three dot products share its loads (one loop, three accumulators: fewer horizontal sums
+    and loads than one dot at a time)."""
+    d = q.shape[1]
+    q0, q1, q2 = q[h0], q[h1], q[h2]
+    m0 = m1 = m2 = _NEG_INF
+    for j in range(j0, j1):
+        Kj = K[kv, j]
+        a0 = a1 = a2 = np.float32(0.0)
+        for i in range(d):
+            x = Kj[i]
+            a0 += q0[i] * x
+            a1 += q1[i] * x
+            a2 += q2[i] * x
+        z[h0, j], z[h1, j], z[h2, j] = a0, a1, a2
+        m0, m1, m2 = max(m0, a0), max(m1, a1), max(m2, a2)
+    bmax[0], bmax[1], bmax[2] = m0, m1, m2
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _dots4(q, K, kv, j0, j1, z, bmax, h0, h1, h2, h3):
+    """_dots3 for four heads; bmax [4]."""
+    d = q.shape[1]
+    q0, q1, q2, q3 = q[h0], q[h1], q[h2], q[h3]
+    m0 = m1 = m2 = m3 = _NEG_INF
+    for j in range(j0, j1):
+        Kj = K[kv, j]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for i in range(d):
+            x = Kj[i]
+            a0 += q0[i] * x
+            a1 += q1[i] * x
+            a2 += q2[i] * x
+            a3 += q3[i] * x
+        z[h0, j], z[h1, j], z[h2, j], z[h3, j] = a0, a1, a2, a3
+        m0, m1, m2, m3 = max(m0, a0), max(m1, a1), max(m2, a2), max(m3, a3)
+    bmax[0], bmax[1], bmax[2], bmax[3] = m0, m1, m2, m3
+
+
+@njit(cache=True)
+def _score_block(q, K, lanes, r, kv, j0, j1, z, bmax):
+    """z[h, j] = q[h] . K[kv, j] for the heads of table row r (lanes [R, 4], -1: empty),
+    j in [j0, j1); bmax [LANES] f32 the block's highest score per lane (an empty lane's is
+    not used). Rows of fewer than 3 heads repeat their first head (wasted work, same results)."""
+    h0 = lanes[r, 0]
+    h1, h2, h3 = max(lanes[r, 1], h0), max(lanes[r, 2], h0), lanes[r, 3]
+    if h3 >= 0:
+        _dots4(q, K, kv, j0, j1, z, bmax, h0, h1, h2, h3)
+    else:
+        _dots3(q, K, kv, j0, j1, z, bmax, h0, h1, h2)
+
+
+@njit(inline="always")
+def _raise_ref(hh, s):
+    """A thread's counts hh [NB] re-numbered from a top bucket s buckets higher: bucket i moves
+    to i + s, those past the end into the catch-all NB - 1."""
+    tail = 0
+    for i in range(max(0, NB - 1 - s), NB):
+        tail += hh[i]
+    for i in range(NB - 2, s - 1, -1):
+        hh[i] = hh[i - s]
+    for i in range(min(s, NB - 1)):
+        hh[i] = 0
+    hh[NB - 1] = tail
+
+
+@njit(cache=True)
+def _count_block(zh, j0, j1, bm, hh, ref_h, bk):
+    """Counts head h's scores zh[j0:j1] (block max bm) into hh int32 [NB]; ref_h its reference
+    bucket (the highest so far), returned updated. bk int32 [>= j1 - j0] scratch."""
+    if not bm > _NEG_INF:                      # no finite score: no mass to count
+        return ref_h
+    top = np.int64(np.floor(bm * np.float32(_PER_LOGIT)))
+    if top > ref_h:
+        if ref_h != _NO_REF:
+            _raise_ref(hh, min(top - ref_h, NB))
+        ref_h = top
+    L = j1 - j0
+    # bucket numbers in int32 (vectorizes twice as wide): bm is this block's max, so every finite
+    # score's floor(32 z) lies between the clamp bounds below and ref_h; NaN lands in a clamped bucket
+    hi = np.float32(ref_h + 1)
+    lo = np.float32(ref_h - NB)
+    r32 = np.int32(0)
+    for u in range(L):
+        x = min(max(np.floor(zh[j0 + u] * np.float32(_PER_LOGIT)), lo), hi)
+        b = np.int32(np.float32(ref_h) - x)
+        bk[u] = min(max(b, r32), np.int32(NB - 1))
+    for u in range(L):
+        hh[bk[u]] += 1
+    return ref_h
+
+
+@njit(cache=True, parallel=True)
+def _k_exact_scores(q, K, n, lanes, z, hist, ref, smax, nt):
+    # z f32 [Hq, >=n] out; slot sl of nt does tasks sl, sl + nt, ... (block-major) into its own
+    # counts hist[sl] int32 [Hq, NB], reference buckets ref[sl] int64 [Hq] and maxima smax[sl] f32 [Hq]
+    R = lanes.shape[0]
+    ntask = ((n + _BLOCK - 1) // _BLOCK) * R
+    for sl in prange(nt):
+        hist[sl] = 0
+        ref[sl] = _NO_REF
+        smax[sl] = _NEG_INF
+        bmax = np.empty(LANES, np.float32)
+        bk = np.empty(_BLOCK, np.int32)
+        for t in range(sl, ntask, nt):
+            r = t % R
+            kv = r // (R // K.shape[0])
+            j0 = (t // R) * _BLOCK
+            j1 = min(n, j0 + _BLOCK)
+            _score_block(q, K, lanes, r, kv, j0, j1, z, bmax)
+            for e in range(LANES):
+                h = lanes[r, e]
+                if h >= 0:
+                    ref[sl, h] = _count_block(z[h], j0, j1, bmax[e], hist[sl, h], ref[sl, h], bk)
+                    smax[sl, h] = max(smax[sl, h], bmax[e])
+
+
+@njit(cache=True, parallel=True)
+def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref):
+    # Per head: the float cut zcut [Hq] f32 (select z >= zcut) and the exact max score mref [Hq] f32.
+    for h in prange(zcut.shape[0]):
+        R = _NO_REF
+        M = _NEG_INF
+        for sl in range(nt):
+            R = max(R, ref[sl, h])
+            M = max(M, smax[sl, h])
+        mref[h] = M
+        if n == 0 or tau <= 0.0 or R == _NO_REF:
+            zcut[h] = np.inf
+            continue
+        if tau >= 1.0:
+            zcut[h] = _NEG_INF
+            continue
+        H = np.zeros(NB, np.int64)
+        for sl in range(nt):
+            if ref[sl, h] == _NO_REF:
+                continue
+            s = R - ref[sl, h]
+            Ht = hist[sl, h]
+            for i in range(NB):
+                H[min(i + s, NB - 1)] += Ht[i]
+        bstar = _bucket_cut(H, 0, 1.0 / _PER_LOGIT, tau)   # (bucket 0 holds the max score)
+        zcut[h] = _NEG_INF if bstar == NB - 1 else np.float32((R - bstar) / _PER_LOGIT)
+
+
+@njit(cache=True)
+def _k_exact_decode(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes, z, hist, nt, counts, out):
+    Hq, d = q.shape
+    os = np.zeros((3, Hq, d), np.float32)
+    ms = np.full((3, Hq), _NEG_INF, np.float32)
+    ls = np.zeros((3, Hq), np.float32)
+    for h in range(Hq):                                  # the new token itself
+        kv = q_to_kv[h]
+        s = np.float32(0.0)
+        for i in range(d):
+            s += q[h, i] * _ld(k[kv, i])
+            os[1, h, i] = _ld(v[kv, i])
+        ms[1, h] = s
+        ls[1, h] = 1.0
+    zcut = np.full(Hq, np.inf, np.float32)
+    mref = np.full(Hq, _NEG_INF, np.float32)
+    if n_store > 0:                                      # the store: scores and cuts
+        ref = np.empty((nt, Hq), np.int64)
+        smax = np.empty((nt, Hq), np.float32)
+        _k_exact_scores(q, K, n_store, lanes, z, hist, ref, smax, nt)
+        _k_float_cuts(hist, ref, smax, nt, n_store, tau, zcut, mref)
+    # the value sum over the selection, and sinks + ring exactly, in one parallel region
+    _k_level_value_sum(z, n_store, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref, lanes, V,
+                       nt, os[2], ms[2], ls[2], counts, q, EK, EV, n_exact, os[0], ms[0], ls[0])
+    m = np.empty(Hq, np.float32)
+    l = np.empty(Hq, np.float32)
+    out[:] = 0.0
+    _k_lse_merge(os, ms, ls, out, m, l)
+
+
+def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes, z, hist,
+                            counts=None):
+    """Attention of one decode token over sinks + ring (exact), itself, and a store of exact keys
+    with threshold selection (module docstring).
+
+    q [Hq, d] f32 (pre-scaled by 1/sqrt(d)); k, v [Hkv, d] the token's own key and value;
+    EK, EV [Hkv, >=n_exact, d] the exact tier (f32 or f16); K [Hkv, >=n_store, d] f32 the store's
+    keys; V [Hkv, >=n_store, d] f32/f16 its values (all C-contiguous); lanes int32 [R, 4]
+    (lane_map(q_to_kv, Hkv)); scratch: z f32 [Hq, >=n_store] (holds the scores afterwards),
+    hist level_hist(Hq); counts int32 [Hq] optional (the selection size per head afterwards).
+    -> o [Hq, d] f32.
+    """
+    Hq = q.shape[0]
+    K = _as_f32(K)
+    if K.ndim != 3 or K.shape[1] < n_store or not K.flags.c_contiguous:
+        raise ValueError(f"K must be C-contiguous float32 [Hkv, >={n_store}, d], got {K.shape}")
+    zr = _c_rows(z)
+    if zr is None or z.dtype != np.float32 or z.shape[0] != Hq or z.shape[1] < n_store:
+        raise ValueError(f"z must be float32 [Hq={Hq}, >={n_store}] with unit-stride rows")
+    if counts is None:
+        counts = np.zeros(Hq, np.int32)
+    out = np.empty(q.shape, np.float32)
+    nt = min(numba.get_num_threads(), hist.shape[0])
+    _k_exact_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact), K,
+                    int(n_store), _as_pool(V), float(tau), q_to_kv, lanes, zr, hist, nt, counts, out)
+    return out
