@@ -67,6 +67,8 @@ def _merge_partials(first, po, pm, pl, h, o, m, l):
     l[h] = L
 
 
+_ALL_VALID = np.zeros(0, np.uint8)   # _exact_chunk's valid for "every key attended"
+
 # ---------------------------------------------------------------------------
 # 4. attend_exact
 # ---------------------------------------------------------------------------
@@ -75,14 +77,15 @@ _ATT_CHUNK = 512
 
 
 @njit(cache=True)
-def _exact_chunk(q, K, V, lanes, r, kv, j0, j1, nch, c, s, buf, po, pm, pl):
+def _exact_chunk(q, K, V, lanes, r, kv, j0, j1, nch, c, s, buf, po, pm, pl, valid):
     """The query heads of table row r (lanes [R, 4], -1: empty) over keys j0..j1 of kv-head kv,
     each K and V row read once for all of them: writes, for each head h of the row, item
     it = h * nch + c of po [items, d] f32 (sum of exp(s - pm) v), pm [items] f32 (max score),
     pl [items] f64 (sum of the weights, float32-accumulated); a max of -inf, +inf or NaN: pm = that
     max, po = 0, pl = 0 (the merge skips items with pl = 0).
     s [4, >= j1 - j0] f32, buf [d] f32: scratch. Per head the same operations in the same order
-    as one head at a time (scores by _dot, then weights, then the weighted rows in key order)."""
+    as one head at a time (scores by _dot, then weights, then the weighted rows in key order).
+    valid: uint8 [>= j1] (0: key j is not attended: score -inf, weight 0), or empty: all are."""
     d = q.shape[1]
     nl = lanes.shape[1]
     for j in range(j0, j1):
@@ -91,6 +94,11 @@ def _exact_chunk(q, K, V, lanes, r, kv, j0, j1, nch, c, s, buf, po, pm, pl):
             h = lanes[r, e]
             if h >= 0:
                 s[e, j - j0] = _dot(q[h], Kj, buf)
+    if valid.size:
+        for j in range(j0, j1):
+            if valid[j] == 0:
+                for e in range(nl):
+                    s[e, j - j0] = _NEG_INF
     live = 0                                     # bit e: lane e has a finite max
     for e in range(nl):
         h = lanes[r, e]
@@ -143,7 +151,8 @@ def _k_attend_exact(q, K, V, lanes, n, chunk, o, m, l):
         j0 = c * chunk
         s = np.empty((lanes.shape[1], min(n, j0 + chunk) - j0), dtype=np.float32)
         buf = np.empty(d, dtype=np.float32)
-        _exact_chunk(q, K, V, lanes, r, r // npass, j0, min(n, j0 + chunk), nch, c, s, buf, po, pm, pl)
+        _exact_chunk(q, K, V, lanes, r, r // npass, j0, min(n, j0 + chunk), nch, c, s, buf, po, pm, pl,
+                     _ALL_VALID)
     for h in prange(Hq):
         _merge_partials(first, po, pm, pl, h, o, m, l)
 

@@ -26,8 +26,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import _NEG_INF, _as_f32, _as_pool, _c_rows, _ld
+from ._common import _NEG_INF, _as_f32, _as_pool, _c_rows
 from .attention import _k_lse_merge
+from .hca_step import _step_partials, _valid_mask
 from .level_select import NB, _bucket_cut
 from .level_sum import _k_level_value_sum
 from .packed import LANES
@@ -187,19 +188,10 @@ def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref):
 
 
 @njit(cache=True)
-def _k_exact_decode(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes, z, hist, nt, counts, out):
-    Hq, d = q.shape
-    os = np.zeros((3, Hq, d), np.float32)
-    ms = np.full((3, Hq), _NEG_INF, np.float32)
-    ls = np.zeros((3, Hq), np.float32)
-    for h in range(Hq):                                  # the new token itself
-        kv = q_to_kv[h]
-        s = np.float32(0.0)
-        for i in range(d):
-            s += q[h, i] * _ld(k[kv, i])
-            os[1, h, i] = _ld(v[kv, i])
-        ms[1, h] = s
-        ls[1, h] = 1.0
+def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv, lanes, z, hist, nt, counts,
+                    out):
+    Hq = q.shape[0]
+    os, ms, ls = _step_partials(q, k, v, q_to_kv)        # the new token itself
     zcut = np.full(Hq, np.inf, np.float32)
     mref = np.full(Hq, _NEG_INF, np.float32)
     if n_store > 0:                                      # the store: scores and cuts
@@ -209,7 +201,7 @@ def _k_exact_decode(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes
         _k_float_cuts(hist, ref, smax, nt, n_store, tau, zcut, mref)
     # the value sum over the selection, and sinks + ring exactly, in one parallel region
     _k_level_value_sum(z, n_store, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref, lanes, V,
-                       nt, os[2], ms[2], ls[2], counts, q, EK, EV, n_exact, os[0], ms[0], ls[0])
+                       nt, os[2], ms[2], ls[2], counts, q, EK, EV, n_exact, valid, os[0], ms[0], ls[0])
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
     out[:] = 0.0
@@ -217,7 +209,7 @@ def _k_exact_decode(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes
 
 
 def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes, z, hist,
-                            counts=None):
+                            counts=None, exact_valid=None):
     """Attention of one decode token over sinks + ring (exact), itself, and a store of exact keys
     with threshold selection (module docstring).
 
@@ -225,8 +217,8 @@ def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_k
     EK, EV [Hkv, >=n_exact, d] the exact tier (f32 or f16); K [Hkv, >=n_store, d] f32 the store's
     keys; V [Hkv, >=n_store, d] f32/f16 its values (all C-contiguous); lanes int32 [R, 4]
     (lane_map(q_to_kv, Hkv)); scratch: z f32 [Hq, >=n_store] (holds the scores afterwards),
-    hist level_hist(Hq); counts int32 [Hq] optional (the selection size per head afterwards).
-    -> o [Hq, d] f32.
+    hist level_hist(Hq); counts int32 [Hq] optional (the selection size per head afterwards);
+    exact_valid as hca_decode_attend's. -> o [Hq, d] f32.
     """
     Hq = q.shape[0]
     K = _as_f32(K)
@@ -239,6 +231,7 @@ def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_k
         counts = np.zeros(Hq, np.int32)
     out = np.empty(q.shape, np.float32)
     nt = min(numba.get_num_threads(), hist.shape[0])
-    _k_exact_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact), K,
+    _k_exact_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
+                    _valid_mask(exact_valid, n_exact), K,
                     int(n_store), _as_pool(V), float(tau), q_to_kv, lanes, zr, hist, nt, counts, out)
     return out

@@ -14,20 +14,22 @@ import numpy as np
 from numba import njit
 
 from ._common import _NEG_INF, _as_f32, _as_pool, _ld
-from .attention import _k_lse_merge
+from .attention import _ALL_VALID, _k_lse_merge
 from .level_select import _k_packed_levels, level_hist
 from .level_sum import _k_level_cuts, _k_level_value_sum
 from .packed import _k_lut_pack
 
 
 @njit(cache=True)
-def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, lanes, lut, tables, scale,
-                  offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, cnorm, codes):
+def _step_partials(q, k, v, q_to_kv):
+    """The (o, m, l) partials of a one-call decode step, [3, Hq, d] / [3, Hq] / [3, Hq]: part 0 the
+    exact tier and part 2 the store (empty here: m = -inf, l = 0), part 1 the new token itself
+    (its own key k and value v [Hkv, d]: m = q . k, l = 1, o = v)."""
     Hq, d = q.shape
     os = np.zeros((3, Hq, d), np.float32)
     ms = np.full((3, Hq), _NEG_INF, np.float32)
     ls = np.zeros((3, Hq), np.float32)
-    for h in range(Hq):                                               # 2. the new token itself
+    for h in range(Hq):
         kv = q_to_kv[h]
         s = np.float32(0.0)
         for i in range(d):
@@ -35,6 +37,14 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
             os[1, h, i] = _ld(v[kv, i])
         ms[1, h] = s
         ls[1, h] = 1.0
+    return os, ms, ls
+
+
+@njit(cache=True)
+def _k_hca_decode(q, k, v, EK, EV, n_exact, valid, cbt, PT, n_store, V, tau, q_to_kv, lanes, lut, tables, scale,
+                  offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, cnorm, codes):
+    Hq, d = q.shape
+    os, ms, ls = _step_partials(q, k, v, q_to_kv)                     # 2. the new token itself
     lcut = np.empty(Hq, np.int64)                                     # (not read when n_store = 0)
     mref = np.empty(Hq, np.float32)
     if n_store > 0:                                                   # 3. the store, approximately
@@ -47,7 +57,7 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
     # the value sum over the selection (none when n_store = 0), and 1. sinks + ring, exactly, as
     # tasks of the same parallel region
     _k_level_value_sum(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, os[2], ms[2], ls[2], counts,
-                       q, EK, EV, n_exact, os[0], ms[0], ls[0])
+                       q, EK, EV, n_exact, valid, os[0], ms[0], ls[0])
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
     out[:] = 0.0
@@ -55,7 +65,7 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, cbt, PT, n_store, V, tau, q_to_kv, l
 
 
 def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau, q_to_kv, packed,
-                      lut, z, idx, counts=None, encode=None, levels=None):
+                      lut, z, idx, counts=None, encode=None, levels=None, exact_valid=None):
     """Attention of one decode token over sinks + ring (exact), itself, and the store (HCA).
 
     q [Hq, d] f32 (pre-scaled by 1/sqrt(d)); k, v [Hkv, d] (the token's own key and value);
@@ -72,6 +82,8 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     encode: optional (slot, cnorm [Hkv, g, c] f32, codes [Hkv, 1, g] of the index dtype): also
     writes encode_keys(EK[:, slot:slot + 1]) into codes (the ring key that leaves next; the cache
     encodes it here because the codebooks were just read for the LUT). Needs n_store > 0.
+    exact_valid: optional uint8 [>= n_exact], 0 where an exact-tier slot holds no token (a ring
+    not yet refilled after a truncate): that slot is not attended.
     """
     Hq = q.shape[0]
     if counts is None:
@@ -86,10 +98,20 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
     nt = min(numba.get_num_threads(), hist.shape[0])
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
-                  codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv, packed.lanes, lut,
+                  _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv, packed.lanes, lut,
                   packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist, nt, z, idx,
                   counts, out, int(slot), cnorm, codes)
     return out
+
+
+def _valid_mask(valid, n_exact):
+    """exact_valid as the kernels take it: uint8 [>= n_exact], or empty for "every slot"."""
+    if valid is None:
+        return _ALL_VALID
+    valid = np.ascontiguousarray(valid, np.uint8)
+    if valid.ndim != 1 or valid.shape[0] < n_exact:
+        raise ValueError(f"exact_valid must be [>= n_exact={n_exact}], got {valid.shape}")
+    return valid
 
 
 _NO_CNORM = np.zeros((1, 1, 1), np.float32)

@@ -13,6 +13,8 @@ that is the catch-all bucket): >= every score, within one bucket (<= 1/32 logit)
 a log-sum-exp merge. The result is (o, m, l) as weighted_value_sum returns them over
 packed_select's selection, with this m (the same softmax, another reference point).
 Reference: weighted_value_sum_ref over packed_select_ref (tests/test_level_sum.py).
+The same value sum serves kernels_cpu.exact_step with float32 scores in place of the levels
+(scale 1, offset 0, m the exact max score).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._common import _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
-from .attention import _exact_chunk, _merge_partials
+from .attention import _ALL_VALID, _exact_chunk, _merge_partials
 from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, _top_bucket, level_hist
 from .packed import LANES, PackedLUT, _check_indices
 
@@ -58,9 +60,11 @@ def _lane_weights(Le, nj, c, s, o, We):
 @njit(cache=True)
 def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, W, acc, lsum, cnt):
     # Table row r's heads over tokens [j0, j1): adds into acc [LANES, d] f32, lsum [LANES] f64,
-    # cnt [LANES] int64 (lane order). Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects
-    # the token), ul int64 [>= j1 - j0] (the union's tokens), G uint16 [LANES, >= j1 - j0] (their
-    # levels), W f32 [LANES, >= j1 - j0] (their weights).
+    # cnt [LANES] int64 (lane order). lev: uint16 levels with int64 cuts lcut, or float32 scores
+    # with float32 cuts (kernels_cpu.exact_step: scale 1, offset 0); a head selects where
+    # lev >= its cut. Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects the token), ul
+    # int64 [>= j1 - j0] (the union's tokens), G [LANES, >= j1 - j0] of lev's dtype (their levels),
+    # W f32 [LANES, >= j1 - j0] (their weights).
     d = V.shape[2]
     kv = r // (lanes.shape[0] // V.shape[0])
     h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
@@ -156,11 +160,12 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
 
 @njit(cache=True, parallel=True)
 def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l, counts,
-                       q, EK, EV, n_exact, eo, em, el):
-    # o [Hq, d] f32, m / l [Hq] f32, counts [Hq] int32 out. Tasks: with n_exact > 0, first one per
-    # table row over the exact tier EK / EV [Hkv, >=n_exact, d] (attention._exact_chunk, into eo /
-    # em / el: the fused decode step's sinks + ring in the same parallel region), then (table row,
-    # token range), row-interleaved; slot sl of nt does tasks sl, sl + nt, ... into its own sums.
+                       q, EK, EV, n_exact, valid, eo, em, el):
+    # lev / lcut: see _range_task. o [Hq, d] f32, m / l [Hq] f32, counts [Hq] int32 out. Tasks:
+    # with n_exact > 0, first one per table row over the exact tier EK / EV [Hkv, >=n_exact, d]
+    # (attention._exact_chunk, into eo / em / el: the fused decode step's sinks + ring in the same
+    # parallel region; valid: its slot mask, see _exact_chunk), then (table row, token range), row-interleaved; slot sl of nt does tasks
+    # sl, sl + nt, ... into its own sums.
     Hq, d = o.shape
     R = lanes.shape[0]
     nr = (n + _RANGE - 1) // _RANGE
@@ -181,7 +186,8 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
         cnt = np.empty(LANES, np.int64)
         for t in range(sl, nx + nr * R, nt):
             if t < nx:
-                _exact_chunk(q, EK, EV, lanes, t, t // (R // EK.shape[0]), 0, n_exact, 1, 0, W, acc[0], xo, xm, xl)
+                _exact_chunk(q, EK, EV, lanes, t, t // (R // EK.shape[0]), 0, n_exact, 1, 0, W, acc[0], xo, xm, xl,
+                             valid)
                 continue
             r, j0 = (t - nx) % R, ((t - nx) // R) * _RANGE
             acc[:] = 0.0
@@ -254,7 +260,7 @@ def level_value_sum(packed: PackedLUT, PT, n: int, tau: float, V, scratch=None):
         _k_level_cuts(lev, n, float(tau), packed.scale, packed.offset, packed.top, packed.shift, hist, nt,
                       fb_idx, fb_z, lcut, mref)
         _k_level_value_sum(lev, n, lcut, packed.scale, packed.offset, mref, packed.lanes, V, nt, o, m, l, counts,
-                           _NO_Q, V, V, 0, o, m, l)
+                           _NO_Q, V, V, 0, _ALL_VALID, o, m, l)
     return o, m, l, counts
 
 

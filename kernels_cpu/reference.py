@@ -371,16 +371,24 @@ def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, ta
     packed_select(pack_lut(build_lut(q))). codebooks [Hkv, g, c, ds],
     P [Hkv, >=n_store, g] (token-major here; the kernel reads it group-major) -> o [Hq, d] f32."""
     q = np.asarray(q, dtype=np.float32)
+    store = None
+    if n_store:
+        T = build_lut_ref(q, codebooks, q_to_kv)
+        idx, counts, _, _, _ = packed_select_ref(T, P, q_to_kv, n_store, tau)
+        store = weighted_value_sum_ref(packed_scores_ref(T, P, q_to_kv, n_store), idx, counts, V, q_to_kv)
+    return _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store)
+
+
+def _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store):
+    """lse_merge of attend_exact over EK/EV[:, :n_exact], the token's own k, v [Hkv, d], and the
+    store's (o, m, l) (None: an empty store) -> o [Hq, d] f32."""
     Hq, d = q.shape
     o1, m1, l1 = attend_exact_ref(q, EK, EV, q_to_kv, n_exact)
     kf, vf = np.asarray(k, np.float64)[q_to_kv], np.asarray(v, np.float32)[q_to_kv]
     m3 = np.einsum("hd,hd->h", q.astype(np.float64), kf).astype(np.float32)
-    if n_store:
-        T = build_lut_ref(q, codebooks, q_to_kv)
-        idx, counts, _, _, _ = packed_select_ref(T, P, q_to_kv, n_store, tau)
-        o2, m2, l2 = weighted_value_sum_ref(packed_scores_ref(T, P, q_to_kv, n_store), idx, counts, V, q_to_kv)
-    else:
-        o2, m2, l2 = np.zeros((Hq, d), np.float32), np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
+    if store is None:
+        store = np.zeros((Hq, d), np.float32), np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
+    o2, m2, l2 = store
     o, _, _ = lse_merge_ref(np.stack([o1, vf, o2]), np.stack([m1, m3, m2]),
                             np.stack([l1, np.ones(Hq, np.float32), l2]))
     return o
@@ -417,10 +425,8 @@ def hca_exact_decode_attend_ref(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_
     use these scores instead, e.g. the kernel's, to compare selections bit for bit). K, V
     [Hkv, >=n_store, d] -> o [Hq, d] f32."""
     q = np.asarray(q, dtype=np.float32)
-    Hq, d = q.shape
-    o1, m1, l1 = attend_exact_ref(q, EK, EV, q_to_kv, n_exact)
-    kf, vf = np.asarray(k, np.float64)[q_to_kv], np.asarray(v, np.float32)[q_to_kv]
-    m3 = np.einsum("hd,hd->h", q.astype(np.float64), kf).astype(np.float32)
+    Hq = q.shape[0]
+    store = None
     if n_store:
         if z is None:
             Kh = np.asarray(K, np.float64)[q_to_kv, :n_store]                      # [Hq, n, d]
@@ -430,9 +436,5 @@ def hca_exact_decode_attend_ref(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_
         idx = np.zeros((Hq, n_store), np.int32)
         for h in range(Hq):
             idx[h, :counts[h]] = np.flatnonzero(sel[h])
-        o2, m2, l2 = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
-    else:
-        o2, m2, l2 = np.zeros((Hq, d), np.float32), np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
-    o, _, _ = lse_merge_ref(np.stack([o1, vf, o2]), np.stack([m1, m3, m2]),
-                            np.stack([l1, np.ones(Hq, np.float32), l2]))
-    return o
+        store = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
+    return _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store)

@@ -118,3 +118,34 @@ def test_hca_exact_decode_attend_rejects_bad_scratch():
     with pytest.raises(ValueError, match="K must be"):
         kc.hca_exact_decode_attend(q, k, v, EK, EV, 8, K[:, :50], 100, V, 0.9, q2k, lanes,
                                    np.empty((9, 100), np.float32), kc.level_hist(9))
+
+
+def test_exact_valid_mask_skips_slots():
+    """exact_valid: slots marked 0 (a ring not refilled after a truncate) are not attended, in
+    both one-call steps: the same as the reference over the live slots only."""
+    rng = np.random.default_rng(5)
+    n, ne = 1500, 40
+    q2k, q, K, V, EK, EV, k, v = case(rng, 9, 3, n, ne)
+    valid = (rng.random(ne) < 0.6).astype(np.uint8)
+    live = valid.astype(bool)
+    z = np.empty((9, n), np.float32)
+    o = kc.hca_exact_decode_attend(q, k, v, EK, EV, ne, K, n, V, 0.9, q2k, kc.lane_map(q2k, 3), z,
+                                   kc.level_hist(9), exact_valid=valid)
+    want = ref.hca_exact_decode_attend_ref(q, k, v, EK[:, live], EV[:, live], int(live.sum()), K, n, V, 0.9, q2k,
+                                           z=z)
+    np.testing.assert_allclose(o, want, rtol=2e-5, atol=2e-6)
+    # the codebook step
+    g, c = 16, 64
+    cb = rng.standard_normal((3, g, c, 64 // g)).astype(np.float32)
+    P = rng.integers(0, c, size=(3, n, g)).astype(np.uint8)
+    Hq = 9
+    packed = kc.PackedLUT(np.empty((3, g, c), np.uint64), kc.lane_map(q2k, 3), np.empty(Hq, np.float32),
+                          np.empty(Hq, np.float32))
+    o2 = kc.hca_decode_attend(q, k, v, EK, EV, ne, kc.transpose_codebooks(cb), kc.group_major(P), n, V, 0.9, q2k,
+                              packed, np.empty((Hq, g, c), np.float32), np.empty((Hq, n), np.float32),
+                              np.empty((Hq, n), np.int32), exact_valid=valid)
+    want2 = ref.hca_decode_attend_ref(q, k, v, EK[:, live], EV[:, live], int(live.sum()), cb, P, n, V, 0.9, q2k)
+    np.testing.assert_allclose(o2, want2, rtol=2e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="exact_valid"):
+        kc.hca_exact_decode_attend(q, k, v, EK, EV, ne, K, n, V, 0.9, q2k, kc.lane_map(q2k, 3), z,
+                                   kc.level_hist(9), exact_valid=valid[:10])

@@ -274,18 +274,26 @@ def test_exact_keys_decode_takes_the_fused_step(tiny_model_dir):
 @pytest.mark.parametrize("budget", [0.5, 0.25])
 def test_fused_steps_after_a_truncate(tiny_model_dir, budget):
     """A prompt that shares a prefix with the cache truncates it to the prefix: the ring then holds
-    fewer than W tokens and stale slots until it refills, so the one-call steps (which read every
-    ring slot) must wait; they used to attend to the dropped tokens. Same logits as the general path."""
+    fewer than W tokens and stale slots until it refills. The one-call steps read every ring slot;
+    they used to attend to the dropped tokens. Now they mask them: the same logits as the general
+    path, and still one call per layer and step."""
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(90, seed=1)
     kw = dict(device="cpu", ctx=256, kv="hca", kv_budget=budget, centroids=16, tau=1.0, window=16, sinks=4,
               prefill_chunk=32, fit_min_tokens=32)
     outs = []
+    step = "_attend_exact_keys_step" if budget == 0.5 else "_attend_decode_step"
     for fast in (True, False):
         eng = Engine.load(d, **kw)
         eng.cache._numpy_exact_tier = fast
         gen = eng.generate(ids, max_new_tokens=10, ignore_eos=True).tokens
-        outs.append(torch.cat([eng.prefill(ids + gen[:7])[0]] + [eng.step(t) for t in gen[7:]]))
+        calls, real = [], getattr(eng.cache, step)
+        setattr(eng.cache, step, lambda *a: calls.append(1) or real(*a))
+        first = eng.prefill(ids + gen[:7])[0]
+        c = eng.cache
+        assert c.offset < c.S + c.W + c.n_store and (c.slot_pos < 0).any()     # the ring is short
+        outs.append(torch.cat([first] + [eng.step(t) for t in gen[7:]]))
+        assert len(calls) == (4 * 2 if fast else 0)      # the re-prefilled last token + 3 steps, 2 layers
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
 
 

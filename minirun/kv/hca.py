@@ -75,6 +75,7 @@ class HCACache(KVCache):
         self._lut = None          # [Hq, g, c] scratch lookup table
         self._hist = None         # level-bucket counts of the selection (kc.level_hist)
         self._views = {}          # layer -> (buffer addresses, numpy views) for the decode kernel
+        self._valid_at = (-1, None)   # (offset, live exact-tier slots) of a ring short after a truncate
         self._packed = None       # its packed integer form (kc.PackedLUT of scratch arrays)
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
@@ -122,9 +123,7 @@ class HCACache(KVCache):
         T = q.shape[0]
         self._staged[layer] = (k, v)
         qs = q.float() * self.scale
-        # the one-call steps read every sinks + ring slot: only with the ring full (after a truncate
-        # it holds fewer than W tokens, and stale slots, until it refills)
-        if T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset == self.S + self.W + self.n_store:
+        if T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W:
             if self.n_encoded == self.n_store > 0:
                 return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
             if self.layout.exact_keys and self.exact_base == 0 and self.n_store > 0:
@@ -157,7 +156,7 @@ class HCACache(KVCache):
         o = kc.hca_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
                                  self._ev_np[layer], self.S + self.W, cbt, PT, n, V, self.tau, self.q_to_kv,
                                  self._packed, self._lut, z, sel, self._counts, encode=encode,
-                                 levels=(lev, self._hist))
+                                 levels=(lev, self._hist), exact_valid=self._exact_valid())
         self._pending_done[layer] = True
         if self.record_selection is not None:
             self.record_selection.append(self._counts / n)
@@ -174,10 +173,21 @@ class HCACache(KVCache):
         z = self.z.data[..., 0].numpy()
         o = kc.hca_exact_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
                                        self._ev_np[layer], self.S + self.W, K, n, V, self.tau, self.q_to_kv,
-                                       self._lanes, z, self._hist, self._counts)
+                                       self._lanes, z, self._hist, self._counts, exact_valid=self._exact_valid())
         if self.record_selection is not None:
             self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
+
+    def _exact_valid(self) -> np.ndarray | None:
+        """The one-call steps read every sinks + ring slot. After a truncate (a prompt sharing a
+        prefix with the cache) the ring holds fewer than W tokens until it refills, and the dropped
+        tokens' slots keep stale K/V: then a uint8 mask of the live slots (made once per step:
+        advance, truncate and reset clear it), else None (all live)."""
+        if self.offset == self.S + self.W + self.n_store:
+            return None
+        if self._valid_at[0] != self.offset:
+            self._valid_at = (self.offset, (self.slot_pos >= 0).numpy().astype(np.uint8))
+        return self._valid_at[1]
 
     def _decode_views(self, layer: int) -> tuple:
         """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
@@ -271,6 +281,7 @@ class HCACache(KVCache):
         moves the same positions.
         """
         pos0, end, S, W = self.offset, self.offset + n, self.S, self.W
+        self._valid_at = (-1, None)
         if n == 1 and W > 0 and S + self.n_store == pos0 - W:    # a full ring (decode)
             self._advance_one(pos0)
             return
@@ -419,6 +430,7 @@ class HCACache(KVCache):
             return False
         drop = (self.slot_pos >= n)
         self.slot_pos[drop] = -1
+        self._valid_at = (-1, None)
         self.offset = n
         self._pending_pos = -1
         return True
@@ -426,6 +438,7 @@ class HCACache(KVCache):
     def reset(self) -> None:
         self.offset = self.n_store = self.n_encoded = self.exact_base = 0
         self._pending_pos = -1
+        self._valid_at = (-1, None)
         self.slot_pos.fill_(-1)
         self.exact_keys.free()
         self.mode = "hca"
