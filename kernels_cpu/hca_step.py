@@ -98,9 +98,9 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
     nt = min(numba.get_num_threads(), hist.shape[0])
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
-                  _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv, packed.lanes, lut,
-                  packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist, nt, z, idx,
-                  counts, out, int(slot), cnorm, codes)
+                  _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv,
+                  packed.lanes, lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist,
+                  nt, z, idx, counts, out, int(slot), cnorm, codes)
     return out
 
 

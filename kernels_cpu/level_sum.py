@@ -164,8 +164,8 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
     # lev / lcut: see _range_task. o [Hq, d] f32, m / l [Hq] f32, counts [Hq] int32 out. Tasks:
     # with n_exact > 0, first one per table row over the exact tier EK / EV [Hkv, >=n_exact, d]
     # (attention._exact_chunk, into eo / em / el: the fused decode step's sinks + ring in the same
-    # parallel region; valid: its slot mask, see _exact_chunk), then (table row, token range), row-interleaved; slot sl of nt does tasks
-    # sl, sl + nt, ... into its own sums.
+    # parallel region; valid: its slot mask, see _exact_chunk), then (table row, token range),
+    # row-interleaved; slot sl of nt does tasks sl, sl + nt, ... into its own sums.
     Hq, d = o.shape
     R = lanes.shape[0]
     nr = (n + _RANGE - 1) // _RANGE
