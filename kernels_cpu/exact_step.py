@@ -29,7 +29,7 @@ from numba import njit, prange
 from ._common import _NEG_INF, _as_f32, _as_pool, _c_rows
 from .attention import _k_lse_merge
 from .hca_step import _step_partials, _valid_mask
-from .level_select import NB, _bucket_cut
+from .level_select import NB, _bucket_cut, _merged_counts
 from .level_sum import _k_level_value_sum
 from .packed import LANES
 
@@ -162,6 +162,7 @@ def _k_exact_scores(q, K, n, lanes, z, hist, ref, smax, nt):
 @njit(cache=True, parallel=True)
 def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref):
     # Per head: the float cut zcut [Hq] f32 (select z >= zcut) and the exact max score mref [Hq] f32.
+    # Re-numbers the threads' counts in hist (scratch) onto the highest reference bucket.
     for h in prange(zcut.shape[0]):
         R = _NO_REF
         M = _NEG_INF
@@ -175,14 +176,10 @@ def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref):
         if tau >= 1.0:
             zcut[h] = _NEG_INF
             continue
-        H = np.zeros(NB, np.int64)
-        for sl in range(nt):
-            if ref[sl, h] == _NO_REF:
-                continue
-            s = R - ref[sl, h]
-            Ht = hist[sl, h]
-            for i in range(NB):
-                H[min(i + s, NB - 1)] += Ht[i]
+        for sl in range(nt):                           # every thread's counts from bucket R
+            if ref[sl, h] != _NO_REF and ref[sl, h] < R:
+                _raise_ref(hist[sl, h], min(R - ref[sl, h], NB))
+        H = _merged_counts(hist, h, nt)
         bstar = _bucket_cut(H, 0, 1.0 / _PER_LOGIT, tau)   # (bucket 0 holds the max score)
         zcut[h] = _NEG_INF if bstar == NB - 1 else np.float32((R - bstar) / _PER_LOGIT)
 

@@ -133,9 +133,7 @@ def packed_select_ref(T, P, q_to_kv, n, tau):
             ridx, rcnt, _, _ = threshold_select_ref(z[None], tau)
             sel = ridx[0, :rcnt[0]]
         else:
-            e = np.concatenate([[1.0], np.cumprod(np.full(NB - bt - 1, np.exp(-w)))])   # e_k = e_{k-1} r
-            cum = np.cumsum(H[bt:] * e)                                      # in bucket order
-            bstar = bt + int(np.argmax(cum >= tau * cum[-1]))
+            bstar = _bucket_cut_ref(H, bt, w, tau)
             sel = np.arange(n) if bstar == NB - 1 else np.flatnonzero(((top - L) >> sh) <= bstar)
         counts[h] = sel.size
         idx[h, :sel.size] = sel
@@ -143,6 +141,14 @@ def packed_select_ref(T, P, q_to_kv, n, tau):
         m[h] = z.max()
         l_sel[h] = np.exp(z[sel].astype(np.float64) - np.float64(m[h])).astype(np.float32).astype(np.float64).sum()
     return idx, counts, m, l_sel, zsel
+
+
+def _bucket_cut_ref(H, bt, w, tau):
+    """The cut bucket of kernels_cpu.level_select._bucket_cut: the first from bt at which the
+    cumulative count_b * exp(-w (b - bt)) reaches tau times its total. H [NB] counts."""
+    e = np.concatenate([[1.0], np.cumprod(np.full(len(H) - bt - 1, np.exp(-w)))])   # e_k = e_{k-1} r
+    cum = np.cumsum(H[bt:] * e)                                                    # in bucket order
+    return bt + int(np.argmax(cum >= tau * cum[-1]))
 
 
 def threshold_select_ref(z, tau):
@@ -406,14 +412,11 @@ def exact_select_ref(z, tau):
         return sel
     if tau >= 1:
         return np.ones((Hq, n), bool)
-    w = 1.0 / 32
     for h in range(Hq):
         B = np.floor(z[h].astype(np.float32) * np.float32(32)).astype(np.int64)
         R = B.max()
         H = np.bincount(np.minimum(R - B, NB - 1), minlength=NB)
-        e = np.concatenate([[1.0], np.cumprod(np.full(NB - 1, np.exp(-w)))])
-        cum = np.cumsum(H * e)
-        bstar = int(np.argmax(cum >= tau * cum[-1]))
+        bstar = _bucket_cut_ref(H, 0, 1.0 / 32, tau)
         sel[h] = True if bstar == NB - 1 else z[h] >= np.float32((R - bstar) / 32)
     return sel
 

@@ -8,12 +8,9 @@ import torch
 
 from .config import EngineConfig, ModelArgs
 from .errors import ContextError
+from .kv.hca_layout import ELEM, EXACT_KEY_ELEM
 
 GiB = 1 << 30
-ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
-# HCACache keeps full-precision store keys (the 50% preset's key store, and every prompt's keys
-# during an exact prefill) in float32 whatever the compute dtype (kv/hca.py: `exact_keys`)
-EXACT_KEY_ELEM = 4
 PREFILL_KEYS = "prompt keys (prefill)"     # transient tiers: see prefill_transient_tiers
 ANCHOR_BLOCK = "anchor block (prefill)"
 

@@ -97,7 +97,8 @@ def main():
     ap.add_argument("--breakdown", action="store_true", help="HCA: time each kernel of one real step")
     ap.add_argument("--attention-time", action="store_true",
                     help="time the cache's one-token attention kernel (hca_decode_attend, "
-                         "hca_exact_decode_attend or dense_attend) inside the timed steps: ms per call and per step; the rest of the step is the rest")
+                         "hca_exact_decode_attend or dense_attend) inside the timed steps: ms per call "
+                         "and per step; the rest of the step is the rest")
     ap.add_argument("--cold", action="store_true",
                     help="with --breakdown: evict the caches (write 64 MB) before each timed call, as the "
                          "layer's weight GEMVs do in a real step")

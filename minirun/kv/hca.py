@@ -75,7 +75,7 @@ class HCACache(KVCache):
         self._lut = None          # [Hq, g, c] scratch lookup table
         self._hist = None         # level-bucket counts of the selection (kc.level_hist)
         self._views = {}          # layer -> (buffer addresses, numpy views) for the decode kernel
-        self._valid_at = (-1, None)   # (offset, live exact-tier slots) of a ring short after a truncate
+        self._live_slots = None   # uint8 mask of the live exact-tier slots while the ring is short
         self._packed = None       # its packed integer form (kc.PackedLUT of scratch arrays)
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
@@ -126,7 +126,7 @@ class HCACache(KVCache):
         if T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W:
             if self.n_encoded == self.n_store > 0:
                 return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
-            if self.layout.exact_keys and self.exact_base == 0 and self.n_store > 0:
+            if self.layout.exact_keys and self.n_store > 0:
                 return self._attend_exact_keys_step(layer, qs, k, v).to(q.dtype)
         o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v)
         if self.n_store == 0:
@@ -185,9 +185,9 @@ class HCACache(KVCache):
         advance, truncate and reset clear it), else None (all live)."""
         if self.offset == self.S + self.W + self.n_store:
             return None
-        if self._valid_at[0] != self.offset:
-            self._valid_at = (self.offset, (self.slot_pos >= 0).numpy().astype(np.uint8))
-        return self._valid_at[1]
+        if self._live_slots is None:
+            self._live_slots = (self.slot_pos >= 0).numpy().astype(np.uint8)
+        return self._live_slots
 
     def _decode_views(self, layer: int) -> tuple:
         """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
@@ -281,7 +281,7 @@ class HCACache(KVCache):
         moves the same positions.
         """
         pos0, end, S, W = self.offset, self.offset + n, self.S, self.W
-        self._valid_at = (-1, None)
+        self._live_slots = None
         if n == 1 and W > 0 and S + self.n_store == pos0 - W:    # a full ring (decode)
             self._advance_one(pos0)
             return
@@ -297,11 +297,7 @@ class HCACache(KVCache):
             from_chunk = ev_pos[ev_pos >= pos0] - pos0
             Ke = torch.cat([self.ek[:, :, ring_slots], Kn[:, :, from_chunk]], 2)            # [L, Hkv, m, hd]
             Ve = torch.cat([self.ev[:, :, ring_slots], Vn[:, :, from_chunk]], 2)
-            codes = None
-            if ev_pos.numel() == 1 and int(ev_pos[0]) == self._pending_pos and self._pending_done.all():
-                codes = torch.from_numpy(self._pending)                                   # [L, Hkv, 1, g]
-            self._pending_pos = -1
-            self._store_append(Ke, Ve, codes)
+            self._store_append(Ke, Ve, self._take_pending(int(ev_pos[0]) if ev_pos.numel() == 1 else -1))
             self.slot_pos[ring_slots] = -1
         if keep.numel():
             slots = torch.where(keep < S, keep, S + (keep - S) % W)
@@ -317,10 +313,7 @@ class HCACache(KVCache):
         store and the new one takes its slot. The general path's index arithmetic and gathers cost
         ~1.5 ms per step in torch calls on the 2-core VM; this is a few slice copies."""
         slot = self.S + (pos - self.S) % self.W                   # = the leaving token's slot
-        codes = None
-        if pos - self.W == self._pending_pos and self._pending_done.all():
-            codes = torch.from_numpy(self._pending)                                       # [L, Hkv, 1, g]
-        self._pending_pos = -1
+        codes = self._take_pending(pos - self.W)
         self._store_append(self.ek[:, :, slot:slot + 1], self.ev[:, :, slot:slot + 1], codes)   # (copies)
         self.ek[:, :, slot] = torch.stack([kv[0][0] for kv in self._staged])         # [L, Hkv, hd]
         self.ev[:, :, slot] = torch.stack([kv[1][0] for kv in self._staged])
@@ -328,6 +321,15 @@ class HCACache(KVCache):
         self._staged = [None] * self.n_layers
         self.offset = pos + 1
         self._fit_when_due()
+
+    def _take_pending(self, pos: int) -> torch.Tensor | None:
+        """The codes [L, Hkv, 1, g] the decode steps encoded ahead, if they are position pos's (the
+        one token leaving the ring) for every layer; None otherwise. Either way they are used up."""
+        codes = None
+        if pos == self._pending_pos >= 0 and self._pending_done.all():
+            codes = torch.from_numpy(self._pending)
+        self._pending_pos = -1
+        return codes
 
     def _fit_when_due(self) -> None:
         """Without codebooks, fit them from the prompt's keys once fit_min_tokens have left the ring."""
@@ -430,7 +432,7 @@ class HCACache(KVCache):
             return False
         drop = (self.slot_pos >= n)
         self.slot_pos[drop] = -1
-        self._valid_at = (-1, None)
+        self._live_slots = None
         self.offset = n
         self._pending_pos = -1
         return True
@@ -438,7 +440,7 @@ class HCACache(KVCache):
     def reset(self) -> None:
         self.offset = self.n_store = self.n_encoded = self.exact_base = 0
         self._pending_pos = -1
-        self._valid_at = (-1, None)
+        self._live_slots = None
         self.slot_pos.fill_(-1)
         self.exact_keys.free()
         self.mode = "hca"

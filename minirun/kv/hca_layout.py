@@ -8,6 +8,9 @@ from ..errors import MiniRunError
 
 DEFAULT_CENTROIDS = 1024
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+# full-precision store keys (the 50% preset's key store, and every prompt's keys during an exact
+# prefill) are float32 whatever the compute dtype, in both caches (HCACache.exact_keys)
+EXACT_KEY_ELEM = 4
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     L, Hkv, Hq, hd, e = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads, args.head_dim, ELEM[cfg.dtype]
     n_exact = cfg.sinks + cfg.window
     n_store = max(0, ctx - n_exact)
-    key_bytes = hd * 4 if lay.exact_keys else lay.groups * lay.index_bytes   # exact keys: float32 in both caches
+    key_bytes = hd * EXACT_KEY_ELEM if lay.exact_keys else lay.groups * lay.index_bytes
     tiers = {
         "sinks+ring K+V": (2 * L * Hkv * n_exact * hd * e, "device"),
         "key store": (L * Hkv * n_store * key_bytes, "device"),
