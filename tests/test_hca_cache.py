@@ -297,6 +297,40 @@ def test_fused_steps_after_a_truncate(tiny_model_dir, budget):
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("budget", [0.5, 0.125])
+def test_one_token_advance_equals_the_general_path(tiny_model_dir, budget):
+    """advance(1) takes a few slice copies, with a full ring (a token leaves for the store) and
+    with a ring refilling after a truncate (a dead slot taken, the live-slot mask kept up to
+    date). Through both states, the same cache contents and logits as the general path."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(90, seed=2)
+    kw = dict(device="cpu", ctx=256, kv="hca", kv_budget=budget, centroids=16, tau=0.9, window=16, sinks=4,
+              prefill_chunk=32, fit_min_tokens=32)
+    runs = []
+    for one in (True, False):
+        eng = Engine.load(d, **kw)
+        c = eng.cache
+        taken = []
+        if one:
+            real = c._advance_one
+            c._advance_one = lambda pos: taken.append(pos) or real(pos)
+        else:
+            c._advance_one = lambda pos: c._advance_chunk(1)
+        gen = eng.generate(ids, max_new_tokens=24, ignore_eos=True).tokens    # full-ring steps
+        eng.prefill(ids + gen[:10])                                        # truncates: ring short
+        assert c.offset < c.S + c.W + c.n_store
+        logits = [eng.step(t) for t in gen[10:]]                           # refills, then full again
+        assert c.offset == c.S + c.W + c.n_store
+        n = c.n_store
+        runs.append((torch.cat(logits), c.ek.clone(), c.ev.clone(), c.slot_pos.clone(), c.values.view(0, n).clone(),
+                     (c.exact_keys if budget == 0.5 else c.indices).view(0, n).clone(), taken))
+    (la, eka, eva, spa, va, ka, taken), (lb, ekb, evb, spb, vb, kb, _) = runs
+    assert len(taken) >= 24 + 14 - 1                                      # every decode step's advance
+    assert torch.equal(spa, spb) and torch.equal(eka, ekb) and torch.equal(eva, evb)
+    assert torch.equal(va, vb) and torch.equal(ka, kb)
+    assert (la - lb).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_planner_matches_kv_stats_with_exact_keys(tiny_model_dir, dtype):
     """The 50% preset: float32 store keys in every dtype, and the decode step's bucket counts."""

@@ -148,16 +148,19 @@ class HCACache(KVCache):
         cbt = self._codebooks_t()[layer]                          # (also makes the self._lut scratch)
         cnorm = self._codebook_norms()[layer]                     # (also makes self._pending)
         pos = self.S + n                                          # the ring's oldest token leaves next
-        if pos != self._pending_pos:
-            self._pending_pos = pos
-            self._pending_done[:] = False
-        encode = (self.S + n % self.W, cnorm, self._pending[layer])
+        encode = None                                             # (none leaves while the ring refills)
+        if self.offset == pos + self.W:
+            if pos != self._pending_pos:
+                self._pending_pos = pos
+                self._pending_done[:] = False
+            encode = (self.S + n % self.W, cnorm, self._pending[layer])
         PT, V, z, sel, lev = self._decode_views(layer)
         o = kc.hca_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
                                  self._ev_np[layer], self.S + self.W, cbt, PT, n, V, self.tau, self.q_to_kv,
                                  self._packed, self._lut, z, sel, self._counts, encode=encode,
                                  levels=(lev, self._hist), exact_valid=self._exact_valid())
-        self._pending_done[layer] = True
+        if encode is not None:
+            self._pending_done[layer] = True
         if self.record_selection is not None:
             self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
@@ -280,11 +283,15 @@ class HCACache(KVCache):
         Works on all layers at once (one gather, one encode, one copy per step), since every layer
         moves the same positions.
         """
+        if n == 1 and self.W > 0 and self.offset >= self.S:         # decode: one token into the ring
+            self._advance_one(self.offset)
+        else:
+            self._advance_chunk(n)
+
+    def _advance_chunk(self, n: int) -> None:
+        """advance(n), the general path: index arithmetic over the chunk's and the ring's positions."""
         pos0, end, S, W = self.offset, self.offset + n, self.S, self.W
         self._live_slots = None
-        if n == 1 and W > 0 and S + self.n_store == pos0 - W:    # a full ring (decode)
-            self._advance_one(pos0)
-            return
         ev_lo, ev_hi = S + self.n_store, max(S, end - W)          # positions leaving for the store
         ev_pos = torch.arange(ev_lo, max(ev_lo, ev_hi))
         keep = torch.arange(pos0, end)                              # chunk positions that stay exact
@@ -309,12 +316,18 @@ class HCACache(KVCache):
         self._fit_when_due()
 
     def _advance_one(self, pos: int) -> None:
-        """advance(1) with a full ring (every decode step): the ring's oldest token leaves for the
-        store and the new one takes its slot. The general path's index arithmetic and gathers cost
-        ~1.5 ms per step in torch calls on the 2-core VM; this is a few slice copies."""
-        slot = self.S + (pos - self.S) % self.W                   # = the leaving token's slot
-        codes = self._take_pending(pos - self.W)
-        self._store_append(self.ek[:, :, slot:slot + 1], self.ev[:, :, slot:slot + 1], codes)   # (copies)
+        """advance(1) of a token at pos >= S (every decode step): with a full ring, the ring's
+        oldest token leaves for the store and the new one takes its slot; with a ring not yet full
+        (a short context, or after a truncate: every bench round) the new one takes a dead slot.
+        The general path's index arithmetic and gathers cost ~1.5 ms per step in torch calls on the
+        2-core VM; this is a few slice copies."""
+        slot = self.S + (pos - self.S) % self.W                   # = the leaving token's slot, if any
+        if pos - self.W == self.S + self.n_store:                 # a full ring
+            codes = self._take_pending(pos - self.W)
+            self._store_append(self.ek[:, :, slot:slot + 1], self.ev[:, :, slot:slot + 1], codes)   # (copies)
+            self._live_slots = None
+        elif self._live_slots is not None:
+            self._live_slots[slot] = 1                            # the mask stays valid: one more live slot
         self.ek[:, :, slot] = torch.stack([kv[0][0] for kv in self._staged])         # [L, Hkv, hd]
         self.ev[:, :, slot] = torch.stack([kv[1][0] for kv in self._staged])
         self.slot_pos[slot] = pos
