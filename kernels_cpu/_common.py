@@ -51,10 +51,43 @@ def _u32_as_f32(typingctx, x):
 
 
 
+@intrinsic
+def _f32_as_i32(typingctx, x):
+    """The bits of a float32 as an int32."""
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+    sig = types.int32(x)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.int32))
+
+    return sig, codegen
+
+
 @njit(inline="always")
 def _min_max(x, n):
-    """(min, max) of x[:n], NaN ignored ((inf, -inf) if none is a number). Four compare-select
-    chains: LLVM does not vectorize a float min/max reduction without fastmath, and a single chain
+    """(min, max) of x[:n], NaN ignored ((inf, -inf) if none is a number).
+    LLVM does not vectorize a float min/max reduction without fastmath, but does an integer one:
+    each float's bits become an int32 in the same order (negatives' magnitude bits flipped), with
+    a NaN beyond +-inf, so a NaN among x shows as a NaN result and the float chains run instead."""
+    a = np.int32(0x7F800000)                      # the key of +inf
+    b = np.int32(-0x7F800001)                     # the key of -inf (bits 0x807FFFFF)
+    for j in range(n):
+        i = _f32_as_i32(x[j])
+        k = i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        a = min(a, k)
+        b = max(b, k)
+    a ^= (a >> np.int32(31)) & np.int32(0x7FFFFFFF)
+    b ^= (b >> np.int32(31)) & np.int32(0x7FFFFFFF)
+    mn, mx = _u32_as_f32(np.uint32(a)), _u32_as_f32(np.uint32(b))
+    if mn != mn or mx != mx:
+        return _min_max_chains(x, n)
+    return mn, mx
+
+
+@njit(inline="always")
+def _min_max_chains(x, n):
+    """_min_max with float compares (NaN ignored): four compare-select chains, since a single chain
     runs at the compare-select latency."""
     a0 = a1 = a2 = a3 = np.float32(np.inf)
     b0 = b1 = b2 = b3 = np.float32(-np.inf)

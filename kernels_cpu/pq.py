@@ -3,7 +3,7 @@
 import numpy as np
 from numba import njit, prange
 
-from ._common import _ld, _as_pool, _as_f32, _c_rows, _as_i32
+from ._common import _ld, _as_pool, _as_f32, _c_rows, _as_i32, _min_max
 
 
 # ---------------------------------------------------------------------------
@@ -273,25 +273,21 @@ def _nearest(k, i, Cti, cni, dist):
     """Index of the centroid of group i nearest to the key row k (f32 or half bits): Cti [ds, c]
     transposed codebook, cni [c] norms, dist [c] scratch. Ties go to the lowest index."""
     ds, c = Cti.shape
-    for jj in range(c):
-        dist[jj] = cni[jj]
-    for k_ in range(ds):
-        x2 = np.float32(2.0) * _ld(k[i * ds + k_])
-        row = Cti[k_]
+    if ds == 4:                                   # one pass over the row (same order of operations)
+        x0, x1 = np.float32(2.0) * _ld(k[i * 4]), np.float32(2.0) * _ld(k[i * 4 + 1])
+        x2, x3 = np.float32(2.0) * _ld(k[i * 4 + 2]), np.float32(2.0) * _ld(k[i * 4 + 3])
+        C0, C1, C2, C3 = Cti[0], Cti[1], Cti[2], Cti[3]
         for jj in range(c):
-            dist[jj] -= x2 * row[jj]
-    # argmin as min (4 chains: one compare-select chain runs at its latency) + first match
-    b0 = b1 = b2 = b3 = np.float32(np.inf)
-    jj = 0
-    while jj + 4 <= c:
-        b0 = dist[jj] if dist[jj] < b0 else b0
-        b1 = dist[jj + 1] if dist[jj + 1] < b1 else b1
-        b2 = dist[jj + 2] if dist[jj + 2] < b2 else b2
-        b3 = dist[jj + 3] if dist[jj + 3] < b3 else b3
-        jj += 4
-    for r in range(jj, c):
-        b0 = dist[r] if dist[r] < b0 else b0
-    best = min(min(b0, b1), min(b2, b3))
+            dist[jj] = (((cni[jj] - x0 * C0[jj]) - x1 * C1[jj]) - x2 * C2[jj]) - x3 * C3[jj]
+    else:
+        for jj in range(c):
+            dist[jj] = cni[jj]
+        for k_ in range(ds):
+            x2 = np.float32(2.0) * _ld(k[i * ds + k_])
+            row = Cti[k_]
+            for jj in range(c):
+                dist[jj] -= x2 * row[jj]
+    best, _ = _min_max(dist, c)                   # argmin as min + first match
     bi = 0
     if best < np.inf:
         while dist[bi] != best:

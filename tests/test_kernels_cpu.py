@@ -519,3 +519,31 @@ def test_non_contiguous_head_mapping():
         ref.weighted_value_sum_ref(z, idx, counts, V, q2k),
         np.abs(V.astype(np.float32)).max(),
     )
+
+
+def test_min_max_ignores_nan_like_the_float_chains():
+    """_min_max compares the floats' bits as integers (a reduction LLVM vectorizes); a NaN in the
+    row makes it fall back to float compares. Either way: NaN ignored, (inf, -inf) for a row with
+    no number, the same values as numpy's nanmin / nanmax."""
+    from numba import njit
+    from kernels_cpu._common import _min_max
+
+    @njit
+    def min_max(x, n):
+        return _min_max(x, n)
+
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        n = int(rng.integers(0, 70))
+        x = (rng.standard_normal(n + 3) * 10 ** rng.uniform(-30, 30)).astype(np.float32)
+        if n and trial % 3 == 0:
+            x[rng.integers(0, n, 3)] = np.nan
+        if n and trial % 4 == 0:
+            x[rng.integers(0, n, 2)] = rng.choice(np.array([np.inf, -np.inf, -0.0, 0.0], np.float32), 2)
+        if n and trial % 25 == 0:
+            x[:n] = np.nan
+        x[n:] = -np.inf if trial % 2 else np.inf              # past n: never read
+        lo, hi = min_max(x, n)
+        body = x[:n][~np.isnan(x[:n])]
+        want = (body.min(), body.max()) if body.size else (np.inf, -np.inf)
+        assert (lo, hi) == want, (trial, x[:n], lo, hi)
