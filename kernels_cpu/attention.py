@@ -12,27 +12,69 @@ from .packed import lane_map
 # ---------------------------------------------------------------------------
 
 
-@njit(cache=True)
-def _dot(a, b, buf):
-    """a . b over d = buf.shape[0] elements, float32, pairwise (tree) order.
+_DOT_FASTMATH = {"reassoc", "contract"}   # the dot products vectorize; NaN/inf still propagate
 
-    Products go to the scratch buf [d] f32, then halving passes
-    buf[k] += buf[k + h]; every pass is a unit-stride loop the loop vectorizer
-    handles without reassociation (~2x faster than a scalar dot, and more
-    accurate).  b may be a float32 row or a half-bits (uint16) row.
-    """
-    d = buf.shape[0]
-    for k in range(d):
-        buf[k] = a[k] * _ld(b[k])
-    w = d
-    while w > 1:
-        h = w // 2
-        for k in range(h):
-            buf[k] += buf[k + h]
-        if w & 1:
-            buf[0] += buf[w - 1]
-        w = h
-    return buf[0]
+
+@njit(cache=True, fastmath=_DOT_FASTMATH)
+def _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, r0, r1, r2):
+    """z[r_e, j - zoff] = q[h_e] . K[kv, j] for e = 0, 1, 2 (repeated heads allowed: the same
+    score written twice), j in [j0, j1); bmax [>= 3] f32 their highest scores. K f32 or half
+    bits. Each key row is read once, the three dot products share its loads (one loop, three
+    accumulators: fewer horizontal sums and loads than one dot at a time)."""
+    d = q.shape[1]
+    q0, q1, q2 = q[h0], q[h1], q[h2]
+    m0 = m1 = m2 = _NEG_INF
+    for j in range(j0, j1):
+        Kj = K[kv, j]
+        a0 = a1 = a2 = np.float32(0.0)
+        for i in range(d):
+            x = _ld(Kj[i])
+            a0 += q0[i] * x
+            a1 += q1[i] * x
+            a2 += q2[i] * x
+        z[r0, j - zoff], z[r1, j - zoff], z[r2, j - zoff] = a0, a1, a2
+        m0, m1, m2 = max(m0, a0), max(m1, a1), max(m2, a2)
+    bmax[0], bmax[1], bmax[2] = m0, m1, m2
+
+
+@njit(cache=True, fastmath=_DOT_FASTMATH)
+def _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, r0, r1, r2, r3):
+    """_dots3 for four heads; bmax [4]."""
+    d = q.shape[1]
+    q0, q1, q2, q3 = q[h0], q[h1], q[h2], q[h3]
+    m0 = m1 = m2 = m3 = _NEG_INF
+    for j in range(j0, j1):
+        Kj = K[kv, j]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for i in range(d):
+            x = _ld(Kj[i])
+            a0 += q0[i] * x
+            a1 += q1[i] * x
+            a2 += q2[i] * x
+            a3 += q3[i] * x
+        z[r0, j - zoff], z[r1, j - zoff], z[r2, j - zoff], z[r3, j - zoff] = a0, a1, a2, a3
+        m0, m1, m2, m3 = max(m0, a0), max(m1, a1), max(m2, a2), max(m3, a3)
+    bmax[0], bmax[1], bmax[2], bmax[3] = m0, m1, m2, m3
+
+
+@njit(cache=True)
+def _row_dots(q, K, lanes, r, kv, j0, j1, z, zoff, bmax, by_lane):
+    """The scores of table row r's heads (lanes [R, 4], -1: empty) against keys j0..j1 of kv-head
+    kv, each key row read once for all of them: z[row, j - zoff] = q[h] . K[kv, j], the row being
+    the lane e (by_lane) or the head h itself; bmax [LANES] f32 the highest per lane. Rows of fewer
+    than 3 heads repeat their first head (wasted work, the same scores); with by_lane, lanes past
+    the row's heads hold those repeats."""
+    h0 = lanes[r, 0]
+    h1, h2, h3 = max(lanes[r, 1], h0), max(lanes[r, 2], h0), lanes[r, 3]
+    if h3 >= 0:
+        if by_lane:
+            _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, 0, 1, 2, 3)
+        else:
+            _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, h0, h1, h2, h3)
+    elif by_lane:
+        _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, 0, 1, 2)
+    else:
+        _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h0, h1, h2)
 
 
 @njit(cache=True)
@@ -77,23 +119,18 @@ _ATT_CHUNK = 512
 
 
 @njit(cache=True)
-def _exact_chunk(q, K, V, lanes, r, kv, j0, j1, nch, c, s, buf, po, pm, pl, valid):
+def _exact_chunk(q, K, V, lanes, r, kv, j0, j1, nch, c, s, po, pm, pl, valid):
     """The query heads of table row r (lanes [R, 4], -1: empty) over keys j0..j1 of kv-head kv,
     each K and V row read once for all of them: writes, for each head h of the row, item
     it = h * nch + c of po [items, d] f32 (sum of exp(s - pm) v), pm [items] f32 (max score),
     pl [items] f64 (sum of the weights, float32-accumulated); a max of -inf, +inf or NaN: pm = that
     max, po = 0, pl = 0 (the merge skips items with pl = 0).
-    s [4, >= j1 - j0] f32, buf [d] f32: scratch. Per head the same operations in the same order
-    as one head at a time (scores by _dot, then weights, then the weighted rows in key order).
+    s [4, >= j1 - j0] f32: scratch. Scores by _row_dots (each key row read once for the row's
+    heads), then per head the weights, then the weighted rows in key order.
     valid: uint8 [>= j1] (0: key j is not attended: score -inf, weight 0), or empty: all are."""
     d = q.shape[1]
     nl = lanes.shape[1]
-    for j in range(j0, j1):
-        Kj = K[kv, j]
-        for e in range(nl):
-            h = lanes[r, e]
-            if h >= 0:
-                s[e, j - j0] = _dot(q[h], Kj, buf)
+    _row_dots(q, K, lanes, r, kv, j0, j1, s, j0, np.empty(nl, np.float32), True)
     if valid.size:
         for j in range(j0, j1):
             if valid[j] == 0:
@@ -150,9 +187,7 @@ def _k_attend_exact(q, K, V, lanes, n, chunk, o, m, l):
         r, c = it // nch, it % nch
         j0 = c * chunk
         s = np.empty((lanes.shape[1], min(n, j0 + chunk) - j0), dtype=np.float32)
-        buf = np.empty(d, dtype=np.float32)
-        _exact_chunk(q, K, V, lanes, r, r // npass, j0, min(n, j0 + chunk), nch, c, s, buf, po, pm, pl,
-                     _ALL_VALID)
+        _exact_chunk(q, K, V, lanes, r, r // npass, j0, min(n, j0 + chunk), nch, c, s, po, pm, pl, _ALL_VALID)
     for h in prange(Hq):
         _merge_partials(first, po, pm, pl, h, o, m, l)
 

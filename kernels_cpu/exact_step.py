@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._common import _NEG_INF, _as_f32, _as_pool, _c_rows
-from .attention import _k_lse_merge
+from .attention import _k_lse_merge, _row_dots
 from .hca_step import _step_partials, _valid_mask
 from .level_select import NB, _bucket_cut, _merged_counts
 from .level_sum import _k_level_value_sum
@@ -36,64 +36,6 @@ from .packed import LANES
 _BLOCK = 1024                  # keys per scoring task
 _PER_LOGIT = 32                # buckets per logit
 _NO_REF = -(1 << 62)           # a thread's reference bucket before it has counted a token
-_FASTMATH = {"reassoc", "contract"}   # the dot products vectorize; NaN/inf still propagate
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _dots3(q, K, kv, j0, j1, z, bmax, h0, h1, h2):
-    """z[h, j] = q[h] . K[kv, j] for heads h0, h1, h2 (repeats allowed: a repeated head writes the
-    same score twice), j in [j0, j1); bmax [3] f32 their highest scores. Each key row is read once,
-    the three dot products share its loads (one loop, three accumulators: fewer horizontal sums
-    and loads than one dot at a time)."""
-    d = q.shape[1]
-    q0, q1, q2 = q[h0], q[h1], q[h2]
-    m0 = m1 = m2 = _NEG_INF
-    for j in range(j0, j1):
-        Kj = K[kv, j]
-        a0 = a1 = a2 = np.float32(0.0)
-        for i in range(d):
-            x = Kj[i]
-            a0 += q0[i] * x
-            a1 += q1[i] * x
-            a2 += q2[i] * x
-        z[h0, j], z[h1, j], z[h2, j] = a0, a1, a2
-        m0, m1, m2 = max(m0, a0), max(m1, a1), max(m2, a2)
-    bmax[0], bmax[1], bmax[2] = m0, m1, m2
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _dots4(q, K, kv, j0, j1, z, bmax, h0, h1, h2, h3):
-    """_dots3 for four heads; bmax [4]."""
-    d = q.shape[1]
-    q0, q1, q2, q3 = q[h0], q[h1], q[h2], q[h3]
-    m0 = m1 = m2 = m3 = _NEG_INF
-    for j in range(j0, j1):
-        Kj = K[kv, j]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for i in range(d):
-            x = Kj[i]
-            a0 += q0[i] * x
-            a1 += q1[i] * x
-            a2 += q2[i] * x
-            a3 += q3[i] * x
-        z[h0, j], z[h1, j], z[h2, j], z[h3, j] = a0, a1, a2, a3
-        m0, m1, m2, m3 = max(m0, a0), max(m1, a1), max(m2, a2), max(m3, a3)
-    bmax[0], bmax[1], bmax[2], bmax[3] = m0, m1, m2, m3
-
-
-@njit(cache=True)
-def _score_block(q, K, lanes, r, kv, j0, j1, z, bmax):
-    """z[h, j] = q[h] . K[kv, j] for the heads of table row r (lanes [R, 4], -1: empty),
-    j in [j0, j1); bmax [LANES] f32 the block's highest score per lane (an empty lane's is
-    not used). Rows of fewer than 3 heads repeat their first head (wasted work, same results)."""
-    h0 = lanes[r, 0]
-    h1, h2, h3 = max(lanes[r, 1], h0), max(lanes[r, 2], h0), lanes[r, 3]
-    if h3 >= 0:
-        _dots4(q, K, kv, j0, j1, z, bmax, h0, h1, h2, h3)
-    else:
-        _dots3(q, K, kv, j0, j1, z, bmax, h0, h1, h2)
-
-
 @njit(inline="always")
 def _raise_ref(hh, s):
     """A thread's counts hh [NB] re-numbered from a top bucket s buckets higher: bucket i moves
@@ -151,7 +93,7 @@ def _k_exact_scores(q, K, n, lanes, z, hist, ref, smax, nt):
             kv = r // (R // K.shape[0])
             j0 = (t // R) * _BLOCK
             j1 = min(n, j0 + _BLOCK)
-            _score_block(q, K, lanes, r, kv, j0, j1, z, bmax)
+            _row_dots(q, K, lanes, r, kv, j0, j1, z, 0, bmax, False)
             for e in range(LANES):
                 h = lanes[r, e]
                 if h >= 0:

@@ -186,7 +186,7 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
         cnt = np.empty(LANES, np.int64)
         for t in range(sl, nx + nr * R, nt):
             if t < nx:
-                _exact_chunk(q, EK, EV, lanes, t, t // (R // EK.shape[0]), 0, n_exact, 1, 0, W, acc[0], xo, xm, xl,
+                _exact_chunk(q, EK, EV, lanes, t, t // (R // EK.shape[0]), 0, n_exact, 1, 0, W, xo, xm, xl,
                              valid)
                 continue
             r, j0 = (t - nx) % R, ((t - nx) // R) * _RANGE
