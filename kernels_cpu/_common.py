@@ -51,6 +51,11 @@ def _u32_as_f32(typingctx, x):
 
 
 
+# fastmath for the kernels whose float reductions should vectorize (dot products, GEMVs):
+# reassociation and contraction only, so NaN and inf still propagate
+_FASTMATH = {"reassoc", "contract"}
+
+
 @intrinsic
 def _f32_as_i32(typingctx, x):
     """The bits of a float32 as an int32."""

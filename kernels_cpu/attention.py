@@ -3,7 +3,7 @@
 import numpy as np
 from numba import njit, prange
 
-from ._common import _NEG_INF, _exp32, _ld, _as_pool, _as_f32, _prefetch, _rows_in, _as_i32
+from ._common import _FASTMATH, _NEG_INF, _exp32, _ld, _as_pool, _as_f32, _prefetch, _rows_in, _as_i32
 from .packed import lane_map
 
 
@@ -12,10 +12,7 @@ from .packed import lane_map
 # ---------------------------------------------------------------------------
 
 
-_DOT_FASTMATH = {"reassoc", "contract"}   # the dot products vectorize; NaN/inf still propagate
-
-
-@njit(cache=True, fastmath=_DOT_FASTMATH)
+@njit(cache=True, fastmath=_FASTMATH)
 def _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, r0, r1, r2):
     """z[r_e, j - zoff] = q[h_e] . K[kv, j] for e = 0, 1, 2 (repeated heads allowed: the same
     score written twice), j in [j0, j1); bmax [>= 3] f32 their highest scores. K f32 or half
@@ -37,7 +34,7 @@ def _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, r0, r1, r2):
     bmax[0], bmax[1], bmax[2] = m0, m1, m2
 
 
-@njit(cache=True, fastmath=_DOT_FASTMATH)
+@njit(cache=True, fastmath=_FASTMATH)
 def _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, r0, r1, r2, r3):
     """_dots3 for four heads; bmax [4]."""
     d = q.shape[1]
@@ -66,15 +63,11 @@ def _row_dots(q, K, lanes, r, kv, j0, j1, z, zoff, bmax, by_lane):
     the row's heads hold those repeats."""
     h0 = lanes[r, 0]
     h1, h2, h3 = max(lanes[r, 1], h0), max(lanes[r, 2], h0), lanes[r, 3]
+    r0, r1, r2, r3 = (0, 1, 2, 3) if by_lane else (h0, h1, h2, h3)
     if h3 >= 0:
-        if by_lane:
-            _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, 0, 1, 2, 3)
-        else:
-            _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, h0, h1, h2, h3)
-    elif by_lane:
-        _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, 0, 1, 2)
+        _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, r0, r1, r2, r3)
     else:
-        _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h0, h1, h2)
+        _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, r0, r1, r2)
 
 
 @njit(cache=True)

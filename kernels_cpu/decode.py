@@ -19,10 +19,9 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._common import _NEG_INF, _exp32, _u32_as_f32
+from ._common import _FASTMATH, _NEG_INF, _exp32, _u32_as_f32
 from .bf16 import bf16_to_f32, f32_to_bf16
 
-_FASTMATH = {"reassoc", "contract"}   # vectorized reductions; NaN/inf still propagate
 _ROWS_PER_TASK = 16
 
 

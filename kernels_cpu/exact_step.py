@@ -36,6 +36,8 @@ from .packed import LANES
 _BLOCK = 1024                  # keys per scoring task
 _PER_LOGIT = 32                # buckets per logit
 _NO_REF = -(1 << 62)           # a thread's reference bucket before it has counted a token
+
+
 @njit(inline="always")
 def _raise_ref(hh, s):
     """A thread's counts hh [NB] re-numbered from a top bucket s buckets higher: bucket i moves

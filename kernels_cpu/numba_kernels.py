@@ -1,7 +1,8 @@
 """The Numba kernels (one module per family); each has a NumPy reference in kernels_cpu.reference.
 
-All kernels take NumPy arrays and use `cache=True`; fastmath (reassoc, contract: vectorized dot
-products) only in kernels_cpu.decode and kernels_cpu.exact_step. Shapes and dtypes are in each
+All kernels take NumPy arrays and use `cache=True`; fastmath (_common._FASTMATH: reassoc, contract,
+vectorized dot products) only in kernels_cpu.decode and the multi-head dots of
+kernels_cpu.attention (`_row_dots`, also the exact_step's scoring). Shapes and dtypes are in each
 function's docstring.
 """
 from ._common import HALF_CONVERSION, _k_half_array, half_to_float, set_num_threads  # noqa: F401

@@ -149,7 +149,7 @@ class HCACache(KVCache):
         cnorm = self._codebook_norms()[layer]                     # (also makes self._pending)
         pos = self.S + n                                          # the ring's oldest token leaves next
         encode = None                                             # (none leaves while the ring refills)
-        if self.offset == pos + self.W:
+        if self._ring_full():
             if pos != self._pending_pos:
                 self._pending_pos = pos
                 self._pending_done[:] = False
@@ -181,12 +181,17 @@ class HCACache(KVCache):
             self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
 
+    def _ring_full(self) -> bool:
+        """The ring holds W tokens (every position from S + n_store up to offset): the next token
+        in pushes the oldest out to the store. Short after a truncate, until it refills."""
+        return self.offset == self.S + self.W + self.n_store
+
     def _exact_valid(self) -> np.ndarray | None:
         """The one-call steps read every sinks + ring slot. After a truncate (a prompt sharing a
         prefix with the cache) the ring holds fewer than W tokens until it refills, and the dropped
         tokens' slots keep stale K/V: then a uint8 mask of the live slots (made once per step:
         advance, truncate and reset clear it), else None (all live)."""
-        if self.offset == self.S + self.W + self.n_store:
+        if self._ring_full():
             return None
         if self._live_slots is None:
             self._live_slots = (self.slot_pos >= 0).numpy().astype(np.uint8)
@@ -322,7 +327,7 @@ class HCACache(KVCache):
         The general path's index arithmetic and gathers cost ~1.5 ms per step in torch calls on the
         2-core VM; this is a few slice copies."""
         slot = self.S + (pos - self.S) % self.W                   # = the leaving token's slot, if any
-        if pos - self.W == self.S + self.n_store:                 # a full ring
+        if self._ring_full():
             codes = self._take_pending(pos - self.W)
             self._store_append(self.ek[:, :, slot:slot + 1], self.ev[:, :, slot:slot + 1], codes)   # (copies)
             self._live_slots = None
