@@ -21,6 +21,9 @@ function in :mod:`kernels_cpu.numba_kernels`:
   the store through LUT, scores, selection and value sum, merged) in one call
 * ``hca_exact_decode_attend(...) -> o``: the same for a store of exact keys (the 50% preset:
   :mod:`kernels_cpu.exact_step`)
+* :mod:`kernels_cpu.fastscan`: codebooks of 16 centroids, two 4-bit codes per byte; ``fs_lut``,
+  ``fs_levels`` (AVX2 ``pshufb`` lookups, 32 tokens per instruction), ``encode_pairs`` and
+  ``hca_decode_attend_fs``, the decode step for those codes
 * ``attn_in``, ``attn_out``, ``norm_gemv``: a Llama layer's one-token step around its attention
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)

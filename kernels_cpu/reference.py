@@ -66,12 +66,12 @@ def approx_scores_ref(T, P, q_to_kv, n):
     return z.astype(np.float32)
 
 
-def pack_lut_ref(T):
+def pack_lut_ref(T, qmax=None):
     """T [Hq, g, c] f32 -> (Q int64 [Hq, g, c], scale f32 [Hq], offset f32 [Hq]): the quantized
     tables of kernels_cpu.packed (one head per row, unpacked), with its exact float32 operations."""
     T = np.asarray(T, dtype=np.float32)
     Hq, g, c = T.shape
-    qmax = 65535 // g
+    qmax = 65535 // g if qmax is None else qmax
     Q = np.zeros((Hq, g, c), np.int64)
     scale, offset = np.empty(Hq, np.float32), np.empty(Hq, np.float32)
     for h in range(Hq):
@@ -107,23 +107,32 @@ def packed_select_ref(T, P, q_to_kv, n, tau):
 
     T [Hq, g, c] f32, P [Hkv, n_cap, g] (token-major) -> (idx int32 [Hq, n], counts, m f32, l_sel f32,
     z_sel f32 [Hq, n]) as packed_select returns them (rows past counts[h] are 0 here)."""
+    Q, scale, offset = pack_lut_ref(T)
+    g = Q.shape[1]
+    levels = np.stack([Q[h, np.arange(g)[None, :], P[q_to_kv[h], :n].astype(np.int64)].sum(axis=1)
+                       for h in range(Q.shape[0])]) if n else np.zeros((Q.shape[0], 0), np.int64)
+    return levels_select_ref(levels, Q.max(axis=2).sum(axis=1), scale, offset, tau)
+
+
+def levels_select_ref(levels, top, scale, offset, tau):
+    """The level selection of kernels_cpu.level_select: levels int64 [Hq, n] (z = scale * L + offset),
+    top int64 [Hq] (the sum of the tables' row maxima) -> packed_select_ref's tuple."""
     from .level_select import _COVER, NB
     from .packed import _BUCKET_LOGITS
-    Q, scale, offset = pack_lut_ref(T)
-    Hq, g, _ = Q.shape
+    Hq, n = levels.shape
     idx, zsel = np.zeros((Hq, n), np.int32), np.zeros((Hq, n), np.float32)
     counts = np.zeros(Hq, np.int32)
     m, l_sel = np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
     if n == 0:
         return idx, counts, m, l_sel, zsel
     for h in range(Hq):
-        L = Q[h, np.arange(g)[None, :], P[q_to_kv[h], :n].astype(np.int64)].sum(axis=1)   # levels
+        L = levels[h]
         z = L.astype(np.float32) * scale[h] + offset[h]
-        top, sh = int(Q[h].max(axis=1).sum()), 0
+        top_h, sh = int(top[h]), 0
         while sh < 15 and np.float64(scale[h]) * 2 ** (sh + 1) <= _BUCKET_LOGITS:
             sh += 1
         w = np.float64(scale[h]) * 2 ** sh
-        H = np.bincount(np.minimum((top - L) >> sh, NB - 1), minlength=NB)
+        H = np.bincount(np.minimum((top_h - L) >> sh, NB - 1), minlength=NB)
         bt = int(np.flatnonzero(H)[0])
         if tau >= 1:
             sel = np.arange(n)
@@ -134,7 +143,7 @@ def packed_select_ref(T, P, q_to_kv, n, tau):
             sel = ridx[0, :rcnt[0]]
         else:
             bstar = _bucket_cut_ref(H, bt, w, tau)
-            sel = np.arange(n) if bstar == NB - 1 else np.flatnonzero(((top - L) >> sh) <= bstar)
+            sel = np.arange(n) if bstar == NB - 1 else np.flatnonzero(((top_h - L) >> sh) <= bstar)
         counts[h] = sel.size
         idx[h, :sel.size] = sel
         zsel[h, :sel.size] = z[sel]
@@ -382,6 +391,45 @@ def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, ta
         T = build_lut_ref(q, codebooks, q_to_kv)
         idx, counts, _, _, _ = packed_select_ref(T, P, q_to_kv, n_store, tau)
         store = weighted_value_sum_ref(packed_scores_ref(T, P, q_to_kv, n_store), idx, counts, V, q_to_kv)
+    return _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store)
+
+
+def fs_lut_ref(q, F, q_to_kv):
+    """The fast-scan tables of kernels_cpu.fastscan: q [Hq, d] f32, F [Hkv, G, ds, 16] (transposed
+    factor codebooks) -> (Q int64 [Hq, G, 16] in [0, 127], scale f32 [Hq], offset f32 [Hq]), with
+    the kernel's float32 operations (T summed over the sub-dimensions in order)."""
+    q, F = np.asarray(q, np.float32), np.asarray(F, np.float32)
+    Hq, G, ds = q.shape[0], F.shape[1], F.shape[2]
+    T = np.zeros((Hq, G, 16), np.float32)
+    for k in range(ds):
+        T += q.reshape(Hq, G, ds)[:, :, k, None] * F[np.asarray(q_to_kv), :, k, :]
+    return pack_lut_ref(T, qmax=127)
+
+
+def fs_levels_ref(Q, PT, q_to_kv, n):
+    """Levels over nibble-pair codes: Q int64 [Hq, G, 16], PT [Hkv, G/2, >=n] uint8 (byte p =
+    code[2p] | code[2p + 1] << 4) -> int64 [Hq, n] = sum_i Q[h, i, code_i(j)]."""
+    codes = np.asarray(PT)[:, :, :n].astype(np.int64)
+    lo, hi = codes & 15, codes >> 4                                   # [Hkv, G/2, n]
+    out = np.zeros((Q.shape[0], n), np.int64)
+    for h in range(Q.shape[0]):
+        kv = q_to_kv[h]
+        for p in range(codes.shape[1]):
+            out[h] += Q[h, 2 * p][lo[kv, p]] + Q[h, 2 * p + 1][hi[kv, p]]
+    return out
+
+
+def hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_kv):
+    """hca_decode_attend_ref for nibble-pair codes (kernels_cpu.fastscan): F [Hkv, G, ds, 16]
+    transposed factor codebooks, PT [Hkv, G/2, >=n_store] uint8 group-major -> o [Hq, d] f32."""
+    q = np.asarray(q, dtype=np.float32)
+    store = None
+    if n_store:
+        Q, scale, offset = fs_lut_ref(q, F, q_to_kv)
+        levels = fs_levels_ref(Q, PT, q_to_kv, n_store)
+        idx, counts, _, _, _ = levels_select_ref(levels, Q.max(axis=2).sum(axis=1), scale, offset, tau)
+        z = levels.astype(np.float32) * scale[:, None] + offset[:, None]
+        store = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
     return _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store)
 
 

@@ -17,6 +17,15 @@ def _floats(value: str, what: str) -> list[float]:
         raise MiniRunError(f"{what}: expected comma-separated numbers, got {value!r}") from None
 
 
+def _settings(value: str) -> list[str]:
+    """--kv-budget of eval: budgets or gGcC settings (config.hca_setting), each checked here."""
+    from .config import hca_setting
+    out = [x.strip() for x in value.split(",") if x.strip()]
+    for x in out:
+        hca_setting(x)
+    return out
+
+
 def _ints(value: str, what: str) -> list[int]:
     from .config import parse_ctx
     try:
@@ -60,7 +69,8 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="evaluation text file (default: the stdlib's pydoc topics, evaluation half)")
 @click.option("--kv-budget", "budgets", default="0.5,0.25,0.125", show_default=True,
-              help="HCA budgets to compare with dense (comma-separated; empty: dense only)")
+              help="HCA budgets (or gGcC codebooks, e.g. g64c16) to compare with dense (comma-separated; "
+                   "empty: dense only)")
 @click.option("--ppl-tokens", type=int, default=4096, show_default=True, help="0 skips perplexity")
 @click.option("--prompt-tokens", type=int, default=3072, show_default=True, help="teacher forcing: prompt length")
 @click.option("--positions", type=int, default=256, show_default=True,
@@ -89,7 +99,7 @@ def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey
     ModelArgs.from_path(model)                                   # a bad model dir: one line, before any work
     text, source = read_text(data, part="evaluation")
     ids = Tokenizer(model).encode(text)
-    report = run_grid(model, ids, budgets=_floats(budgets, "--kv-budget"), ppl_tokens=ppl_tokens,
+    report = run_grid(model, ids, budgets=_settings(budgets), ppl_tokens=ppl_tokens,
                       prompt_tokens=prompt_tokens, positions=positions,
                       lengths=_ints(passkey_lengths, "--passkey-lengths"),
                       depths=_floats(passkey_depths, "--passkey-depths"), trials=trials, tau=tau, window=window,

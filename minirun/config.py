@@ -109,6 +109,26 @@ def parse_ctx(value: str | int) -> int:
 KV_BUDGET_PRESETS = (0.5, 0.25, 0.125)
 
 
+def hca_setting(spec: str | float) -> dict:
+    """An HCA key-store setting as the tools name it -> Engine.load keywords: a budget preset
+    ("0.125" -> kv_budget=0.125) or explicit codebooks ("g64c16" -> groups=64, centroids=16)."""
+    s = str(spec).strip().lower()
+    m = re.fullmatch(r"g(\d+)c(\d+)", s)
+    if m:
+        return {"groups": int(m.group(1)), "centroids": int(m.group(2))}
+    try:
+        return {"kv_budget": float(s)}
+    except ValueError:
+        raise MiniRunError(f"bad HCA setting {spec!r}: use a budget (0.5, 0.25, 0.125) or gGcC "
+                           f"(e.g. g64c16: 64 groups of 16 centroids)") from None
+
+
+def hca_setting_name(spec: str | float) -> str:
+    """The setting's name in tables: "0.125" -> "0.125", "g64c16" -> "g64c16"."""
+    kw = hca_setting(spec)
+    return f"{kw['kv_budget']:g}" if "kv_budget" in kw else f"g{kw['groups']}c{kw['centroids']}"
+
+
 @dataclass
 class EngineConfig:
     """Runtime choices: where and how to run, and the KV-cache policy."""

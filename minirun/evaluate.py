@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .config import hca_setting, hca_setting_name
 from .errors import MiniRunError
 
 # ---- the three measurements -------------------------------------------------------------------
@@ -175,8 +176,9 @@ TARGETS = {  # budget -> (max ppl increase vs dense, min top-1 agreement, passke
 }
 
 
-def mode_name(budget: float | None) -> str:
-    return "dense" if budget is None else f"hca {budget:g}"
+def mode_name(budget: float | str | None) -> str:
+    """None -> "dense"; a budget or explicit codebooks (config.hca_setting) -> "hca 0.125", "hca g64c16"."""
+    return "dense" if budget is None else f"hca {hca_setting_name(budget)}"
 
 
 def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int = 4096,
@@ -196,7 +198,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
     if len(ids) < need_text:
         raise MiniRunError(f"the evaluation text has {len(ids)} tokens; this run needs {need_text}")
     ctx = max([ppl_tokens, prompt_tokens + positions] + [n + 32 for n in lengths])
-    modes = [None] + [float(b) for b in budgets]
+    modes = [None] + list(budgets)
     settings = {"model": str(model), "tau": tau, "window": window, "sinks": sinks, "dtype": dtype,
                 "key_store": key_store, "centroids": centroids, "ppl_tokens": ppl_tokens, "prompt_tokens": prompt_tokens,
                 "positions": positions, "lengths": list(lengths), "depths": list(depths), "trials": trials,
@@ -204,8 +206,9 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
     rows, ref_logits = [], None
     for budget in modes:
         name = mode_name(budget)
-        kw = dict(kv="dense") if budget is None else dict(kv="hca", kv_budget=budget, tau=tau, window=window,
-                                                          sinks=sinks, key_store=key_store, centroids=centroids)
+        kw = dict(kv="dense") if budget is None else {**dict(kv="hca", tau=tau, window=window, sinks=sinks,
+                                                             key_store=key_store, centroids=centroids),
+                                                      **hca_setting(budget)}
         eng = Engine.load(model, device="cpu", dtype=dtype, ctx=ctx, threads=threads, **kw)
         row: dict = {"mode": name, "seconds": {}}
         cb = getattr(eng.cache, "codebooks", None)

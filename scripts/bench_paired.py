@@ -18,14 +18,16 @@ import time
 
 from minirun import Engine
 from minirun.bench import Context, selected_share
+from minirun.config import hca_setting, hca_setting_name
 from minirun.errors import MiniRunError
 
 
-def parse_modes(s: str) -> list[tuple[str, float | None]]:
+def parse_modes(s: str) -> list[tuple[str, str | None]]:
+    """"dense,hca:0.125,hca:g64c16" -> [("dense", None), ("hca", "0.125"), ("hca", "g64c16")]."""
     out = []
     for m in s.split(","):
-        kind, _, budget = m.strip().partition(":")
-        out.append((kind, float(budget) if budget else None))
+        kind, _, setting = m.strip().partition(":")
+        out.append((kind, hca_setting_name(setting) if setting else None))
     return out
 
 
@@ -35,7 +37,8 @@ def main():
     ap.add_argument("--depth", type=int, default=16384)
     ap.add_argument("-n", type=int, default=32, help="tokens decoded per round and mode")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--modes", default="dense,hca:0.125", help="dense, hca:BUDGET, comma-separated")
+    ap.add_argument("--modes", default="dense,hca:0.125", help="dense, hca:BUDGET or hca:gGcC (explicit codebooks, e.g. "
+                                                                  "hca:g64c16), comma-separated")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--context", default="random", help="random (token ids), text (the stdlib's pydoc topics) or a "
                                                         "text file")
@@ -43,11 +46,12 @@ def main():
     a = ap.parse_args()
     try:
         context = Context(a.context)
+        modes = parse_modes(a.modes)
     except MiniRunError as e:
         raise SystemExit(f"error: {e}") from None
     engines = []
-    for kind, budget in parse_modes(a.modes):
-        kw = {"kv_budget": budget} if budget else {}
+    for kind, budget in modes:
+        kw = hca_setting(budget) if budget else {}
         eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.n + 8, kv=kind, threads=a.threads,
                           **kw)
         ids = context.ids(eng, a.depth, seed=0)

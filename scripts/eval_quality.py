@@ -24,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minirun.calibrate import read_text  # noqa: E402
+from minirun.config import hca_setting  # noqa: E402
+from minirun.errors import MiniRunError  # noqa: E402
 from minirun.evaluate import format_markdown, run_grid  # noqa: E402
 
 BOTCHAN = Path.home() / ".cache" / "minirun" / "botchan.txt"
@@ -76,7 +78,7 @@ def main(argv=None):
     ap.add_argument("--data", default=None, help="evaluation text (default: pydoc topics, evaluation half)")
     ap.add_argument("--botchan", action="store_true", help="evaluate on Botchan (fetched once, see above)")
     ap.add_argument("--sections", default="ppl,agree,passkey")
-    ap.add_argument("--budgets", default="0.5,0.25,0.125")
+    ap.add_argument("--budgets", default="0.5,0.25,0.125", help="HCA settings: budgets or gGcC (e.g. g64c16)")
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--prompt-tokens", type=int, default=3072)
     ap.add_argument("--positions", type=int, default=256)
@@ -110,7 +112,11 @@ def main(argv=None):
         bad = set(sections) - set(SECTIONS)
         if bad:
             ap.error(f"unknown sections {sorted(bad)}: use {','.join(SECTIONS)}")
-        budgets = [float(b) for b in a.budgets.split(",") if b.strip()]
+        budgets = [b.strip() for b in a.budgets.split(",") if b.strip()]
+        try:
+            [hca_setting(b) for b in budgets]
+        except MiniRunError as e:
+            ap.error(str(e))
         reports = []
         for sec in sections:
             t0 = time.perf_counter()

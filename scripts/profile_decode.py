@@ -86,6 +86,8 @@ def main():
     ap.add_argument("--depth", type=int, default=16384)
     ap.add_argument("--kv", default="dense", choices=["dense", "hca"])
     ap.add_argument("--kv-budget", type=float, default=0.125)
+    ap.add_argument("--groups", type=int, default=None, help="HCA: explicit groups (with --centroids)")
+    ap.add_argument("--centroids", type=int, default=None, help="HCA: explicit centroids (16: nibble pairs)")
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=20)
@@ -104,7 +106,8 @@ def main():
                          "layer's weight GEMVs do in a real step")
     a = ap.parse_args()
     eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.steps * 3 + 8, kv=a.kv,
-                      kv_budget=a.kv_budget, tau=a.tau, threads=a.threads)
+                      kv_budget=a.kv_budget, groups=a.groups, centroids=a.centroids, tau=a.tau,
+                      threads=a.threads)
     t0 = time.perf_counter()
     fill(eng, a.depth, a.fill)
     print(f"filled {a.depth} tokens in {time.perf_counter() - t0:.1f}s; kv_stats={eng.kv_stats()}")
@@ -142,18 +145,21 @@ def main():
 
 class AttentionTimer:
     """Wraps the one-token attention kernel the cache calls (kernels_cpu.hca_decode_attend for HCA,
-    hca_exact_decode_attend for HCA with exact keys, kernels_cpu.dense_attend for dense) with a
+    hca_exact_decode_attend for HCA with exact keys, fastscan.hca_decode_attend_fs for nibble
+    pairs, kernels_cpu.dense_attend for dense) with a
     timer: total seconds and calls."""
 
     def __init__(self, kv: str, layout=None):
         import kernels_cpu as kc
         import minirun.kv.dense as dense
         import minirun.kv.hca as hca
-        if kv == "hca":
+        if kv == "hca" and layout.pairs and hca.fast_scan(layout):     # nibble pairs: kernels_cpu.fastscan
+            self.mod, self.name = hca.fs, "hca_decode_attend_fs"
+        elif kv == "hca":
             self.mod, self.name = hca.kc, ("hca_exact_decode_attend" if layout.exact_keys else "hca_decode_attend")
         else:
             self.mod, self.name = dense.kernels_cpu, "dense_attend"
-        self.real = getattr(kc, self.name)
+        self.real = getattr(self.mod, self.name)
         self.total, self.calls = 0.0, 0
 
         def timed(*args, **kw):

@@ -40,7 +40,9 @@ def test_calibrate_writes_codebooks_the_cache_loads(calibrated):
     assert {"iters", "date", "windows"} <= set(meta)
     eng = Engine.load(d, device="cpu", ctx=512, kv="hca", groups=8, centroids=16, window=16, sinks=2)
     assert eng.cache.codebooks.source.startswith("calibrated")
-    assert eng.cache.codebooks.shape == (2, 2, 8, 16, 2)
+    # 16 centroids: held as the product codebooks of group pairs (nibble-pair codes), the file's as factors
+    assert eng.cache.codebooks.factors.shape == (2, 2, 8, 16, 2)
+    assert eng.cache.codebooks.shape == (2, 2, 4, 256, 4)
     eng.generate(ids_of(200), max_new_tokens=2)
     assert eng.cache.n_encoded == eng.cache.n_store > 0                  # encoded with the file's codebooks
 

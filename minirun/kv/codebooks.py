@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError
@@ -71,12 +72,25 @@ def fit_kmeans(x: torch.Tensor, c: int, iters: int = 60, batch: int = 4096, seed
     return out
 
 
+def pair_product(C: np.ndarray) -> np.ndarray:
+    """Factor codebooks of 16 centroids C [..., G, 16, ds] -> the product codebooks of their pairs
+    [..., G/2, 256, 2 ds]: centroid a | b << 4 of pair p is (C[2p, a], C[2p + 1, b]) side by side.
+    The cache stores two 4-bit codes per byte, and a byte is an index into this codebook
+    (kernels_cpu.fastscan)."""
+    C = np.asarray(C, np.float32)
+    *lead, G, c, ds = C.shape
+    a = np.broadcast_to(C[..., 0::2, None, :, :], (*lead, G // 2, 16, 16, ds))   # [.., p, b, a, ds]
+    b = np.broadcast_to(C[..., 1::2, :, None, :], (*lead, G // 2, 16, 16, ds))
+    return np.ascontiguousarray(np.concatenate([a, b], -1).reshape(*lead, G // 2, 256, 2 * ds))
+
+
 class Codebooks:
     """centroids [L, Hkv, g, c, ds] float32 (on the device where scoring runs)."""
 
     def __init__(self, centroids: torch.Tensor, source: str = "fitted"):
         self.centroids = centroids
         self.source = source   # "calibrated:<file>" or "prompt"
+        self.factors = None    # paired(): the 16-centroid codebooks of the pairs
 
     @property
     def shape(self):
@@ -85,6 +99,15 @@ class Codebooks:
     @property
     def nbytes(self) -> int:
         return self.centroids.numel() * self.centroids.element_size()
+
+    def paired(self) -> "Codebooks":
+        """These codebooks (16 centroids, an even number of groups) as the product codebooks of
+        their group pairs (pair_product), the layout of a cache of nibble-pair codes; `factors`
+        keeps the 16-centroid codebooks [L, Hkv, G, 16, ds] the fast-scan kernels read."""
+        out = Codebooks(torch.from_numpy(pair_product(self.centroids.cpu().numpy())).to(self.centroids.device),
+                        self.source)
+        out.factors = self.centroids
+        return out
 
     @classmethod
     def fit(cls, keys: torch.Tensor, groups: int, centroids: int, iters: int = 60, seed: int = 0,

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 import kernels_cpu as kc
+from kernels_cpu import fastscan as fs
 
 from .. import hugepages
 from .attention import merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
-from .hca_layout import HCALayout, resolve_layout
+from .hca_layout import HCALayout, fast_scan, resolve_layout
 from .store import ColumnBuffer, GrowingBuffer
 
 
@@ -77,6 +78,10 @@ class HCACache(KVCache):
         self._views = {}          # layer -> (buffer addresses, numpy views) for the decode kernel
         self._live_slots = None   # uint8 mask of the live exact-tier slots while the ring is short
         self._packed = None       # its packed integer form (kc.PackedLUT of scratch arrays)
+        # nibble pairs (layout.pairs): (codebooks, factors transposed, their norms), the fast-scan scratch
+        self._fast_scan = fast_scan(layout) and device.type == "cpu"
+        self._fs = None
+        self._fs_lut = None
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
         # anchor prefill (paper App. B): exact copies of the store's first keys, during prefill only
@@ -104,15 +109,16 @@ class HCACache(KVCache):
     def create(cls, args, config, device, dtype, capacity, model_dir=None) -> "HCACache":
         layout = resolve_layout(args, config)
         codebooks = None
+        geometry = layout.codebook_geometry
         if not layout.exact_keys and model_dir is not None:
-            path = model_dir / codebook_filename(layout.groups, layout.centroids)
-            expect = (args.num_hidden_layers, args.num_key_value_heads, layout.groups, layout.centroids, layout.sub_dim)
+            path = model_dir / codebook_filename(*geometry[:2])
             if path.is_file():
-                codebooks = Codebooks.load(path, expect)
+                codebooks = Codebooks.load(path, (args.num_hidden_layers, args.num_key_value_heads, *geometry))
+                codebooks = codebooks.paired() if layout.pairs else codebooks
         cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
                     fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens)
         if not layout.exact_keys and codebooks is None:
-            print(f"minirun: no {codebook_filename(layout.groups, layout.centroids)} in the model directory: "
+            print(f"minirun: no {codebook_filename(*geometry[:2])} in the model directory: "
                   f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate` to make one)",
                   file=sys.stderr)
         return cache
@@ -145,6 +151,8 @@ class HCACache(KVCache):
         """The common decode step (full ring, encoded store) in one kernel call: sinks + ring
         exactly, the new token itself, and the selected store tokens, merged by log-sum-exp."""
         n = self.n_store
+        if self.layout.pairs:
+            return self._attend_pairs_step(layer, qs, k, v)
         cbt = self._codebooks_t()[layer]                          # (also makes the self._lut scratch)
         cnorm = self._codebook_norms()[layer]                     # (also makes self._pending)
         pos = self.S + n                                          # the ring's oldest token leaves next
@@ -164,6 +172,51 @@ class HCACache(KVCache):
         if self.record_selection is not None:
             self.record_selection.append(self._counts / n)
         return torch.from_numpy(o)[None]
+
+    def _attend_pairs_step(self, layer, qs, k, v):
+        """_attend_decode_step for nibble-pair codes: kernels_cpu.fastscan's step where the CPU has
+        it, else the generic step over the product codebooks (which encodes no ring key ahead: the
+        store's codes come from the factors, in _encode)."""
+        n = self.n_store
+        encode = None
+        if self._fast_scan:
+            F, fnorm = self._factors()
+            if self._ring_full():
+                if self.S + n != self._pending_pos:
+                    self._pending_pos = self.S + n
+                    self._pending_done[:] = False
+                encode = (self.S + n % self.W, self._pending[layer])
+        else:
+            F = self._codebooks_t()[layer]
+        PT, V, z, sel, lev = self._decode_views(layer)
+        q, kk, vv = qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy()
+        if self._fast_scan:
+            o = fs.hca_decode_attend_fs(q, kk, vv, self._ek_np[layer], self._ev_np[layer], self.S + self.W, F[layer],
+                                        PT, n, V, self.tau, self.q_to_kv, self._fs_lut, z, sel, self._counts,
+                                        fnorm=fnorm[layer], encode=encode, levels=(lev, self._hist),
+                                        exact_valid=self._exact_valid())
+        else:
+            o = kc.hca_decode_attend(q, kk, vv, self._ek_np[layer], self._ev_np[layer], self.S + self.W, F, PT, n, V,
+                                     self.tau, self.q_to_kv, self._packed, self._lut, z, sel, self._counts,
+                                     levels=(lev, self._hist), exact_valid=self._exact_valid())
+        if encode is not None:
+            self._pending_done[layer] = True
+        if self.record_selection is not None:
+            self.record_selection.append(self._counts / n)
+        return torch.from_numpy(o)[None]
+
+    def _factors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Nibble pairs: the 16-centroid factor codebooks transposed, [L, Hkv, G, ds, 16] f32, and
+        their norms [L, Hkv, G, 16] (made once per codebook set, with the fast-scan step's scratch
+        and the codes it encodes ahead)."""
+        if self._fs is None or self._fs[0] is not self.codebooks:
+            F = np.ascontiguousarray(self.codebooks.factors.numpy().transpose(0, 1, 2, 4, 3))
+            self._fs = (self.codebooks, F, fs.factor_norms(F))
+            self._fs_lut = fs.FastScanLUT(self.Hq, F.shape[2], self._lanes) if self._fast_scan else None
+            self._hist = kc.level_hist(self.Hq) if self._hist is None else self._hist
+            self._pending = np.empty((self.n_layers, self.Hkv, 1, self.layout.groups), np.uint8)
+            self._pending_pos = -1
+        return self._fs[1], self._fs[2]
 
     def _attend_exact_keys_step(self, layer, qs, k, v):
         """The decode step of a store of exact keys (the 50% preset) in one kernel call
@@ -216,7 +269,8 @@ class HCACache(KVCache):
         """The CPU kernels' copies of the current codebooks: the transposed layout of the LUT kernel
         and the centroid norms of the encoder (made on first use)."""
         own = [c for c in (self._cbt, self._cnorm) if c is not None and c[0] is self.codebooks]
-        return sum(c[1].nbytes for c in own)
+        fs_own = self._fs[1].nbytes + self._fs[2].nbytes if self._fs is not None and self._fs[0] is self.codebooks else 0
+        return sum(c[1].nbytes for c in own) + fs_own
 
     def _decode_scratch(self) -> list:
         """Fixed-size scratch of the CPU decode kernels, where made: the lookup table, its packed
@@ -225,6 +279,8 @@ class HCACache(KVCache):
         if self._packed is not None:
             p = self._packed
             arrs += [p.tables, p.scale, p.offset, p.top, p.shift]   # (lanes is self._lanes, not scratch)
+        if self._fs_lut is not None:
+            arrs += self._fs_lut.arrays
         return arrs
 
     def _levels(self, n: int) -> np.ndarray:
@@ -257,6 +313,15 @@ class HCACache(KVCache):
         P = self.indices.view(layer, self.indices.cap_or(n)).numpy() if ne else None
         Kx = self.exact_keys.view(layer, n - self.exact_base) if n > ne else None   # positions [ne, n)
         os_, ms, ls = np.empty((T, self.Hq, self.hd), np.float32), np.empty((T, self.Hq), np.float32), np.empty((T, self.Hq), np.float32)
+        if ne and self._fast_scan:   # nibble pairs: levels from the fast-scan tables, as float scores
+            F = self._factors()[0][layer]
+            for t in range(T):
+                lut = fs.fs_lut(qn[t], F, self.q_to_kv, out=self._fs_lut)
+                lev, _, _ = fs.fs_levels(lut, P, ne, self.q_to_kv, scratch=(self._levels(ne), self._hist))
+                np.multiply(lev, lut.scale[:, None], out=z[:, :ne])
+                z[:, :ne] += lut.offset[:, None]
+                os_[t], ms[t], ls[t] = self._store_from_scores(qn[t], z, sel, V, Kx, n, ne, T)
+            return torch.from_numpy(os_), torch.from_numpy(ms), torch.from_numpy(ls)
         C = self.codebooks.centroids[layer].numpy() if ne else None
         Ct = self._codebooks_t()[layer] if ne else None
         for t in range(T):
@@ -272,14 +337,19 @@ class HCACache(KVCache):
                 continue
             if ne:
                 kc.packed_scores(packed, P, ne, out=z)
-            if n > ne:   # keys not yet encoded: exact scores
-                qt = torch.from_numpy(qn[t]).view(self.Hkv, -1, self.hd)
-                z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
-            idx, counts, _, _ = kc.threshold_select(z, self.tau, out_idx=sel)
-            if self.record_selection is not None and T == 1:
-                self.record_selection.append(counts / n)
-            os_[t], ms[t], ls[t] = kc.weighted_value_sum(z, idx, counts, V, self.q_to_kv)
+            os_[t], ms[t], ls[t] = self._store_from_scores(qn[t], z, sel, V, Kx, n, ne, T)
         return torch.from_numpy(os_), torch.from_numpy(ms), torch.from_numpy(ls)
+
+    def _store_from_scores(self, q, z, sel, V, Kx, n, ne, T):
+        """One query's store partial (o, m, l) from approximate scores z[:, :ne] (and exact ones
+        for the keys not yet encoded, Kx): threshold selection and the weighted value sum."""
+        if n > ne:   # keys not yet encoded: exact scores
+            qt = torch.from_numpy(q).view(self.Hkv, -1, self.hd)
+            z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
+        idx, counts, _, _ = kc.threshold_select(z, self.tau, out_idx=sel)
+        if self.record_selection is not None and T == 1:
+            self.record_selection.append(counts / n)
+        return kc.weighted_value_sum(z, idx, counts, V, self.q_to_kv)
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
     def advance(self, n: int) -> None:
@@ -384,6 +454,11 @@ class HCACache(KVCache):
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         """K [L, Hkv, m, hd] -> indices [L, Hkv, m, g], one kernel call for all layers."""
         L, Hkv, m, hd = K.shape
+        if self.layout.pairs:   # nibble pairs, from the 16-centroid factors (the product's nearest)
+            F, fnorm = self._factors()
+            P = fs.encode_pairs(K.float().reshape(L * Hkv, m, hd).numpy(), F.reshape(L * Hkv, *F.shape[2:]),
+                                fnorm.reshape(L * Hkv, *fnorm.shape[2:]))
+            return torch.from_numpy(P).view(L, Hkv, m, -1)
         C = self.codebooks.centroids.reshape(L * Hkv, *self.codebooks.centroids.shape[2:]).numpy()
         cn = self._codebook_norms().reshape(L * Hkv, *self._cnorm[1].shape[2:])
         Ct = self._codebooks_t().reshape(L * Hkv, *self._cbt[1].shape[2:])   # encode_keys picks its path by m
@@ -417,7 +492,8 @@ class HCACache(KVCache):
         n = self.n_store
         keys = self.exact_keys.data[:, :, :n - self.exact_base]                   # [L, Hkv, m, hd]
         if self.codebooks is None:
-            self.codebooks = Codebooks.fit(keys, self.layout.groups, self.layout.centroids, iters=20)
+            cb = Codebooks.fit(keys, *self.layout.codebook_geometry[:2], iters=20)
+            self.codebooks = cb.paired() if self.layout.pairs else cb
             self.notes.append(f"codebooks fitted from {n - self.exact_base} prompt keys")
         self.indices.reserve(n)
         self.indices.write_all(self.exact_base, self._encode(keys))

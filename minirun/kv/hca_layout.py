@@ -16,9 +16,12 @@ EXACT_KEY_ELEM = 4
 @dataclass(frozen=True)
 class HCALayout:
     exact_keys: bool      # True: keys kept in full precision (the 50% preset / key_store="exact")
-    groups: int           # g: sub-vectors per key
-    centroids: int        # c: centroids per group
+    groups: int           # g: sub-vectors per key (pairs: the pair groups, g / 2 of the codebooks')
+    centroids: int        # c: centroids per group (pairs: 256, the product's)
     head_dim: int
+    # 16-centroid codebooks with an even g: two 4-bit codes per byte, the index of their pair's
+    # product codebook (Codebooks.paired); scored by kernels_cpu.fastscan on the CPU
+    pairs: bool = False
 
     @property
     def sub_dim(self) -> int:
@@ -28,9 +31,18 @@ class HCALayout:
     def index_bytes(self) -> int:
         return 1 if self.centroids <= 256 else 2
 
+    @property
+    def codebook_geometry(self) -> tuple[int, int, int]:
+        """(groups, centroids, sub_dim) of the codebooks that are fitted, calibrated and saved."""
+        if self.pairs:
+            return 2 * self.groups, 16, self.sub_dim // 2
+        return self.groups, self.centroids, self.sub_dim
+
 
 def resolve_layout(args: ModelArgs, cfg: EngineConfig) -> HCALayout:
-    """Table 1 presets: 0.5 = exact keys; 0.25 = g = d/2; 0.125 = g = d/4 (int16 indices, c = 1024)."""
+    """Table 1 presets: 0.5 = exact keys; 0.25 = g = d/2; 0.125 = g = d/4 (int16 indices, c = 1024).
+    Explicit groups= / centroids= override them; c = 16 with an even g stores nibble pairs
+    (groups=head_dim, centroids=16: 4 bits per dimension, as many key bytes as the 0.125 preset)."""
     hd = args.head_dim
     budget = cfg.kv_budget if cfg.kv_budget is not None else 0.25
     exact = cfg.key_store == "exact" or (budget >= 0.5 and cfg.groups is None)
@@ -42,6 +54,8 @@ def resolve_layout(args: ModelArgs, cfg: EngineConfig) -> HCALayout:
         raise MiniRunError(f"groups={g} does not divide head_dim={hd}")
     if not 2 <= c <= 32768:
         raise MiniRunError(f"centroids must be in [2, 32768], got {c}")
+    if not exact and c == 16 and g % 2 == 0:
+        return HCALayout(exact, g // 2, 256, hd, pairs=True)
     return HCALayout(exact, g, c, hd)
 
 
@@ -74,12 +88,27 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     if lay.exact_keys and on_cpu(cfg):
         tiers["decode scratch"] = (cpu_decode_scratch_bytes(args, lay), "device")
     if not lay.exact_keys:
-        cb = L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4
-        if on_cpu(cfg):   # + the LUT kernel's transposed copy and the encoder's centroid norms
-            cb = 2 * cb + L * Hkv * lay.groups * lay.centroids * 4
+        cb = L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4     # (pairs: the product codebooks)
+        if on_cpu(cfg):
+            if lay.pairs:   # the encoder reads the 16-centroid factors, transposed, and their norms
+                G, _, ds = lay.codebook_geometry
+                copies = L * Hkv * G * 16 * (ds + 1) * 4
+            else:           # the encoder's centroid norms
+                copies = L * Hkv * lay.groups * lay.centroids * 4
+            if not fast_scan(lay):   # the LUT kernel's transposed copy
+                copies += cb
+            cb += copies
             tiers["decode scratch"] = (cpu_decode_scratch_bytes(args, lay), "device")
         tiers["codebooks"] = (cb, "device")
     return tiers
+
+
+def fast_scan(lay: HCALayout) -> bool:
+    """Whether the CPU cache scores this layout with kernels_cpu.fastscan (nibble pairs on AVX2)."""
+    if not lay.pairs:
+        return False
+    from kernels_cpu.fastscan import available
+    return available()
 
 
 def cpu_decode_scratch_bytes(args: ModelArgs, lay: HCALayout) -> int:
@@ -93,8 +122,12 @@ def cpu_decode_scratch_bytes(args: ModelArgs, lay: HCALayout) -> int:
     import numba
     from kernels_cpu.level_select import NB
     L, Hkv, Hq = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads
+    hist = numba.config.NUMBA_NUM_THREADS * Hq * NB * 4
     if lay.exact_keys:
-        return numba.config.NUMBA_NUM_THREADS * Hq * NB * 4
+        return hist
+    if fast_scan(lay):   # kernels_cpu.fastscan.FastScanLUT: T f32 and tabs uint8 [Hq, G, 16], 4 per-head arrays
+        G = lay.codebook_geometry[0]
+        return Hq * G * 16 * 5 + Hq * (4 + 4 + 8 + 8) + hist + L * Hkv * lay.groups
     g, c = lay.groups, lay.centroids
     R = Hkv * math.ceil(Hq // Hkv / 4)
     return (Hq * g * c * 4 + R * g * c * 8 + Hq * (4 + 4 + 8 + 8)
