@@ -48,12 +48,11 @@ _MAX_NH = 4         # query heads per block call (more are done in calls of up t
 
 
 def available() -> bool:
-    """Whether this CPU runs the pshufb kernels (AVX2)."""
-    import llvmlite.binding as llvm
-    try:
-        return bool(llvm.get_host_cpu_features().get("avx2", False))
-    except RuntimeError:       # no feature list for this host
-        return False
+    """Whether the code Numba makes here runs the pshufb kernels: AVX2 among its target's features
+    (the host's, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, e.g. for a portable cache)."""
+    from numba.core import codegen, config
+    features = config.CPU_FEATURES if config.CPU_NAME else codegen.get_host_cpu_features()
+    return "+avx2" in (features or "").split(",")
 
 
 def _make_block(nh):

@@ -36,13 +36,20 @@ def test_layout_and_settings():
         hca_setting("g64")
 
 
-def test_memory_and_planner(tiny_model_dir):
+@pytest.mark.parametrize("fast", [True, False])
+def test_memory_and_planner(tiny_model_dir, monkeypatch, fast):
+    """kv_stats equal the planner's figures, with the fast-scan step (its small tables) and without
+    it (a CPU without AVX2: the generic step's tables over the product codebooks)."""
+    if fast and not fastscan.available():
+        pytest.skip("the fast-scan step needs AVX2")
+    monkeypatch.setattr(fastscan, "available", lambda: fast)
     d = tiny_model_dir("gqa-untied")
     ctx = 400
     eng = Engine.load(d, device="cpu", ctx=ctx, kv="hca", groups=16, centroids=16, window=32, sinks=4)
     eng.prefill(random_ids(ctx - 2))
     eng.step(5)
     c, s = eng.cache, eng.kv_stats()
+    assert c._fast_scan == fast and (c._lut is None) == fast
     assert c.layout.pairs and c.indices.data.dtype == torch.uint8 and c.indices.data.shape[2] == 8
     assert s["device_keys_bytes"] == c.indices.nbytes == 2 * 2 * c.indices.cap * 8     # L, Hkv, cap, 8 bytes
     assert c.codebooks.factors.shape == (2, 2, 16, 16, 1) and c.codebooks.centroids.shape == (2, 2, 8, 256, 2)
