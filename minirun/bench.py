@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .config import hca_setting
 from .errors import MiniRunError
 from .evaluate import selection_probe
 from .planner import format_bytes, param_count, weight_bytes
@@ -69,7 +70,7 @@ class BenchResult:
     threads: int
     ctx: int
     kv: str
-    kv_budget: float | None
+    kv_budget: float | str | None   # a preset, or gGcC codebooks (config.hca_setting)
     codebooks: str
     test: str
     n_prompt: int
@@ -251,7 +252,7 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
     for kv, budget in modes:
         kw = dict(engine_kw)
         if kv == "hca" and budget is not None:
-            kw["kv_budget"] = budget
+            kw.update(hca_setting(budget))
         eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, threads=threads, **kw)
         codebooks = codebook_source(eng)
         label = kv if kv == "dense" else f"{kv} {budget}"

@@ -49,7 +49,7 @@ class SizeType(click.ParamType):
         return int(float(m.group(1)) * (1 << (10 * "_kmgt".index(m.group(2).lower() or "_"))))
 
 
-def _modes(kv_modes: str, budgets: str) -> list[tuple[str, float | None]]:
+def _modes(kv_modes: str, budgets: str) -> list[tuple[str, float | str | None]]:
     modes = []
     for m in [x.strip() for x in kv_modes.split(",") if x.strip()]:
         if m == "dense":
@@ -59,10 +59,11 @@ def _modes(kv_modes: str, budgets: str) -> list[tuple[str, float | None]]:
                 try:
                     b = float(x)
                 except ValueError:
-                    b = None
-                if b not in KV_BUDGET_PRESETS:
+                    b = x if re.fullmatch(r"g\d+c\d+", x) else None      # explicit codebooks (config.hca_setting)
+                if b not in KV_BUDGET_PRESETS and not isinstance(b, str):
                     raise MiniRunError(f"unknown --kv-budget {x!r}: use "
-                                       f"{', '.join(str(p) for p in KV_BUDGET_PRESETS)} (comma-separated)")
+                                       f"{', '.join(str(p) for p in KV_BUDGET_PRESETS)} or gGcC, e.g. g64c16 "
+                                       f"(comma-separated)")
                 modes.append(("hca", b))
         else:
             raise MiniRunError(f"unknown kv mode {m!r}: use dense and/or hca (comma-separated)")
@@ -101,7 +102,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("-d", "--depth", default="0", show_default=True, help="tg tests: comma-separated context depths")
 @click.option("--kv", "kv_modes", default="dense,hca", show_default=True, help="KV modes: dense and/or hca")
 @click.option("--kv-budget", "budgets", default="0.125", show_default=True,
-              help="HCA budgets, comma-separated: 0.5, 0.25, 0.125 (one engine each)")
+              help="HCA budgets, comma-separated: 0.5, 0.25, 0.125, or gGcC codebooks such as g64c16 "
+                   "(one engine each)")
 @click.option("-r", "--reps", type=int, default=3, show_default=True, help="timed repetitions (after one warm-up)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")

@@ -28,8 +28,9 @@ def engine_options(f):
         click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto"),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True),
         click.option("--kv", type=click.Choice(["dense", "hca"]), default="dense", show_default=True, help="KV cache policy"),
-        click.option("--kv-budget", type=click.Choice(["0.5", "0.25", "0.125"]), default="0.25", show_default=True,
-                     help="HCA device-memory preset relative to dense"),
+        click.option("--kv-budget", default="0.25", show_default=True,
+                     help="HCA key store: a device-memory preset relative to dense (0.5, 0.25, 0.125) or "
+                          "gGcC codebooks (g64c16: 4-bit codes, fast on CPUs with AVX2)"),
         click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
         click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
         click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
@@ -60,8 +61,9 @@ def sampling_options(temperature: float, max_tokens: int):
 
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, **extra):
     from .engine import Engine
-    return Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, kv_budget=float(kv_budget),
-                       tau=tau, window=window, sinks=sinks, threads=threads, **extra)
+    from .config import hca_setting
+    return Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
+                       threads=threads, **hca_setting(kv_budget), **extra)
 
 
 def split_kwargs(kw: dict):

@@ -9,7 +9,7 @@ import torch
 from minirun import Engine
 from minirun.bench import FIELDS, MD_HEAD, Context, bench_ctx, tokens_needed
 from minirun.cli import main
-from minirun.cli_bench import SizeType
+from minirun.cli_bench import SizeType, _modes
 from minirun.config import EngineConfig, ModelArgs
 from minirun.errors import ContextError
 from minirun.planner import ANCHOR_BLOCK, PREFILL_KEYS, check_fits, largest_ctx, param_count, plan
@@ -220,6 +220,7 @@ def test_bench_options(tiny_model_dir, capsys):
     assert SizeType().convert("80G", None, None) == 80 * GiB == SizeType().convert("80GiB", None, None)
     assert SizeType().convert("512M", None, None) == 512 << 20
     d = str(tiny_model_dir("gqa-untied"))
+    assert _modes("dense,hca", "0.125,g64c16") == [("dense", None), ("hca", 0.125), ("hca", "g64c16")]
     for args, err in ((["--kv-budget", "0.3"], "unknown --kv-budget '0.3'"), (["--kv", "paged"], "unknown kv mode"),
                       (["-p", "600", "--ctx", "512"], "too small for these tests"), (["-d", "x"], "-d: expected")):
         with pytest.raises(SystemExit) as e:

@@ -112,3 +112,18 @@ def test_chat_ctrl_c_returns_to_prompt(tiny_model_dir):
     assert p.returncode == 0, err
     assert "[interrupted]" in out
     assert "Traceback" not in err
+
+
+def test_kv_budget_takes_presets_and_explicit_codebooks(tiny_model_dir, capsys):
+    """--kv-budget: a preset or gGcC (g16c16 on the tiny model: nibble-pair codes); anything else
+    is a one-line error."""
+    d = str(tiny_model_dir("gqa-untied"))
+    code, _, err = run_cli(["generate", d, "-p", "hi", "--kv", "hca", "--kv-budget", "g16"], capsys)
+    assert_one_line_error(code, err, "bad HCA setting")
+    code, _, err = run_cli(["generate", d, "-p", "hi", "--kv", "hca", "--kv-budget", "0.3"], capsys)
+    assert_one_line_error(code, err, "kv_budget must be 0.5, 0.25 or 0.125")
+    try:
+        main(["generate", d, "-p", "hello there", "--kv", "hca", "--kv-budget", "g16c16", "-n", "3", "--ctx", "512"])
+    except SystemExit as e:
+        assert e.code in (0, None), capsys.readouterr().err
+    assert "Traceback" not in capsys.readouterr().err
