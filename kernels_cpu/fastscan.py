@@ -34,10 +34,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._common import _as_f32, _as_pool, _prefetch
-from .attention import _k_lse_merge
-from .hca_step import _step_partials, _valid_mask
+from .hca_step import _step_partials, _sum_and_merge, _valid_mask
 from .level_select import NB, level_hist
-from .level_sum import _k_level_cuts, _k_level_value_sum
+from .level_sum import _k_level_cuts
 from .packed import _bucket_shift
 from .pq import _nearest
 
@@ -268,12 +267,8 @@ def _k_hca_decode_fs(q, k, v, EK, EV, n_exact, valid, F, fnorm, nh, PT, n_store,
                 _encode_pair_key(EK[kv, enc_slot], F, fnorm, kv, codes[kv, 0], dist)
         _k_fs_levels(PT, n_store, tabs, nh, top, shift, lev, hist, nt)
         _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref)
-    _k_level_value_sum(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, os[2], ms[2], ls[2], counts,
-                       q, EK, EV, n_exact, valid, os[0], ms[0], ls[0])
-    m = np.empty(Hq, np.float32)
-    l = np.empty(Hq, np.float32)
-    out[:] = 0.0
-    _k_lse_merge(os, ms, ls, out, m, l)
+    _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
+                   os, ms, ls, out)
 
 
 class FastScanLUT:

@@ -54,10 +54,19 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, valid, cbt, PT, n_store, V, tau, q_t
                     cnorm, codes)
         _k_packed_levels(tables, lanes, top, shift, PT, n_store, lev, hist, nt)
         _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref)
-    # the value sum over the selection (none when n_store = 0), and 1. sinks + ring, exactly, as
-    # tasks of the same parallel region
+    _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
+                   os, ms, ls, out)
+
+
+@njit(inline="always")
+def _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
+                   os, ms, ls, out):
+    """The step's tail after the level cuts: the value sum over the selection (none when n_store
+    = 0) and the exact tier (sinks + ring) as tasks of one parallel region, into parts 2 and 0 of
+    os / ms / ls, then the log-sum-exp merge of the three parts into out [Hq, d]."""
     _k_level_value_sum(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, os[2], ms[2], ls[2], counts,
                        q, EK, EV, n_exact, valid, os[0], ms[0], ls[0])
+    Hq = q.shape[0]
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
     out[:] = 0.0

@@ -151,58 +151,50 @@ class HCACache(KVCache):
         """The common decode step (full ring, encoded store) in one kernel call: sinks + ring
         exactly, the new token itself, and the selected store tokens, merged by log-sum-exp."""
         n = self.n_store
-        if self.layout.pairs:
-            return self._attend_pairs_step(layer, qs, k, v)
+        if self._fast_scan:
+            return self._attend_fast_scan_step(layer, qs, k, v)
         cbt = self._codebooks_t()[layer]                          # (also makes the self._lut scratch)
-        cnorm = self._codebook_norms()[layer]                     # (also makes self._pending)
-        pos = self.S + n                                          # the ring's oldest token leaves next
-        encode = None                                             # (none leaves while the ring refills)
-        if self._ring_full():
-            if pos != self._pending_pos:
-                self._pending_pos = pos
-                self._pending_done[:] = False
-            encode = (self.S + n % self.W, cnorm, self._pending[layer])
+        # nibble pairs without fast scan encode no ring key ahead: their codes come from the
+        # factors, in _encode
+        cnorm = None if self.layout.pairs else self._codebook_norms()[layer]   # (also makes self._pending)
+        slot = None if self.layout.pairs else self._encode_ahead_slot()
+        encode = None if slot is None else (slot, cnorm, self._pending[layer])
         PT, V, z, sel, lev = self._decode_views(layer)
         o = kc.hca_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
                                  self._ev_np[layer], self.S + self.W, cbt, PT, n, V, self.tau, self.q_to_kv,
                                  self._packed, self._lut, z, sel, self._counts, encode=encode,
                                  levels=(lev, self._hist), exact_valid=self._exact_valid())
-        if encode is not None:
-            self._pending_done[layer] = True
-        if self.record_selection is not None:
-            self.record_selection.append(self._counts / n)
-        return torch.from_numpy(o)[None]
+        return self._step_done(layer, o, encode is not None)
 
-    def _attend_pairs_step(self, layer, qs, k, v):
-        """_attend_decode_step for nibble-pair codes: kernels_cpu.fastscan's step where the CPU has
-        it, else the generic step over the product codebooks (which encodes no ring key ahead: the
-        store's codes come from the factors, in _encode)."""
-        n = self.n_store
-        encode = None
-        if self._fast_scan:
-            F, fnorm = self._factors()
-            if self._ring_full():
-                if self.S + n != self._pending_pos:
-                    self._pending_pos = self.S + n
-                    self._pending_done[:] = False
-                encode = (self.S + n % self.W, self._pending[layer])
-        else:
-            F = self._codebooks_t()[layer]
+    def _attend_fast_scan_step(self, layer, qs, k, v):
+        """_attend_decode_step for nibble-pair codes on a CPU with AVX2 (kernels_cpu.fastscan)."""
+        F, fnorm = self._factors()
+        slot = self._encode_ahead_slot()
+        encode = None if slot is None else (slot, self._pending[layer])
         PT, V, z, sel, lev = self._decode_views(layer)
-        q, kk, vv = qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy()
-        if self._fast_scan:
-            o = fs.hca_decode_attend_fs(q, kk, vv, self._ek_np[layer], self._ev_np[layer], self.S + self.W, F[layer],
-                                        PT, n, V, self.tau, self.q_to_kv, self._fs_lut, z, sel, self._counts,
-                                        fnorm=fnorm[layer], encode=encode, levels=(lev, self._hist),
-                                        exact_valid=self._exact_valid())
-        else:
-            o = kc.hca_decode_attend(q, kk, vv, self._ek_np[layer], self._ev_np[layer], self.S + self.W, F, PT, n, V,
-                                     self.tau, self.q_to_kv, self._packed, self._lut, z, sel, self._counts,
-                                     levels=(lev, self._hist), exact_valid=self._exact_valid())
-        if encode is not None:
+        o = fs.hca_decode_attend_fs(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
+                                    self._ev_np[layer], self.S + self.W, F[layer], PT, self.n_store, V, self.tau,
+                                    self.q_to_kv, self._fs_lut, z, sel, self._counts, fnorm=fnorm[layer],
+                                    encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid())
+        return self._step_done(layer, o, encode is not None)
+
+    def _encode_ahead_slot(self) -> int | None:
+        """The slot of the ring token that leaves the ring next, whose codes the decode steps encode
+        ahead (into self._pending, one layer at a time), or None while the ring refills (none leaves)."""
+        if not self._ring_full():
+            return None
+        pos = self.S + self.n_store
+        if pos != self._pending_pos:
+            self._pending_pos = pos
+            self._pending_done[:] = False
+        return self.S + self.n_store % self.W
+
+    def _step_done(self, layer, o, encoded: bool) -> torch.Tensor:
+        """After a one-call step: its encode-ahead marked done, its selection recorded; -> [1, Hq, hd]."""
+        if encoded:
             self._pending_done[layer] = True
         if self.record_selection is not None:
-            self.record_selection.append(self._counts / n)
+            self.record_selection.append(self._counts / self.n_store)
         return torch.from_numpy(o)[None]
 
     def _factors(self) -> tuple[np.ndarray, np.ndarray]:
@@ -230,9 +222,7 @@ class HCACache(KVCache):
         o = kc.hca_exact_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
                                        self._ev_np[layer], self.S + self.W, K, n, V, self.tau, self.q_to_kv,
                                        self._lanes, z, self._hist, self._counts, exact_valid=self._exact_valid())
-        if self.record_selection is not None:
-            self.record_selection.append(self._counts / n)
-        return torch.from_numpy(o)[None]
+        return self._step_done(layer, o, False)
 
     def _ring_full(self) -> bool:
         """The ring holds W tokens (every position from S + n_store up to offset): the next token
