@@ -53,6 +53,7 @@ def test_memory_and_planner(tiny_model_dir, monkeypatch, fast):
     assert c.layout.pairs and c.indices.data.dtype == torch.uint8 and c.indices.data.shape[2] == 8
     assert s["device_keys_bytes"] == c.indices.nbytes == 2 * 2 * c.indices.cap * 8     # L, Hkv, cap, 8 bytes
     assert c.codebooks.factors.shape == (2, 2, 16, 16, 1) and c.codebooks.centroids.shape == (2, 2, 8, 256, 2)
+    assert c.codebooks.nbytes == (2 * 2 * 8 * 256 * 2 + 2 * 2 * 16 * 16) * 4          # product + factors
     p = plan(eng.args, eng.config).tiers
     assert p["key store"][0] == s["device_keys_bytes"]
     assert p["codebooks"][0] == s["codebook_bytes"]

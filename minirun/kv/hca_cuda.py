@@ -224,7 +224,9 @@ class HCACacheCUDA(HCACache):
     # ---- moving tokens between tiers ----------------------------------------------------------------
     def _codebooks_dev(self) -> torch.Tensor:
         C = self.codebooks.centroids
-        if C.device != self.device or C.dtype != torch.float32 or not C.is_contiguous():
+        # (nibble pairs: the GPU reads the product codebooks only, so their factors are not kept)
+        if (C.device != self.device or C.dtype != torch.float32 or not C.is_contiguous()
+                or self.codebooks.factors is not None):
             self.codebooks = Codebooks(C.float().to(self.device).contiguous(), self.codebooks.source)
         return self.codebooks.centroids
 

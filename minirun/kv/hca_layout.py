@@ -90,9 +90,9 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     if not lay.exact_keys:
         cb = L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4     # (pairs: the product codebooks)
         if on_cpu(cfg):
-            if lay.pairs:   # the encoder reads the 16-centroid factors, transposed, and their norms
+            if lay.pairs:   # the 16-centroid factors, their transposed copy and norms (the encoder's)
                 G, _, ds = lay.codebook_geometry
-                copies = L * Hkv * G * 16 * (ds + 1) * 4
+                copies = L * Hkv * G * 16 * (2 * ds + 1) * 4
             else:           # the encoder's centroid norms
                 copies = L * Hkv * lay.groups * lay.centroids * 4
             if not fast_scan(lay):   # the LUT kernel's transposed copy
