@@ -31,9 +31,9 @@ def test_lut_matches_reference(Hq, Hkv, G, ds):
 
 
 @pytest.mark.parametrize("n", [0, 5, 32, 1000, 1024, 4133])
-@pytest.mark.parametrize("Hq,Hkv,G", [(9, 3, 64), (10, 2, 64), (8, 1, 32), (2, 2, 64)])
+@pytest.mark.parametrize("Hq,Hkv,G", [(9, 3, 64), (10, 2, 64), (8, 1, 32), (2, 2, 64), (4, 2, 64)])
 def test_levels_match_reference(n, Hq, Hkv, G):
-    """Every head count per kv-head (1, 2, 3 and 5 = 4 + 1 through the block calls, 8 = 4 + 4),
+    """Every block kernel (heads per kv-head 1, 2, 3, 5 = 4 + 1 and 8 = 4 + 4),
     tails that are not a block, and codes beyond n that must not be read into the counts."""
     rng = np.random.default_rng([n, Hq, G])
     q2k = np.arange(Hq) // (Hq // Hkv)
