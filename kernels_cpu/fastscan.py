@@ -34,10 +34,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._common import _as_f32, _as_pool, _prefetch
-from .hca_step import _step_partials, _sum_and_merge, _valid_mask
-from .level_select import NB, level_hist
+from .hca_step import _check_encode_slot, _step_partials, _sum_and_merge, _valid_mask
+from .level_select import _count_levels, level_hist
 from .level_sum import _k_level_cuts
-from .packed import _bucket_shift
+from .packed import _head_step, _quantize
 from .pq import _nearest
 
 QMAX = 127          # largest table entry: two add in a byte
@@ -177,17 +177,8 @@ def _k_fs_levels(PT, n, tabs, nh, top, shift, lev, hist, nt):
                 _score_block(nh, ptf, (kv * P) * cap + j, cap, P, tbf, h0 * 2 * P * 16, lvf, h0 * lcap + j, lcap)
                 j += BLOCK
             _tail_levels(PT, kv, j, j1, tabs, h0, nh, lev)
-            L = j1 - j0
-            for e in range(nh):
-                h = h0 + e
-                lh = lev[h, j0:j1]
-                hh = hist[sl, h]
-                tp = np.int32(top[h])
-                sh = np.int32(shift[h])
-                for u in range(L):
-                    bk[u] = min((tp - np.int32(lh[u])) >> sh, np.int32(NB - 1))
-                for u in range(L):
-                    hh[bk[u]] += 1
+            for h in range(h0, h0 + nh):
+                _count_levels(lev[h, j0:j1], j1 - j0, top[h], shift[h], hist[sl, h], bk)
 
 
 @njit(cache=True)
@@ -197,9 +188,9 @@ def _k_fs_lut(q, F, nh, T, tabs, scale, offset, top, shift):
     Hq = q.shape[0]
     G, ds = F.shape[1], F.shape[2]
     lo = np.empty(G, np.float32)
+    width = np.empty(G, np.float32)
     for h in range(Hq):
         kv = h // nh
-        w = np.float32(0.0)
         for i in range(G):
             Ti = T[h, i]
             Ti[:] = 0.0
@@ -211,24 +202,11 @@ def _k_fs_lut(q, F, nh, T, tabs, scale, offset, top, shift):
             a, b = Ti[0], Ti[0]
             for c in range(1, 16):
                 a, b = min(a, Ti[c]), max(b, Ti[c])
-            lo[i] = a
-            w = max(w, b - a)
-        s = np.float32(np.float64(w) / QMAX) if w > 0 else np.float32(1.0)
-        inv = np.float32(1.0 / np.float64(s))
-        off = 0.0
-        tp = 0
+            lo[i], width[i] = a, b - a
+        scale[h], offset[h], top[h], shift[h], inv = _head_step(lo, width, QMAX)
         for i in range(G):
-            off += np.float64(lo[i])
-            mx = 0
             for c in range(16):
-                x = min(max(np.floor((T[h, i, c] - lo[i]) * inv + np.float32(0.5)), np.float32(0.0)), np.float32(QMAX))
-                tabs[h, i, c] = np.uint8(x)
-                mx = max(mx, np.int64(x))
-            tp += mx
-        scale[h] = s
-        offset[h] = np.float32(off)
-        top[h] = tp
-        shift[h] = _bucket_shift(s)
+                tabs[h, i, c] = np.uint8(_quantize(T[h, i, c], lo[i], inv, QMAX))
 
 
 @njit(inline="always")
@@ -355,8 +333,8 @@ def hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_
     fnorm = factor_norms(F) if fnorm is None else fnorm
     out = np.empty(q.shape, np.float32)
     slot, codes = (-1, _NO_CODES) if encode is None else encode
-    if encode is not None and (not 0 <= slot < n_exact or n_store <= 0):
-        raise ValueError(f"encode slot {slot} outside the exact tier [0, {n_exact}) or empty store")
+    if encode is not None:
+        _check_encode_slot(slot, n_exact, n_store)
     lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
     nt = min(numba.get_num_threads(), hist.shape[0])
     _k_hca_decode_fs(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),

@@ -102,8 +102,7 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
         slot, cnorm, codes = -1, _NO_CNORM, _NO_CODES[PT.dtype.itemsize]
     else:
         slot, cnorm, codes = encode
-        if not 0 <= slot < n_exact or n_store <= 0:
-            raise ValueError(f"encode slot {slot} outside the exact tier [0, {n_exact}) or empty store")
+        _check_encode_slot(slot, n_exact, n_store)
     lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
     nt = min(numba.get_num_threads(), hist.shape[0])
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
@@ -111,6 +110,12 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
                   packed.lanes, lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist,
                   nt, z, idx, counts, out, int(slot), cnorm, codes)
     return out
+
+
+def _check_encode_slot(slot, n_exact, n_store):
+    """An encode-ahead slot must hold a token of the exact tier, and a store must exist to take it."""
+    if not 0 <= slot < n_exact or n_store <= 0:
+        raise ValueError(f"encode slot {slot} outside the exact tier [0, {n_exact}) or empty store")
 
 
 def _valid_mask(valid, n_exact):

@@ -60,13 +60,19 @@ def _level_task(tables, lanes, top, shift, PT, n, lev, hh_slot, t, acc, bk):
         lh = lev[h, j0:j0 + L]
         for u in range(L):
             lh[u] = np.uint16((acc[u] >> sh16) & np.uint64(0xFFFF))
-        hh = hh_slot[h]
-        tp = np.int32(top[h])                       # top <= 65535: 32-bit lanes suffice
-        sh = np.int32(shift[h])
-        for u in range(L):
-            bk[u] = min((tp - np.int32(lh[u])) >> sh, np.int32(NB - 1))
-        for u in range(L):
-            hh[bk[u]] += 1
+        _count_levels(lh, L, top[h], shift[h], hh_slot[h], bk)
+
+
+@njit(inline="always")
+def _count_levels(lh, L, top, shift, hh, bk):
+    """Counts of lh[:L]'s levels into their buckets hh [NB], b = min((top - L) >> shift, NB - 1);
+    bk int32 [>= L] scratch (the bucket numbers, made in a loop that vectorizes)."""
+    tp = np.int32(top)                              # top <= 65535: 32-bit lanes suffice
+    sh = np.int32(shift)
+    for u in range(L):
+        bk[u] = min((tp - np.int32(lh[u])) >> sh, np.int32(NB - 1))
+    for u in range(L):
+        hh[bk[u]] += 1
 
 
 @njit(cache=True, parallel=True)

@@ -123,6 +123,31 @@ def _k_lut_pack(q, cbt, lanes, T, tables, scale, offset, top, shift, encode, key
     _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift)
 
 
+@njit(inline="always")
+def _head_step(lo, width, qmax):
+    """One head's quantization from its tables' row minima lo [g] and ranges width [g] f32, rows
+    quantized to [0, qmax] -> (scale s = the widest range / qmax, offset = sum lo (float64 sum,
+    f32), top = the sum of the rows' largest entries, the level buckets' shift, inv = 1 / s f32).
+    The largest entry of each quantized row is its largest T's (the rounding is monotone), so top
+    bounds every level sum."""
+    g = lo.shape[0]
+    w = width.max()
+    s = np.float32(np.float64(w) / qmax) if w > 0 else np.float32(1.0)
+    inv = np.float32(1.0 / np.float64(s))
+    off = 0.0
+    tp = 0
+    for i in range(g):
+        off += np.float64(lo[i])
+        tp += np.int64(min(max(np.floor(width[i] * inv + np.float32(0.5)), np.float32(0.0)), np.float32(qmax)))
+    return s, np.float32(off), tp, _bucket_shift(s), inv
+
+
+@njit(inline="always")
+def _quantize(x, lo, inv, qmax):
+    """A table entry x as its integer level in [0, qmax] (a float32 holding an integer)."""
+    return min(max(np.floor((x - lo) * inv + np.float32(0.5)), np.float32(0.0)), np.float32(qmax))
+
+
 @njit(cache=True, parallel=True)
 def _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift):
     # pack_lut after its row minima / ranges: per-head steps, then the packed tables.
@@ -130,22 +155,7 @@ def _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift):
     qmax = 65535 // g
     inv = np.empty(Hq, np.float32)
     for h in range(Hq):                            # 2. each head's step (its widest group) and offset
-        w = width[h].max()
-        s = np.float32(np.float64(w) / qmax) if w > 0 else np.float32(1.0)
-        off = 0.0
-        for i in range(g):
-            off += np.float64(lo[h, i])
-        scale[h] = s
-        offset[h] = np.float32(off)
-        inv[h] = np.float32(1.0 / np.float64(s))
-        shift[h] = _bucket_shift(s)
-        # the largest entry of each quantized row is its largest T's (the rounding is monotone),
-        # and top bounds every lane sum
-        tp = 0
-        for i in range(g):
-            tp += np.int64(min(max(np.floor(width[h, i] * inv[h] + np.float32(0.5)), np.float32(0.0)),
-                               np.float32(qmax)))
-        top[h] = tp
+        scale[h], offset[h], top[h], shift[h], inv[h] = _head_step(lo[h], width[h], qmax)
     R = lanes.shape[0]
     for t in prange(R * g):                        # 3. quantize, 4 heads per uint64, in one pass
         r, i = t // g, t % g
@@ -162,12 +172,11 @@ def _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift):
         T0, T1, T2, T3 = T[h0, i], T[h1, i], T[h2, i], T[h3, i]
         l0, l1, l2, l3 = lo[h0, i], lo[h1, i], lo[h2, i], lo[h3, i]
         v0, v1, v2, v3 = inv[h0], inv[h1], inv[h2], inv[h3]
-        qtop = np.float32(qmax)
         for j in range(c):
-            x0 = min(max(np.floor((T0[j] - l0) * v0 + np.float32(0.5)), np.float32(0.0)), qtop)
-            x1 = min(max(np.floor((T1[j] - l1) * v1 + np.float32(0.5)), np.float32(0.0)), qtop)
-            x2 = min(max(np.floor((T2[j] - l2) * v2 + np.float32(0.5)), np.float32(0.0)), qtop)
-            x3 = min(max(np.floor((T3[j] - l3) * v3 + np.float32(0.5)), np.float32(0.0)), qtop)
+            x0 = _quantize(T0[j], l0, v0, qmax)
+            x1 = _quantize(T1[j], l1, v1, qmax)
+            x2 = _quantize(T2[j], l2, v2, qmax)
+            x3 = _quantize(T3[j], l3, v3, qmax)
             out[j] = (np.uint64(np.int32(x0)) | ((np.uint64(np.int32(x1)) & m1) << np.uint64(16))
                       | ((np.uint64(np.int32(x2)) & m2) << np.uint64(32))
                       | ((np.uint64(np.int32(x3)) & m3) << np.uint64(48)))

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .cli_common import CTX
-from .config import KV_BUDGET_PRESETS
+from .config import KV_BUDGET_PRESETS, hca_setting
 from .errors import MiniRunError
 
 
@@ -57,9 +57,10 @@ def _modes(kv_modes: str, budgets: str) -> list[tuple[str, float | str | None]]:
         elif m == "hca":
             for x in [x.strip() for x in budgets.split(",") if x.strip()]:
                 try:
-                    b = float(x)
-                except ValueError:
-                    b = x if re.fullmatch(r"g\d+c\d+", x) else None      # explicit codebooks (config.hca_setting)
+                    kw = hca_setting(x)
+                except MiniRunError:
+                    kw = {}
+                b = kw.get("kv_budget", x if "groups" in kw else None)      # a preset, or gGcC codebooks
                 if b not in KV_BUDGET_PRESETS and not isinstance(b, str):
                     raise MiniRunError(f"unknown --kv-budget {x!r}: use "
                                        f"{', '.join(str(p) for p in KV_BUDGET_PRESETS)} or gGcC, e.g. g64c16 "

@@ -206,8 +206,7 @@ class HCACache(KVCache):
             self._fs = (self.codebooks, F, fs.factor_norms(F))
             self._fs_lut = fs.FastScanLUT(self.Hq, F.shape[2], self._lanes) if self._fast_scan else None
             self._hist = kc.level_hist(self.Hq) if self._hist is None else self._hist
-            self._pending = np.empty((self.n_layers, self.Hkv, 1, self.layout.groups), np.uint8)
-            self._pending_pos = -1
+            self._new_pending()
         return self._fs[1], self._fs[2]
 
     def _attend_exact_keys_step(self, layer, qs, k, v):
@@ -436,10 +435,15 @@ class HCACache(KVCache):
         if self._cnorm is None or self._cnorm[0] is not self.codebooks:
             C = self.codebooks.centroids.numpy()
             self._cnorm = (self.codebooks, kc.codebook_norms(C.reshape(-1, *C.shape[2:])).reshape(C.shape[:-1]))
-            self._pending = np.empty((self.n_layers, self.Hkv, 1, self.layout.groups),
-                                     np.uint8 if self.layout.index_bytes == 1 else np.int16)
-            self._pending_pos = -1
+            self._new_pending()
         return self._cnorm[1]
+
+    def _new_pending(self) -> None:
+        """The scratch of the codes the decode steps encode ahead, [L, Hkv, 1, g] of the index dtype
+        (made with each codebook set's encoder state), none pending yet."""
+        self._pending = np.empty((self.n_layers, self.Hkv, 1, self.layout.groups),
+                                 np.uint8 if self.layout.index_bytes == 1 else np.int16)
+        self._pending_pos = -1
 
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         """K [L, Hkv, m, hd] -> indices [L, Hkv, m, g], one kernel call for all layers."""
