@@ -206,21 +206,22 @@ def threshold_select_ref(z, tau):
     return idx, counts, m, l_sel
 
 
-def attend_exact_ref(q, K, V, q_to_kv, n):
-    """q [Hq, d] f32 (pre-scaled), K, V [Hkv, n_cap, d] f32/f16 (first n valid)
-    -> o [Hq, d] f32 (normalized), m [Hq] f32 (max score), l [Hq] f32 (sum exp(s - m)).
-    n == 0 -> o = 0, m = -inf, l = 0."""
+def attend_exact_ref(q, K, V, q_to_kv, n, valid=None):
+    """q [Hq, d] f32 (pre-scaled), K, V [Hkv, n_cap, d] f32/f16 (first n valid), valid: optional
+    uint8 [>= n] (rows with 0 left out) -> o [Hq, d] f32 (normalized), m [Hq] f32 (max score),
+    l [Hq] f32 (sum exp(s - m)). No row (n == 0 or none valid) -> o = 0, m = -inf, l = 0."""
     q = np.asarray(q, dtype=np.float64)
     Hq, d = q.shape
     o = np.zeros((Hq, d), dtype=np.float32)
     m = np.full(Hq, -np.inf, dtype=np.float32)
     l = np.zeros(Hq, dtype=np.float32)
-    if n == 0:
+    rows = np.arange(n) if valid is None else np.nonzero(np.asarray(valid)[:n])[0]
+    if rows.size == 0:
         return o, m, l
     for h in range(Hq):
         kv = q_to_kv[h]
-        k = K[kv, :n].astype(np.float64)
-        v = V[kv, :n].astype(np.float64)
+        k = K[kv, rows].astype(np.float64)
+        v = V[kv, rows].astype(np.float64)
         s = np.einsum("nd,d->n", k, q[h])
         mh = s.max()
         w = np.exp(s - mh)

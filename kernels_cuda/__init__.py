@@ -6,7 +6,7 @@ Public API -- torch CUDA tensors in and out, launched on torch's current stream
 * ``build_lut(q, codebooks, q_to_kv) -> T``
 * ``approx_scores(T, P, q_to_kv, n, out=None) -> (z, (m, l))``
 * ``threshold_select(z, tau, out_idx=None, *, stats=None) -> (idx, counts, m, l_sel)``
-* ``attend_exact(q, K, V, q_to_kv, n) -> (o, m, l)``
+* ``attend_exact(q, K, V, q_to_kv, n, valid=None) -> (o, m, l)``
 * ``lse_merge(os, ms, ls) -> (o, m, l)``
 * ``encode_keys(K, codebooks, out=None) -> P``
 * ``available() -> bool``

@@ -37,8 +37,8 @@ template <typename Tag>
 __device__ __forceinline__ void attend_partial_impl(
     const float* __restrict__ q, const typename Tag::S* __restrict__ K, long long k_s0, long long k_s1,
     const typename Tag::S* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv,
-    int n, int d, int tokens_per_split, float* __restrict__ o_part, float* __restrict__ m_part,
-    float* __restrict__ l_part) {
+    const unsigned char* __restrict__ valid, int has_valid, int n, int d, int tokens_per_split,
+    float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
     MR_DYN_SMEM(smem);
     __shared__ float scratch[64];
     const int tid = threadIdx.x;
@@ -82,7 +82,7 @@ __device__ __forceinline__ void attend_partial_impl(
             for (int u = 0; u < MR_ATT_ILP; ++u) {
                 const float su = mr_warp_sum(s[u]);
                 const int i = i0 + u * nwarps;
-                if (lane == 0 && i < cnt) ps[i] = su;
+                if (lane == 0 && i < cnt) ps[i] = (has_valid && !valid[t0 + i]) ? mr_neg_inf() : su;
             }
         }
         __syncthreads();
@@ -125,31 +125,33 @@ __device__ __forceinline__ void attend_partial_impl(
     }
 }
 
+// valid: uint8 [>= n], read only when has_valid (0: the slot holds no token, e.g. a ring slot
+// emptied by a truncate); such tokens score -inf.  Without it every token in [0, n) is live.
 extern "C" __global__ void __launch_bounds__(MR_ATT_THREADS)
 attend_partial_f32(const float* __restrict__ q, const float* __restrict__ K, long long k_s0, long long k_s1,
                    const float* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv,
-                   int n, int d, int tokens_per_split, float* __restrict__ o_part, float* __restrict__ m_part,
-                   float* __restrict__ l_part) {
-    attend_partial_impl<MrF32>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, n, d, tokens_per_split, o_part, m_part,
-                               l_part);
-}
-
-extern "C" __global__ void __launch_bounds__(MR_ATT_THREADS)
-attend_partial_f16(const float* __restrict__ q, const unsigned short* __restrict__ K, long long k_s0,
-                   long long k_s1, const unsigned short* __restrict__ V, long long v_s0, long long v_s1,
-                   const int* __restrict__ q_to_kv, int n, int d, int tokens_per_split,
+                   const unsigned char* __restrict__ valid, int has_valid, int n, int d, int tokens_per_split,
                    float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
-    attend_partial_impl<MrF16>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, n, d, tokens_per_split, o_part, m_part,
-                               l_part);
+    attend_partial_impl<MrF32>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, valid, has_valid, n, d, tokens_per_split,
+                              o_part, m_part, l_part);
 }
 
 extern "C" __global__ void __launch_bounds__(MR_ATT_THREADS)
-attend_partial_bf16(const float* __restrict__ q, const unsigned short* __restrict__ K, long long k_s0,
-                    long long k_s1, const unsigned short* __restrict__ V, long long v_s0, long long v_s1,
-                    const int* __restrict__ q_to_kv, int n, int d, int tokens_per_split,
+attend_partial_f16(const float* __restrict__ q, const unsigned short* __restrict__ K, long long k_s0, long long k_s1,
+                   const unsigned short* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv,
+                   const unsigned char* __restrict__ valid, int has_valid, int n, int d, int tokens_per_split,
+                   float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    attend_partial_impl<MrF16>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, valid, has_valid, n, d, tokens_per_split,
+                              o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_ATT_THREADS)
+attend_partial_bf16(const float* __restrict__ q, const unsigned short* __restrict__ K, long long k_s0, long long k_s1,
+                    const unsigned short* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv,
+                    const unsigned char* __restrict__ valid, int has_valid, int n, int d, int tokens_per_split,
                     float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
-    attend_partial_impl<MrBF16>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, n, d, tokens_per_split, o_part, m_part,
-                                l_part);
+    attend_partial_impl<MrBF16>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, valid, has_valid, n, d, tokens_per_split,
+                               o_part, m_part, l_part);
 }
 
 // ---------------------------------------------------------------------------

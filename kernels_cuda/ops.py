@@ -421,11 +421,12 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
 _KV_SUFFIX = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
 
 
-def attend_exact(q, K, V, q_to_kv, n):
+def attend_exact(q, K, V, q_to_kv, n, valid=None):
     """q [Hq, d] f32 (pre-scaled), K, V [Hkv, n_cap, d] f32 / f16 / bf16 (same dtype; first
-    n rows valid; any strides with a contiguous last axis), q_to_kv int32 [Hq]
-    -> (o [Hq, d] f32 normalized, m [Hq] max score, l [Hq] sum exp(s - m)).
-    n = 0 -> o = 0, m = -inf, l = 0.  Split-K over token ranges, then an LSE merge."""
+    n rows valid; any strides with a contiguous last axis), q_to_kv int32 [Hq],
+    valid: optional uint8 [>= n] (0: that row holds no token and is left out, e.g. ring slots a
+    truncate emptied) -> (o [Hq, d] f32 normalized, m [Hq] max score, l [Hq] sum exp(s - m)).
+    n = 0 or no valid row -> o = 0, m = -inf, l = 0.  Split-K over token ranges, then an LSE merge."""
     torch = _torch()
     be = _backend()
     _check(be, q, "q", 2)
@@ -445,12 +446,18 @@ def attend_exact(q, K, V, q_to_kv, n):
     if not 0 <= n <= n_cap:
         raise ValueError(f"n={n} outside [0, {n_cap}]")
     dev = q.device
+    if valid is not None:
+        _check(be, valid, "valid", 1, dev)
+        if valid.dtype != torch.uint8 or valid.shape[0] < n:
+            raise ValueError(f"valid must be uint8 [>= {n}], got {valid.dtype} {tuple(valid.shape)}")
+        valid = valid.contiguous()
     if n == 0 or Hq == 0:
         return (torch.zeros((Hq, d), device=dev), torch.full((Hq,), -math.inf, device=dev),
                 torch.zeros(Hq, device=dev))  # fmt: skip
     q2k = _q2k(be, q_to_kv, Hq, Hkv, dev)
     qf = _f32c(q)
     K, V = _rows(K), _rows(V)
+    mask, has_mask = (valid, 1) if valid is not None else (q2k.view(torch.uint8)[:1], 0)   # never read
     num_sms, _ = be.device_info(dev)
     tiles = _cdiv(n, _ATT_TILE)
     want = max(1, _cdiv(2 * num_sms, Hq))
@@ -469,7 +476,7 @@ def attend_exact(q, K, V, q_to_kv, n):
     with be.session(dev) as L:
         L.launch("attention.cu", "attend_partial_" + _KV_SUFFIX[str(K.dtype)], (nsplit, Hq), (_ATT_THREADS,),
                  (qf, K, _i64(K.stride(0)), _i64(K.stride(1)), V, _i64(V.stride(0)), _i64(V.stride(1)), q2k,
-                  _i32(n), _i32(d), _i32(tps), o_p, m_p, l_p),
+                  mask, _i32(has_mask), _i32(n), _i32(d), _i32(tps), o_p, m_p, l_p),
                  shared_mem=smem)  # fmt: skip
         if nsplit > 1:
             L.launch("attention.cu", "lse_merge_f32", (Hq,), (_MERGE_THREADS,),

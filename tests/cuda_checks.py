@@ -187,7 +187,9 @@ def check_threshold(env, z_np, taus, use_stats=False, out_extra=0):
             assert (np_(out)[:, n:] == -5).all()
 
 
-def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hnd", seed=2):
+def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hnd", seed=2, valid=None):
+    """valid: None, or "ring" (a truncated ring: live sinks, then every third slot dead and a dead
+    tile-sized run), or "none" (every slot dead)."""
     R = _ref()
     rng = np.random.default_rng(seed)
     n_cap = n if n_cap is None else n_cap
@@ -201,15 +203,23 @@ def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hn
         Vt = env.t(V.transpose(1, 0, 2), dtype).permute(1, 0, 2)
     else:
         Kt, Vt = env.t(K, dtype), env.t(V, dtype)
+    mask = None
+    if valid is not None:
+        mask = np.zeros(n_cap + 5, np.uint8)
+        if valid == "ring":
+            mask[:n_cap] = np.arange(n_cap) % 3 != 2
+            mask[:4] = 1
+            mask[300:600] = 0  # longer than a 256-token tile: a tile with no live token
     with env.ctx():
-        o, m, l = kernels_cuda.attend_exact(env.t(q), Kt, Vt, env.t(q2k), n)
+        o, m, l = kernels_cuda.attend_exact(env.t(q), Kt, Vt, env.t(q2k), n,
+                                            valid=None if mask is None else env.t(mask))
     Kr, Vr = np_(Kt), np_(Vt)  # exactly the (upcast) values the kernel saw
-    ro, rm, rl = R.attend_exact_ref(q, Kr, Vr, q2k, n)
+    ro, rm, rl = R.attend_exact_ref(q, Kr, Vr, q2k, n, valid=mask)
     assert o.shape == (Hq, d) and m.shape == (Hq,) and l.shape == (Hq,)
     o, m, l = np_(o), np_(m), np_(l)
     assert np.isfinite(o).all()
     np.testing.assert_allclose(o, ro, rtol=1e-4, atol=2e-5)
-    if n == 0:
+    if n == 0 or valid == "none":
         assert (m == -np.inf).all() and (l == 0).all() and (o == 0).all()
     else:
         np.testing.assert_allclose(m, rm, rtol=1e-5, atol=1e-5)

@@ -125,6 +125,32 @@ def test_prefill_modes_then_decode_match_cpu(tiny_model_dir, gpu_engine, mode):
     assert s["host_values_bytes"] == eng.cache.values.data.numel() * eng.cache.values.data.element_size()
 
 
+def test_decode_step_after_a_truncate_masks_dead_slots(tiny_model_dir, gpu_engine):
+    """A prompt sharing a prefix with the cache truncates it: the ring holds fewer than W tokens
+    and stale slots until it refills. The decode step still runs (attend_exact masks the dead
+    slots; it used to fall back to the general torch path), with the CPU cache's logits."""
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(90, seed=1)
+    kw = dict(ctx=256, kv="hca", key_store="exact", tau=1.0, window=16, sinks=4, prefill_chunk=32)
+    outs = []
+    for make in (lambda: Engine.load(d, device="cpu", **kw), lambda: load(d, **kw)):
+        eng = make()
+        with ctx():
+            gen = eng.generate(ids, max_new_tokens=10, ignore_eos=True).tokens
+            c = eng.cache
+            calls = []
+            if isinstance(c, HCACacheCUDA):
+                real = c._decode_step
+                c._decode_step = lambda *a: calls.append(1) or real(*a)
+            first = eng.prefill(ids + gen[:7])[0]
+            assert c.offset < c.S + c.W + c.n_store and (c.slot_pos < 0).any()     # the ring is short
+            outs.append(torch.cat([first.reshape(1, -1)] + [eng.step(t).reshape(1, -1) for t in gen[7:]]).cpu())
+        if isinstance(c, HCACacheCUDA):
+            assert len(calls) == 4 * 2    # the re-prefilled last token + 3 steps, 2 layers: all one step each
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-5   # (unmasked stale slots: 3e-4)
+
+
 @pytest.mark.parametrize("tau", [1.0, 0.9])
 def test_codebooks_match_cpu_backend(tiny_model_dir, gpu_engine, tmp_path, tau):
     load, ctx = gpu_engine

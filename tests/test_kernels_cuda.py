@@ -163,6 +163,15 @@ def test_emu_attend_exact(order, num_sms, n, kw):
 
 
 @emu_only
+@pytest.mark.parametrize("num_sms", [1, 132])
+@pytest.mark.parametrize("n,valid,kw", [(1100, "ring", {}), (700, "ring", {"dtype": torch.bfloat16, "layout": "nhd"}),
+                                        (300, "none", {"dtype": torch.float16})])
+def test_emu_attend_exact_valid_mask(num_sms, n, valid, kw):
+    """Dead slots (a truncated ring) are left out: against the reference over the live rows only."""
+    check_attend(Env("emu", order="random", num_sms=num_sms), 9, 3, 64, n, valid=valid, **kw)
+
+
+@emu_only
 @pytest.mark.parametrize("d", [32, 128, 96])
 def test_emu_attend_exact_head_dims(d):
     check_attend(Env("emu", num_sms=132), 4, 2, d, 600, layout="nhd")
@@ -235,6 +244,10 @@ def test_emu_argument_errors():
         with pytest.raises(ValueError):
             kernels_cuda.attend_exact(torch.zeros((2, 512)), torch.zeros((1, 4, 512)), torch.zeros((1, 4, 512)),
                                       [0, 0], 4)  # fmt: skip
+        for bad in (torch.ones(4, dtype=torch.int32), torch.ones(3, dtype=torch.uint8)):   # valid: dtype, length
+            with pytest.raises(ValueError):
+                kernels_cuda.attend_exact(torch.zeros((2, 64)), torch.zeros((1, 4, 64)), torch.zeros((1, 4, 64)),
+                                          [0, 0], 4, valid=bad)  # fmt: skip
         with pytest.raises(ValueError):
             kernels_cuda.encode_keys(torch.zeros((1, 4, 64)), torch.zeros((1, 16, 256, 4)),
                                      out=torch.zeros((1, 4, 16), dtype=torch.int16))  # fmt: skip
@@ -302,6 +315,13 @@ def test_gpu_threshold_select_on_scores():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gpu_attend_exact(n, dtype):
     check_attend(Env(GPU_KIND, num_sms=132), 9, 3, 64, n, n_cap=n + 33, dtype=dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("n,valid,dtype", [(5000, "ring", torch.bfloat16), (1100, "ring", torch.float32),
+                                           (300, "none", torch.float16)])
+def test_gpu_attend_exact_valid_mask(n, valid, dtype):
+    check_attend(Env(GPU_KIND, num_sms=132), 9, 3, 64, n, valid=valid, dtype=dtype)
 
 
 @gpu_only

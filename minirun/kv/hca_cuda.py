@@ -76,6 +76,7 @@ class HCACacheCUDA(HCACache):
         self._sel_event = torch.cuda.Event() if self._gpu else None
         self._h2d_event = torch.cuda.Event() if self._gpu else None
         self._h2d_pending = False
+        self._valid_dev = None                  # (offset, device mask) of _exact_valid_dev
 
     @staticmethod
     def exact_tier_dtype(dtype, device):
@@ -96,6 +97,7 @@ class HCACacheCUDA(HCACache):
         torch on the device (float32 model; +3 casts for 16-bit): q scale 1, histogram memset 1
         (tau < 1), copy-back pack 4 (clamp, int64 cast, gather, cat), new-token part 4 (2 index,
         mul, sum), merge inputs 4 (3 stack, ones_like); plus 2 memcpys (D2H pack, H2D (o, m, l)).
+        (While the ring refills after a truncate: one more H2D per step, the live-slot mask.)
         """
         k = (0 if exact_keys else 3) + (2 if tau >= 1.0 else 3) + (1 if n_exact_splits == 1 else 2) + 1
         t = 1 + (0 if tau >= 1.0 else 1) + 4 + 4 + 4 + (2 if exact_keys else 0)   # exact keys: bmm + copy
@@ -107,8 +109,7 @@ class HCACacheCUDA(HCACache):
         T = q.shape[0]
         self._staged[layer] = (k, v)
         qs = q.float() * self.scale
-        ring_full = self.offset - self.S - self.n_store >= self.W   # every ring slot holds a live token
-        if T == 1 and self.mode == "hca" and self.n_store > 0 and ring_full:
+        if T == 1 and self.mode == "hca" and self.n_store > 0:   # (a short ring: its dead slots masked)
             return self._decode_step(layer, qs, k, v).to(q.dtype)
         o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v)       # torch, on the device
         n = self.n_store
@@ -128,13 +129,25 @@ class HCACacheCUDA(HCACache):
         q = qs[0]                                                                 # [Hq, hd] f32
         sel = self._select(layer, q)                                              # GPU + async D2H
         # queued before the host waits: the GPU runs these while the host sums values
-        o1, m1, l1 = kcu.attend_exact(q, self.ek[layer], self.ev[layer], self.q2k_dev, self.S + self.W)
+        o1, m1, l1 = kcu.attend_exact(q, self.ek[layer], self.ev[layer], self.q2k_dev, self.S + self.W,
+                                      valid=self._exact_valid_dev())
         kn, vn = k[0].float()[self._q2k_long], v[0].float()[self._q2k_long]       # the new token
         m3 = (q * kn).sum(-1)
         o2, m2, l2 = self._host_sum(layer, *sel)
         o, _, _ = kcu.lse_merge(torch.stack([o1, vn, o2]), torch.stack([m1, m3, m2]),
                                 torch.stack([l1, torch.ones_like(m3), l2]))
         return o[None]
+
+    def _exact_valid_dev(self):
+        """The live sinks + ring slots (HCACache._exact_valid) as a device uint8 [S + W] mask while
+        the ring is short after a truncate (one small host->device copy per step, shared by the
+        layers), else None: attend_exact then reads every slot."""
+        valid = self._exact_valid()
+        if valid is None:
+            return None
+        if self._valid_dev is None or self._valid_dev[0] != self.offset:
+            self._valid_dev = (self.offset, torch.from_numpy(valid.copy()).to(self.device))
+        return self._valid_dev[1]
 
     def _attend_store_hca(self, layer, qs):
         """Several queries (prefill in hca mode, ring not full): one selection round trip each."""
@@ -262,8 +275,13 @@ class HCACacheCUDA(HCACache):
         self.prefill_values.free()
         self.anchor_v = None
 
+    def truncate(self, n: int) -> bool:
+        self._valid_dev = None
+        return super().truncate(n)
+
     def reset(self) -> None:
         self.values.wait()
+        self._valid_dev = None
         super().reset()
         self.prefill_values.free()
         self.anchor_v = None
