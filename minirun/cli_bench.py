@@ -141,8 +141,8 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
 
 
 PLAN_EPILOG = """\b
-JSON fields: ctx, kv, kv_budget, dtype, device, params, tiers [{tier, where, bytes,
-bytes_per_token, transient}], device_bytes, host_bytes, dense_bytes_per_token,
+JSON fields: ctx, kv, kv_budget (a number, or "gGcC" for explicit codebooks), dtype, device, params,
+tiers [{tier, where, bytes, bytes_per_token, transient}], device_bytes, host_bytes, dense_bytes_per_token,
 available {host, device}, fits (null when no GPU figure is known), host_fits, largest_ctx, note.
 """
 
@@ -151,7 +151,8 @@ available {host, device}, fits (null when no GPU figure is known), host_fits, la
 @click.argument("model_or_config", type=click.Path(path_type=Path))
 @click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size (K/M suffixes: 4M = 4194304)")
 @click.option("--kv", type=click.Choice(["dense", "hca"]), default="hca", show_default=True)
-@click.option("--kv-budget", type=click.Choice(["0.5", "0.25", "0.125"]), default="0.125", show_default=True)
+@click.option("--kv-budget", default="0.125", show_default=True,
+              help="HCA key store: a budget (0.5, 0.25, 0.125) or gGcC codebooks such as g64c16")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
               help="where the device tiers go (cpu: everything is host memory)")
@@ -167,7 +168,7 @@ def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, 
     from .config import EngineConfig, ModelArgs
     from .planner import format_plan, plan_report
     args = ModelArgs.from_path(model_or_config)
-    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, kv_budget=float(kv_budget), window=window,
-                       sinks=sinks)
+    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks,
+                       **hca_setting(kv_budget))
     report = plan_report(args, cfg, device, gpu_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))

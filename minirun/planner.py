@@ -147,10 +147,22 @@ def format_bytes(n: int) -> str:
 PER_TOKEN_TIERS = ("dense K+V", "key store", "value pool", "scratch")   # tiers that grow with the context
 
 
+def hca_setting_of(args: ModelArgs, cfg: EngineConfig):
+    """The key-store setting as the tools name it: the budget preset (0.125), "gGcC" when codebooks
+    are given explicitly (g64c16), None for dense."""
+    if cfg.kv != "hca":
+        return None
+    if cfg.groups is None and cfg.centroids is None:
+        return cfg.kv_budget
+    from .kv.hca_layout import resolve_layout
+    g, c = resolve_layout(args, cfg).codebook_geometry[:2]
+    return f"g{g}c{c}"
+
+
 def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | None = None) -> dict:
     """The plan as a dict (what `minirun plan -o json` prints).
 
-    Keys: ctx, kv, kv_budget (None for dense), dtype, device ("cpu" | "cuda"), params,
+    Keys: ctx, kv, kv_budget (hca_setting_of: 0.125 or "g64c16"; None for dense), dtype, device ("cpu" | "cuda"), params,
     tiers [{tier, where ("device" | "host"), bytes, bytes_per_token (None where it does not grow
     per token: weights, sinks+ring, codebooks, prefill-only buffers), transient (bool: held only
     while a prompt is prefilled)}], device_bytes, host_bytes (totals per place; on cpu everything
@@ -178,7 +190,7 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
             avail["device"] = torch.cuda.mem_get_info()[0]
     dense_tok = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * ELEM[cfg.dtype]
     host_bytes = p.bytes_on("host") + (0 if device == "cuda" else p.bytes_on("device"))
-    report = {"ctx": cfg.ctx, "kv": cfg.kv, "kv_budget": cfg.kv_budget if cfg.kv == "hca" else None,
+    report = {"ctx": cfg.ctx, "kv": cfg.kv, "kv_budget": hca_setting_of(args, cfg),
               "dtype": cfg.dtype, "device": device, "params": param_count(args), "tiers": tiers,
               "device_bytes": p.bytes_on("device") if device == "cuda" else 0, "host_bytes": host_bytes,
               "dense_bytes_per_token": dense_tok, "available": avail, "host_fits": host_bytes <= avail["host"],

@@ -259,3 +259,23 @@ def test_plan_bare_llama3_config(tmp_path, capsys):
         assert "cannot check free GPU memory" in text and "host side" in text
     text = run([*args[:-6], "--kv", "dense", "--device", "cpu"], capsys).out    # dense, on the host
     assert f"| dense K+V | host | {128 * KiB * M4} | 512.0 GiB | 131072 |" in text and "GPU total" not in text
+
+
+def test_plan_takes_explicit_codebooks(tmp_path, capsys):
+    """--kv-budget g64c16 (4-bit codes in nibble pairs): the 12.5% preset's key bytes, the product
+    codebooks on the GPU (32 pairs x 256 x 8 floats per layer and kv-head), named in the output."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMOLLM2))
+    args = ["plan", str(cfg), "--ctx", "4M", "--kv", "hca", "--dtype", "bfloat16", "--gpu-mem", "80G", "-o", "json"]
+    r = json.loads(run([*args, "--kv-budget", "g64c16"], capsys).out)
+    r8 = json.loads(run([*args, "--kv-budget", "0.125"], capsys).out)
+    tiers = {t["tier"]: t for t in r["tiers"]}
+    assert r["kv_budget"] == "g64c16" and r8["kv_budget"] == 0.125
+    assert tiers["key store"]["bytes_per_token"] == 30 * 3 * 32 == {t["tier"]: t for t in r8["tiers"]}[
+        "key store"]["bytes_per_token"]
+    assert tiers["codebooks"]["bytes"] == 30 * 3 * 32 * 256 * 2 * 4
+    out = run(["plan", str(cfg), "--kv-budget", "g64c16"], capsys).out
+    assert "kv hca g64c16" in out
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(cfg), "--kv-budget", "g64"])
+    assert e.value.code == 1 and "bad HCA setting 'g64'" in capsys.readouterr().err
