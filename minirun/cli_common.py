@@ -62,8 +62,22 @@ def sampling_options(temperature: float, max_tokens: int):
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, **extra):
     from .engine import Engine
     from .config import hca_setting
-    return Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
-                       threads=threads, **hca_setting(kv_budget), **extra)
+    eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
+                      threads=threads, **hca_setting(kv_budget), **extra)
+    note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx)
+    if note:
+        click.echo(note, err=True)
+    return eng
+
+
+def trained_context_note(trained: int | None, ctx: int) -> str | None:
+    """One line when --ctx reaches past the context the model was trained on (config.json's
+    max_position_embeddings): nothing stops it, but answers degrade once a conversation is longer
+    (SmolLM2, 8K: the pass key is lost past ~8K tokens with dense attention as well; QUALITY.md)."""
+    if trained is None or ctx <= trained:
+        return None
+    return (f"minirun: note: --ctx {ctx} is past the {trained} tokens this model was trained on; "
+            f"expect answers to degrade once the conversation is longer than that")
 
 
 def split_kwargs(kw: dict):

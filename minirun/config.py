@@ -30,7 +30,7 @@ class ModelArgs:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int | None = None   # the trained context (None: not stated)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minirun.calibrate import read_text  # noqa: E402
-from minirun.config import hca_setting  # noqa: E402
+from minirun.config import hca_setting, parse_ctx  # noqa: E402
 from minirun.errors import MiniRunError  # noqa: E402
 from minirun.evaluate import format_markdown, run_grid  # noqa: E402
 
@@ -124,7 +124,7 @@ def main(argv=None):
                 a.model, ids, budgets=budgets,
                 ppl_tokens=a.ppl_tokens if sec == "ppl" else 0,
                 prompt_tokens=a.prompt_tokens, positions=a.positions if sec == "agree" else 0,
-                lengths=[int(x) for x in a.passkey_lengths.split(",") if x.strip()] if sec == "passkey" else [],
+                lengths=[parse_ctx(x) for x in a.passkey_lengths.split(",") if x.strip()] if sec == "passkey" else [],
                 depths=[float(x) for x in a.passkey_depths.split(",") if x.strip()], trials=a.trials,
                 tau=a.tau, window=a.window, sinks=a.sinks, dtype=a.dtype, key_store=a.key_store,
                 centroids=a.centroids, threads=a.threads, seed=a.seed, log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}",

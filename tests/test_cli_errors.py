@@ -127,3 +127,14 @@ def test_kv_budget_takes_presets_and_explicit_codebooks(tiny_model_dir, capsys):
     except SystemExit as e:
         assert e.code in (0, None), capsys.readouterr().err
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ctx_past_the_trained_context_is_noted_once(tiny_model_dir, capsys):
+    """Not an error (the headline runs SmolLM2, trained to 8K, at --ctx 4M), but said once, on
+    stderr, when --ctx exceeds config.json's max_position_embeddings (2048 for the tiny model)."""
+    d = str(tiny_model_dir("gqa-untied"))
+    main(["generate", d, "-p", "hi", "-n", "2", "--ctx", "4K"])
+    err = capsys.readouterr().err
+    assert err.count("past the 2048 tokens this model was trained on") == 1 and "--ctx 4096" in err
+    main(["generate", d, "-p", "hi", "-n", "2", "--ctx", "2K"])
+    assert "trained on" not in capsys.readouterr().err
