@@ -34,7 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._common import _as_f32, _as_pool, _prefetch
-from .hca_step import _check_encode_slot, _step_partials, _sum_and_merge, _valid_mask
+from .hca_step import _check_encode_slot, _step_partials, _step_scratch, _sum_and_merge, _valid_mask
 from .level_select import _count_levels, level_hist
 from .level_sum import _k_level_cuts
 from .packed import _head_step, _quantize
@@ -327,16 +327,12 @@ def hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_
     factor codebooks (fnorm: factor_norms(F)), PT [Hkv, G/2, >=n_store] uint8, lut the FastScanLUT
     scratch; encode (slot, codes uint8 [Hkv, 1, G/2]) writes the nibble pairs of EK[:, slot].
     The rest as hca_decode_attend. -> o [Hq, d] f32. Needs available()."""
-    Hq = q.shape[0]
     nh = heads_per_kv(q_to_kv)
-    counts = np.zeros(Hq, np.int32) if counts is None else counts
+    counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
     fnorm = factor_norms(F) if fnorm is None else fnorm
-    out = np.empty(q.shape, np.float32)
     slot, codes = (-1, _NO_CODES) if encode is None else encode
     if encode is not None:
         _check_encode_slot(slot, n_exact, n_store)
-    lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
-    nt = min(numba.get_num_threads(), hist.shape[0])
     _k_hca_decode_fs(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                      _valid_mask(exact_valid, n_exact), F, fnorm, nh, PT, int(n_store), _as_pool(V), float(tau),
                      lut.lanes, lut.T, lut.tabs, lut.scale, lut.offset, lut.top, lut.shift, lev, hist, nt, z, idx,

@@ -94,22 +94,26 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     exact_valid: optional uint8 [>= n_exact], 0 where an exact-tier slot holds no token (a ring
     not yet refilled after a truncate): that slot is not attended.
     """
-    Hq = q.shape[0]
-    if counts is None:
-        counts = np.zeros(Hq, np.int32)
-    out = np.empty(q.shape, np.float32)
+    counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
     if encode is None:
         slot, cnorm, codes = -1, _NO_CNORM, _NO_CODES[PT.dtype.itemsize]
     else:
         slot, cnorm, codes = encode
         _check_encode_slot(slot, n_exact, n_store)
-    lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
-    nt = min(numba.get_num_threads(), hist.shape[0])
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                   _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv,
                   packed.lanes, lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist,
                   nt, z, idx, counts, out, int(slot), cnorm, codes)
     return out
+
+
+def _step_scratch(q, n_store, counts=None, levels=None):
+    """The defaults both codebook steps take: (counts int32 [Hq], out f32 [Hq, d], (lev, hist),
+    threads), counts and levels made when not given."""
+    Hq = q.shape[0]
+    counts = np.zeros(Hq, np.int32) if counts is None else counts
+    lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
+    return counts, np.empty(q.shape, np.float32), (lev, hist), min(numba.get_num_threads(), hist.shape[0])
 
 
 def _check_encode_slot(slot, n_exact, n_store):
