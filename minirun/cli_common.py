@@ -34,6 +34,9 @@ def engine_options(f):
         click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
         click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
         click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
+        click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+                     help="HCA: attend to tokens older than the window at one distance, 1024 by default "
+                          "(auto: when --ctx passes the model's trained context)"),
         click.option("--threads", type=int, default=None, help="CPU threads for torch"),
     ]
     for o in reversed(opts):
@@ -59,30 +62,33 @@ def sampling_options(temperature: float, max_tokens: int):
     return deco
 
 
-def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, **extra):
+def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="auto",
+                **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
-                      threads=threads, **hca_setting(kv_budget), **extra)
-    note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx)
+                      threads=threads, far_positions=far_positions, **hca_setting(kv_budget), **extra)
+    far = getattr(eng.cache, "far", False)
+    note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far)
     if note:
         click.echo(note, err=True)
     return eng
 
 
-def trained_context_note(trained: int | None, ctx: int) -> str | None:
+def trained_context_note(trained: int | None, ctx: int, far: bool = False) -> str | None:
     """One line when --ctx reaches past the context the model was trained on (config.json's
-    max_position_embeddings): nothing stops it, but answers degrade once a conversation is longer
-    (SmolLM2, 8K: the pass key is lost past ~8K tokens with dense attention as well; QUALITY.md)."""
-    if trained is None or ctx <= trained:
+    max_position_embeddings) and nothing keeps the distances inside it: answers degrade once a
+    conversation is longer (SmolLM2, 8K: the pass key is lost past ~8K tokens with dense attention;
+    docs/QUALITY.md). The HCA cache's far positions (kv/far_positions.py) are that something."""
+    if trained is None or ctx <= trained or far:
         return None
-    return (f"minirun: note: --ctx {ctx} is past the {trained} tokens this model was trained on; "
-            f"expect answers to degrade once the conversation is longer than that")
+    return (f"minirun: note: --ctx {ctx} is past the {trained} tokens this model was trained on; expect "
+            f"answers to degrade once the conversation is longer than that (--kv hca keeps distances inside it)")
 
 
 def split_kwargs(kw: dict):
     """Separate engine options from sampling options."""
-    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "threads")
+    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "far_positions", "threads")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
                     min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),

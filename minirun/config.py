@@ -149,6 +149,8 @@ class EngineConfig:
     prefill_mode: str = "auto"        # "auto" | "exact" | "anchor" | "hca": how an HCA prompt attends to old tokens
     exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens, anchor beyond
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
+    far_positions: str = "auto"       # HCA: "auto" | "on" | "off": old tokens at one distance (kv/far_positions.py)
+    far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
     threads: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -164,5 +166,7 @@ class EngineConfig:
             raise MiniRunError(f"unknown key_store {self.key_store!r}: use codebook or exact")
         if self.prefill_mode not in ("auto", "exact", "anchor", "hca"):
             raise MiniRunError(f"unknown prefill mode {self.prefill_mode!r}: use auto, exact, anchor or hca")
+        if self.far_positions not in ("auto", "on", "off"):
+            raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on or off")
         if not 0.0 < self.tau <= 1.0:
             raise MiniRunError(f"tau must be in (0, 1], got {self.tau}")

@@ -101,13 +101,15 @@ def main():
                     help="time the cache's one-token attention kernel (hca_decode_attend, "
                          "hca_exact_decode_attend or dense_attend) inside the timed steps: ms per call "
                          "and per step; the rest of the step is the rest")
+    ap.add_argument("--far-positions", default="auto", choices=["auto", "on", "off"],
+                    help="HCA: far positions (auto: on past the model's trained context)")
     ap.add_argument("--cold", action="store_true",
                     help="with --breakdown: evict the caches (read 64 MB) before each timed call, as the "
                          "layer's weight GEMVs do in a real step")
     a = ap.parse_args()
     eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.steps * 3 + 8, kv=a.kv,
                       kv_budget=a.kv_budget, groups=a.groups, centroids=a.centroids, tau=a.tau,
-                      threads=a.threads)
+                      threads=a.threads, far_positions=a.far_positions)
     t0 = time.perf_counter()
     fill(eng, a.depth, a.fill)
     print(f"filled {a.depth} tokens in {time.perf_counter() - t0:.1f}s; kv_stats={eng.kv_stats()}")

@@ -151,6 +151,32 @@ def test_decode_step_after_a_truncate_masks_dead_slots(tiny_model_dir, gpu_engin
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-5   # (unmasked stale slots: 3e-4)
 
 
+@pytest.mark.parametrize("key_store,tau", [("exact", 1.0), ("codebook", 1.0)])
+def test_far_positions_match_cpu(tiny_model_dir, gpu_engine, key_store, tau):
+    """Far positions (sinks and store unrotated, read at distance W; minirun/kv/far_positions.py):
+    the decode step splits sinks (far query) from the ring (true one); prompt, decode steps and a
+    truncate, against the CPU cache. Codebooks fitted from the prompt's unrotated keys (the same
+    fit on both: same keys, same seed)."""
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(90, seed=6)
+    kw = dict(ctx=256, kv="hca", key_store=key_store, tau=tau, window=16, sinks=4, prefill_chunk=32,
+              far_positions="on", fit_min_tokens=32, centroids=16)
+    cpu = Engine.load(d, device="cpu", **kw)
+    a = cpu.generate(ids, max_new_tokens=10, ignore_eos=True)
+    eng = load(d, **kw)
+    with ctx():
+        b = eng.generate(ids, max_new_tokens=10, ignore_eos=True)
+        assert eng.cache.far and eng.cache.n_store > 0
+        lg = eng.prefill(ids + b.tokens[:6])[0].cpu()                 # truncates: the ring is short
+        steps = torch.stack([eng.step(t).reshape(-1).cpu() for t in b.tokens[6:]])
+    assert a.tokens == b.tokens
+    lc = cpu.prefill(ids + a.tokens[:6])[0]
+    sc = torch.stack([cpu.step(t).reshape(-1) for t in a.tokens[6:]])
+    tol = 1e-4 if key_store == "exact" else 1e-3
+    assert (lg - lc).abs().max().item() <= tol and (steps - sc).abs().max().item() <= tol
+
+
 @pytest.mark.parametrize("tau", [1.0, 0.9])
 def test_codebooks_match_cpu_backend(tiny_model_dir, gpu_engine, tmp_path, tau):
     load, ctx = gpu_engine

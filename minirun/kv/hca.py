@@ -23,7 +23,9 @@ from kernels_cpu import fastscan as fs
 from .. import hugepages
 from .attention import merge, partial_attention
 from .base import KVCache
+from ..ops import rope_inv_freq
 from .codebooks import Codebooks, codebook_filename
+from .far_positions import default_far_distance, far_positions_on, far_queries, rotate, unrotate_keys
 from .hca_layout import HCALayout, fast_scan, resolve_layout
 from .store import ColumnBuffer, GrowingBuffer
 
@@ -35,13 +37,18 @@ class HCACache(KVCache):
 
     def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
                  dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
-                 fit_min_tokens: int = 4096, anchor_tokens: int = 2048):
+                 fit_min_tokens: int = 4096, anchor_tokens: int = 2048, far_positions: bool = False,
+                 far_distance: int | None = None):
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
         self.layout, self.tau, self.dtype, self.device = layout, tau, dtype, device
         self.S, self.W = sinks, window
         self.scale = 1.0 / math.sqrt(hd)
+        # far positions (kv/far_positions.py): sinks and store keys kept unrotated, attended at distance W
+        self.far = far_positions
+        self.far_distance = far_distance or window   # D: the distance every sink / store token is read at
+        self._inv_freq = rope_inv_freq(args) if far_positions else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         self._lanes = kc.lane_map(self.q_to_kv, Hkv)               # query heads in the packed tables' lanes
         self._counts = np.zeros(self.Hq, np.int32)                 # selection sizes of the last step
@@ -110,14 +117,24 @@ class HCACache(KVCache):
         layout = resolve_layout(args, config)
         codebooks = None
         geometry = layout.codebook_geometry
-        if not layout.exact_keys and model_dir is not None:
+        far = far_positions_on(config.far_positions, args.max_position_embeddings, capacity)
+        dist = config.far_distance or default_far_distance(config.window, args.max_position_embeddings)
+        # (calibrated codebooks are of rotated keys: far positions store them unrotated, and fit their own)
+        if not layout.exact_keys and model_dir is not None and not far:
             path = model_dir / codebook_filename(*geometry[:2])
             if path.is_file():
                 codebooks = Codebooks.load(path, (args.num_hidden_layers, args.num_key_value_heads, *geometry))
                 codebooks = codebooks.paired() if layout.pairs else codebooks
         cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
-                    fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens)
-        if not layout.exact_keys and codebooks is None:
+                    fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
+                    far_distance=dist)
+        if far:
+            why = ("--far-positions on" if config.far_positions == "on" else
+                   f"the context passes the {args.max_position_embeddings} tokens the model was trained on")
+            print(f"minirun: far positions: tokens older than the {config.window}-token window are attended "
+                  f"at distance {dist} ({why})"
+                  + ("" if layout.exact_keys else "; codebooks fitted from the prompt's unrotated keys"), file=sys.stderr)
+        if not layout.exact_keys and codebooks is None and not far:
             print(f"minirun: no {codebook_filename(*geometry[:2])} in the model directory: "
                   f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate` to make one)",
                   file=sys.stderr)
@@ -137,6 +154,7 @@ class HCACache(KVCache):
         o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v)
         if self.n_store == 0:
             return o1.to(q.dtype)
+        qs = self._far_queries(qs) if self.far else qs           # the store's keys are unrotated
         if self.mode == "exact":
             o2, m2, l2 = self._attend_store_exact(layer, qs)
         elif self.mode == "anchor":
@@ -157,10 +175,11 @@ class HCACache(KVCache):
         # nibble pairs without fast scan encode no ring key ahead: their codes come from the
         # factors, in _encode
         cnorm = None if self.layout.pairs else self._codebook_norms()[layer]   # (also makes self._pending)
-        slot = None if self.layout.pairs else self._encode_ahead_slot()
+        slot = None if self.layout.pairs or self.far else self._encode_ahead_slot()
         encode = None if slot is None else (slot, cnorm, self._pending[layer])
         PT, V, z, sel, lev = self._decode_views(layer)
-        o = kc.hca_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
+        q, kn, EK = self._step_inputs(layer, qs, k)
+        o = kc.hca_decode_attend(q, kn, v[0].float().numpy(), EK,
                                  self._ev_np[layer], self.S + self.W, cbt, PT, n, V, self.tau, self.q_to_kv,
                                  self._packed, self._lut, z, sel, self._counts, encode=encode,
                                  levels=(lev, self._hist), exact_valid=self._exact_valid())
@@ -169,11 +188,11 @@ class HCACache(KVCache):
     def _attend_fast_scan_step(self, layer, qs, k, v):
         """_attend_decode_step for nibble-pair codes on a CPU with AVX2 (kernels_cpu.fastscan)."""
         F, fnorm = self._factors()
-        slot = self._encode_ahead_slot()
+        slot = None if self.far else self._encode_ahead_slot()
         encode = None if slot is None else (slot, self._pending[layer])
         PT, V, z, sel, lev = self._decode_views(layer)
-        o = fs.hca_decode_attend_fs(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
-                                    self._ev_np[layer], self.S + self.W, F[layer], PT, self.n_store, V, self.tau,
+        q, kn, EK = self._step_inputs(layer, qs, k)
+        o = fs.hca_decode_attend_fs(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, F[layer], PT, self.n_store, V, self.tau,
                                     self.q_to_kv, self._fs_lut, z, sel, self._counts, fnorm=fnorm[layer],
                                     encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid())
         return self._step_done(layer, o, encode is not None)
@@ -218,10 +237,24 @@ class HCACache(KVCache):
         K = self.exact_keys.view(layer, self.exact_keys.cap).numpy()    # full-capacity views: contiguous
         V = self.values.view(layer, self.values.cap).numpy()
         z = self.z.data[..., 0].numpy()
-        o = kc.hca_exact_decode_attend(qs[0].numpy(), k[0].float().numpy(), v[0].float().numpy(), self._ek_np[layer],
-                                       self._ev_np[layer], self.S + self.W, K, n, V, self.tau, self.q_to_kv,
+        q, kn, EK = self._step_inputs(layer, qs, k)
+        o = kc.hca_exact_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, K, n, V, self.tau, self.q_to_kv,
                                        self._lanes, z, self._hist, self._counts, exact_valid=self._exact_valid())
         return self._step_done(layer, o, False)
+
+    def _step_inputs(self, layer, qs, k):
+        """The one-call steps' query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
+        (numpy). Far positions: the steps take one query, so it is the far one (it reads the store's
+        and the sinks' unrotated keys at distance W), and the ring keys and the token's own key are
+        turned by R(W - p) to keep their true distances: <R(W) q_pre, R(W - p) R(j) k_pre> =
+        <R(p) q_pre, R(j) k_pre>. The ring copy is made per layer and step (~50 us each)."""
+        if not self.far:
+            return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
+        turn = torch.full((1,), self.far_distance - self.offset)
+        EK = self.ek[layer].clone()
+        EK[:, self.S:] = rotate(EK[:, self.S:], turn.expand(self.W), self._inv_freq)
+        kn = rotate(k[0].float()[:, None], turn, self._inv_freq)[:, 0]
+        return self._far_queries(qs)[0].numpy(), kn.numpy(), EK.numpy()
 
     def _ring_full(self) -> bool:
         """The ring holds W tokens (every position from S + n_store up to offset): the next token
@@ -277,14 +310,27 @@ class HCACache(KVCache):
         return self.lev.flat(n).view(np.uint16).reshape(self.Hq, n)
 
     def _attend_exact_tier(self, layer, qs, k, v):
-        """Sinks + ring (all positions < offset) and the chunk itself (causal)."""
+        """Sinks + ring (all positions < offset) and the chunk itself (causal). Far positions: the
+        sinks (held unrotated) in a partial of their own with the far queries."""
         T = qs.shape[0]
         valid = self.slot_pos >= 0                                               # [S+W]
+        sinks = valid[:self.S].clone()
+        if self.far:
+            valid[:self.S] = False
         K = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1)  # [Hkv, S+W+T, hd]
         V = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ek.dtype)], 1)
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         mask = torch.cat([valid[None, :].expand(T, -1), causal], 1).to(qs.device)
-        return partial_attention(qs, K, V, mask)
+        part = partial_attention(qs, K, V, mask)
+        if self.far and bool(sinks.any()):
+            smask = sinks[None, :].expand(T, -1).to(qs.device)
+            part = merge(part, partial_attention(self._far_queries(qs), self.ek[layer, :, :self.S],
+                                                 self.ev[layer, :, :self.S], smask))
+        return part
+
+    def _far_queries(self, qs):
+        """qs [T, Hq, hd] at positions offset.. -> rotated to read unrotated keys at distance W."""
+        return far_queries(qs, self.offset, self.far_distance, self._inv_freq)
 
     def _attend_store_exact(self, layer, qs):
         """Exact attention over the store (exact prefill: full-precision keys kept for all of it)."""
@@ -372,7 +418,10 @@ class HCACache(KVCache):
             self.slot_pos[ring_slots] = -1
         if keep.numel():
             slots = torch.where(keep < S, keep, S + (keep - S) % W)
-            self.ek[:, :, slots] = Kn[:, :, keep - pos0]
+            Kk = Kn[:, :, keep - pos0]
+            if self.far and bool((keep < S).any()):   # sinks are held unrotated (attended at distance W)
+                Kk = torch.where((keep < S)[:, None].to(Kk.device), unrotate_keys(Kk, keep, self._inv_freq), Kk)
+            self.ek[:, :, slots] = Kk
             self.ev[:, :, slots] = Vn[:, :, keep - pos0]
             self.slot_pos[slots] = keep
         self._staged = [None] * self.n_layers
@@ -463,6 +512,8 @@ class HCACache(KVCache):
         """K, V [L, Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact).
         codes: their indices [L, Hkv, m, g] when already encoded (by the decode step)."""
         j0, m = self.n_store, K.shape[2]
+        if self.far:   # positions S + j0.. leave the ring: kept unrotated (codes encoded ahead were of rotated keys)
+            K, codes = unrotate_keys(K, torch.arange(self.S + j0, self.S + j0 + m), self._inv_freq), None
         self.values.reserve(j0 + m)
         self.z.reserve(j0 + m)
         self.sel.reserve(j0 + m)

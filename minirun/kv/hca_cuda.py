@@ -115,6 +115,7 @@ class HCACacheCUDA(HCACache):
         n = self.n_store
         if n == 0:
             return o1.to(q.dtype)
+        qs = self._far_queries(qs) if self.far else qs                # the store's keys are unrotated
         if self.mode == "exact":
             o2, m2, l2 = partial_attention(qs, self.exact_keys.view(layer, n), self.prefill_values.view(layer, n))
         elif self.mode == "anchor":
@@ -127,16 +128,26 @@ class HCACacheCUDA(HCACache):
 
     def _decode_step(self, layer, qs, k, v):
         q = qs[0]                                                                 # [Hq, hd] f32
-        sel = self._select(layer, q)                                              # GPU + async D2H
+        qf = self._far_queries(qs)[0] if self.far else q                          # reads unrotated keys
+        sel = self._select(layer, qf)                                             # GPU + async D2H
         # queued before the host waits: the GPU runs these while the host sums values
-        o1, m1, l1 = kcu.attend_exact(q, self.ek[layer], self.ev[layer], self.q2k_dev, self.S + self.W,
-                                      valid=self._exact_valid_dev())
+        parts = self._exact_parts(layer, q, qf)
         kn, vn = k[0].float()[self._q2k_long], v[0].float()[self._q2k_long]       # the new token
-        m3 = (q * kn).sum(-1)
-        o2, m2, l2 = self._host_sum(layer, *sel)
-        o, _, _ = kcu.lse_merge(torch.stack([o1, vn, o2]), torch.stack([m1, m3, m2]),
-                                torch.stack([l1, torch.ones_like(m3), l2]))
+        parts.append((vn, (q * kn).sum(-1), torch.ones(self.Hq, device=q.device)))
+        parts.append(self._host_sum(layer, *sel))
+        o, _, _ = kcu.lse_merge(*(torch.stack(x) for x in zip(*parts)))
         return o[None]
+
+    def _exact_parts(self, layer, q, qf):
+        """attend_exact over sinks + ring -> [(o, m, l)]; with far positions the sinks (unrotated)
+        take the far query qf in a launch of their own."""
+        valid = self._exact_valid_dev()
+        if not self.far:
+            return [kcu.attend_exact(q, self.ek[layer], self.ev[layer], self.q2k_dev, self.S + self.W, valid=valid)]
+        S, ek, ev = self.S, self.ek[layer], self.ev[layer]
+        cut = (None, None) if valid is None else (valid[:S], valid[S:])
+        return [kcu.attend_exact(q, ek[:, S:], ev[:, S:], self.q2k_dev, self.W, valid=cut[1]),
+                kcu.attend_exact(qf, ek[:, :S], ev[:, :S], self.q2k_dev, S, valid=cut[0])]
 
     def _exact_valid_dev(self):
         """The live sinks + ring slots (HCACache._exact_valid) as a device uint8 [S + W] mask while

@@ -1,0 +1,160 @@
+"""Far positions (minirun/kv/far_positions.py): sinks and store tokens attended at distance W,
+unrotated keys, against a plain-torch reference of the same rule."""
+import math
+
+import pytest
+import torch
+
+import minirun.engine as me
+from minirun import Engine
+from minirun.config import EngineConfig
+from minirun.errors import MiniRunError
+from minirun.kv.base import KVCache
+from minirun.kv.far_positions import default_far_distance, far_positions_on, far_queries, rotate, unrotate_keys
+from minirun.ops import apply_rope, rope_cos_sin, rope_inv_freq
+
+from test_hca_cache import random_ids
+
+S, W = 4, 8
+
+
+def rope(x, pos, inv, sign=1):
+    """x [T, H, hd] rotated by sign * pos (ops.apply_rope, the model's own convention)."""
+    c, s = rope_cos_sin(inv, 0, 1, torch.float32, "cpu") if False else _cs(pos, inv)
+    return apply_rope(x, c, sign * s)
+
+
+def _cs(pos, inv):
+    ang = torch.as_tensor(pos, dtype=torch.float64)[:, None] * inv.double()[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+class FarReference(KVCache):
+    """Dense attention with the far-position rule: a query of the chunk starting at c0 reads key j
+    at its true distance when j is in the chunk (causal) or in the ring (max(S, c0 - W) <= j < c0),
+    and at distance D otherwise (j < S, or j < c0 - W): <R(D) q_pre, k_pre>."""
+
+    def __init__(self, args, cap, D):
+        super().__init__(args.num_hidden_layers, cap)
+        self.D = D
+        self.inv = rope_inv_freq(args)
+        self.k = torch.zeros(args.num_hidden_layers, cap, args.num_key_value_heads, args.head_dim)
+        self.v = torch.zeros_like(self.k)
+
+    def attend(self, layer, q, k, v):
+        T, Hq, hd = q.shape
+        c0, end = self.offset, self.offset + T
+        self.k[layer, c0:end], self.v[layer, c0:end] = k.float(), v.float()
+        pos = torch.arange(c0, end)
+        rep = Hq // k.shape[1]
+        K = self.k[layer, :end].repeat_interleave(rep, 1)                     # [n, Hq, hd]
+        V = self.v[layer, :end].repeat_interleave(rep, 1)
+        K_pre = rope(K, torch.arange(end), self.inv, -1)
+        q_far = rope(rope(q.float(), pos, self.inv, -1), torch.full((T,), self.D), self.inv)
+        near = torch.einsum("thd,nhd->htn", q.float(), K)
+        far = torch.einsum("thd,nhd->htn", q_far, K_pre)
+        j = torch.arange(end)[None, :]
+        is_far = (j < c0) & ((j < S) | (j < c0 - W))
+        s = torch.where(is_far[None], far, near) / math.sqrt(hd)
+        s = s.masked_fill((j > pos[:, None])[None], float("-inf"))
+        return torch.einsum("htn,nhd->thd", s.softmax(-1), V).to(q.dtype)
+
+
+def test_rotations():
+    inv = rope_inv_freq(type("A", (), {"rope_theta": 10000.0, "head_dim": 64, "rope_scaling": None})())
+    q, k = torch.randn(3, 9, 64), torch.randn(5, 3, 64)
+    qp, kp = rope(q, torch.arange(100, 103), inv), rope(k, torch.arange(10, 15), inv)
+    k_pre = unrotate_keys(kp.transpose(0, 1), torch.arange(10, 15), inv)            # [3, 5, 64]
+    assert (k_pre - k.transpose(0, 1)).abs().max() < 1e-5
+    assert (rotate(k_pre, torch.arange(10, 15), inv) - kp.transpose(0, 1)).abs().max() < 1e-5
+    want = rope(q, torch.full((3,), 7), inv)                                       # R(7) q_pre
+    assert (far_queries(qp, 100, 7, inv) - want).abs().max() < 1e-5
+
+
+def test_setting():
+    assert default_far_distance(256, 8192) == 1024 and default_far_distance(8, 64) == 32
+    assert default_far_distance(2048, 8192) == 2048 and default_far_distance(256, None) == 1024
+    assert far_positions_on("auto", 8192, 4 << 20) and not far_positions_on("auto", 8192, 8192)
+    assert not far_positions_on("auto", None, 4 << 20) and far_positions_on("on", 8192, 16)
+    assert not far_positions_on("off", 8192, 4 << 20)
+    with pytest.raises(MiniRunError):
+        EngineConfig(far_positions="maybe")
+
+
+@pytest.mark.parametrize("chunk,mode,D", [(1, "hca", W), (7, "exact", W), (7, "hca", W), (1, "hca", 20),
+                                         (7, "exact", 20)])
+def test_exact_keys_tau1_equal_the_reference(tiny_model_dir, monkeypatch, chunk, mode, D):
+    """Exact keys, tau 1: the cache is exact apart from the positions, so the far-position rule is
+    all that separates it from the reference, through prefill (chunks of 1: every position a
+    decode step) and exact / hca prefill modes, ring wrap-around and eviction included."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(70, seed=3)
+    kw = dict(device="cpu", ctx=256, kv="hca", key_store="exact", tau=1.0, window=W, sinks=S, far_distance=D)
+    eng = Engine.load(d, far_positions="on", **kw)
+    out = eng.logits(ids, chunk=chunk, prefill_mode=mode)
+    assert eng.last_logits_cache.far
+    plain = Engine.load(d, device="cpu", ctx=256).logits(ids)
+    monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
+                        FarReference(args, cap, D))
+    ref = Engine.load(d, **kw).logits(ids, chunk=chunk)
+    assert (out - ref).abs().max().item() <= 1e-4
+    print("far vs true positions:", (out - plain).abs().max().item())
+    assert (out - plain).abs().max().item() > 1e-3          # (the rule changes the result)
+
+
+def test_generate_and_codebooks_follow_the_reference(tiny_model_dir, monkeypatch):
+    """A conversation (prefill, then decode steps) with far positions: exact keys match the
+    reference's greedy tokens; fitted codebooks (of unrotated keys) stay close to it."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(90, seed=5)
+    D = 12
+    kw = dict(device="cpu", ctx=256, kv="hca", tau=1.0, window=W, sinks=S, prefill_chunk=16, far_distance=D)
+    exact = Engine.load(d, key_store="exact", far_positions="on", **kw).generate(ids, max_new_tokens=12,
+                                                                                 ignore_eos=True)
+    coded = Engine.load(d, kv_budget=0.25, centroids=16, fit_min_tokens=32, far_positions="on", **kw)
+    lg = coded.logits(ids, chunk=16)
+    assert coded.last_logits_cache.codebooks is not None and coded.last_logits_cache.n_encoded > 0
+    monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
+                        FarReference(args, cap, D))
+    ref = Engine.load(d, **kw)
+    assert ref.generate(ids, max_new_tokens=12, ignore_eos=True).tokens == exact.tokens
+    rl = ref.logits(ids, chunk=16)
+    assert (lg - rl).abs().max().item() <= 0.05 * rl.abs().max().item()
+
+
+def test_auto_turns_on_past_the_trained_context(tiny_model_dir, capsys):
+    d = tiny_model_dir("gqa-untied", max_position_embeddings=64)
+    kw = dict(device="cpu", kv="hca", key_store="exact", window=W, sinks=S)
+    assert Engine.load(d, ctx=128, **kw).cache.far
+    assert "far positions: tokens older than the 8-token window are attended at distance 32" in capsys.readouterr().err
+    assert not Engine.load(d, ctx=64, **kw).cache.far
+    assert not Engine.load(d, ctx=128, far_positions="off", **kw).cache.far
+
+
+@pytest.mark.parametrize("centroids", [16, 32])      # 16: nibble pairs (fast scan with AVX2); 32: packed LUT
+def test_one_call_steps_equal_the_general_path(tiny_model_dir, centroids):
+    """The one-call decode steps take a single query: with far positions it is the far one, the
+    ring and the token's own key turned by R(W - p). Same logits as the general path (sinks and
+    store with the far query, ring with the true one), through evictions and a ring refill."""
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(80, seed=7)
+    kw = dict(device="cpu", ctx=256, kv="hca", kv_budget=0.25, centroids=centroids, tau=0.9, window=W, sinks=S,
+              prefill_chunk=16, fit_min_tokens=32, far_positions="on")
+    gen = Engine.load(d, **kw).generate(ids, max_new_tokens=20, ignore_eos=True).tokens
+    outs = []
+    for fused in (True, False):
+        eng = Engine.load(d, **kw)
+        c = eng.cache
+        c._numpy_exact_tier = fused
+        calls = []
+        if fused:
+            real = c._attend_decode_step
+            c._attend_decode_step = lambda *a: calls.append(1) or real(*a)
+        first = eng.prefill(ids + gen[:12])[0]
+        steps = [eng.step(t) for t in gen[12:]]
+        eng.prefill(ids + gen[:10])                                  # a truncate: the ring refills
+        steps += [eng.step(t) for t in gen[10:]]
+        outs.append(torch.cat([first.reshape(1, -1)] + [x.reshape(1, -1) for x in steps]))
+        assert c.far and c.n_encoded == c.n_store > 0
+        assert (len(calls) > 0) == fused
+    assert (outs[0] - outs[1]).abs().max().item() <= 0.02 * outs[1].abs().max().item()
