@@ -28,6 +28,7 @@ function in :mod:`kernels_cpu.numba_kernels`:
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
 * ``dense_attend(q, K, V, n) -> o``: one decode token's exact GQA attention over a dense cache
+* ``turn_rows(EK, start, cos, sin) -> out``: rows past `start` turned by one rotation (far positions)
   (float32 or bfloat16 bits)
 
 Each has a NumPy reference ``<name>_ref`` in :mod:`kernels_cpu.reference`.
@@ -61,6 +62,7 @@ from .numba_kernels import (
     level_hist,
     attn_out,
     dense_attend,
+    turn_rows,
     norm_gemv,
     half_to_float,
     lse_merge,
@@ -82,6 +84,7 @@ from .reference import (
     exact_select_ref,
     attn_out_ref,
     dense_attend_ref,
+    turn_rows_ref,
     norm_gemv_ref,
     lse_merge_ref,
     threshold_select_ref,

@@ -8,7 +8,7 @@ function's docstring.
 from ._common import HALF_CONVERSION, _k_half_array, half_to_float, set_num_threads  # noqa: F401
 from .attention import attend_exact, lse_merge, weighted_value_sum  # noqa: F401
 from .bf16 import float_to_bf16_bits  # noqa: F401
-from .decode import attn_in, attn_out, dense_attend, norm_gemv  # noqa: F401
+from .decode import attn_in, attn_out, dense_attend, norm_gemv, turn_rows  # noqa: F401
 from .exact_step import hca_exact_decode_attend  # noqa: F401
 from .hca_step import hca_decode_attend  # noqa: F401
 from .level_select import level_hist, packed_select  # noqa: F401
@@ -34,6 +34,7 @@ __all__ = [
     "attn_out",
     "norm_gemv",
     "dense_attend",
+    "turn_rows",
     "hca_decode_attend",
     "hca_exact_decode_attend",
     "PackedLUT",

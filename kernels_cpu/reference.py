@@ -36,6 +36,7 @@ __all__ = [
     "attn_out_ref",
     "norm_gemv_ref",
     "dense_attend_ref",
+    "turn_rows_ref",
     "hca_decode_attend_ref",
     "hca_exact_decode_attend_ref",
 ]
@@ -490,3 +491,16 @@ def hca_exact_decode_attend_ref(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_
             idx[h, :counts[h]] = np.flatnonzero(sel[h])
         store = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
     return _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store)
+
+
+def turn_rows_ref(EK, start, cos, sin):
+    """EK [Hkv, n, d] -> rows [0, start) as they are, rows [start, n) rotated by (cos, sin) [d/2]
+    (half split: [x1 c - x2 s, x2 c + x1 s]), computed in float64 -> float32."""
+    EK = np.asarray(EK, np.float64)
+    out = EK.copy()
+    h = EK.shape[2] // 2
+    c, s = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
+    x1, x2 = EK[:, start:, :h], EK[:, start:, h:]
+    out[:, start:, :h] = x1 * c - x2 * s
+    out[:, start:, h:] = x2 * c + x1 * s
+    return out.astype(np.float32)

@@ -131,15 +131,15 @@ def test_auto_turns_on_past_the_trained_context(tiny_model_dir, capsys):
     assert not Engine.load(d, ctx=128, far_positions="off", **kw).cache.far
 
 
-@pytest.mark.parametrize("centroids", [16, 32])      # 16: nibble pairs (fast scan with AVX2); 32: packed LUT
-def test_one_call_steps_equal_the_general_path(tiny_model_dir, centroids):
+@pytest.mark.parametrize("centroids,dtype", [(16, "float32"), (32, "float32"), (32, "bfloat16")])
+def test_one_call_steps_equal_the_general_path(tiny_model_dir, centroids, dtype):   # 16: nibble pairs
     """The one-call decode steps take a single query: with far positions it is the far one, the
     ring and the token's own key turned by R(W - p). Same logits as the general path (sinks and
     store with the far query, ring with the true one), through evictions and a ring refill."""
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(80, seed=7)
     kw = dict(device="cpu", ctx=256, kv="hca", kv_budget=0.25, centroids=centroids, tau=0.9, window=W, sinks=S,
-              prefill_chunk=16, fit_min_tokens=32, far_positions="on")
+              prefill_chunk=16, fit_min_tokens=32, far_positions="on", dtype=dtype)
     gen = Engine.load(d, **kw).generate(ids, max_new_tokens=20, ignore_eos=True).tokens
     outs = []
     for fused in (True, False):
@@ -158,3 +158,22 @@ def test_one_call_steps_equal_the_general_path(tiny_model_dir, centroids):
         assert c.far and c.n_encoded == c.n_store > 0
         assert (len(calls) > 0) == fused
     assert (outs[0] - outs[1]).abs().max().item() <= 0.02 * outs[1].abs().max().item()
+
+
+def test_turn_rows_kernel():
+    """kernels_cpu.turn_rows (the CPU step's turned ring) against its NumPy reference and the cache's
+    torch rotation."""
+    import numpy as np
+    import kernels_cpu as kc
+    rng = np.random.default_rng(0)
+    EK = rng.standard_normal((3, 20, 64)).astype(np.float32)
+    inv = rope_inv_freq(type("A", (), {"rope_theta": 10000.0, "head_dim": 64, "rope_scaling": None})())
+    ang = -1234 * inv.double()
+    c, s = ang.cos().float().numpy(), ang.sin().float().numpy()
+    out = kc.turn_rows(EK, 4, c, s)
+    np.testing.assert_allclose(out, kc.turn_rows_ref(EK, 4, c, s), rtol=1e-5, atol=1e-5)
+    assert (out[:, :4] == EK[:, :4]).all()
+    want = rotate(torch.from_numpy(EK[:, 4:]), torch.full((16,), -1234), inv).numpy()
+    np.testing.assert_allclose(out[:, 4:], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        kc.turn_rows(EK.astype(np.float16), 4, c, s)

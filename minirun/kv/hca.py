@@ -48,6 +48,8 @@ class HCACache(KVCache):
         # far positions (kv/far_positions.py): sinks and store keys kept unrotated, attended at distance W
         self.far = far_positions
         self.far_distance = far_distance or window   # D: the distance every sink / store token is read at
+        self._turn = None             # (position, cos, sin) of R(D - p) for the one-call steps
+        self._ek_turned = None        # their turned copy of one layer's sinks + ring
         self._inv_freq = rope_inv_freq(args) if far_positions else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         self._lanes = kc.lane_map(self.q_to_kv, Hkv)               # query heads in the packed tables' lanes
@@ -245,16 +247,33 @@ class HCACache(KVCache):
     def _step_inputs(self, layer, qs, k):
         """The one-call steps' query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
         (numpy). Far positions: the steps take one query, so it is the far one (it reads the store's
-        and the sinks' unrotated keys at distance W), and the ring keys and the token's own key are
-        turned by R(W - p) to keep their true distances: <R(W) q_pre, R(W - p) R(j) k_pre> =
-        <R(p) q_pre, R(j) k_pre>. The ring copy is made per layer and step (~50 us each)."""
+        and the sinks' unrotated keys at distance D), and the ring keys and the token's own key are
+        turned by R(D - p) to keep their true distances: <R(D) q_pre, R(D - p) R(j) k_pre> =
+        <R(p) q_pre, R(j) k_pre>. The ring copy is made per layer and step (kernels_cpu.turn_rows)."""
         if not self.far:
             return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
-        turn = torch.full((1,), self.far_distance - self.offset)
-        EK = self.ek[layer].clone()
-        EK[:, self.S:] = rotate(EK[:, self.S:], turn.expand(self.W), self._inv_freq)
-        kn = rotate(k[0].float()[:, None], turn, self._inv_freq)[:, 0]
-        return self._far_queries(qs)[0].numpy(), kn.numpy(), EK.numpy()
+        c, s = self._turn_angles()
+        kf = k[0].float().numpy()
+        h = kf.shape[1] // 2
+        kn = np.concatenate([kf[:, :h] * c - kf[:, h:] * s, kf[:, h:] * c + kf[:, :h] * s], 1)
+        EK = self._ek_np[layer]
+        if EK.dtype == np.float32:
+            if self._ek_turned is None:
+                self._ek_turned = np.empty(EK.shape, np.float32)
+            EK = kc.turn_rows(EK, self.S, c, s, out=self._ek_turned)
+        else:   # float16 tier (bfloat16 runs): torch
+            t = self.ek[layer].clone()
+            t[:, self.S:] = rotate(t[:, self.S:], torch.full((self.W,), self.far_distance - self.offset),
+                                   self._inv_freq)
+            EK = t.numpy()
+        return self._far_queries(qs)[0].numpy(), kn, EK
+
+    def _turn_angles(self) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [hd/2] f32 of the rotation R(D - p) at the current position (once per step)."""
+        if self._turn is None or self._turn[0] != self.offset:
+            ang = (self.far_distance - self.offset) * self._inv_freq.to(torch.float64)
+            self._turn = (self.offset, ang.cos().float().numpy(), ang.sin().float().numpy())
+        return self._turn[1], self._turn[2]
 
     def _ring_full(self) -> bool:
         """The ring holds W tokens (every position from S + n_store up to offset): the next token
@@ -329,7 +348,13 @@ class HCACache(KVCache):
         return part
 
     def _far_queries(self, qs):
-        """qs [T, Hq, hd] at positions offset.. -> rotated to read unrotated keys at distance W."""
+        """qs [T, Hq, hd] at positions offset.. -> rotated to read unrotated keys at distance D."""
+        if qs.shape[0] == 1 and qs.device.type == "cpu":   # a decode step: the angles once per step
+            c, s = self._turn_angles()                      # R(D - p)
+            h = qs.shape[-1] // 2
+            c, s = torch.from_numpy(c), torch.from_numpy(s)
+            x1, x2 = qs[..., :h].float(), qs[..., h:].float()
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
         return far_queries(qs, self.offset, self.far_distance, self._inv_freq)
 
     def _attend_store_exact(self, layer, qs):
