@@ -35,15 +35,20 @@ def default_far_distance(window: int, trained_ctx: int | None) -> int:
     return max(window, min(1024, trained_ctx // 2) if trained_ctx else 1024)
 
 
+def turn(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] float32 turned by angles whose cos / sin c, s broadcast to [..., hd/2]
+    (HF Llama's half split: [x1 c - x2 s, x2 c + x1 s])."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: int = 1) -> torch.Tensor:
     """x [..., m, hd] rotated by sign * position, positions int [m] (one per row of the
     second-to-last axis) -> same shape and dtype (computed in float32; angles in float64)."""
     ang = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]     # [m, hd/2]
     c, s = ang.cos().float().to(x.device), (sign * ang.sin()).float().to(x.device)
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return turn(x.float(), c, s).to(x.dtype)
 
 
 def unrotate_keys(K: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -54,10 +59,5 @@ def unrotate_keys(K: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
 def far_queries(qs: torch.Tensor, pos0: int, distance: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """qs [T, Hq, hd] (post-RoPE, positions pos0..pos0+T-1) -> R(distance - p) q per query: scores
     against unrotated keys then read every old key at `distance` from the query."""
-    T = qs.shape[0]
-    cos, sin = rope_cos_sin(inv_freq, pos0 - distance, T, torch.float32, qs.device)      # angles (p - D) f
-    half = qs.shape[-1] // 2
-    q = qs.float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    x1, x2 = q[..., :half], q[..., half:]
-    return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1)                          # rotate by -(p - D)
+    cos, sin = rope_cos_sin(inv_freq, pos0 - distance, qs.shape[0], torch.float32, qs.device)   # (p - D) f
+    return turn(qs.float(), cos[:, None, :], -sin[:, None, :])                                   # by -(p - D)

@@ -25,7 +25,7 @@ from .attention import merge, partial_attention
 from .base import KVCache
 from ..ops import rope_inv_freq
 from .codebooks import Codebooks, codebook_filename
-from .far_positions import default_far_distance, far_positions_on, far_queries, rotate, unrotate_keys
+from .far_positions import default_far_distance, far_positions_on, far_queries, rotate, turn, unrotate_keys
 from .hca_layout import HCALayout, fast_scan, resolve_layout
 from .store import ColumnBuffer, GrowingBuffer
 
@@ -253,14 +253,12 @@ class HCACache(KVCache):
         if not self.far:
             return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
         c, s = self._turn_angles()
-        kf = k[0].float().numpy()
-        h = kf.shape[1] // 2
-        kn = np.concatenate([kf[:, :h] * c - kf[:, h:] * s, kf[:, h:] * c + kf[:, :h] * s], 1)
+        kn = turn(k[0].float(), c, s).numpy()
         EK = self._ek_np[layer]
         if EK.dtype == np.float32:
             if self._ek_turned is None:
                 self._ek_turned = np.empty(EK.shape, np.float32)
-            EK = kc.turn_rows(EK, self.S, c, s, out=self._ek_turned)
+            EK = kc.turn_rows(EK, self.S, c.numpy(), s.numpy(), out=self._ek_turned)
         else:   # float16 tier (bfloat16 runs): torch
             t = self.ek[layer].clone()
             t[:, self.S:] = rotate(t[:, self.S:], torch.full((self.W,), self.far_distance - self.offset),
@@ -268,11 +266,11 @@ class HCACache(KVCache):
             EK = t.numpy()
         return self._far_queries(qs)[0].numpy(), kn, EK
 
-    def _turn_angles(self) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin [hd/2] f32 of the rotation R(D - p) at the current position (once per step)."""
+    def _turn_angles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [hd/2] f32 (CPU) of the rotation R(D - p) at the current position (once per step)."""
         if self._turn is None or self._turn[0] != self.offset:
             ang = (self.far_distance - self.offset) * self._inv_freq.to(torch.float64)
-            self._turn = (self.offset, ang.cos().float().numpy(), ang.sin().float().numpy())
+            self._turn = (self.offset, ang.cos().float(), ang.sin().float())
         return self._turn[1], self._turn[2]
 
     def _ring_full(self) -> bool:
@@ -350,11 +348,7 @@ class HCACache(KVCache):
     def _far_queries(self, qs):
         """qs [T, Hq, hd] at positions offset.. -> rotated to read unrotated keys at distance D."""
         if qs.shape[0] == 1 and qs.device.type == "cpu":   # a decode step: the angles once per step
-            c, s = self._turn_angles()                      # R(D - p)
-            h = qs.shape[-1] // 2
-            c, s = torch.from_numpy(c), torch.from_numpy(s)
-            x1, x2 = qs[..., :h].float(), qs[..., h:].float()
-            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+            return turn(qs.float(), *self._turn_angles())   # R(D - p)
         return far_queries(qs, self.offset, self.far_distance, self._inv_freq)
 
     def _attend_store_exact(self, layer, qs):
