@@ -114,6 +114,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head")
 @click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="HCA: old tokens at one distance (auto: when the ctx passes the model's trained context)")
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
                    "stdlib's pydoc topics: natural text, offline) or a text file (./text for one named text)")
@@ -121,7 +123,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
 def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
-          context, output, plot_path):
+          far_positions, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
     modes = _modes(kv_modes, budgets)
@@ -133,7 +135,8 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
         b.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
-                          sinks=sinks, context=context, log=lambda s: click.echo(s, err=True))
+                          sinks=sinks, far_positions=far_positions, context=context,
+                          log=lambda s: click.echo(s, err=True))
     click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
     if plot_path:
         b.plot(results, str(plot_path))

@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--context", default="random", help="random (token ids), text (the stdlib's pydoc topics) or a "
                                                         "text file")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--far-positions", default="auto", choices=["auto", "on", "off"],
+                    help="HCA: far positions (auto: on past the model's trained context)")
     a = ap.parse_args()
     try:
         context = Context(a.context)
@@ -51,7 +53,7 @@ def main():
         raise SystemExit(f"error: {e}") from None
     engines = []
     for kind, budget in modes:
-        kw = hca_setting(budget) if budget else {}
+        kw = {**hca_setting(budget), "far_positions": a.far_positions} if budget else {}
         eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.n + 8, kv=kind, threads=a.threads,
                           **kw)
         ids = context.ids(eng, a.depth, seed=0)
