@@ -114,7 +114,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head")
 @click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
-@click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+@click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
               help="HCA: old tokens at one distance (auto: when the ctx passes the model's trained context)")
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "

@@ -34,9 +34,9 @@ def engine_options(f):
         click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
         click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
         click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
-        click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-                     help="HCA: attend to tokens older than the window at one distance, 1024 by default "
-                          "(auto: when --ctx passes the model's trained context)"),
+        click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
+                     help="HCA: attend to tokens older than the window at one distance (1024), for contexts "
+                          "past the model's trained one (auto: on when --ctx passes it); see docs/QUALITY.md"),
         click.option("--threads", type=int, default=None, help="CPU threads for torch"),
     ]
     for o in reversed(opts):
@@ -62,7 +62,7 @@ def sampling_options(temperature: float, max_tokens: int):
     return deco
 
 
-def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="auto",
+def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="off",
                 **extra):
     from .engine import Engine
     from .config import hca_setting
@@ -83,7 +83,7 @@ def trained_context_note(trained: int | None, ctx: int, far: bool = False) -> st
     if trained is None or ctx <= trained or far:
         return None
     return (f"minirun: note: --ctx {ctx} is past the {trained} tokens this model was trained on; expect "
-            f"answers to degrade once the conversation is longer than that (--kv hca keeps distances inside it)")
+            f"answers to degrade once the conversation is longer than that (--kv hca --far-positions on may help)")
 
 
 def split_kwargs(kw: dict):

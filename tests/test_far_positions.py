@@ -122,13 +122,15 @@ def test_generate_and_codebooks_follow_the_reference(tiny_model_dir, monkeypatch
     assert (lg - rl).abs().max().item() <= 0.05 * rl.abs().max().item()
 
 
-def test_auto_turns_on_past_the_trained_context(tiny_model_dir, capsys):
+def test_auto_turns_on_past_the_trained_context_off_by_default(tiny_model_dir, capsys):
     d = tiny_model_dir("gqa-untied", max_position_embeddings=64)
     kw = dict(device="cpu", kv="hca", key_store="exact", window=W, sinks=S)
+    assert not Engine.load(d, ctx=128, **kw).cache.far                          # off unless asked
+    kw["far_positions"] = "auto"
     assert Engine.load(d, ctx=128, **kw).cache.far
     assert "far positions: tokens older than the 8-token window are attended at distance 32" in capsys.readouterr().err
     assert not Engine.load(d, ctx=64, **kw).cache.far
-    assert not Engine.load(d, ctx=128, far_positions="off", **kw).cache.far
+    assert not Engine.load(d, ctx=128, **{**kw, "far_positions": "off"}).cache.far
 
 
 @pytest.mark.parametrize("centroids,dtype", [(16, "float32"), (32, "float32"), (32, "bfloat16")])
