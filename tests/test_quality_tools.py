@@ -145,3 +145,17 @@ def test_eval_command_runs_small_grid(tiny_model_dir, capsys):
     assert "| hca 0.5 |" in md and "Passkey accuracy per cell" in md
     r["rows"][1]["mode"] = "hca 0.25"
     assert [c["target"] for c in check_targets(r)][0] == "ppl within 2% of dense"
+
+
+def test_eval_command_far_positions(tiny_model_dir, capsys):
+    """--far-positions reaches the HCA engines: the settings record it, and the HCA row changes (700
+    tokens: past the first 512-token chunk, whose tokens all sit in the chunk itself)."""
+    d = str(tiny_model_dir("gqa-untied"))
+    rows = {}
+    for far in ("off", "on"):
+        main(["eval", d, "--ppl-tokens", "700", "--positions", "0", "--passkey-lengths", "", "--window", "16",
+              "--sinks", "2", "--kv-budget", "0.5", "--far-positions", far, "-o", "json"])
+        r = json.loads(capsys.readouterr().out)
+        assert r["settings"]["far_positions"] == far
+        rows[far] = r["rows"][1]["ppl"]
+    assert rows["off"] != rows["on"]
