@@ -4,10 +4,11 @@ A model trained to N tokens (SmolLM2: 8K) has never seen a query-key distance pa
 tokens SmolLM2 loses a pass key with dense attention (docs/QUALITY.md, "Beyond the trained
 context"). With far positions on, the exact ring keeps true distances (at most W + a chunk), and
 every older token, sinks and store, is attended as if it sat at one distance D from the query
-(InfLLM's memory units sit at D = W; D = 256 lost the pass key where 1024 found it): keys leave the ring *without* their rotation (pre-RoPE:
-R(-j) k for the key of position j), and a query at position p scores them rotated by R(D - p),
-so that <R(D - p) q_p, R(-j) k_j> = <R(D) q_pre, k_pre> for every old j. One rotation per query
-and layer: the codebook LUT, the selection and the GPU kernels take the rotated query unchanged.
+(InfLLM's memory units sit at D = W; D = 256 lost the pass key where 1024 found it): keys leave
+the ring *without* their rotation (pre-RoPE: R(-j) k for the key of position j), and a query at
+position p scores them rotated by R(D - p), so that <R(D - p) q_p, R(-j) k_j> = <R(D) q_pre, k_pre>
+for every old j. One rotation per query and layer: the codebook LUT, the selection and the GPU
+kernels take the rotated query unchanged.
 
 Rotation convention: that of ops.apply_rope (HF Llama's half split).
 """

@@ -25,7 +25,7 @@ from .attention import merge, partial_attention
 from .base import KVCache
 from ..ops import rope_inv_freq
 from .codebooks import Codebooks, codebook_filename
-from .far_positions import default_far_distance, far_positions_on, far_queries, rotate, turn, unrotate_keys
+from .far_positions import default_far_distance, far_positions_on, far_queries, turn, unrotate_keys
 from .hca_layout import HCALayout, fast_scan, resolve_layout
 from .store import ColumnBuffer, GrowingBuffer
 
@@ -45,7 +45,7 @@ class HCACache(KVCache):
         self.layout, self.tau, self.dtype, self.device = layout, tau, dtype, device
         self.S, self.W = sinks, window
         self.scale = 1.0 / math.sqrt(hd)
-        # far positions (kv/far_positions.py): sinks and store keys kept unrotated, attended at distance W
+        # far positions (kv/far_positions.py): sinks and store keys kept unrotated, read at distance D
         self.far = far_positions
         self.far_distance = far_distance or window   # D: the distance every sink / store token is read at
         self._turn = None             # (position, cos, sin) of R(D - p) for the one-call steps
@@ -135,7 +135,8 @@ class HCACache(KVCache):
                    f"the context passes the {args.max_position_embeddings} tokens the model was trained on")
             print(f"minirun: far positions: tokens older than the {config.window}-token window are attended "
                   f"at distance {dist} ({why})"
-                  + ("" if layout.exact_keys else "; codebooks fitted from the prompt's unrotated keys"), file=sys.stderr)
+                  + ("" if layout.exact_keys else "; codebooks fitted from the prompt's unrotated keys"),
+                  file=sys.stderr)
         if not layout.exact_keys and codebooks is None and not far:
             print(f"minirun: no {codebook_filename(*geometry[:2])} in the model directory: "
                   f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate` to make one)",
@@ -181,10 +182,9 @@ class HCACache(KVCache):
         encode = None if slot is None else (slot, cnorm, self._pending[layer])
         PT, V, z, sel, lev = self._decode_views(layer)
         q, kn, EK = self._step_inputs(layer, qs, k)
-        o = kc.hca_decode_attend(q, kn, v[0].float().numpy(), EK,
-                                 self._ev_np[layer], self.S + self.W, cbt, PT, n, V, self.tau, self.q_to_kv,
-                                 self._packed, self._lut, z, sel, self._counts, encode=encode,
-                                 levels=(lev, self._hist), exact_valid=self._exact_valid())
+        o = kc.hca_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, cbt, PT, n,
+                                 V, self.tau, self.q_to_kv, self._packed, self._lut, z, sel, self._counts,
+                                 encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid())
         return self._step_done(layer, o, encode is not None)
 
     def _attend_fast_scan_step(self, layer, qs, k, v):
@@ -194,9 +194,10 @@ class HCACache(KVCache):
         encode = None if slot is None else (slot, self._pending[layer])
         PT, V, z, sel, lev = self._decode_views(layer)
         q, kn, EK = self._step_inputs(layer, qs, k)
-        o = fs.hca_decode_attend_fs(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, F[layer], PT, self.n_store, V, self.tau,
-                                    self.q_to_kv, self._fs_lut, z, sel, self._counts, fnorm=fnorm[layer],
-                                    encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid())
+        o = fs.hca_decode_attend_fs(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, F[layer],
+                                    PT, self.n_store, V, self.tau, self.q_to_kv, self._fs_lut, z, sel, self._counts,
+                                    fnorm=fnorm[layer], encode=encode, levels=(lev, self._hist),
+                                    exact_valid=self._exact_valid())
         return self._step_done(layer, o, encode is not None)
 
     def _encode_ahead_slot(self) -> int | None:
@@ -240,8 +241,9 @@ class HCACache(KVCache):
         V = self.values.view(layer, self.values.cap).numpy()
         z = self.z.data[..., 0].numpy()
         q, kn, EK = self._step_inputs(layer, qs, k)
-        o = kc.hca_exact_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, K, n, V, self.tau, self.q_to_kv,
-                                       self._lanes, z, self._hist, self._counts, exact_valid=self._exact_valid())
+        o = kc.hca_exact_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, K, n,
+                                       V, self.tau, self.q_to_kv, self._lanes, z, self._hist, self._counts,
+                                       exact_valid=self._exact_valid())
         return self._step_done(layer, o, False)
 
     def _step_inputs(self, layer, qs, k):
@@ -261,8 +263,7 @@ class HCACache(KVCache):
             EK = kc.turn_rows(EK, self.S, c.numpy(), s.numpy(), out=self._ek_turned)
         else:   # float16 tier (bfloat16 runs): torch
             t = self.ek[layer].clone()
-            t[:, self.S:] = rotate(t[:, self.S:], torch.full((self.W,), self.far_distance - self.offset),
-                                   self._inv_freq)
+            t[:, self.S:] = turn(t[:, self.S:].float(), c, s).to(t.dtype)
             EK = t.numpy()
         return self._far_queries(qs)[0].numpy(), kn, EK
 
