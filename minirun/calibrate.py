@@ -76,14 +76,19 @@ def _spread(n_items: int, k: int) -> list[int]:
 
 @torch.inference_mode()
 def collect_keys(eng, ids: list[int], window: int = DEFAULT_WINDOW, max_tokens: int = DEFAULT_TOKENS,
-                 windows: int = DEFAULT_WINDOWS, skip: int = DEFAULT_SKIP, progress=None) -> torch.Tensor:
+                 windows: int = DEFAULT_WINDOWS, skip: int = DEFAULT_SKIP, progress=None,
+                 unrotated: bool = False) -> torch.Tensor:
     """Post-RoPE keys [L, Hkv, n <= max_tokens, hd] (float32) from dense prefills.
 
     The text is cut into consecutive windows of `window` tokens; up to `windows` of them, spread
     evenly over the text, are prefilled (each in a fresh cache, so every window starts at position
     0 like a prompt does). From each, about max_tokens / windows positions spread evenly over
-    [skip, len) are kept. progress: optional callable(done_windows, total_windows).
+    [skip, len) are kept. progress: optional callable(done_windows, total_windows). unrotated: the
+    keys without their RoPE rotation (what the far-position cache stores: kv/far_positions.py).
     """
+    from .kv.far_positions import unrotate_keys
+    from .ops import rope_inv_freq
+    inv_freq = rope_inv_freq(eng.args)
     starts = list(range(0, len(ids), window))
     if starts and len(ids) - starts[-1] < window // 2 and len(starts) > 1:
         starts.pop()                                   # a short tail window: drop it
@@ -100,7 +105,8 @@ def collect_keys(eng, ids: list[int], window: int = DEFAULT_WINDOW, max_tokens: 
         eng.reset()
         eng.prefill(win)
         pos = torch.tensor(_spread(len(win) - skip, per)) + skip
-        chunks.append(eng.cache.k[:, :, pos].float().clone())
+        k = eng.cache.k[:, :, pos].float()
+        chunks.append(unrotate_keys(k, pos, inv_freq) if unrotated else k.clone())
         if progress:
             progress(i + 1, len(starts))
     eng.reset()
@@ -113,8 +119,9 @@ def collect_keys(eng, ids: list[int], window: int = DEFAULT_WINDOW, max_tokens: 
 def calibrate(model_dir: str | Path, groups: int, centroids: int = 1024, data=None,
               tokens: int = DEFAULT_TOKENS, iters: int = DEFAULT_ITERS, window: int = DEFAULT_WINDOW,
               windows: int = DEFAULT_WINDOWS, dtype: str = "float32", seed: int = 0, progress: bool = True,
-              log=print) -> Path:
-    """Fit and write `codebooks-g{G}-c{C}.safetensors` into model_dir; returns its path."""
+              unrotated: bool = False, log=print) -> Path:
+    """Fit and write `codebooks-g{G}-c{C}.safetensors` (unrotated: `...-unrotated.safetensors`, of
+    keys without their RoPE rotation, for far positions) into model_dir; returns its path."""
     from .config import ModelArgs
     from .engine import Engine
     model_dir = Path(model_dir)
@@ -131,7 +138,7 @@ def calibrate(model_dir: str | Path, groups: int, centroids: int = 1024, data=No
     bar = _bar(progress, "keys", "window")
     t0 = time.perf_counter()
     keys = collect_keys(eng, ids, window=window, max_tokens=tokens, windows=windows,
-                        progress=bar.tick if bar else None)
+                        progress=bar.tick if bar else None, unrotated=unrotated)
     if bar:
         bar.close()
     t_keys = time.perf_counter() - t0
@@ -147,9 +154,9 @@ def calibrate(model_dir: str | Path, groups: int, centroids: int = 1024, data=No
     t_fit = time.perf_counter() - t0
     log(f"calibrate: fitted {keys.shape[0] * keys.shape[1] * groups} codebooks of {centroids} centroids "
         f"({iters} steps) in {t_fit:.1f}s")
-    path = model_dir / codebook_filename(groups, centroids)
+    path = model_dir / codebook_filename(groups, centroids, unrotated)
     meta = {"data": source, "tokens": int(keys.shape[2]), "text_tokens": len(ids), "iters": iters,
-            "windows": windows, "window": window, "seed": seed,
+            "windows": windows, "window": window, "seed": seed, "unrotated": unrotated,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "seconds": round(t_keys + t_fit, 1)}
     return cb.save(path, meta=meta)

@@ -49,9 +49,11 @@ def _ints(value: str, what: str) -> list[int]:
 @click.option("--iters", type=int, default=DEFAULT_ITERS, show_default=True,
               help="mini-batch k-means steps (4096 samples each)")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--unrotated", is_flag=True,
+              help="keys without their RoPE rotation: the codebooks --far-positions runs load")
 @click.option("--threads", type=int, default=None, help="CPU threads for torch")
-def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, threads):
-    """Fit key codebooks on text and write codebooks-g{G}-c{C}.safetensors into MODEL."""
+def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, unrotated, threads):
+    """Fit key codebooks on text and write codebooks-g{G}-c{C}[-unrotated].safetensors into MODEL."""
     from .calibrate import calibrate as run
     from .config import ModelArgs
     if threads:
@@ -60,7 +62,7 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
     hd = ModelArgs.from_path(model).head_dim
     g = groups or {"0.25": hd // 2, "0.125": hd // 4}[kv_budget]
     path = run(model, g, centroids, data=data, tokens=tokens, iters=iters, windows=windows, seed=seed,
-               log=lambda s: click.echo(s, err=True))
+               unrotated=unrotated, log=lambda s: click.echo(s, err=True))
     click.echo(str(path))
 
 

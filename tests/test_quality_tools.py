@@ -159,3 +159,31 @@ def test_eval_command_far_positions(tiny_model_dir, capsys):
         assert r["settings"]["far_positions"] == far
         rows[far] = r["rows"][1]["ppl"]
     assert rows["off"] != rows["on"]
+
+
+def test_unrotated_calibration_for_far_positions(calibrated, capsys):
+    """calibrate --unrotated: keys without their RoPE rotation (collect_keys == the rotated ones
+    turned back), a file of its own that only far-position caches load; the rotated one is theirs
+    no more (a far cache without the unrotated file fits its own, and says which file to make)."""
+    from minirun.kv.far_positions import unrotate_keys
+    from minirun.ops import rope_inv_freq
+    d, rotated = calibrated
+    eng = Engine.load(d, device="cpu", ctx=256, kv="dense")
+    ids = ids_of(300, seed=3)
+    k_rot = collect_keys(eng, ids, window=256, max_tokens=64, windows=1)
+    k_pre = collect_keys(eng, ids, window=256, max_tokens=64, windows=1, unrotated=True)
+    pos = torch.tensor([int(i * 240 / 64) for i in range(64)]) + 16          # collect_keys' spread past skip
+    assert (k_pre - unrotate_keys(k_rot, pos, rope_inv_freq(eng.args))).abs().max() < 1e-5
+    assert (k_pre - k_rot).abs().max() > 1e-2
+    kw = dict(device="cpu", ctx=512, kv="hca", groups=8, centroids=16, window=16, sinks=2, far_positions="on")
+    capsys.readouterr()
+    assert Engine.load(d, **kw).cache.codebooks is None
+    assert "calibrate --unrotated" in capsys.readouterr().err
+    main(["calibrate", str(d), "--groups", "8", "--centroids", "16", "--tokens", "600", "--iters", "5",
+          "--windows", "4", "--unrotated"])
+    path = capsys.readouterr().out.strip()
+    assert path.endswith("codebooks-g8-c16-unrotated.safetensors") and rotated.is_file()
+    far = Engine.load(d, **kw).cache
+    plain = Engine.load(d, **{**kw, "far_positions": "off"}).cache
+    assert far.codebooks.source.startswith("calibrated") and plain.codebooks.source.startswith("calibrated")
+    assert not torch.equal(far.codebooks.centroids, plain.codebooks.centroids)

@@ -14,8 +14,9 @@ import torch
 from ..errors import CheckpointError
 
 
-def codebook_filename(groups: int, centroids: int) -> str:
-    return f"codebooks-g{groups}-c{centroids}.safetensors"
+def codebook_filename(groups: int, centroids: int, unrotated: bool = False) -> str:
+    """unrotated: codebooks of keys without their RoPE rotation, for far positions (kv/far_positions.py)."""
+    return f"codebooks-g{groups}-c{centroids}{'-unrotated' if unrotated else ''}.safetensors"
 
 
 def _assign(x: torch.Tensor, C: torch.Tensor) -> torch.Tensor:

@@ -121,9 +121,9 @@ class HCACache(KVCache):
         geometry = layout.codebook_geometry
         far = far_positions_on(config.far_positions, args.max_position_embeddings, capacity)
         dist = config.far_distance or default_far_distance(config.window, args.max_position_embeddings)
-        # (calibrated codebooks are of rotated keys: far positions store them unrotated, and fit their own)
-        if not layout.exact_keys and model_dir is not None and not far:
-            path = model_dir / codebook_filename(*geometry[:2])
+        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys
+        if not layout.exact_keys and model_dir is not None:
+            path = model_dir / codebook_filename(*geometry[:2], unrotated=far)
             if path.is_file():
                 codebooks = Codebooks.load(path, (args.num_hidden_layers, args.num_key_value_heads, *geometry))
                 codebooks = codebooks.paired() if layout.pairs else codebooks
@@ -134,13 +134,11 @@ class HCACache(KVCache):
             why = ("--far-positions on" if config.far_positions == "on" else
                    f"the context passes the {args.max_position_embeddings} tokens the model was trained on")
             print(f"minirun: far positions: tokens older than the {config.window}-token window are attended "
-                  f"at distance {dist} ({why})"
-                  + ("" if layout.exact_keys else "; codebooks fitted from the prompt's unrotated keys"),
-                  file=sys.stderr)
-        if not layout.exact_keys and codebooks is None and not far:
-            print(f"minirun: no {codebook_filename(*geometry[:2])} in the model directory: "
-                  f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate` to make one)",
-                  file=sys.stderr)
+                  f"at distance {dist} ({why})", file=sys.stderr)
+        if not layout.exact_keys and codebooks is None:
+            print(f"minirun: no {codebook_filename(*geometry[:2], unrotated=far)} in the model directory: "
+                  f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate"
+                  f"{' --unrotated' if far else ''}` to make one)", file=sys.stderr)
         return cache
 
     # ---- attention ----------------------------------------------------------------------------
