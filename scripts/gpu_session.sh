@@ -26,6 +26,7 @@ MODEL=$KEEP/SmolLM2-135M-Instruct
 #   KEEP=/tmp/keep OUT=/tmp/gout DEVICE=cpu DEPTHS=512 PP=256 REPS=1 CTX=64K COPIES=1 PY=.venv/bin/python ...
 DEVICE=${DEVICE:-cuda} DEPTHS=${DEPTHS:-8192,32768,131072} PP=${PP:-8192} REPS=${REPS:-3}
 CTX=${CTX:-4M} COPIES=${COPIES:-63} KEY_AT=${KEY_AT:-0.5}   # where the pass key goes (fraction of the text)
+KV_BUDGET=${KV_BUDGET:-0.125}   # the 4M chat's key store (g64c16: same bytes, with carried unrotated codebooks)
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -46,6 +47,9 @@ prep)
     (cd .gpu && sha256sum "$GGUF" | cut -d' ' -f1 >a/gguf.sha256)
     ${PIP:-.venv/bin/pip} download -q --no-deps --only-binary=:all: -d .gpu/a "gguf==0.19.0" || exit 1
     cp "$BOOK" .gpu/b/book.txt
+    # unrotated codebooks (calibrate --unrotated) small enough to ride along (g64c16: 0.4 MB)
+    find "$(dirname "$GGUF")" models -name 'codebooks-*-unrotated.safetensors' -size -8M \
+        -exec cp {} .gpu/b/ \; 2>/dev/null
     du -sh .gpu/a .gpu/b
     ;;
 tests)
@@ -72,9 +76,11 @@ bench)
     [ "$(sha256sum "$KEEP/model.gguf" | cut -d' ' -f1)" = "$(cat "$KEEP/gguf.sha256")" ] \
         || { echo "gpu_session: joined GGUF does not match its checksum" >&2; exit 1; }
     cp .gpu/b/book.txt "$KEEP/book.txt"
+    cp .gpu/b/codebooks-*.safetensors "$KEEP/" 2>/dev/null
     $PY -m pip install -q --no-index --no-deps --target "$KEEP/site" "$KEEP"/gguf-*.whl || exit 1
     export PYTHONPATH=$PYTHONPATH:$KEEP/site
     [ -d "$MODEL" ] || $PY -m minirun convert "$KEEP/model.gguf" "$MODEL" --dtype bfloat16 || exit 1
+    cp "$KEEP"/codebooks-*.safetensors "$MODEL/" 2>/dev/null
     # issue 4: dense vs HCA decode at 8K / 32K / 128K, bfloat16, natural text (the selection depends
     # on real attention: the real weights, not the random checkpoint); codebooks fitted from the context
     timeout 540 $PY -m minirun bench "$MODEL" -p "$PP" -n 32 -d "$DEPTHS" --kv dense,hca \
@@ -101,7 +107,7 @@ EOF
     timer=(); [ -x /usr/bin/time ] && timer=(/usr/bin/time -v)    # peak host memory (max RSS)
     printf 'What is the pass key mentioned in the text? Answer with the number only.\n' |
         "${timer[@]}" timeout 570 $PY -m minirun chat "$MODEL" --ctx "$CTX" --file "$KEEP/book4m.txt" --kv hca \
-            --kv-budget 0.125 --far-positions on --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 2>&1 | tr '\r' '\n' | tee "$OUT/4m.log"
+            --kv-budget "$KV_BUDGET" --far-positions on --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 2>&1 | tr '\r' '\n' | tee "$OUT/4m.log"
     if [ -n "$smi" ]; then
         kill "$smi"
         echo "peak GPU memory used (nvidia-smi, MiB): $(sort -n "$OUT/gpu_mem_mib.txt" | tail -1)" | tee -a "$OUT/4m.log"
