@@ -87,8 +87,6 @@ def collect_keys(eng, ids: list[int], window: int = DEFAULT_WINDOW, max_tokens: 
     keys without their RoPE rotation (what the far-position cache stores: kv/far_positions.py).
     """
     from .kv.far_positions import unrotate_keys
-    from .ops import rope_inv_freq
-    inv_freq = rope_inv_freq(eng.args)
     starts = list(range(0, len(ids), window))
     if starts and len(ids) - starts[-1] < window // 2 and len(starts) > 1:
         starts.pop()                                   # a short tail window: drop it
@@ -106,7 +104,7 @@ def collect_keys(eng, ids: list[int], window: int = DEFAULT_WINDOW, max_tokens: 
         eng.prefill(win)
         pos = torch.tensor(_spread(len(win) - skip, per)) + skip
         k = eng.cache.k[:, :, pos].float()
-        chunks.append(unrotate_keys(k, pos, inv_freq) if unrotated else k.clone())
+        chunks.append(unrotate_keys(k, pos, eng.model.inv_freq) if unrotated else k.clone())
         if progress:
             progress(i + 1, len(starts))
     eng.reset()

@@ -14,11 +14,12 @@ Rotation convention: that of ops.apply_rope (HF Llama's half split).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..ops import rope_cos_sin
+import kernels_cpu as kc
 
-SETTINGS = ("auto", "on", "off")
+from ..ops import rope_cos_sin, rope_inv_freq
 
 
 def far_positions_on(setting: str, trained_ctx: int | None, ctx: int) -> bool:
@@ -62,3 +63,51 @@ def far_queries(qs: torch.Tensor, pos0: int, distance: int, inv_freq: torch.Tens
     against unrotated keys then read every old key at `distance` from the query."""
     cos, sin = rope_cos_sin(inv_freq, pos0 - distance, qs.shape[0], torch.float32, qs.device)   # (p - D) f
     return turn(qs.float(), cos[:, None, :], -sin[:, None, :])                                   # by -(p - D)
+
+
+class FarFrame:
+    """One HCA cache's far positions: its rotations, and what a decode step reuses across layers.
+
+    distance: D. The cache holds sinks and store keys unrotated (`unrotate`), and reads them with
+    `queries`; its one-call CPU steps take a single query and get `step_inputs`."""
+
+    def __init__(self, args, distance: int):
+        self.inv_freq = rope_inv_freq(args)      # [hd/2] (the model's, rope scaling included)
+        self.distance = distance
+        self._angles = None                      # (position, cos, sin) of R(D - p)
+        self._turned = None                      # the steps' turned copy of one layer's sinks + ring
+
+    def unrotate(self, K: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return unrotate_keys(K, positions, self.inv_freq)
+
+    def angles(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [hd/2] f32 (CPU) of the rotation R(D - pos) (made once per position: every layer
+        of a decode step reuses them)."""
+        if self._angles is None or self._angles[0] != pos:
+            ang = (self.distance - pos) * self.inv_freq.to(torch.float64)
+            self._angles = (pos, ang.cos().float(), ang.sin().float())
+        return self._angles[1], self._angles[2]
+
+    def queries(self, qs: torch.Tensor, pos0: int) -> torch.Tensor:
+        """qs [T, Hq, hd] at positions pos0.. -> rotated to read unrotated keys at distance D."""
+        if qs.shape[0] == 1 and qs.device.type == "cpu":   # a decode step: the cached angles
+            return turn(qs.float(), *self.angles(pos0))
+        return far_queries(qs, pos0, self.distance, self.inv_freq)
+
+    def step_inputs(self, qs, k, EK: np.ndarray, ek: torch.Tensor, sinks: int, pos: int) -> tuple:
+        """The one-call CPU steps' (query [Hq, hd], own key [Hkv, hd], exact tier [Hkv, S + W, hd])
+        numpy: they take one query, so it is the far one (it reads the sinks' and the store's
+        unrotated keys at distance D), and the ring keys and the token's own key are turned by
+        R(D - p) to keep their true distances: <R(D) q_pre, R(D - p) R(j) k_pre> =
+        <R(p) q_pre, R(j) k_pre>. EK the layer's exact tier as numpy (ek the same as torch)."""
+        c, s = self.angles(pos)
+        kn = turn(k[0].float(), c, s).numpy()
+        if EK.dtype == np.float32:                     # the ring's turned copy in one Numba pass
+            if self._turned is None or self._turned.shape != EK.shape:
+                self._turned = np.empty(EK.shape, np.float32)
+            EK = kc.turn_rows(EK, sinks, c.numpy(), s.numpy(), out=self._turned)
+        else:                                          # float16 tier (bfloat16 runs): torch
+            t = ek.clone()
+            t[:, sinks:] = turn(t[:, sinks:].float(), c, s).to(t.dtype)
+            EK = t.numpy()
+        return self.queries(qs, pos)[0].numpy(), kn, EK

@@ -23,9 +23,8 @@ from kernels_cpu import fastscan as fs
 from .. import hugepages
 from .attention import merge, partial_attention
 from .base import KVCache
-from ..ops import rope_inv_freq
 from .codebooks import Codebooks, codebook_filename
-from .far_positions import default_far_distance, far_positions_on, far_queries, turn, unrotate_keys
+from .far_positions import FarFrame, default_far_distance, far_positions_on
 from .hca_layout import HCALayout, fast_scan, resolve_layout
 from .store import ColumnBuffer, GrowingBuffer
 
@@ -46,11 +45,7 @@ class HCACache(KVCache):
         self.S, self.W = sinks, window
         self.scale = 1.0 / math.sqrt(hd)
         # far positions (kv/far_positions.py): sinks and store keys kept unrotated, read at distance D
-        self.far = far_positions
-        self.far_distance = far_distance or window   # D: the distance every sink / store token is read at
-        self._turn = None             # (position, cos, sin) of R(D - p) for the one-call steps
-        self._ek_turned = None        # their turned copy of one layer's sinks + ring
-        self._inv_freq = rope_inv_freq(args) if far_positions else None
+        self.far = FarFrame(args, far_distance or window) if far_positions else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         self._lanes = kc.lane_map(self.q_to_kv, Hkv)               # query heads in the packed tables' lanes
         self._counts = np.zeros(self.Hq, np.int32)                 # selection sizes of the last step
@@ -152,17 +147,17 @@ class HCACache(KVCache):
                 return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
             if self.layout.exact_keys and self.n_store > 0:
                 return self._attend_exact_keys_step(layer, qs, k, v).to(q.dtype)
-        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v)
+        qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
+        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)
         if self.n_store == 0:
             return o1.to(q.dtype)
-        qs = self._far_queries(qs) if self.far else qs           # the store's keys are unrotated
         if self.mode == "exact":
-            o2, m2, l2 = self._attend_store_exact(layer, qs)
+            o2, m2, l2 = self._attend_store_exact(layer, qf)
         elif self.mode == "anchor":
             na = min(self.anchor_k.shape[2], self.n_store)   # the anchor block's tokens now in the store
-            o2, m2, l2 = partial_attention(qs, self.anchor_k[layer, :, :na], self.values.view(layer, na))
+            o2, m2, l2 = partial_attention(qf, self.anchor_k[layer, :, :na], self.values.view(layer, na))
         else:
-            o2, m2, l2 = self._attend_store_hca(layer, qs)
+            o2, m2, l2 = self._attend_store_hca(layer, qf)
         o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
         return o.to(q.dtype)
 
@@ -246,31 +241,10 @@ class HCACache(KVCache):
 
     def _step_inputs(self, layer, qs, k):
         """The one-call steps' query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
-        (numpy). Far positions: the steps take one query, so it is the far one (it reads the store's
-        and the sinks' unrotated keys at distance D), and the ring keys and the token's own key are
-        turned by R(D - p) to keep their true distances: <R(D) q_pre, R(D - p) R(j) k_pre> =
-        <R(p) q_pre, R(j) k_pre>. The ring copy is made per layer and step (kernels_cpu.turn_rows)."""
+        (numpy); with far positions FarFrame.step_inputs' far query and turned ring."""
         if not self.far:
             return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
-        c, s = self._turn_angles()
-        kn = turn(k[0].float(), c, s).numpy()
-        EK = self._ek_np[layer]
-        if EK.dtype == np.float32:
-            if self._ek_turned is None:
-                self._ek_turned = np.empty(EK.shape, np.float32)
-            EK = kc.turn_rows(EK, self.S, c.numpy(), s.numpy(), out=self._ek_turned)
-        else:   # float16 tier (bfloat16 runs): torch
-            t = self.ek[layer].clone()
-            t[:, self.S:] = turn(t[:, self.S:].float(), c, s).to(t.dtype)
-            EK = t.numpy()
-        return self._far_queries(qs)[0].numpy(), kn, EK
-
-    def _turn_angles(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [hd/2] f32 (CPU) of the rotation R(D - p) at the current position (once per step)."""
-        if self._turn is None or self._turn[0] != self.offset:
-            ang = (self.far_distance - self.offset) * self._inv_freq.to(torch.float64)
-            self._turn = (self.offset, ang.cos().float(), ang.sin().float())
-        return self._turn[1], self._turn[2]
+        return self.far.step_inputs(qs, k, self._ek_np[layer], self.ek[layer], self.S, self.offset)
 
     def _ring_full(self) -> bool:
         """The ring holds W tokens (every position from S + n_store up to offset): the next token
@@ -304,11 +278,11 @@ class HCACache(KVCache):
         return views
 
     def _codebook_copy_bytes(self) -> int:
-        """The CPU kernels' copies of the current codebooks: the transposed layout of the LUT kernel
-        and the centroid norms of the encoder (made on first use)."""
-        own = [c for c in (self._cbt, self._cnorm) if c is not None and c[0] is self.codebooks]
-        fs_own = self._fs[1].nbytes + self._fs[2].nbytes if self._fs is not None and self._fs[0] is self.codebooks else 0
-        return sum(c[1].nbytes for c in own) + fs_own
+        """The CPU kernels' copies of the current codebooks: the transposed layout of the LUT kernel,
+        the centroid norms of the encoder, the nibble pairs' transposed factors and their norms (made
+        on first use)."""
+        own = [c for c in (self._cbt, self._cnorm, self._fs) if c is not None and c[0] is self.codebooks]
+        return sum(a.nbytes for c in own for a in c[1:])      # (codebooks, arrays made from them...)
 
     def _decode_scratch(self) -> list:
         """Fixed-size scratch of the CPU decode kernels, where made: the lookup table, its packed
@@ -325,9 +299,9 @@ class HCACache(KVCache):
         """The level scratch [Hq, n] uint16 of the CPU selection (kernels_cpu.level_select)."""
         return self.lev.flat(n).view(np.uint16).reshape(self.Hq, n)
 
-    def _attend_exact_tier(self, layer, qs, k, v):
+    def _attend_exact_tier(self, layer, qs, k, v, qf):
         """Sinks + ring (all positions < offset) and the chunk itself (causal). Far positions: the
-        sinks (held unrotated) in a partial of their own with the far queries."""
+        sinks (held unrotated) in a partial of their own with the far queries qf."""
         T = qs.shape[0]
         valid = self.slot_pos >= 0                                               # [S+W]
         sinks = valid[:self.S].clone()
@@ -340,15 +314,9 @@ class HCACache(KVCache):
         part = partial_attention(qs, K, V, mask)
         if self.far and bool(sinks.any()):
             smask = sinks[None, :].expand(T, -1).to(qs.device)
-            part = merge(part, partial_attention(self._far_queries(qs), self.ek[layer, :, :self.S],
+            part = merge(part, partial_attention(qf, self.ek[layer, :, :self.S],
                                                  self.ev[layer, :, :self.S], smask))
         return part
-
-    def _far_queries(self, qs):
-        """qs [T, Hq, hd] at positions offset.. -> rotated to read unrotated keys at distance D."""
-        if qs.shape[0] == 1 and qs.device.type == "cpu":   # a decode step: the angles once per step
-            return turn(qs.float(), *self._turn_angles())   # R(D - p)
-        return far_queries(qs, self.offset, self.far_distance, self._inv_freq)
 
     def _attend_store_exact(self, layer, qs):
         """Exact attention over the store (exact prefill: full-precision keys kept for all of it)."""
@@ -437,8 +405,8 @@ class HCACache(KVCache):
         if keep.numel():
             slots = torch.where(keep < S, keep, S + (keep - S) % W)
             Kk = Kn[:, :, keep - pos0]
-            if self.far and bool((keep < S).any()):   # sinks are held unrotated (attended at distance W)
-                Kk = torch.where((keep < S)[:, None].to(Kk.device), unrotate_keys(Kk, keep, self._inv_freq), Kk)
+            if self.far and bool((keep < S).any()):   # sinks are held unrotated (read at distance D)
+                Kk = torch.where((keep < S)[:, None].to(Kk.device), self.far.unrotate(Kk, keep), Kk)
             self.ek[:, :, slots] = Kk
             self.ev[:, :, slots] = Vn[:, :, keep - pos0]
             self.slot_pos[slots] = keep
@@ -531,7 +499,7 @@ class HCACache(KVCache):
         codes: their indices [L, Hkv, m, g] when already encoded (by the decode step)."""
         j0, m = self.n_store, K.shape[2]
         if self.far:   # positions S + j0.. leave the ring: kept unrotated (codes encoded ahead were of rotated keys)
-            K, codes = unrotate_keys(K, torch.arange(self.S + j0, self.S + j0 + m), self._inv_freq), None
+            K, codes = self.far.unrotate(K, torch.arange(self.S + j0, self.S + j0 + m)), None
         self.values.reserve(j0 + m)
         self.z.reserve(j0 + m)
         self.sel.reserve(j0 + m)

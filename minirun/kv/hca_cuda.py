@@ -111,24 +111,24 @@ class HCACacheCUDA(HCACache):
         qs = q.float() * self.scale
         if T == 1 and self.mode == "hca" and self.n_store > 0:   # (a short ring: its dead slots masked)
             return self._decode_step(layer, qs, k, v).to(q.dtype)
-        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v)       # torch, on the device
+        qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
+        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)   # torch, on the device
         n = self.n_store
         if n == 0:
             return o1.to(q.dtype)
-        qs = self._far_queries(qs) if self.far else qs                # the store's keys are unrotated
         if self.mode == "exact":
-            o2, m2, l2 = partial_attention(qs, self.exact_keys.view(layer, n), self.prefill_values.view(layer, n))
+            o2, m2, l2 = partial_attention(qf, self.exact_keys.view(layer, n), self.prefill_values.view(layer, n))
         elif self.mode == "anchor":
             na = min(self.anchor_k.shape[2], n)
-            o2, m2, l2 = partial_attention(qs, self.anchor_k[layer, :, :na], self.anchor_v[layer, :, :na])
+            o2, m2, l2 = partial_attention(qf, self.anchor_k[layer, :, :na], self.anchor_v[layer, :, :na])
         else:
-            o2, m2, l2 = self._attend_store_hca(layer, qs)
+            o2, m2, l2 = self._attend_store_hca(layer, qf)
         o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
         return o.to(q.dtype)
 
     def _decode_step(self, layer, qs, k, v):
         q = qs[0]                                                                 # [Hq, hd] f32
-        qf = self._far_queries(qs)[0] if self.far else q                          # reads unrotated keys
+        qf = self.far.queries(qs, self.offset)[0] if self.far else q              # reads unrotated keys
         sel = self._select(layer, qf)                                             # GPU + async D2H
         # queued before the host waits: the GPU runs these while the host sums values
         parts = self._exact_parts(layer, q, qf)
