@@ -9,7 +9,7 @@
 #   1. carry [".gpu/a"]  bash scripts/gpu_session.sh tests   # env, nvcc, GPU tests, random checkpoint
 #   2. carry [".gpu/b"]  bash scripts/gpu_session.sh bench   # real model; dense vs HCA tg @ 8K/32K/128K
 #   3.                   bash scripts/gpu_session.sh 4m      # the 4M-token chat: prefill, answer, memory
-# Each stage writes $OUT/<stage>.log (and bench.json); record the figures in docs/BENCHMARKS.md
+# Each stage writes $OUT/<stage>.log (and bench-dD.json); record the figures in docs/BENCHMARKS.md
 # with the commands, the device name (env.txt) and the date.
 # SmolLM2 is trained to 8K: past that it loses a pass key with plain attention, dense included; the
 # 4M chat runs with --far-positions on (minirun/kv/far_positions.py; docs/QUALITY.md, "Beyond the
@@ -61,13 +61,20 @@ tests)
 torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__version__)"
         ARCHS=sm_90 bash scripts/check_cuda.sh
     } 2>&1 | tee "$OUT/env.txt"
-    timeout 420 $PY -m pytest -q -rs -p no:cacheprovider -k "not emu" \
-        tests/test_kernels_cuda.py tests/test_hca_cuda.py tests/test_cuda_compile.py 2>&1 | tee "$OUT/tests.log"
+    per_test=(); $PY -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
+    timeout 300 $PY -m pytest -q -rs -p no:cacheprovider "${per_test[@]}" -k "not emu" \
+        tests/test_kernels_cuda.py tests/test_hca_cuda.py tests/test_cuda_compile.py tests/test_bench_plan.py \
+        2>&1 | tee "$OUT/tests.log"
     # speed and memory figures without the real weights (same shapes; kept for stage 2 if wanted)
     $PY -c "import json; print(json.dumps(dict(model_type='llama', hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
         tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192)))" >"$KEEP/smollm2.json"
     $PY scripts/make_random_checkpoint.py "$KEEP/smollm2.json" "$KEEP/random-smollm2" --dtype bfloat16 | tail -1
+    # end to end before the real model arrives: dense, HCA and HCA with far positions decode on the GPU
+    for far in off on; do
+        timeout 120 $PY -m minirun bench "$KEEP/random-smollm2" -p 512 -n 8 -d 4096 --kv dense,hca -r 1 \
+            --dtype bfloat16 --device "$DEVICE" --far-positions $far 2>&1 | tee -a "$OUT/smoke.log"
+    done
     ;;
 bench)
     need "$KEEP/part00" tests
@@ -83,9 +90,14 @@ bench)
     cp "$KEEP"/codebooks-*.safetensors "$MODEL/" 2>/dev/null
     # issue 4: dense vs HCA decode at 8K / 32K / 128K, bfloat16, natural text (the selection depends
     # on real attention: the real weights, not the random checkpoint); codebooks fitted from the context
-    timeout 540 $PY -m minirun bench "$MODEL" -p "$PP" -n 32 -d "$DEPTHS" --kv dense,hca \
-        --kv-budget 0.125 --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
-        >"$OUT/bench.json" 2> >(tee "$OUT/bench.log" >&2)
+    # one run per depth (each its own JSON and time limit: a slow depth costs only itself)
+    pp=$PP
+    for d in ${DEPTHS//,/ }; do
+        timeout "${DEPTH_LIMIT:-200}" $PY -m minirun bench "$MODEL" -p "$pp" -n 32 -d "$d" --kv dense,hca \
+            --kv-budget 0.125 --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
+            >"$OUT/bench-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
+        pp=""
+    done
     $PY -m minirun plan "$MODEL" --ctx "$CTX" --kv dense --dtype bfloat16 --device "$DEVICE" | tee -a "$OUT/bench.log"
     ;;
 4m)

@@ -12,6 +12,7 @@ from minirun.cli import main
 from minirun.cli_bench import SizeType, _modes
 from minirun.config import EngineConfig, ModelArgs
 from minirun.errors import ContextError
+from minirun import planner
 from minirun.planner import ANCHOR_BLOCK, PREFILL_KEYS, check_fits, largest_ctx, param_count, plan
 
 SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -228,7 +229,10 @@ def test_bench_options(tiny_model_dir, capsys):
         assert e.value.code == 1 and err in capsys.readouterr().err
 
 
-def test_plan_bare_llama3_config(tmp_path, capsys):
+def test_plan_bare_llama3_config(tmp_path, capsys, monkeypatch):
+    # the host side's MemAvailable moves between the JSON and the text call: hold it still
+    real = planner.available_bytes
+    monkeypatch.setattr(planner, "available_bytes", lambda device: {**real(device), "host": 20 * GiB})
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA3_8B))
     args = ["plan", str(cfg), "--ctx", "4M", "--kv", "hca", "--kv-budget", "0.125", "--dtype", "bfloat16"]
