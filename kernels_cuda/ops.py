@@ -91,6 +91,7 @@ class _CupyBackend:
         self.cp = cupy
         self.smem_set: dict = {}
         self._info: dict = {}
+        self._streams: dict = {}
 
     def check_tensor(self, t, what):
         if not t.is_cuda:
@@ -112,18 +113,19 @@ class _CupyBackend:
         torch = _torch()
         cp = self.cp
         dev = device.index if device.index is not None else torch.cuda.current_device()
-        with cp.cuda.Device(dev):
-            stream = cp.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev)
-            with stream:
-                yield _CupyLauncher(self, dev)
+        ptr = torch.cuda.current_stream(dev).cuda_stream
+        key = (dev, ptr)
+        if key not in self._streams:   # one CuPy handle per torch stream (made once: a decode step launches ~10)
+            self._streams[key] = (cp.cuda.Device(dev), cp.cuda.ExternalStream(ptr, dev), _CupyLauncher(self, dev))
+        device_ctx, stream, launcher = self._streams[key]
+        with device_ctx, stream:
+            yield launcher
 
     def arg(self, a):
-        torch = _torch()
-        if isinstance(a, torch.Tensor):
-            a = a.detach()
-            if a.dtype in (torch.float16, torch.bfloat16):
-                a = a.view(torch.int16)  # CuPy has no bfloat16; kernels read 16-bit bits
-            return self.cp.from_dlpack(a)
+        """A tensor goes as its device address (what a RawKernel passes for an array anyway): a
+        DLPack round trip per argument cost more than the kernels of a decode step."""
+        if isinstance(a, _torch().Tensor):
+            return np.uint64(a.data_ptr())
         return a  # numpy scalar of the kernel's parameter type
 
 

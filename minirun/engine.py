@@ -96,7 +96,7 @@ class Engine:
         """
         ids = self._ids(ids)
         cache = make_cache(self.args, self.config, self.device, self.dtype, len(ids), model_dir=self.path)
-        chunk = chunk or self.config.prefill_chunk
+        chunk = chunk or self.config.chunk_for(self.device.type)
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         cache.begin_prefill(prefill_mode)
         out = [self.model.forward(tokens[i:i + chunk], cache, all_logits=True).cpu()
@@ -141,7 +141,7 @@ class Engine:
             common = 0
         self._cached_ids = self._cached_ids[:common]
         todo = torch.tensor(ids[common:], dtype=torch.long, device=self.device)
-        chunk = self.config.prefill_chunk
+        chunk = self.config.chunk_for(self.device.type)
         mode = self.config.prefill_mode
         if mode == "auto":
             fresh = common == 0

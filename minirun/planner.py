@@ -55,7 +55,7 @@ def prefill_transient_tiers(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dic
     row = args.num_hidden_layers * args.num_key_value_heads * args.head_dim * EXACT_KEY_ELEM
     n_exact = cfg.sinks + cfg.window
     n_store = max(0, ctx - n_exact)
-    until_fit = min(n_store, cfg.fit_min_tokens + cfg.prefill_chunk)
+    until_fit = min(n_store, cfg.fit_min_tokens + cfg.chunk_for("cpu" if cfg.device == "cpu" else "cuda"))
     anchor = max(0, cfg.anchor_tokens - cfg.sinks)
     mode = cfg.prefill_mode
     if mode == "auto":

@@ -62,6 +62,7 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
         ARCHS=sm_90 bash scripts/check_cuda.sh
     } 2>&1 | tee "$OUT/env.txt"
     per_test=(); $PY -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
+    $PY -c "import xdist" 2>/dev/null && per_test+=(-n "${TEST_PROCS:-8}")   # one GPU, 8 test processes
     timeout 300 $PY -m pytest -q -rs -p no:cacheprovider "${per_test[@]}" -k "not emu" \
         tests/test_kernels_cuda.py tests/test_hca_cuda.py tests/test_cuda_compile.py tests/test_bench_plan.py \
         2>&1 | tee "$OUT/tests.log"
@@ -71,9 +72,9 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
         tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192)))" >"$KEEP/smollm2.json"
     $PY scripts/make_random_checkpoint.py "$KEEP/smollm2.json" "$KEEP/random-smollm2" --dtype bfloat16 | tail -1
     # end to end before the real model arrives: dense, HCA and HCA with far positions decode on the GPU
-    for far in off on; do
-        timeout 120 $PY -m minirun bench "$KEEP/random-smollm2" -p 512 -n 8 -d 4096 --kv dense,hca -r 1 \
-            --dtype bfloat16 --device "$DEVICE" --far-positions $far 2>&1 | tee -a "$OUT/smoke.log"
+    for far in ${SMOKE_FAR:-off on}; do
+        timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p 4096 -n 16 -d "${SMOKE_DEPTHS:-4096}" \
+            --kv dense,hca -r 1 --dtype bfloat16 --device "$DEVICE" --far-positions $far 2>&1 | tee -a "$OUT/smoke.log"
     done
     ;;
 bench)
@@ -93,7 +94,7 @@ bench)
     # one run per depth (each its own JSON and time limit: a slow depth costs only itself)
     pp=$PP
     for d in ${DEPTHS//,/ }; do
-        timeout "${DEPTH_LIMIT:-200}" $PY -m minirun bench "$MODEL" -p "$pp" -n 32 -d "$d" --kv dense,hca \
+        timeout "${DEPTH_LIMIT:-170}" $PY -m minirun bench "$MODEL" -p "$pp" -n 32 -d "$d" --kv dense,hca \
             --kv-budget 0.125 --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
             >"$OUT/bench-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
         pp=""

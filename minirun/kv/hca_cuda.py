@@ -8,7 +8,7 @@ Where things live (CUDA device):
   exact-mode prefill also keeps the store's values on the device until end_prefill (the exact
   prefill is dense attention anyway), anchor mode keeps the anchor block's values there;
 - host: the value pool, page-locked and allocated once at capacity (minirun/kv/pinned.py says why),
-  a host copy of the selected scores (numpy [Hq, cap]) and small pinned staging buffers.
+  and small pinned staging buffers (the copied-back selection, the (o, m, l) stage).
 
 One decode step of one layer (`_decode_step`), in issue order on the current (compute) stream S0 and
 the copy stream S1:
@@ -17,7 +17,7 @@ the copy stream S1:
   S1: waits for S0, copies the pack device->host (pinned), records sel_event
   S0: attend_exact over sinks + ring, the new token's own score   <- queued BEFORE the host waits
   host: sel_event.synchronize() (that copy only), wait for the last eviction copy's event,
-      scatter the selected scores into host z, weighted_value_sum (Numba) on the pinned pool,
+      weighted_value_sum (Numba) of the copied scores (compact: no scatter) on the pinned pool,
       (o, m, l) into a pinned stage, copy host->device (non_blocking, on S0)
   S0: lse_merge of the three partials (exact tier, new token, store) -> next ops of the layer.
 What overlaps: the host value sum of layer l with the GPU's exact-tier attention of layer l and
@@ -71,7 +71,6 @@ class HCACacheCUDA(HCACache):
         self._width = INITIAL_WIDTH
         self.second_copies = 0                  # steps whose copy-back guess was too narrow
         self._pack_host = None                  # pinned int32, grows with the copy-back width
-        self._hz = None                         # host scores [Hq, store_cap] f32 (selected entries valid)
         self._stage_host = self._host_empty((Hq, hd + 2), torch.float32)
         self._sel_event = torch.cuda.Event() if self._gpu else None
         self._h2d_event = torch.cuda.Event() if self._gpu else None
@@ -220,12 +219,9 @@ class HCACacheCUDA(HCACache):
             self.record_selection.append(cnt / z.shape[1])
         self.values.wait()                                        # eviction copies have landed
         hn = host.numpy()
-        idx_h, zs_h = hn[:, 1:w + 1], hn[:, w + 1:].view(np.float32)
-        mask = np.arange(w)[None, :] < cnt[:, None]
-        hz = self._host_z()
-        hz[np.nonzero(mask)[0], idx_h[mask]] = zs_h[mask]
+        idx_h, zs_h = hn[:, 1:w + 1], hn[:, w + 1:].view(np.float32)   # zs_h[h, t]: score of idx_h[h, t]
         V = self.values.data[layer].numpy()                       # [Hkv, cap, hd], pinned
-        o, m, l = kc.weighted_value_sum(hz, idx_h, cnt, V, self.q_to_kv)
+        o, m, l = kc.weighted_value_sum(zs_h, idx_h, cnt, V, self.q_to_kv, compact=True)
         if self._h2d_pending:                                     # the stage is free again
             self._h2d_event.synchronize()
         st = self._stage_host
@@ -238,12 +234,6 @@ class HCACacheCUDA(HCACache):
             self._h2d_event.record(torch.cuda.current_stream(self.device))
             self._h2d_pending = True
         return dev[:, :self.hd], dev[:, self.hd], dev[:, self.hd + 1]
-
-    def _host_z(self):
-        cap = self.values.cap_or(self.n_store)
-        if self._hz is None or self._hz.shape[1] < cap:
-            self._hz = np.zeros((self.Hq, cap), np.float32)
-        return self._hz
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
     def _codebooks_dev(self) -> torch.Tensor:
@@ -303,7 +293,6 @@ class HCACacheCUDA(HCACache):
         s["prefill_values_bytes"] = self.prefill_values.nbytes + (
             self.anchor_v.numel() * self.anchor_v.element_size() if self.anchor_v is not None else 0)
         pack = self._pack_host.numel() * 4 if self._pack_host is not None else 0
-        s["host_scratch_bytes"] = pack + (self._hz.nbytes if self._hz is not None else 0) + \
-            self._stage_host.numel() * 4
+        s["host_scratch_bytes"] = pack + self._stage_host.numel() * 4
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
         return s
