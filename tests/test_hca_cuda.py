@@ -211,6 +211,23 @@ def test_prompt_fitted_codebooks_close_to_dense(tiny_model_dir, gpu_engine):
     assert (out.argmax(-1) == dense.argmax(-1)).float().mean().item() >= 0.9
 
 
+def test_key_store_allocated_once_at_capacity(tiny_model_dir, gpu_engine):
+    """The device key store is allocated at the ctx's capacity by its first token (no doubling: a
+    4M prompt held old + new copies and peaked at 2.4x its indices on an H100), so kv_stats'
+    device key bytes equal the planner's key store figure whatever the prompt's length."""
+    from minirun.planner import plan
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    eng = load(d, ctx=8192, kv="hca", groups=8, centroids=32, window=16, sinks=4, fit_min_tokens=48)
+    with ctx():   # (8192: past store.MIN_GROW, the doubling store's first allocation)
+        eng.generate(random_ids(100, seed=4), max_new_tokens=2, ignore_eos=True)
+        first = eng.cache.indices.data
+        eng.generate(random_ids(300, seed=5), max_new_tokens=2, ignore_eos=True)
+    assert eng.cache.n_store > 250 and eng.cache.indices.data.data_ptr() == first.data_ptr()
+    key_store = plan(eng.args, eng.config).tiers["key store"][0]
+    assert eng.cache.stats()["device_keys_bytes"] == key_store == eng.cache.indices.nbytes
+
+
 @pytest.mark.skipif(HAVE_GPU or not HAVE_GXX, reason="emulator launch log (CPU only)")
 def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path):
     """kernels_cuda launches of one decode step per layer == HCACacheCUDA.decode_launches; also

@@ -57,8 +57,10 @@ class HCACacheCUDA(HCACache):
         self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
         store_cap = max(0, capacity - sinks - window)
         self.values = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream)
-        if self.indices is not None:
-            self.indices = GrowingBuffer((L, Hkv), layout.groups, self.indices.dtype, store_cap, device=device)
+        if self.indices is not None:   # at capacity: doubling a 11 GiB store held old + new + the allocator's
+            # cache (a 4M prompt peaked at 26.9 GB of GPU memory for 11.2 GiB of indices on an H100)
+            self.indices = GrowingBuffer((L, Hkv), layout.groups, self.indices.dtype, store_cap, device=device,
+                                         at_capacity=True)
         self.exact_keys = GrowingBuffer((L, Hkv), hd, torch.float32, store_cap, device=device)
         self.z = GrowingBuffer((Hq,), 1, torch.float32, store_cap, device=device)
         self.sel = GrowingBuffer((Hq,), 1, torch.int32, store_cap, device=device)
@@ -182,14 +184,15 @@ class HCACacheCUDA(HCACache):
         return (self._copy_back(z, idx, counts, w), w, z, idx, counts)
 
     def _copy_back(self, z, idx, counts, w):
-        """[counts | idx[:, :w] | z at those idx] -> pinned host buffer, on the copy stream."""
+        """[counts | idx[:, :w] | z at those idx], each block whole (the host sum reads idx and z
+        as contiguous [Hq, w] arrays, no copy) -> pinned host buffer, on the copy stream."""
         n = z.shape[1]
         s = idx[:, :w]
         zs = torch.gather(z, 1, s.clamp(0, n - 1).long())    # slots past counts hold scratch: clamp
-        pack = torch.cat([counts[:, None], s, zs.view(torch.int32)], 1)           # [Hq, 2w+1] int32
+        pack = torch.cat([counts, s.reshape(-1), zs.view(torch.int32).reshape(-1)])   # [Hq (2w + 1)] int32
         if self._pack_host is None or self._pack_host.numel() < pack.numel():
             self._pack_host = self._host_empty((pack.numel(),), torch.int32)
-        host = self._pack_host[:pack.numel()].view(pack.shape)
+        host = self._pack_host[:pack.numel()]
         if not self._gpu:
             host.copy_(pack)
             return host
@@ -205,7 +208,8 @@ class HCACacheCUDA(HCACache):
         """Wait for the copy-back only, sum the selected host values, send (o, m, l) to the device."""
         if self._gpu:
             self._sel_event.synchronize()
-        cnt = host[:, 0].numpy()
+        Hq = self.Hq
+        cnt = host[:Hq].numpy()
         cmax = int(cnt.max())
         if cmax > w:   # the guessed width was too small: a second, wide enough copy
             self.second_copies += 1
@@ -214,12 +218,13 @@ class HCACacheCUDA(HCACache):
             host = self._copy_back(z, idx, counts, w)
             if self._gpu:
                 self._sel_event.synchronize()
-            cnt = host[:, 0].numpy()
+            cnt = host[:Hq].numpy()
         if self.record_selection is not None:
             self.record_selection.append(cnt / z.shape[1])
         self.values.wait()                                        # eviction copies have landed
         hn = host.numpy()
-        idx_h, zs_h = hn[:, 1:w + 1], hn[:, w + 1:].view(np.float32)   # zs_h[h, t]: score of idx_h[h, t]
+        idx_h = hn[Hq:Hq + Hq * w].reshape(Hq, w)
+        zs_h = hn[Hq + Hq * w:].view(np.float32).reshape(Hq, w)          # zs_h[h, t]: score of idx_h[h, t]
         V = self.values.data[layer].numpy()                       # [Hkv, cap, hd], pinned
         o, m, l = kc.weighted_value_sum(zs_h, idx_h, cnt, V, self.q_to_kv, compact=True)
         if self._h2d_pending:                                     # the stage is free again

@@ -16,15 +16,18 @@ class GrowingBuffer:
     minirun.hugepages).
     """
 
-    def __init__(self, lead: tuple, width: int, dtype: torch.dtype, max_cap: int, device="cpu"):
+    def __init__(self, lead: tuple, width: int, dtype: torch.dtype, max_cap: int, device="cpu",
+                 at_capacity: bool = False):
         self.lead, self.width, self.dtype, self.max_cap, self.device = lead, width, dtype, max_cap, device
+        self.at_capacity = at_capacity   # the first token allocates max_cap: no doubling, no copy
         self.data = None
         self.cap = 0
 
     def reserve(self, n: int) -> None:
         if n <= self.cap:
             return
-        new_cap = min(self.max_cap, max(n, 2 * self.cap, MIN_GROW))
+        grown = self.max_cap if self.at_capacity else max(n, 2 * self.cap, MIN_GROW)
+        new_cap = min(self.max_cap, grown)
         if n > new_cap:
             raise ValueError(f"store overflow: {n} tokens > capacity {self.max_cap}")
         new = self._alloc(new_cap)
