@@ -197,6 +197,26 @@ def test_partial_attention_paths_and_merge_of_splits():
     assert torch.isfinite(o0).all() and (o0 == 0).all() and (l0 == 0).all()
 
 
+def test_partial_attention_key_blocks_bound_the_scores(monkeypatch):
+    """Many queries over many keys: the keys go in blocks of at most SCORE_ELEMS scores (here 256
+    keys for 5 x 6 queries), merged exactly: the same (o, m, l) as one block, masked too."""
+    import minirun.kv.attention as att
+    g = torch.Generator().manual_seed(4)
+    T, Hq, Hkv, hd, n = 5, 6, 2, 16, 1000
+    q = torch.randn(T, Hq, hd, generator=g) * 0.3
+    K, V = torch.randn(Hkv, n, hd, generator=g), torch.randn(Hkv, n, hd, generator=g)
+    mask = torch.rand(T, n, generator=g) > 0.3
+    one = att.partial_attention(q, K, V, mask)
+    bmm_calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(att.torch, "bmm", lambda *a: bmm_calls.append(a[1].shape[-1]) or real_bmm(*a))
+    monkeypatch.setattr(att, "SCORE_ELEMS", T * Hq * 256)
+    blocks = att.partial_attention(q, K, V, mask)
+    assert max(bmm_calls) == 256 and len(bmm_calls) == 2 * 4             # 4 blocks: scores and values
+    for a, b in zip(one, blocks):
+        assert (a - b).abs().max() < 1e-5
+
+
 def test_bfloat16_on_cpu_takes_the_fused_decode_step(tiny_model_dir):
     """bfloat16 runs keep the exact tier as float16 on the CPU, so decode takes the one-call Numba
     step; it must agree with the per-kernel path (the exact tier in torch) it replaces."""
