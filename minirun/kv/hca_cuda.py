@@ -1,7 +1,8 @@
 """HCACacheCUDA: the HCA cache with its device tier on the GPU (CuPy kernels) and values on the host.
 
-UNVERIFIED ON A GPU (see kernels_cuda/README.md, "GPU backend"). Tested here on the CPU with the
-kernel emulator (kernels_cuda._emu), which runs the same code with CPU tensors and no streams.
+Tested on an H100 (2026-11-24: the GPU tests against the CPU cache; kernels_cuda/README.md, "GPU
+backend") and, everywhere, on the CPU with the kernel emulator (kernels_cuda._emu), which runs the
+same code with CPU tensors and no streams.
 
 Where things live (CUDA device):
 - device: sinks + ring (base class), key-store indices (or exact keys), codebooks, scratch z / sel;
