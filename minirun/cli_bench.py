@@ -116,6 +116,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
 @click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
               help="HCA: old tokens at one distance (auto: when the ctx passes the model's trained context)")
+@click.option("--max-select", type=int, default=None,
+              help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
                    "stdlib's pydoc topics: natural text, offline) or a text file (./text for one named text)")
@@ -123,7 +125,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
 def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
-          far_positions, context, output, plot_path):
+          far_positions, max_select, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
     modes = _modes(kv_modes, budgets)
@@ -135,7 +137,7 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
         b.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
-                          sinks=sinks, far_positions=far_positions, context=context,
+                          sinks=sinks, far_positions=far_positions, max_select=max_select, context=context,
                           log=lambda s: click.echo(s, err=True))
     click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
     if plot_path:

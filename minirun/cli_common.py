@@ -37,6 +37,9 @@ def engine_options(f):
         click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
                      help="HCA: attend to tokens older than the window at one distance (1024), for contexts "
                           "past the model's trained one (auto: on when --ctx passes it); see docs/QUALITY.md"),
+        click.option("--max-select", type=int, default=None,
+                     help="HCA: attend to at most this many old tokens per head and step, the top-scoring "
+                          "(bounds decode time where attention is diffuse; default: tau alone)"),
         click.option("--threads", type=int, default=None, help="CPU threads for torch"),
     ]
     for o in reversed(opts):
@@ -63,11 +66,12 @@ def sampling_options(temperature: float, max_tokens: int):
 
 
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="off",
-                **extra):
+                max_select=None, **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
-                      threads=threads, far_positions=far_positions, **hca_setting(kv_budget), **extra)
+                      threads=threads, far_positions=far_positions, max_select=max_select, **hca_setting(kv_budget),
+                      **extra)
     far = getattr(eng.cache, "far", False)
     note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far)
     if note:
@@ -88,7 +92,8 @@ def trained_context_note(trained: int | None, ctx: int, far: bool = False) -> st
 
 def split_kwargs(kw: dict):
     """Separate engine options from sampling options."""
-    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "far_positions", "threads")
+    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "far_positions",
+                   "max_select", "threads")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
                     min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),

@@ -151,6 +151,7 @@ class EngineConfig:
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
     far_positions: str = "off"        # HCA: "off" | "on" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
+    max_select: int | None = None     # HCA: at most this many store tokens per head and step (kv/select_cap.py)
     threads: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -173,5 +174,7 @@ class EngineConfig:
             raise MiniRunError(f"unknown prefill mode {self.prefill_mode!r}: use auto, exact, anchor or hca")
         if self.far_positions not in ("auto", "on", "off"):
             raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on or off")
+        if self.max_select is not None and self.max_select < 1:
+            raise MiniRunError(f"max_select must be at least 1, got {self.max_select}")
         if not 0.0 < self.tau <= 1.0:
             raise MiniRunError(f"tau must be in (0, 1], got {self.tau}")

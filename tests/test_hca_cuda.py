@@ -18,6 +18,7 @@ Tolerances (float32 model):
 import contextlib
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -209,6 +210,35 @@ def test_prompt_fitted_codebooks_close_to_dense(tiny_model_dir, gpu_engine):
         out = eng.logits(ids)
     assert eng.last_logits_cache.codebooks is not None
     assert (out.argmax(-1) == dense.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("key_store", ["exact", "codebook"])
+def test_max_select_matches_cpu(tiny_model_dir, gpu_engine, key_store):
+    """The selection cap (kv/select_cap.py; torch.topk on the device): tau = 1 with a cap of 6 keeps
+    the top 6 store tokens of each head, on both backends. Exact keys: the same scores, so the
+    same tokens (1e-4). Codebooks fitted on each side from the same keys: scores differ in the last
+    bits, and a swap at the cap's edge is allowed to move a logit by more (argmax agreement)."""
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(140, seed=10)
+    kw = dict(ctx=256, kv="hca", key_store=key_store, tau=1.0, max_select=6, window=16, sinks=4,
+              prefill_chunk=32, fit_min_tokens=48, centroids=32, groups=8)
+    if key_store == "exact":
+        kw.pop("groups"), kw.pop("centroids")
+    cpu = Engine.load(d, device="cpu", **kw)
+    cpu.prefill(ids)
+    want = torch.stack([cpu.step(t).reshape(-1) for t in (3, 7, 12)])
+    eng = load(d, **kw)
+    with ctx():
+        eng.prefill(ids)
+        eng.cache.record_selection = []
+        got = torch.stack([eng.step(t).reshape(-1).cpu() for t in (3, 7, 12)])
+    n = eng.cache.n_store
+    assert n > 100 and all(np.all(f <= 6 / (n - 3) + 1e-9) for f in eng.cache.record_selection)
+    if key_store == "exact":
+        assert (got - want).abs().max().item() <= 1e-4
+    else:
+        assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 def test_key_store_allocated_once_at_capacity(tiny_model_dir, gpu_engine):

@@ -26,6 +26,7 @@ from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
 from .far_positions import FarFrame, default_far_distance, far_positions_on
 from .hca_layout import HCALayout, fast_scan, resolve_layout
+from .select_cap import cap_selection
 from .store import ColumnBuffer, GrowingBuffer
 
 
@@ -37,11 +38,12 @@ class HCACache(KVCache):
     def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
                  dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
                  fit_min_tokens: int = 4096, anchor_tokens: int = 2048, far_positions: bool = False,
-                 far_distance: int | None = None):
+                 far_distance: int | None = None, max_select: int | None = None):
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
         self.layout, self.tau, self.dtype, self.device = layout, tau, dtype, device
+        self.max_select = max_select   # top tokens per head and step at most (kv/select_cap.py); None: tau alone
         self.S, self.W = sinks, window
         self.scale = 1.0 / math.sqrt(hd)
         # far positions (kv/far_positions.py): sinks and store keys kept unrotated, read at distance D
@@ -124,7 +126,7 @@ class HCACache(KVCache):
                 codebooks = codebooks.paired() if layout.pairs else codebooks
         cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
                     fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
-                    far_distance=dist)
+                    far_distance=dist, max_select=config.max_select)
         if far:
             why = ("--far-positions on" if config.far_positions == "on" else
                    f"the context passes the {args.max_position_embeddings} tokens the model was trained on")
@@ -142,7 +144,8 @@ class HCACache(KVCache):
         T = q.shape[0]
         self._staged[layer] = (k, v)
         qs = q.float() * self.scale
-        if T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W:
+        if (T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W
+                and not self.max_select):   # (the one-call steps select by tau alone)
             if self.n_encoded == self.n_store > 0:
                 return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
             if self.layout.exact_keys and self.n_store > 0:
@@ -352,6 +355,8 @@ class HCACache(KVCache):
             if ne == n:   # the decode step's scores and selection (kernels_cpu.level_select)
                 idx, counts, _, _, zs = kc.packed_select(packed, P, n, self.tau, out_idx=sel, out_z=z,
                                                          scratch=(self._levels(n), self._hist))
+                if self.max_select:
+                    cap_selection(idx, counts, zs, self.max_select, compact=True)
                 if self.record_selection is not None and T == 1:
                     self.record_selection.append(counts / n)
                 os_[t], ms[t], ls[t] = kc.weighted_value_sum(zs, idx, counts, V, self.q_to_kv, compact=True)
@@ -368,6 +373,8 @@ class HCACache(KVCache):
             qt = torch.from_numpy(q).view(self.Hkv, -1, self.hd)
             z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
         idx, counts, _, _ = kc.threshold_select(z, self.tau, out_idx=sel)
+        if self.max_select:
+            cap_selection(idx, counts, z, self.max_select, compact=False)
         if self.record_selection is not None and T == 1:
             self.record_selection.append(counts / n)
         return kc.weighted_value_sum(z, idx, counts, V, self.q_to_kv)

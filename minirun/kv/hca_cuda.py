@@ -181,7 +181,11 @@ class HCACacheCUDA(HCACache):
             z[:, ne:] = torch.bmm(q.view(self.Hkv, -1, self.hd), Kx.transpose(1, 2)).reshape(self.Hq, -1)
             stats = None
         idx, counts, _, _ = kcu.threshold_select(z, self.tau, out_idx=self.sel.data[..., 0], stats=stats)
-        w = min(n, self._width)
+        cap = self.max_select
+        if cap and n > cap:   # the selection is a top set: its first min(count, cap) of the sorted top `cap`
+            idx = torch.topk(z, cap, dim=1, sorted=True).indices.to(torch.int32)   # (kv/select_cap.py)
+            counts = counts.clamp(max=cap)
+        w = min(n, idx.shape[1], self._width)   # (idx: the [Hq, >= n] scratch, or [Hq, cap] when capped)
         return (self._copy_back(z, idx, counts, w), w, z, idx, counts)
 
     def _copy_back(self, z, idx, counts, w):
@@ -215,7 +219,7 @@ class HCACacheCUDA(HCACache):
         if cmax > w:   # the guessed width was too small: a second, wide enough copy
             self.second_copies += 1
             self._width = 1 << int(cmax + cmax // 4).bit_length()       # > 1.25 cmax
-            w = min(z.shape[1], self._width)                             # >= cmax (cmax <= n)
+            w = min(z.shape[1], idx.shape[1], self._width)               # >= cmax (cmax <= n, cap)
             host = self._copy_back(z, idx, counts, w)
             if self._gpu:
                 self._sel_event.synchronize()
