@@ -81,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--budgets", default="0.5,0.25,0.125", help="HCA settings: budgets or gGcC (e.g. g64c16)")
     ap.add_argument("--far-positions", default="off", choices=["auto", "on", "off"],
                     help="HCA: far positions (minirun/kv/far_positions.py)")
+    ap.add_argument("--max-select", type=int, default=None, help="HCA: top tokens per head and step at most")
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--prompt-tokens", type=int, default=3072)
     ap.add_argument("--positions", type=int, default=256)
@@ -130,6 +131,7 @@ def main(argv=None):
                 depths=[float(x) for x in a.passkey_depths.split(",") if x.strip()], trials=a.trials,
                 tau=a.tau, window=a.window, sinks=a.sinks, dtype=a.dtype, key_store=a.key_store,
                 centroids=a.centroids, threads=a.threads, seed=a.seed, far_positions=a.far_positions,
+                max_select=a.max_select,
                 log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True))
             r["data"] = source
             print(f"eval_quality: section {sec} took {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)

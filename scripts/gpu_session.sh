@@ -11,6 +11,8 @@
 #   3.                   bash scripts/gpu_session.sh 4m      # the 4M-token chat: prefill, answer, memory
 # Each stage writes $OUT/<stage>.log (and bench-dD.json); record the figures in docs/BENCHMARKS.md
 # with the commands, the device name (env.txt) and the date.
+# Seen on an H100 (2026-11-24, 30 min of device time in all): tests 200 s, bench 157 s (REPS=2),
+# 4m 573 s (prefill 391.5 s, then decode at ~0.1 tok/s ran into the limit: next time MAX_SELECT=4096).
 # SmolLM2 is trained to 8K: past that it loses a pass key with plain attention, dense included; the
 # 4M chat runs with --far-positions on (minirun/kv/far_positions.py; docs/QUALITY.md, "Beyond the
 # trained context"). Stage 4m measures prefill time, decode speed and memory per tier, records the answer.
@@ -25,7 +27,9 @@ MODEL=$KEEP/SmolLM2-135M-Instruct
 # smaller settings rehearse the stages here on the CPU:
 #   KEEP=/tmp/keep OUT=/tmp/gout DEVICE=cpu DEPTHS=512 PP=256 REPS=1 CTX=64K COPIES=1 PY=.venv/bin/python ...
 DEVICE=${DEVICE:-cuda} DEPTHS=${DEPTHS:-8192,32768,131072} PP=${PP:-8192} REPS=${REPS:-3}
-CTX=${CTX:-4M} COPIES=${COPIES:-63} KEY_AT=${KEY_AT:-0.5}   # where the pass key goes (fraction of the text)
+# 59 copies: 4,141,317 tokens on the H100 run (63, the CPU rehearsal's count, were 4,422,081 there: refused)
+CTX=${CTX:-4M} COPIES=${COPIES:-59} KEY_AT=${KEY_AT:-0.5}   # where the pass key goes (fraction of the text)
+MAX_SELECT=${MAX_SELECT:-}      # --max-select for the 4M chat (empty: tau alone; kv/select_cap.py)
 KV_BUDGET=${KV_BUDGET:-0.125}   # the 4M chat's key store (g64c16: same bytes, with carried unrotated codebooks)
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -107,7 +111,7 @@ bench)
     $PY - "$KEEP/book.txt" "$KEEP/book4m.txt" "$COPIES" "$KEY_AT" <<'EOF'
 import sys
 book, n, at = open(sys.argv[1]).read(), int(sys.argv[3]), float(sys.argv[4])
-text = "\n\n".join([book] * n)        # 63 x 65694 tokens = 4.14M (< 4M = 4194304 with the answer)
+text = "\n\n".join([book] * n)        # 59 copies: 4.14M tokens (< 4M = 4194304 with the answer)
 cut = text.rfind("\n", 0, int(len(text) * at)) + 1
 key = "\nThe pass key is 48213. Remember it. 48213 is the pass key.\n"
 open(sys.argv[2], "w").write(text[:cut] + key + text[cut:])
@@ -120,7 +124,8 @@ EOF
     timer=(); [ -x /usr/bin/time ] && timer=(/usr/bin/time -v)    # peak host memory (max RSS)
     printf 'What is the pass key mentioned in the text? Answer with the number only.\n' |
         "${timer[@]}" timeout 570 $PY -m minirun chat "$MODEL" --ctx "$CTX" --file "$KEEP/book4m.txt" --kv hca \
-            --kv-budget "$KV_BUDGET" --far-positions on --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 2>&1 | tr '\r' '\n' | tee "$OUT/4m.log"
+            --kv-budget "$KV_BUDGET" --far-positions on ${MAX_SELECT:+--max-select "$MAX_SELECT"} \
+            --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 2>&1 | tr '\r' '\n' | tee "$OUT/4m.log"
     if [ -n "$smi" ]; then
         kill "$smi"
         echo "peak GPU memory used (nvidia-smi, MiB): $(sort -n "$OUT/gpu_mem_mib.txt" | tail -1)" | tee -a "$OUT/4m.log"
