@@ -104,6 +104,11 @@ bench)
         pp=""
     done
     $PY -m minirun plan "$MODEL" --ctx "$CTX" --kv dense --dtype bfloat16 --device "$DEVICE" | tee -a "$OUT/bench.log"
+    # how much of the host value sum the GPU hides (issue 4), at 32K and 128K (the latter capped if MAX_SELECT)
+    for d in 32768 131072; do
+        timeout 150 $PY scripts/profile_gpu_decode.py "$MODEL" --depth $d --steps 16 --context "$KEEP/book.txt" \
+            ${MAX_SELECT:+--max-select "$MAX_SELECT"} 2>&1 | grep -v "^minirun:" | tee -a "$OUT/hidden.log"
+    done
     ;;
 4m)
     need "$MODEL/config.json" bench

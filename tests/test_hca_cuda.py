@@ -302,3 +302,20 @@ def test_make_cache_picks_backend(tiny_model_dir):
     assert type(eng.cache) is HCACache
     if HAVE_GPU:
         assert type(Engine.load(d, device="cuda", ctx=64, kv="hca").cache) is HCACacheCUDA
+
+
+@pytest.mark.skipif(not HAVE_GXX, reason="the kernel emulator needs g++")
+def test_profile_gpu_decode_script_runs_on_the_emulator(tiny_model_dir, capsys):
+    """scripts/profile_gpu_decode.py (the hidden host time, for a lease) runs end to end on the
+    emulator: both runs decode, the value sum is timed in one and skipped in the other."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "scripts" / "profile_gpu_decode.py"
+    spec = importlib.util.spec_from_file_location("profile_gpu_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.main([str(tiny_model_dir("gqa-untied")), "--depth", "320", "--steps", "3", "--emulate",
+                  "--dtype", "float32", "--context", "random", "--kv-budget", "0.5", "--max-select", "8"])
+    assert r["ms_per_token"] > 0 and r["ms_per_token_without_value_sum"] > 0 and r["value_sum_ms_per_token"] > 0
+    assert len(r["runs"]["as is"]) == 2 and 0 < r["selected"] <= 8 / (320 - 16 - 256)   # the cap, of the store
+    assert "| depth | ms/token |" in capsys.readouterr().out
