@@ -286,7 +286,9 @@ def format_markdown(report: dict, data: str | None = None) -> str:
     if data:
         lines.append(f"data: {data}")
     parts = [f"tau {s['tau']}, window {s['window']}, sinks {s['sinks']}, {s['dtype']}, key store {s['key_store']}"
-             + (f", {s['centroids']} centroids" if s.get("centroids") else "")]
+             + (f", {s['centroids']} centroids" if s.get("centroids") else "")
+             + (f", far positions {s['far_positions']}" if s.get("far_positions", "off") != "off" else "")
+             + (f", at most {s['max_select']} tokens per head" if s.get("max_select") else "")]
     if s.get("ppl_tokens"):
         parts.append(f"ppl over the first {s['ppl_tokens']} tokens")
     if s.get("positions"):

@@ -187,3 +187,19 @@ def test_unrotated_calibration_for_far_positions(calibrated, capsys):
     plain = Engine.load(d, **{**kw, "far_positions": "off"}).cache
     assert far.codebooks.source.startswith("calibrated") and plain.codebooks.source.startswith("calibrated")
     assert not torch.equal(far.codebooks.centroids, plain.codebooks.centroids)
+
+
+def test_eval_command_max_select(tiny_model_dir, capsys):
+    """--max-select reaches the HCA engines: recorded in the settings and their markdown line, and
+    a cap of 4 tokens per head changes the HCA row's perplexity (700 tokens: past the first chunk)."""
+    d = str(tiny_model_dir("gqa-untied"))
+    ppl = {}
+    for cap in (None, "4"):
+        main(["eval", d, "--ppl-tokens", "700", "--positions", "0", "--passkey-lengths", "", "--window", "16",
+              "--sinks", "2", "--kv-budget", "0.5", "--tau", "1.0", *(["--max-select", cap] if cap else []),
+              "-o", "json"])
+        r = json.loads(capsys.readouterr().out)
+        assert r["settings"]["max_select"] == (int(cap) if cap else None)
+        ppl[cap] = r["rows"][1]["ppl"]
+    assert ppl[None] != ppl["4"]
+    assert "at most 4 tokens per head" in format_markdown(r)
