@@ -28,8 +28,8 @@ function in :mod:`kernels_cpu.numba_kernels`:
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
 * ``dense_attend(q, K, V, n) -> o``: one decode token's exact GQA attention over a dense cache
-* ``turn_rows(EK, start, cos, sin) -> out``: rows past `start` turned by one rotation (far positions)
   (float32 or bfloat16 bits)
+* ``turn_rows(EK, start, cos, sin) -> out``: rows past `start` turned by one rotation (far positions)
 
 Each has a NumPy reference ``<name>_ref`` in :mod:`kernels_cpu.reference`.
 float16 key/value pools are accepted; Numba has no CPU float16 type, so they

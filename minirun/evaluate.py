@@ -201,8 +201,8 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
     modes = [None] + list(budgets)
     settings = {"model": str(model), "tau": tau, "window": window, "sinks": sinks, "dtype": dtype,
                 "key_store": key_store, "centroids": centroids, "far_positions": far_positions,
-                "max_select": max_select,
-                "ppl_tokens": ppl_tokens, "prompt_tokens": prompt_tokens, "positions": positions, "lengths": list(lengths), "depths": list(depths), "trials": trials,
+                "max_select": max_select, "ppl_tokens": ppl_tokens, "prompt_tokens": prompt_tokens,
+                "positions": positions, "lengths": list(lengths), "depths": list(depths), "trials": trials,
                 "threads": torch.get_num_threads() if threads is None else threads}
     rows, ref_logits = [], None
     for budget in modes:
