@@ -133,6 +133,7 @@ def build(file: str) -> ctypes.CDLL:
 _PTR_DTYPES = {
     "float": ("float32",),
     "int": ("int32",),
+    "long long": ("int64",),
     "unsigned char": ("uint8",),
     "short": ("int16",),
     "unsigned short": ("float16", "bfloat16", "int16"),

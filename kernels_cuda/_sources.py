@@ -17,6 +17,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "pq.cu": ("-std=c++17", "--use_fast_math"),
     "scores.cu": ("-std=c++17",),
     "attention.cu": ("-std=c++17",),
+    "decode.cu": ("-std=c++17",),
 }
 
 # file -> extern "C" entry points the wrappers launch.
@@ -44,6 +45,15 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "attend_partial_f16",
         "attend_partial_bf16",
         "lse_merge_f32",
+    ),
+    "decode.cu": (
+        "decode_prep_f32",
+        "decode_prep_f16",
+        "decode_prep_bf16",
+        "pack_selection_i32",
+        "pack_selection_i64",
+        "lse_merge_staged_f32",
+        "lse_merge_staged_bf16",
     ),
 }
 

@@ -224,6 +224,14 @@ def _tokens_per_block(n: int, rows: int, num_sms: int, lo: int, hi: int = 1 << 1
     return int(min(max(tpb, lo), hi))
 
 
+def _attend_split(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
+    """attend_partial's (tokens per split, nsplit) for n >= 1 tokens: about 2 blocks per SM."""
+    tiles = _cdiv(n, _ATT_TILE)
+    want = max(1, _cdiv(2 * num_sms, Hq))
+    tps = _cdiv(tiles, min(tiles, want)) * _ATT_TILE
+    return tps, _cdiv(n, tps)
+
+
 # ---------------------------------------------------------------------------
 # 1. build_lut
 # ---------------------------------------------------------------------------
@@ -461,10 +469,7 @@ def attend_exact(q, K, V, q_to_kv, n, valid=None):
     K, V = _rows(K), _rows(V)
     mask, has_mask = (valid, 1) if valid is not None else (q2k.view(torch.uint8)[:1], 0)   # never read
     num_sms, _ = be.device_info(dev)
-    tiles = _cdiv(n, _ATT_TILE)
-    want = max(1, _cdiv(2 * num_sms, Hq))
-    tps = _cdiv(tiles, min(tiles, want)) * _ATT_TILE
-    nsplit = _cdiv(n, tps)
+    tps, nsplit = _attend_split(n, Hq, num_sms)
     o = be.empty((Hq, d), torch.float32, dev)
     m = be.empty((Hq,), torch.float32, dev)
     l = be.empty((Hq,), torch.float32, dev)

@@ -11,22 +11,26 @@ Where things live (CUDA device):
 - host: the value pool, page-locked and allocated once at capacity (minirun/kv/pinned.py says why),
   and small pinned staging buffers (the copied-back selection, the (o, m, l) stage).
 
-One decode step of one layer (`_decode_step`), in issue order on the current (compute) stream S0 and
-the copy stream S1:
-  S0: build_lut, approx_scores (+ m, l), threshold_select (stats reused), gather of the scores of
-      the first w selected slots, pack [counts | idx[:, :w] | z_sel[:, :w]] into one int32 tensor
-  S1: waits for S0, copies the pack device->host (pinned), records sel_event
-  S0: attend_exact over sinks + ring, the new token's own score   <- queued BEFORE the host waits
+One decode step of one layer (`_decode_step`), in issue order on the current stream, every kernel
+launched by kernels_cuda.decode.DecodeStep on buffers allocated once (no torch allocation, no
+torch op on the device but the two copies):
+  GPU: decode_prep (scaled query, far query, the new token's k, v into the exact tier's spare
+       row, the selection histogram zeroed), build_lut, approx_scores (+ m, l), threshold_select
+       (3 launches), pack_selection [counts | idx[:, :w] | z at idx] -> copied device->host
+       (pinned), sel_event recorded
+  GPU: attend_partial over sinks + ring + the new token (far positions: sinks apart, with the far
+       query), partials into the merge's input                <- queued BEFORE the host waits
   host: sel_event.synchronize() (that copy only), wait for the last eviction copy's event,
-      weighted_value_sum (Numba) of the copied scores (compact: no scatter) on the pinned pool,
-      (o, m, l) into a pinned stage, copy host->device (non_blocking, on S0)
-  S0: lse_merge of the three partials (exact tier, new token, store) -> next ops of the layer.
+       weighted_value_sum (Numba) of the copied scores (compact: no scatter) on the pinned pool,
+       (o | m | l) into a pinned stage, copied host->device (non_blocking)
+  GPU: lse_merge_staged of the device partials and the stage, written in the model's dtype.
 What overlaps: the host value sum of layer l with the GPU's exact-tier attention of layer l and
-with eviction copies on S1. What cannot: layer l+1's projections need layer l's attention output,
-so the GPU idles from the end of layer l's exact tier until the host sum is back (the host sum
-is on the critical path once per layer); the host's enqueueing of layer l+1 also waits for it.
-The width w of the copy-back is a guess (grows to the next power of two >= 1.25 max(counts) when a
-step selects more; a wider second copy then fixes that step): one D2H round trip per layer normally.
+with eviction copies on the copy stream. What cannot: layer l+1's projections need layer l's
+attention output, so the GPU idles from the end of layer l's exact tier until the host sum is
+back (the host sum is on the critical path once per layer); the host's enqueueing of layer l+1
+also waits for it. The width w of the copy-back is a guess (grows to the next power of two >=
+1.25 max(counts) when a step selects more; a wider second copy then fixes that step): one D2H
+round trip per layer normally.
 
 Kernel launches per decode token: see `decode_launches` (the emulator test checks the count).
 """
@@ -37,6 +41,7 @@ import torch
 
 import kernels_cpu as kc
 import kernels_cuda as kcu
+import kernels_cuda.decode as kcu_decode
 
 from .attention import merge, partial_attention
 from .codebooks import Codebooks
@@ -74,11 +79,21 @@ class HCACacheCUDA(HCACache):
         self._width = INITIAL_WIDTH
         self.second_copies = 0                  # steps whose copy-back guess was too narrow
         self._pack_host = None                  # pinned int32, grows with the copy-back width
-        self._stage_host = self._host_empty((Hq, hd + 2), torch.float32)
+        self._stage_host = self._host_empty((Hq, hd + 2), torch.float32)   # the host part: o | m | l
+        self._stage_np = self._stage_host.numpy()
+        self._stage_dev = None
         self._sel_event = torch.cuda.Event() if self._gpu else None
-        self._h2d_event = torch.cuda.Event() if self._gpu else None
-        self._h2d_pending = False
         self._valid_dev = None                  # (offset, device mask) of _exact_valid_dev
+        self._ds = None                         # kernels_cuda.decode.DecodeStep, on the first decode step
+        self._cs_host = self._host_empty((hd,), torch.float32)   # far turn [cos | sin] of position _cs_pos
+        self._cs_pos = None
+        # the exact tier with one spare row per layer and kv-head: a decode step's own token goes
+        # there (decode_prep), so one attend launch covers sinks + ring + the token
+        SW = self.ek.shape[2]
+        self._ekx = torch.zeros(L, Hkv, SW + 1, hd, dtype=self.ek.dtype, device=device)
+        self._evx = torch.zeros_like(self._ekx)
+        self.ek, self.ev = self._ekx[:, :, :SW], self._evx[:, :, :SW]
+        self._numpy_exact_tier, self._ek_np, self._ev_np = False, None, None   # (the CPU class's one-call steps)
 
     @staticmethod
     def exact_tier_dtype(dtype, device):
@@ -89,20 +104,20 @@ class HCACacheCUDA(HCACache):
         return torch.empty(shape, dtype=dtype, pin_memory=self._gpu)
 
     @staticmethod
-    def decode_launches(tau: float, n_exact_splits: int = 1, exact_keys: bool = False) -> dict:
+    def decode_launches(tau: float, far: bool = False, exact_keys: bool = False, capped: bool = False,
+                        dtype=torch.bfloat16) -> dict:
         """Launches per layer of one decode step in HCA mode (times L for a token).
 
         kernels_cuda (checked against the emulator's launch log in tests/test_hca_cuda.py):
-        build_lut 1 + approx_scores 2 (scores, ms_reduce) -- a torch bmm instead with exact keys --
-        threshold_select 3 for 0 < tau < 1 (zhist, zcut, zcompact; stats reused) or 2 for tau >= 1,
-        attend_exact 1 (2 when it splits K: nsplit > 1 in kernels_cuda.ops.attend_exact), lse_merge 1.
-        torch on the device (float32 model; +3 casts for 16-bit): q scale 1, histogram memset 1
-        (tau < 1), copy-back pack 4 (clamp, int64 cast, gather, cat), new-token part 4 (2 index,
-        mul, sum), merge inputs 4 (3 stack, ones_like); plus 2 memcpys (D2H pack, H2D (o, m, l)).
-        (While the ring refills after a truncate: one more H2D per step, the live-slot mask.)
+        decode_prep 1, build_lut 1 + approx_scores 2 (scores, ms_reduce) -- with exact keys a torch
+        bmm and zstats 2 instead --, threshold_select 3 for 0 < tau < 1 (zhist, zcut, zcompact) or
+        2, pack_selection 1, attend_partial 1 (2 with far positions: the sinks take the far query),
+        lse_merge_staged 1. torch on the device: none (exact keys: bmm + its copy into z; capped:
+        topk; a float16 model: the output cast); memcpys 2 (D2H pack, H2D stage), plus once per
+        token the far turn's angles and, while the ring refills after a truncate, its slot mask.
         """
-        k = (0 if exact_keys else 3) + (2 if tau >= 1.0 else 3) + (1 if n_exact_splits == 1 else 2) + 1
-        t = 1 + (0 if tau >= 1.0 else 1) + 4 + 4 + 4 + (2 if exact_keys else 0)   # exact keys: bmm + copy
+        k = 1 + (2 if exact_keys else 3) + (3 if 0.0 < tau < 1.0 else 2) + 1 + (2 if far else 1) + 1
+        t = (2 if exact_keys else 0) + (1 if capped else 0) + (0 if dtype in (torch.float32, torch.bfloat16) else 1)
         return {"kernels_cuda": k, "torch": t, "memcpy": 2}
 
     # ---- attention ----------------------------------------------------------------------------
@@ -110,9 +125,9 @@ class HCACacheCUDA(HCACache):
         """q [T, Hq, hd], k, v [T, Hkv, hd] at positions offset.. -> [T, Hq, hd]. Stages k, v."""
         T = q.shape[0]
         self._staged[layer] = (k, v)
-        qs = q.float() * self.scale
         if T == 1 and self.mode == "hca" and self.n_store > 0:   # (a short ring: its dead slots masked)
-            return self._decode_step(layer, qs, k, v).to(q.dtype)
+            return self._decode_step(layer, q, k, v)
+        qs = q.float() * self.scale
         qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
         o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)   # torch, on the device
         n = self.n_store
@@ -128,89 +143,113 @@ class HCACacheCUDA(HCACache):
         o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
         return o.to(q.dtype)
 
-    def _decode_step(self, layer, qs, k, v):
-        q = qs[0]                                                                 # [Hq, hd] f32
-        qf = self.far.queries(qs, self.offset)[0] if self.far else q              # reads unrotated keys
-        sel = self._select(layer, qf)                                             # GPU + async D2H
-        # queued before the host waits: the GPU runs these while the host sums values
-        parts = self._exact_parts(layer, q, qf)
-        kn, vn = k[0].float()[self._q2k_long], v[0].float()[self._q2k_long]       # the new token
-        parts.append((vn, (q * kn).sum(-1), torch.ones(self.Hq, device=q.device)))
-        parts.append(self._host_sum(layer, *sel))
-        o, _, _ = kcu.lse_merge(*(torch.stack(x) for x in zip(*parts)))
-        return o[None]
+    def _decode_step(self, layer, q, k, v):
+        """One token: q [1, Hq, hd], k, v [1, Hkv, hd] (model dtype) -> [1, Hq, hd] (model dtype)."""
+        ds = self._decode_kernels()
+        S, W = self.S, self.W
+        far = self.far is not None
+        if far:
+            self._far_angles(ds)
+        with ds.session() as L:
+            qs, qf = ds.prep(L, q[0], k[0], v[0], self.scale, self._ekx[layer, :, S + W], self._evx[layer, :, S + W],
+                             far, 0.0 < self.tau < 1.0)
+            sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
+            # queued before the host waits: the GPU runs these while the host sums values
+            P = self._exact_parts(L, ds, layer, qs, qf)
+            stage = self._host_sum(L, ds, layer, *sel, out=self._stage_dev)
+            o = ds.merge(L, P, stage)
+        return (o if o.dtype == q.dtype else o.to(q.dtype))[None]
 
-    def _exact_parts(self, layer, q, qf):
-        """attend_exact over sinks + ring -> [(o, m, l)]; with far positions the sinks (unrotated)
-        take the far query qf in a launch of their own."""
+    def _decode_kernels(self):
+        """The DecodeStep (persistent buffers of the decode launches), made on first use."""
+        if self._ds is None:
+            self._ds = kcu_decode.DecodeStep(self.device, self.Hq, self.Hkv, self.hd, self.values.max_cap,
+                                             self.S + self.W + 1, self.dtype)
+            self._stage_dev = torch.zeros(self.Hq, self.hd + 2, device=self.device)
+        return self._ds
+
+    def _far_angles(self, ds):
+        """ds.cs <- [cos | sin] of this position's far turn, once per position (all layers share it)."""
+        if self._cs_pos == self.offset:
+            return
+        c, s = self.far.angles(self.offset)
+        h = self.hd // 2
+        self._cs_host[:h], self._cs_host[h:] = c, s
+        ds.cs.copy_(self._cs_host, non_blocking=self._gpu)   # (the previous position's copy is long done)
+        self._cs_pos = self.offset
+
+    def _exact_parts(self, L, ds, layer, q, qf) -> int:
+        """attend over sinks + ring + the new token (the spare row prep wrote) into ds's partials;
+        with far positions the sinks (unrotated) take the far query qf in a launch of their own.
+        Returns the number of partials."""
         valid = self._exact_valid_dev()
+        S, W, ek, ev = self.S, self.W, self._ekx[layer], self._evx[layer]
         if not self.far:
-            return [kcu.attend_exact(q, self.ek[layer], self.ev[layer], self.q2k_dev, self.S + self.W, valid=valid)]
-        S, ek, ev = self.S, self.ek[layer], self.ev[layer]
-        cut = (None, None) if valid is None else (valid[:S], valid[S:])
-        return [kcu.attend_exact(q, ek[:, S:], ev[:, S:], self.q2k_dev, self.W, valid=cut[1]),
-                kcu.attend_exact(qf, ek[:, :S], ev[:, :S], self.q2k_dev, S, valid=cut[0])]
+            return ds.attend(L, q, ek, ev, self.q2k_dev, S + W + 1, valid, 0)
+        P = ds.attend(L, q, ek[:, S:], ev[:, S:], self.q2k_dev, W + 1, None if valid is None else valid[S:], 0)
+        return ds.attend(L, qf, ek, ev, self.q2k_dev, S, None if valid is None else valid[:S], P) if S else P
 
     def _exact_valid_dev(self):
-        """The live sinks + ring slots (HCACache._exact_valid) as a device uint8 [S + W] mask while
-        the ring is short after a truncate (one small host->device copy per step, shared by the
-        layers), else None: attend_exact then reads every slot."""
+        """The live sinks + ring slots (HCACache._exact_valid) plus the new token's spare row as a
+        device uint8 [S + W + 1] mask while the ring is short after a truncate (one small
+        host->device copy per step, shared by the layers), else None: the launches read every row."""
         valid = self._exact_valid()
         if valid is None:
             return None
         if self._valid_dev is None or self._valid_dev[0] != self.offset:
-            self._valid_dev = (self.offset, torch.from_numpy(valid.copy()).to(self.device))
+            mask = torch.from_numpy(np.append(valid, np.uint8(1)).astype(np.uint8))
+            self._valid_dev = (self.offset, mask.to(self.device))
         return self._valid_dev[1]
 
     def _attend_store_hca(self, layer, qs):
         """Several queries (prefill in hca mode, ring not full): one selection round trip each."""
-        outs = [self._host_sum(layer, *self._select(layer, qs[t])) for t in range(qs.shape[0])]
+        ds = self._decode_kernels()
+        outs = []
+        with ds.session() as L:
+            for t in range(qs.shape[0]):
+                q = qs[t].contiguous()
+                if 0.0 < self.tau < 1.0:
+                    ds.hist.zero_()     # (a decode step's prep zeroes it; no prep here)
+                stage = self._host_sum(L, ds, layer, *self._select(L, ds, layer, q))
+                outs.append((stage[:, :self.hd], stage[:, self.hd], stage[:, self.hd + 1]))
         return tuple(torch.stack(x) for x in zip(*outs))
 
-    def _select(self, layer, q):
-        """Launch scores + selection for one query [Hq, hd]; start the copy-back. Returns a handle."""
+    def _select(self, L, ds, layer, q):
+        """Launch scores + selection for one query [Hq, hd] f32; start the copy-back. Returns a handle."""
         n, ne = self.n_store, self.n_encoded
         zb = self.z.data[..., 0]                                                  # [Hq, cap]
-        z = zb[:, :n]
-        stats = None
         if ne:
-            lut = kcu.build_lut(q, self._codebooks_dev()[layer], self.q2k_dev)
-            _, stats = kcu.approx_scores(lut, self.indices.data[layer], self.q2k_dev, ne, out=zb)
+            ds.scores(L, q, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], ne, zb)
         if n > ne:   # keys not (yet) encoded: exact scores, positions [ne, n)
             Kx = self.exact_keys.view(layer, n - self.exact_base)
-            z[:, ne:] = torch.bmm(q.view(self.Hkv, -1, self.hd), Kx.transpose(1, 2)).reshape(self.Hq, -1)
-            stats = None
-        idx, counts, _, _ = kcu.threshold_select(z, self.tau, out_idx=self.sel.data[..., 0], stats=stats)
+            zb[:, ne:n] = torch.bmm(q.view(self.Hkv, -1, self.hd), Kx.transpose(1, 2)).reshape(self.Hq, -1)
+            ds.stats(L, zb, n)
+        idx = self.sel.data[..., 0]
+        ds.select(L, zb, n, self.tau, idx)
         cap = self.max_select
         if cap and n > cap:   # the selection is a top set: its first min(count, cap) of the sorted top `cap`
-            idx = torch.topk(z, cap, dim=1, sorted=True).indices.to(torch.int32)   # (kv/select_cap.py)
-            counts = counts.clamp(max=cap)
+            idx = torch.topk(zb[:, :n], cap, dim=1, sorted=True).indices          # int64 (kv/select_cap.py)
+        else:
+            cap = 2**31 - 1
         w = min(n, idx.shape[1], self._width)   # (idx: the [Hq, >= n] scratch, or [Hq, cap] when capped)
-        return (self._copy_back(z, idx, counts, w), w, z, idx, counts)
+        return (self._copy_back(L, ds, zb, idx, n, w, cap), w, zb, idx, n, cap)
 
-    def _copy_back(self, z, idx, counts, w):
-        """[counts | idx[:, :w] | z at those idx], each block whole (the host sum reads idx and z
-        as contiguous [Hq, w] arrays, no copy) -> pinned host buffer, on the copy stream."""
-        n = z.shape[1]
-        s = idx[:, :w]
-        zs = torch.gather(z, 1, s.clamp(0, n - 1).long())    # slots past counts hold scratch: clamp
-        pack = torch.cat([counts, s.reshape(-1), zs.view(torch.int32).reshape(-1)])   # [Hq (2w + 1)] int32
+    def _copy_back(self, L, ds, zb, idx, n, w, cap):
+        """pack [counts | idx[:, :w] | z at those idx] (each block whole: the host sum reads idx and z
+        as contiguous [Hq, w] arrays, no copy) -> pinned host buffer, on the compute stream (what
+        runs after it, the exact tier, does not need it; the host waits for this copy only)."""
+        pack = ds.pack_selection(L, idx, zb, n, w, cap)
         if self._pack_host is None or self._pack_host.numel() < pack.numel():
             self._pack_host = self._host_empty((pack.numel(),), torch.int32)
         host = self._pack_host[:pack.numel()]
-        if not self._gpu:
-            host.copy_(pack)
-            return host
-        cur = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(cur)
-        pack.record_stream(self._copy_stream)
-        with torch.cuda.stream(self._copy_stream):
-            host.copy_(pack, non_blocking=True)
-        self._sel_event.record(self._copy_stream)
+        host.copy_(pack, non_blocking=self._gpu)
+        if self._gpu:
+            self._sel_event.record()
         return host
 
-    def _host_sum(self, layer, host, w, z, idx, counts):
-        """Wait for the copy-back only, sum the selected host values, send (o, m, l) to the device."""
+    def _host_sum(self, L, ds, layer, host, w, zb, idx, n, cap, out=None):
+        """Wait for the copy-back only, sum the selected host values, send (o | m | l) [Hq, hd + 2]
+        to the device (into `out`, else a new tensor)."""
         if self._gpu:
             self._sel_event.synchronize()
         Hq = self.Hq
@@ -219,31 +258,25 @@ class HCACacheCUDA(HCACache):
         if cmax > w:   # the guessed width was too small: a second, wide enough copy
             self.second_copies += 1
             self._width = 1 << int(cmax + cmax // 4).bit_length()       # > 1.25 cmax
-            w = min(z.shape[1], idx.shape[1], self._width)               # >= cmax (cmax <= n, cap)
-            host = self._copy_back(z, idx, counts, w)
+            w = min(n, idx.shape[1], self._width)                        # >= cmax (cmax <= n, cap)
+            host = self._copy_back(L, ds, zb, idx, n, w, cap)
             if self._gpu:
                 self._sel_event.synchronize()
             cnt = host[:Hq].numpy()
         if self.record_selection is not None:
-            self.record_selection.append(cnt / z.shape[1])
+            self.record_selection.append(cnt / n)
         self.values.wait()                                        # eviction copies have landed
         hn = host.numpy()
         idx_h = hn[Hq:Hq + Hq * w].reshape(Hq, w)
         zs_h = hn[Hq + Hq * w:].view(np.float32).reshape(Hq, w)          # zs_h[h, t]: score of idx_h[h, t]
         V = self.values.data[layer].numpy()                       # [Hkv, cap, hd], pinned
         o, m, l = kc.weighted_value_sum(zs_h, idx_h, cnt, V, self.q_to_kv, compact=True)
-        if self._h2d_pending:                                     # the stage is free again
-            self._h2d_event.synchronize()
-        st = self._stage_host
-        st[:, :self.hd] = torch.from_numpy(o)
-        st[:, self.hd] = torch.from_numpy(m)
-        st[:, self.hd + 1] = torch.from_numpy(l)
-        dev = torch.empty_like(st, device=self.device)
-        dev.copy_(st, non_blocking=self._gpu)                     # on the current stream
-        if self._gpu:
-            self._h2d_event.record(torch.cuda.current_stream(self.device))
-            self._h2d_pending = True
-        return dev[:, :self.hd], dev[:, self.hd], dev[:, self.hd + 1]
+        # (the previous H2D from the stage is done: it was queued before the copy-back just waited for)
+        st = self._stage_np
+        st[:, :self.hd], st[:, self.hd], st[:, self.hd + 1] = o, m, l
+        dev = torch.empty_like(self._stage_host, device=self.device) if out is None else out
+        dev.copy_(self._stage_host, non_blocking=self._gpu)       # on the current stream
+        return dev
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
     def _codebooks_dev(self) -> torch.Tensor:

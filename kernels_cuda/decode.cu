@@ -1,0 +1,199 @@
+// decode.cu -- the glue of one HCA decode step on the GPU (minirun/kv/hca_cuda.py), each in one
+// launch where torch took several ops: on an H100 a layer's step was bound by launches and Python
+// (docs/BENCHMARKS.md, twelfth session), not by the GPU.
+//
+//   decode_prep_*       the step's queries (scaled; turned for far positions), the new token's k, v
+//                       copied into the exact tier's spare row, the selection histogram zeroed
+//   pack_selection_*    the copy-back block [counts | idx[:, :w] | z at idx] for the host value sum
+//   lse_merge_staged_*  the merge of P device partials and the host's staged (o, m, l), written in
+//                       the model's dtype
+//
+// Compiled without --use_fast_math (-inf handling in the merge).
+
+#include "common.cuh"
+
+#define MR_PREP_THREADS 128
+#define MR_PACK_THREADS 256
+#define MR_MERGE_THREADS 128
+
+__device__ __forceinline__ void mr_store(float* p, float x) { *p = x; }
+
+// float32 -> bfloat16 bits, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN.
+__device__ __forceinline__ void mr_store(unsigned short* p, float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        *p = (unsigned short)((u >> 16) | 0x40u);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *p = (unsigned short)(u >> 16);
+}
+
+// ---------------------------------------------------------------------------
+// decode_prep: block b < Hq: query head b -> qs[b] = q[b] * scale and, when has_far, qf[b] = qs[b]
+// turned by the angles cs = [cos (d/2) | sin (d/2)] in HF Llama's half split
+// ([x1 c - x2 s, x2 c + x1 s]); block Hq + j: k[j] -> k_slot[j]; block Hq + Hkv + j: v[j] -> v_slot[j]
+// (raw element copies, same dtype).  Every block also zeroes its share of zero[0:n_zero].
+// Launch: block MR_PREP_THREADS, grid (Hq + 2 Hkv).  d even.  qf is not written without has_far.
+// ---------------------------------------------------------------------------
+template <typename Tag>
+__device__ __forceinline__ void decode_prep_impl(
+    const typename Tag::S* __restrict__ q, long long q_s0, const typename Tag::S* __restrict__ k, long long k_s0,
+    const typename Tag::S* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
+    int Hq, int Hkv, int d, float* __restrict__ qs, float* __restrict__ qf, typename Tag::S* __restrict__ k_slot,
+    long long ks_s0, typename Tag::S* __restrict__ v_slot, long long vs_s0, float* __restrict__ zero,
+    long long n_zero) {
+    const int b = blockIdx.x;
+    if (b < Hq) {
+        const int half = d / 2;
+        const typename Tag::S* qh = q + (long long)b * q_s0;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            const float x = Tag::cvt(qh[i]) * scale;
+            qs[(long long)b * d + i] = x;
+            if (has_far) {
+                const bool lo = i < half;
+                const int f = lo ? i : i - half;
+                const float y = Tag::cvt(qh[lo ? i + half : i - half]) * scale;   // the pair's other half
+                const float c = cs[f], s = cs[half + f];
+                qf[(long long)b * d + i] = lo ? x * c - y * s : x * c + y * s;
+            }
+        }
+    } else if (b < Hq + Hkv) {
+        const int j = b - Hq;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) k_slot[j * ks_s0 + i] = k[j * k_s0 + i];
+    } else if (b < Hq + 2 * Hkv) {
+        const int j = b - Hq - Hkv;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) v_slot[j * vs_s0 + i] = v[j * v_s0 + i];
+    }
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)b * blockDim.x + threadIdx.x; i < n_zero; i += stride) zero[i] = 0.f;
+}
+
+extern "C" __global__ void __launch_bounds__(MR_PREP_THREADS)
+decode_prep_f32(const float* __restrict__ q, long long q_s0, const float* __restrict__ k, long long k_s0,
+                const float* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
+                int Hq, int Hkv, int d, float* __restrict__ qs, float* __restrict__ qf, float* __restrict__ k_slot,
+                long long ks_s0, float* __restrict__ v_slot, long long vs_s0, float* __restrict__ zero,
+                long long n_zero) {
+    decode_prep_impl<MrF32>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, Hq, Hkv, d, qs, qf, k_slot, ks_s0, v_slot,
+                          vs_s0, zero, n_zero);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_PREP_THREADS)
+decode_prep_f16(const unsigned short* __restrict__ q, long long q_s0, const unsigned short* __restrict__ k, long long k_s0,
+                const unsigned short* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
+                int Hq, int Hkv, int d, float* __restrict__ qs, float* __restrict__ qf, unsigned short* __restrict__ k_slot,
+                long long ks_s0, unsigned short* __restrict__ v_slot, long long vs_s0, float* __restrict__ zero,
+                long long n_zero) {
+    decode_prep_impl<MrF16>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, Hq, Hkv, d, qs, qf, k_slot, ks_s0, v_slot,
+                          vs_s0, zero, n_zero);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_PREP_THREADS)
+decode_prep_bf16(const unsigned short* __restrict__ q, long long q_s0, const unsigned short* __restrict__ k, long long k_s0,
+                 const unsigned short* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
+                 int Hq, int Hkv, int d, float* __restrict__ qs, float* __restrict__ qf, unsigned short* __restrict__ k_slot,
+                 long long ks_s0, unsigned short* __restrict__ v_slot, long long vs_s0, float* __restrict__ zero,
+                 long long n_zero) {
+    decode_prep_impl<MrBF16>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, Hq, Hkv, d, qs, qf, k_slot, ks_s0, v_slot,
+                          vs_s0, zero, n_zero);
+}
+
+// ---------------------------------------------------------------------------
+// pack_selection: head h = blockIdx.x of Hq = gridDim.x; c = min(counts[h], cap)
+//   pack[h]                        = c
+//   pack[Hq + h w + t]             = j = idx[h, t] clamped to [0, n - 1]     for t < min(c, w)
+//   pack[Hq + Hq w + h w + t]      = the bits of z[h, j]                    for t < min(c, w)
+// Entries t >= min(c, w) are not written (the host reads the first c; c > w means "copy wider").
+// Launch: block MR_PACK_THREADS, grid (Hq).  n >= 1.
+// ---------------------------------------------------------------------------
+template <typename I>
+__device__ __forceinline__ void pack_selection_impl(const I* __restrict__ idx, long long idx_s0,
+                                                    const float* __restrict__ z, long long z_s0,
+                                                    const int* __restrict__ counts, int cap, int n, int w,
+                                                    int* __restrict__ pack) {
+    const int h = blockIdx.x;
+    const int Hq = gridDim.x;
+    const int c = counts[h] < cap ? counts[h] : cap;
+    if (threadIdx.x == 0) pack[h] = c;
+    const int m = c < w ? c : w;
+    const I* ih = idx + (long long)h * idx_s0;
+    const float* zh = z + (long long)h * z_s0;
+    int* pi = pack + Hq + (long long)h * w;
+    int* pz = pack + Hq + (long long)Hq * w + (long long)h * w;
+    for (int t = threadIdx.x; t < m; t += blockDim.x) {
+        long long j = (long long)ih[t];
+        j = j < 0 ? 0 : (j >= n ? n - 1 : j);
+        pi[t] = (int)j;
+        pz[t] = __float_as_int(zh[j]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MR_PACK_THREADS)
+pack_selection_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+                   const int* __restrict__ counts, int cap, int n, int w, int* __restrict__ pack) {
+    pack_selection_impl<int>(idx, idx_s0, z, z_s0, counts, cap, n, w, pack);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_PACK_THREADS)
+pack_selection_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+                   long long z_s0, const int* __restrict__ counts, int cap, int n, int w, int* __restrict__ pack) {
+    pack_selection_impl<long long>(idx, idx_s0, z, z_s0, counts, cap, n, w, pack);
+}
+
+// ---------------------------------------------------------------------------
+// lse_merge_staged: lse_merge_f32 (attention.cu) over P device parts os [P, Hq, d], ms, ls [P, Hq]
+// plus one more part staged by the host, stage [Hq, d + 2] (row h: o[0:d] | m | l), writing only the
+// merged output o [Hq, d], in float32 or bfloat16 bits.  Empty parts (!(l > 0) or m = -inf) are
+// skipped, their o never read; none live -> o = 0.  Launch: block MR_MERGE_THREADS, grid (Hq).
+// ---------------------------------------------------------------------------
+template <typename Out>
+__device__ __forceinline__ void lse_merge_staged_impl(const float* __restrict__ os, const float* __restrict__ ms,
+                                                      const float* __restrict__ ls, int P,
+                                                      const float* __restrict__ stage, int Hq, int d,
+                                                      Out* __restrict__ o) {
+    const int h = blockIdx.x;
+    const float* st = stage + (long long)h * (d + 2);
+    float M = mr_neg_inf();
+    for (int p = 0; p <= P; ++p) {
+        const float mp = p < P ? ms[(long long)p * Hq + h] : st[d];
+        const float lp = p < P ? ls[(long long)p * Hq + h] : st[d + 1];
+        if (lp > 0.f && mp > mr_neg_inf()) M = fmaxf(M, mp);
+    }
+    float L = 0.f;
+    if (M > mr_neg_inf()) {
+        for (int p = 0; p <= P; ++p) {
+            const float mp = p < P ? ms[(long long)p * Hq + h] : st[d];
+            const float lp = p < P ? ls[(long long)p * Hq + h] : st[d + 1];
+            if (lp > 0.f && mp > mr_neg_inf()) L += expf(mp - M) * lp;
+        }
+    }
+    const bool live = M > mr_neg_inf() && L > 0.f;
+    for (int x = threadIdx.x; x < d; x += blockDim.x) {
+        float acc = 0.f;
+        if (live) {
+            for (int p = 0; p <= P; ++p) {
+                const float mp = p < P ? ms[(long long)p * Hq + h] : st[d];
+                const float lp = p < P ? ls[(long long)p * Hq + h] : st[d + 1];
+                if (lp > 0.f && mp > mr_neg_inf()) {
+                    const float op = p < P ? os[((long long)p * Hq + h) * d + x] : st[x];
+                    acc = fmaf(expf(mp - M) * lp, op, acc);
+                }
+            }
+            acc /= L;
+        }
+        mr_store(o + (long long)h * d + x, acc);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MR_MERGE_THREADS)
+lse_merge_staged_f32(const float* __restrict__ os, const float* __restrict__ ms, const float* __restrict__ ls,
+                     int P, const float* __restrict__ stage, int Hq, int d, float* __restrict__ o) {
+    lse_merge_staged_impl<float>(os, ms, ls, P, stage, Hq, d, o);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_MERGE_THREADS)
+lse_merge_staged_bf16(const float* __restrict__ os, const float* __restrict__ ms, const float* __restrict__ ls,
+                      int P, const float* __restrict__ stage, int Hq, int d, unsigned short* __restrict__ o) {
+    lse_merge_staged_impl<unsigned short>(os, ms, ls, P, stage, Hq, d, o);
+}

@@ -1,0 +1,264 @@
+"""One HCA decode step's launches with persistent buffers (minirun/kv/hca_cuda.py's hot path).
+
+On an H100 a decode step of SmolLM2 was bound by the host: ~10 kernels_cuda wrappers (argument
+checks, torch allocations, a stream session each) and ~20 torch ops per layer and token
+(docs/BENCHMARKS.md, twelfth session). `DecodeStep` allocates every output and temporary once,
+launches the scoring and selection kernels of ops.py directly (same geometry helpers), and adds the
+three kernels of decode.cu that replace torch glue: the step's query preparation (+ the new token
+staged into the exact tier's spare row, + the histogram zeroed), the copy-back pack, and the merge
+with the host's staged part written in the model's dtype.
+
+The checked wrappers `decode_prep`, `pack_selection`, `lse_merge_staged` run the same launches on
+fresh tensors (the tests compare them with kernels_cpu.reference).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _sources
+from .ops import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
+                  _i32, _i64, _THREADS, _SMEM_MARGIN, _tokens_per_block, _torch)
+
+__all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged"]
+
+_PREP_THREADS = _sources.constant("decode.cu", "MR_PREP_THREADS")
+_PACK_THREADS = _sources.constant("decode.cu", "MR_PACK_THREADS")
+_MERGE_THREADS = _sources.constant("decode.cu", "MR_MERGE_THREADS")
+_OUT_SUFFIX = {"torch.float32": "f32", "torch.bfloat16": "bf16"}
+
+
+def _launch_prep(L, q, k, v, scale, cs, has_far, qs, qf, k_slot, v_slot, zero, n_zero):
+    Hq, d = q.shape
+    Hkv = k.shape[0]
+    L.launch("decode.cu", "decode_prep_" + _KV_SUFFIX[str(q.dtype)], (Hq + 2 * Hkv,), (_PREP_THREADS,),
+             (q, _i64(q.stride(0)), k, _i64(k.stride(0)), v, _i64(v.stride(0)), np.float32(scale), cs,
+              _i32(has_far), _i32(Hq), _i32(Hkv), _i32(d), qs, qf, k_slot, _i64(k_slot.stride(0)), v_slot,
+              _i64(v_slot.stride(0)), zero, _i64(n_zero)))  # fmt: skip
+
+
+def _launch_pack(L, idx, z, counts, cap, n, w, pack):
+    kname = "pack_selection_i64" if idx.dtype == _torch().int64 else "pack_selection_i32"
+    L.launch("decode.cu", kname, (z.shape[0],), (_PACK_THREADS,),
+             (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), _i32(w), pack))
+
+
+def _launch_merge(L, os, ms, ls, P, stage, o):
+    Hq, d = o.shape
+    L.launch("decode.cu", "lse_merge_staged_" + _OUT_SUFFIX[str(o.dtype)], (Hq,), (_MERGE_THREADS,),
+             (os, ms, ls, _i32(P), stage, _i32(Hq), _i32(d), o))
+
+
+# ---------------------------------------------------------------------------
+# Checked wrappers (fresh outputs; the tests' entry points)
+# ---------------------------------------------------------------------------
+
+
+def decode_prep(q, k, v, scale, k_slot, v_slot, cs=None, zero=None):
+    """q [Hq, d], k, v [Hkv, d] of one dtype (f32 / f16 / bf16; contiguous rows), k_slot, v_slot
+    [Hkv, d] views of that dtype (written), cs optional f32 [d] = [cos | sin] of the far turn, zero
+    optional f32 tensor (contiguous; zeroed) -> (qs [Hq, d] f32 = q * scale, qf [Hq, d] f32 = qs
+    turned by cs, or None without cs); k_slot <- k, v_slot <- v."""
+    torch = _torch()
+    be = _backend()
+    _check(be, q, "q", 2)
+    for t, w in ((k, "k"), (v, "v"), (k_slot, "k_slot"), (v_slot, "v_slot")):
+        _check(be, t, w, 2, q.device)
+        if t.dtype != q.dtype or tuple(t.shape) != tuple(k.shape) or t.stride(-1) != 1:
+            raise ValueError(f"{w} must be {q.dtype} {tuple(k.shape)} with contiguous rows")
+    Hq, d = q.shape
+    if q.stride(-1) != 1 or k.shape[1] != d or d % 2:
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)}: need contiguous rows, one even d")
+    dev = q.device
+    qs = be.empty((Hq, d), torch.float32, dev)
+    qf = be.empty((Hq, d), torch.float32, dev)
+    if cs is None:
+        cs_t = be.empty((d,), torch.float32, dev)
+    else:
+        _check(be, cs, "cs", 1, dev)
+        cs_t = cs.to(torch.float32).contiguous()
+        if cs_t.shape[0] != d:
+            raise ValueError(f"cs must have {d} entries")
+    if zero is None:
+        zero = be.empty((1,), torch.float32, dev)
+        n_zero = 0
+    else:
+        _check(be, zero, "zero", zero.dim(), dev)
+        if zero.dtype != torch.float32 or not zero.is_contiguous():
+            raise ValueError("zero must be a contiguous float32 tensor")
+        n_zero = zero.numel()
+    with be.session(dev) as L:
+        _launch_prep(L, q, k, v, scale, cs_t, cs is not None, qs, qf, k_slot, v_slot, zero, n_zero)
+    return qs, (qf if cs is not None else None)
+
+
+def pack_selection(idx, z, counts, w, cap=None):
+    """idx int32 / int64 [Hq, >= w'] (rows contiguous), z f32 [Hq, n] (rows contiguous), counts int32
+    [Hq], w >= 1, cap optional -> pack int32 [Hq (2 w + 1)] = [c | idx rows | z bits rows], c =
+    min(counts, cap), the rows' first min(c, w) entries written (indices clamped to [0, n))."""
+    torch = _torch()
+    be = _backend()
+    _check(be, idx, "idx", 2)
+    _check(be, z, "z", 2, idx.device)
+    _check(be, counts, "counts", 1, idx.device)
+    Hq, n = z.shape
+    if idx.dtype not in (torch.int32, torch.int64) or idx.shape[0] != Hq or idx.stride(-1) != 1:
+        raise ValueError("idx must be int32 / int64 [Hq, ...] with contiguous rows")
+    if z.dtype != torch.float32 or z.stride(-1) != 1 or counts.dtype != torch.int32 or counts.shape[0] != Hq:
+        raise ValueError("z must be float32 with contiguous rows, counts int32 [Hq]")
+    if n < 1 or w < 1:
+        raise ValueError("need n >= 1 and w >= 1")
+    pack = be.empty((Hq * (2 * w + 1),), torch.int32, idx.device)
+    with be.session(idx.device) as L:
+        _launch_pack(L, idx, z, counts.contiguous(), 2**31 - 1 if cap is None else cap, n, w, pack)
+    return pack
+
+
+def lse_merge_staged(os, ms, ls, stage, out_dtype=None):
+    """os [P, Hq, d], ms, ls [P, Hq] f32 (contiguous), stage f32 [Hq, d + 2] (o | m | l per row)
+    -> o [Hq, d] in out_dtype (float32 default, or bfloat16): lse_merge of the P + 1 parts."""
+    torch = _torch()
+    be = _backend()
+    _check(be, os, "os", 3)
+    _check(be, stage, "stage", 2, os.device)
+    P, Hq, d = os.shape
+    if tuple(ms.shape) != (P, Hq) or tuple(ls.shape) != (P, Hq) or tuple(stage.shape) != (Hq, d + 2):
+        raise ValueError("ms, ls must be [P, Hq], stage [Hq, d + 2]")
+    out_dtype = out_dtype or torch.float32
+    if str(out_dtype) not in _OUT_SUFFIX:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    o = be.empty((Hq, d), out_dtype, os.device)
+    f = [t.to(torch.float32).contiguous() for t in (os, ms, ls, stage)]
+    with be.session(os.device) as L:
+        _launch_merge(L, f[0], f[1], f[2], P, f[3], o)
+    return o
+
+
+# ---------------------------------------------------------------------------
+# The decode step's launches on persistent buffers
+# ---------------------------------------------------------------------------
+
+
+class DecodeStep:
+    """Buffers and launches for the decode steps of one HCA cache (one query per step).
+
+    Hq, Hkv, d: heads and head dim; capacity: store tokens; exact_rows: the most rows one
+    attend launch reads (sinks + ring + the spare row); out_dtype: the model's dtype (float32 /
+    bfloat16 merged in the kernel, others cast). Every method launches on the session's launcher L (`with be.session(device) as
+    L`), in stream order, and returns views of the buffers (overwritten by the next step).
+    """
+
+    def __init__(self, device, Hq, Hkv, d, capacity, exact_rows, out_dtype, n_bins=N_BINS, z_range=Z_RANGE):
+        torch = _torch()
+        be = _backend()
+        self.device, self.Hq, self.Hkv, self.d = device, Hq, Hkv, d
+        self.n_bins, self.z_range = n_bins, z_range
+        self.num_sms, self.optin = be.device_info(device)
+        if n_bins * 4 > self.optin - _SMEM_MARGIN:
+            raise ValueError(f"n_bins={n_bins} does not fit in shared memory")
+        f32 = torch.float32
+
+        def new(*shape, dtype=f32):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        nblk = max(_cdiv(max(capacity, 1), _tokens_per_block(max(capacity, 1), Hq, self.num_sms, lo=2048)),
+                   _cdiv(4 * self.num_sms, max(1, Hq))) + 1
+        self.qs, self.qf, self.cs = new(Hq, d), new(Hq, d), new(d)
+        self.T = new(1)   # the LUT [Hq, g, c]: sized by the first codebooks scored
+        self.part_m, self.part_l = new(Hq * nblk), new(Hq * nblk)
+        self.m, self.l, self.l_sel = new(Hq), new(Hq), new(Hq)
+        self.hist = new(Hq, n_bins)
+        self.cut, self.counts = new(Hq, dtype=torch.int32), new(Hq, dtype=torch.int32)
+        p_max = 2 * _cdiv(max(exact_rows, 1), _ATT_TILE) + 2
+        self.os, self.ms, self.ls = new(p_max, Hq, d), new(p_max, Hq), new(p_max, Hq)
+        self.out_dtype = out_dtype if str(out_dtype) in _OUT_SUFFIX else f32
+        self.o = new(Hq, d, dtype=self.out_dtype)
+        self.pack = new(Hq * 3, dtype=torch.int32)
+
+    def session(self):
+        return _backend().session(self.device)
+
+    def prep(self, L, q, k, v, scale, k_slot, v_slot, far: bool, zero_hist: bool):
+        """q [Hq, d], k, v [Hkv, d] (model dtype, contiguous rows) -> (qs, qf or qs); the new token
+        into k_slot / v_slot [Hkv, d]; the histogram zeroed when the selection will use it. With
+        far, self.cs must hold this position's [cos | sin] (the caller copies it in)."""
+        _launch_prep(L, q, k, v, scale, self.cs, far, self.qs, self.qf, k_slot, v_slot, self.hist,
+                     self.hist.numel() if zero_hist else 0)
+        return self.qs, (self.qf if far else self.qs)
+
+    def scores(self, L, q, q2k, codebooks, P, n, z):
+        """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32, P [Hkv, cap, g] codes (contiguous), z f32
+        [Hq, >= n] (rows contiguous) <- approximate scores of the first n tokens; m, l <- their stats."""
+        Hq = self.Hq
+        _, g, c, _ = codebooks.shape
+        total = Hq * g * c
+        if self.T.numel() != total:
+            self.T = _torch().empty((Hq, g, c), dtype=_torch().float32, device=self.device)
+        L.launch("pq.cu", "build_lut_f32", (min(_cdiv(total, _THREADS), 1 << 20),), (_THREADS,),
+                 (q, codebooks, q2k, self.T, _i32(Hq), _i32(self.d), _i32(g), _i32(c)))
+        tpb = _tokens_per_block(n, Hq, self.num_sms, lo=2048)
+        nblk = _cdiv(n, tpb)
+        smem = g * c * 4
+        use_smem = smem <= self.optin - _SMEM_MARGIN
+        isz = P.element_size()
+        vec16 = (g * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
+        kname = "approx_scores_u8" if P.element_size() == 1 else "approx_scores_i16"
+        L.launch("scores.cu", kname, (nblk, Hq), (_THREADS,),
+                 (self.T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), self.part_m, self.part_l, _i32(n), _i32(g),
+                  _i32(c), _i32(tpb), _i32(use_smem), _i32(vec16)), shared_mem=smem if use_smem else 0)  # fmt: skip
+        L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (self.part_m, self.part_l, _i32(nblk), self.m, self.l))
+
+    def stats(self, L, z, n):
+        """m, l <- the stats of z's first n columns (when some were scored outside `scores`)."""
+        tpb = _tokens_per_block(n, self.Hq, self.num_sms, lo=2048)
+        nblk = _cdiv(n, tpb)
+        L.launch("scores.cu", "zstats_partial", (nblk, self.Hq), (_THREADS,),
+                 (z, _i64(z.stride(0)), _i32(n), _i32(tpb), self.part_m, self.part_l))
+        L.launch("scores.cu", "ms_reduce", (self.Hq,), (_THREADS,),
+                 (self.part_m, self.part_l, _i32(nblk), self.m, self.l))
+
+    def select(self, L, z, n, tau, idx):
+        """threshold_select of z's first n columns on the stats in m, l (ops.threshold_select's
+        semantics; the histogram zeroed by prep) -> counts [Hq]; idx int32 [Hq, >= n] rows <- the
+        selected indices (first counts[h], unordered)."""
+        Hq, nb = self.Hq, self.n_bins
+        tpb = _tokens_per_block(n, Hq, self.num_sms, lo=2048)
+        nblk = _cdiv(n, tpb)
+        mode = 1 if tau >= 1.0 else (2 if tau <= 0.0 else 0)
+        zr = np.float32(self.z_range)
+        if mode == 0:
+            L.launch("scores.cu", "zhist", (nblk, Hq), (_THREADS,),
+                     (z, _i64(z.stride(0)), _i32(n), _i32(tpb), self.m, zr, _i32(nb), self.hist), shared_mem=nb * 4)
+        L.launch("scores.cu", "zcut", (Hq,), (_THREADS,),
+                 (self.hist, _i32(nb), np.float32(tau), _i32(mode), self.m, self.l, self.cut, self.l_sel, self.counts))
+        L.launch("scores.cu", "zcompact", (nblk, Hq), (_THREADS,),
+                 (z, _i64(z.stride(0)), _i32(n), _i32(tpb), self.m, zr, _i32(nb), self.cut, idx, _i64(idx.stride(0)),
+                  self.counts))  # fmt: skip
+        return self.counts
+
+    def pack_selection(self, L, idx, z, n, w, cap):
+        """-> the pack [Hq (2 w + 1)] int32 of pack_selection (a view of a persistent buffer)."""
+        size = self.Hq * (2 * w + 1)
+        if self.pack.numel() < size:
+            self.pack = _torch().empty(size, dtype=_torch().int32, device=self.device)
+        pack = self.pack[:size]
+        _launch_pack(L, idx, z, self.counts, cap, n, w, pack)
+        return pack
+
+    def attend(self, L, q, K, V, q2k, n, valid, part0):
+        """attend_partial over K, V [Hkv, >= n, d] (rows contiguous) -> its nsplit partials into
+        os / ms / ls [part0:]; returns part0 + nsplit. valid: uint8 [>= n] or None."""
+        tps, nsplit = _attend_split(n, self.Hq, self.num_sms)
+        mask, has_mask = (valid, 1) if valid is not None else (q2k, 0)   # (any pointer when unused)
+        if mask is q2k:
+            mask = q2k.view(_torch().uint8)[:1]
+        smem = (self.d + _ATT_TILE + _ATT_THREADS) * 4
+        L.launch("attention.cu", "attend_partial_" + _KV_SUFFIX[str(K.dtype)], (nsplit, self.Hq), (_ATT_THREADS,),
+                 (q, K, _i64(K.stride(0)), _i64(K.stride(1)), V, _i64(V.stride(0)), _i64(V.stride(1)), q2k,
+                  mask, _i32(has_mask), _i32(n), _i32(self.d), _i32(tps), self.os[part0:], self.ms[part0:],
+                  self.ls[part0:]), shared_mem=smem)  # fmt: skip
+        return part0 + nsplit
+
+    def merge(self, L, P, stage):
+        """The P device partials and stage [Hq, d + 2] f32 (the host's o | m | l) -> o [Hq, d]."""
+        _launch_merge(L, self.os, self.ms, self.ls, P, stage, self.o)
+        return self.o

@@ -1,0 +1,183 @@
+"""kernels_cuda/decode.cu (the glue of one GPU decode step) against kernels_cpu.reference.
+
+Emulated runs (CPU, g++) in several thread orders, and the same checks on a GPU (skipped without
+one, with the reason). Tolerances:
+  decode_prep       qs exact (one float32 product), qf 1e-6 + 1e-6 |ref| (the turn in float32
+                    vs float64); the staged k, v rows bit-exact, the rows around them untouched,
+                    the zeroed buffer all zeros
+  pack_selection    exact (counts, clamped indices, score bits), entries past min(c, w) unwritten
+  lse_merge_staged  float32 out: 1e-6 + 1e-5 |ref|; bfloat16 out: within one bfloat16 rounding
+                    (2^-8 relative) of the float32 reference
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import kernels_cuda
+import kernels_cuda.decode as kd
+from cuda_checks import Env, _ref, np_
+
+HAVE_GPU = kernels_cuda.available()
+emu_only = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (CPU kernel emulator)")
+gpu_only = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device / cupy")
+ORDERS = ["forward", "reverse", "random", "greedy"]
+
+
+def check_decode_prep(env, Hq, Hkv, d, dtype, far, seed=0):
+    R = _ref()
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(Hq + 2 * Hkv, d, generator=g).to(dtype)       # the model's fused projection
+    q, k, v = qkv[:Hq], qkv[Hq:Hq + Hkv], qkv[Hq + Hkv:]
+    ang = torch.rand(d // 2, generator=g, dtype=torch.float64) * 50
+    cs = torch.cat([ang.cos(), ang.sin()]).float() if far else None
+    tier = torch.full((2, Hkv, 5, d), 7.0).to(dtype)                 # [K/V, Hkv, rows, d]: row 3 is the spare
+    zero = torch.ones(1000)
+    with env.ctx():
+        tier_d, zero_d = tier.to(env.device), zero.to(env.device)
+        qs, qf = kd.decode_prep(q.to(env.device), k.to(env.device), v.to(env.device), 0.125, tier_d[0, :, 3],
+                                tier_d[1, :, 3], cs=None if cs is None else cs.to(env.device), zero=zero_d)
+    rq, rf = R.decode_prep_ref(q.float().numpy(), 0.125, None if cs is None else cs.numpy())
+    np.testing.assert_array_equal(np_(qs), rq)
+    if far:
+        np.testing.assert_allclose(np_(qf), rf, rtol=1e-6, atol=1e-6)
+    else:
+        assert qf is None
+    tier_h = tier_d.cpu()
+    assert torch.equal(tier_h[0, :, 3], k) and torch.equal(tier_h[1, :, 3], v)
+    keep = [0, 1, 2, 4]
+    assert torch.equal(tier_h[:, :, keep], tier[:, :, keep])
+    assert not zero_d.cpu().any()
+
+
+def check_pack_selection(env, Hq, n, width, w, idx_dtype, cap, seed=1):
+    R = _ref()
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(-3, n + 3, size=(Hq, width)).astype(np.int64)     # out of range: clamped
+    z = rng.standard_normal((Hq, n + 5)).astype(np.float32)              # wider than n (a scratch row)
+    counts = rng.integers(0, width + 1, size=Hq).astype(np.int32)
+    counts[0] = width                                                    # > w when w < width
+    idx[:, :4] = [n, -1, n - 1, n + 2]                                   # the clamp's edges, in every row
+    counts[1:] = np.maximum(counts[1:], 4)
+    with env.ctx():
+        pack = kd.pack_selection(env.t(idx, getattr(torch, idx_dtype)), env.t(z)[:, :n], env.t(counts), w, cap=cap)
+    pack = np_(pack)
+    c, ri, rz = R.pack_selection_ref(idx, z, counts, 2**31 - 1 if cap is None else cap, n, w)
+    np.testing.assert_array_equal(pack[:Hq], c)
+    gi = pack[Hq:Hq + Hq * w].reshape(Hq, w)
+    gz = pack[Hq + Hq * w:].view(np.float32).reshape(Hq, w)
+    for h in range(Hq):
+        k = min(int(c[h]), w)
+        np.testing.assert_array_equal(gi[h, :k], ri[h, :k])
+        np.testing.assert_array_equal(gz[h, :k].view(np.int32), rz[h, :k].view(np.int32))
+
+
+def check_lse_merge_staged(env, P, Hq, d, out_dtype, seed=3):
+    R = _ref()
+    rng = np.random.default_rng(seed)
+    os_ = rng.standard_normal((P, Hq, d)).astype(np.float32)
+    ms = (rng.standard_normal((P, Hq)) * 3).astype(np.float32)
+    ls = (rng.random((P, Hq)) * 5 + 0.1).astype(np.float32)
+    st = np.concatenate([rng.standard_normal((Hq, d)), rng.standard_normal((Hq, 1)) * 3,
+                         rng.random((Hq, 1)) * 5 + 0.1], 1).astype(np.float32)
+    st[0, d], st[0, d + 1], st[0, :d] = -np.inf, 0.0, np.nan            # an empty host part: never read
+    if P >= 1 and Hq >= 3:
+        ms[:, 1], ls[:, 1], os_[:, 1] = -np.inf, 0.0, np.nan            # only the host part lives
+        ms[:, 2], ls[:, 2] = -np.inf, 0.0
+        st[2, d], st[2, d + 1] = -np.inf, 0.0                            # nothing lives
+    with env.ctx():
+        o = kd.lse_merge_staged(env.t(os_), env.t(ms), env.t(ls), env.t(st), out_dtype)
+    ref = R.lse_merge_staged_ref(os_, ms, ls, st)
+    o = np_(o)
+    assert o.dtype == np.float32 and np.isfinite(o).all()
+    if out_dtype == torch.float32:
+        np.testing.assert_allclose(o, ref, rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_allclose(o, ref, rtol=2.0**-8, atol=1e-6)
+        bits = R.float_to_bf16_bits_ref(ref)
+        assert (R.bf16_bits_to_float_ref(bits) == o).mean() >= 0.99      # (a 1-ulp tie flip at most, rarely)
+
+
+@emu_only
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("far", [False, True])
+def test_emu_decode_prep(order, dtype, far):
+    check_decode_prep(Env("emu", order=order), 6, 2, 16, dtype, far)
+
+
+@emu_only
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("idx_dtype,cap,w", [("int32", None, 8), ("int32", None, 40), ("int64", 5, 8),
+                                             ("int64", 100, 300)])
+def test_emu_pack_selection(order, idx_dtype, cap, w):
+    check_pack_selection(Env("emu", order=order), 5, 300, max(w, 40), w, idx_dtype, cap)
+
+
+def check_bf16_rounding(env, Hq=4, d=32, seed=4):
+    """One live part of weight 1 (the host's, m = 0, l = 1): the merge returns its o exactly, so
+    the bfloat16 store's rounding is checked bit for bit, ties to even included."""
+    R = _ref()
+    rng = np.random.default_rng(seed)
+    o = rng.standard_normal((Hq, d)).astype(np.float32)
+    bits = o.view(np.uint32)
+    bits[:, :8] = (bits[:, :8] & 0xFFFF0000) | 0x8000                   # exact ties
+    bits[:, 8:12] = (bits[:, 8:12] & 0xFFFF0000) | 0x7FFF
+    st = np.concatenate([o, np.zeros((Hq, 1)), np.ones((Hq, 1))], 1).astype(np.float32)
+    z = np.zeros((0, Hq, d), np.float32)
+    with env.ctx():
+        got = kd.lse_merge_staged(env.t(z), env.t(z[:, :, 0]), env.t(z[:, :, 0]), env.t(st), torch.bfloat16)
+    np.testing.assert_array_equal(got.cpu().view(torch.int16).numpy().view(np.uint16), R.float_to_bf16_bits_ref(o))
+
+
+@emu_only
+def test_emu_bf16_rounding():
+    check_bf16_rounding(Env("emu"))
+
+
+@gpu_only
+def test_gpu_bf16_rounding():
+    check_bf16_rounding(Env("gpu"))
+
+
+@emu_only
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("P,out_dtype", [(0, torch.float32), (1, torch.float32), (3, torch.bfloat16),
+                                         (6, torch.float32)])
+def test_emu_lse_merge_staged(order, P, out_dtype):
+    check_lse_merge_staged(Env("emu", order=order), P, 5, 24, out_dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("far", [False, True])
+def test_gpu_decode_prep(dtype, far):
+    check_decode_prep(Env("gpu"), 9, 3, 64, dtype, far)
+
+
+@gpu_only
+@pytest.mark.parametrize("idx_dtype,cap,w", [("int32", None, 1024), ("int64", 4096, 2048)])
+def test_gpu_pack_selection(idx_dtype, cap, w):
+    check_pack_selection(Env("gpu"), 9, 70000, 5000, w, idx_dtype, cap)
+
+
+@gpu_only
+@pytest.mark.parametrize("P,out_dtype", [(1, torch.float32), (5, torch.bfloat16), (12, torch.float32)])
+def test_gpu_lse_merge_staged(P, out_dtype):
+    check_lse_merge_staged(Env("gpu"), P, 9, 64, out_dtype)
+
+
+@emu_only
+def test_wrapper_argument_errors():
+    """Shape and dtype mistakes fail in the wrappers, before any launch."""
+    from kernels_cuda import _emu
+    with _emu.emulated(), pytest.raises((ValueError, TypeError)):
+        kd.decode_prep(torch.zeros(4, 7), torch.zeros(2, 7), torch.zeros(2, 7), 1.0, torch.zeros(2, 7),
+                       torch.zeros(2, 7))                                       # odd head dim
+    with _emu.emulated(), pytest.raises(ValueError):
+        kd.pack_selection(torch.zeros(3, 4, dtype=torch.int16), torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32), 2)
+    with _emu.emulated(), pytest.raises(ValueError):
+        kd.lse_merge_staged(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3, 5))
