@@ -18,6 +18,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "scores.cu": ("-std=c++17",),
     "attention.cu": ("-std=c++17",),
     "decode.cu": ("-std=c++17",),
+    "layer.cu": ("-std=c++17",),
 }
 
 # file -> extern "C" entry points the wrappers launch.
@@ -54,6 +55,16 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pack_selection_i64",
         "lse_merge_staged_f32",
         "lse_merge_staged_bf16",
+    ),
+    "layer.cu": (
+        "rms_norm_f32",
+        "rms_norm_bf16",
+        "add_rms_norm_f32",
+        "add_rms_norm_bf16",
+        "rope_f32",
+        "rope_bf16",
+        "silu_mul_f32",
+        "silu_mul_bf16",
     ),
 }
 

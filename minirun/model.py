@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs
-from .ops import (attention_input, attention_output_and_mlp, output_logits, prepare_fused_decode, rope_cos_sin,
-                  rope_inv_freq)
+from .ops import (attention_input, attention_output_and_mlp, output_logits, prepare_cuda_decode,
+                  prepare_fused_decode, rope_cos_sin, rope_inv_freq, rope_table)
 
 
 class Model:
@@ -20,6 +20,8 @@ class Model:
         self.inv_freq = rope_inv_freq(args)
         # one-token steps on the CPU: each half of a layer in one fused kernel (ops.py)
         self.fused_decode = prepare_fused_decode(weights, args, self.inv_freq, device, dtype)
+        # one-token steps on a GPU: the small ops of a layer in 4 kernels (ops.py)
+        self.cuda_decode = device.type == "cuda" and prepare_cuda_decode(weights, args, device, dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
@@ -27,9 +29,10 @@ class Model:
         a = self.args
         T = tokens.shape[0]
         cos, sin = rope_cos_sin(self.inv_freq, cache.offset, T, self.dtype, self.device)
+        cs = rope_table(cos, sin) if T == 1 and self.cuda_decode else None        # once per token
         x = F.embedding(tokens, self.w["embed"])                                  # [T, D]
         for il, lw in enumerate(self.w["layers"]):
-            q, k, v = attention_input(x, lw, cos, sin, cache.offset, a)   # rms_norm, QKV, RoPE
+            q, k, v = attention_input(x, lw, cos, sin, cache.offset, a, cs)  # rms_norm, QKV, RoPE
             o = cache.attend(il, q, k, v)                        # [T, Hq, hd]
             x = attention_output_and_mlp(x, o, lw, a)            # x + o_proj(o); x + mlp(rms_norm(x))
         cache.advance(T)

@@ -116,10 +116,46 @@ def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor,
     return True
 
 
-def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Tensor, pos0: int, args: ModelArgs):
+# ---- the same for one GPU token: kernels_cuda.layer (rms_norm, rope, add + rms_norm, silu * up) ------
+# A one-token step on an H100 was bound by ~40 torch ops per layer, not by the GPU (BENCHMARKS.md,
+# twelfth session); these 4 kernels replace ~30 of them. MINIRUN_CUDA_LAYER=0 turns them off.
+
+
+def prepare_cuda_decode(weights: dict, args: ModelArgs, device: torch.device, dtype: torch.dtype,
+                        force: bool = False) -> bool:
+    """Mark the layers ("cuda") for the kernels_cuda.layer one-token path: a CUDA device with
+    kernels_cuda available, float32 or bfloat16, no biases (force: any device, for the emulator
+    tests). Returns whether it applies."""
+    import os
+
+    import kernels_cuda
+    ok = dtype in (torch.float32, torch.bfloat16) and not args.attention_bias
+    ok = ok and (force or (device.type == "cuda" and os.environ.get("MINIRUN_CUDA_LAYER", "1") != "0"
+                           and kernels_cuda.available()))
+    if ok:
+        for lw in weights["layers"]:
+            lw.pop("np", None)          # (the CPU's fused path, when forced onto a CPU model)
+            lw["cuda"] = True
+    return ok
+
+
+def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos, sin [T, hd/2] -> [T, hd] = cos | sin (what kernels_cuda.layer.rope_ reads)."""
+    return torch.cat([cos, sin], dim=-1)
+
+
+def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Tensor, pos0: int, args: ModelArgs,
+                    cs: torch.Tensor | None = None):
     """x [T, D] at positions pos0.. -> q [T, Hq, hd], k, v [T, Hkv, hd]: rms_norm, the fused QKV
-    projection, RoPE (cos, sin [T, hd/2]; the fused kernel makes its own from pos0)."""
+    projection, RoPE (cos, sin [T, hd/2]; the fused kernel makes its own from pos0; the GPU
+    one-token path reads cs = rope_table(cos, sin))."""
     T, hd, Hq, Hkv = x.shape[0], args.head_dim, args.num_attention_heads, args.num_key_value_heads
+    if T == 1 and "cuda" in lw:
+        from kernels_cuda import layer as kl
+        qkv = linear(kl.rms_norm(x, lw["attn_norm"], args.rms_norm_eps), lw["wqkv"])
+        kl.rope_(qkv, Hq + Hkv, hd, cs[0] if cs is not None else rope_table(cos, sin)[0])
+        qkv = qkv.view(T, Hq + 2 * Hkv, hd)
+        return qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
     fused = T == 1 and "np" in lw
     if fused:
         w = lw["np"]
@@ -137,6 +173,10 @@ def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Ten
 def attention_output_and_mlp(x: torch.Tensor, o: torch.Tensor, lw: dict, args: ModelArgs) -> torch.Tensor:
     """The rest of the layer: x + o_proj(o), then + mlp(rms_norm(.)). x [T, D], o [T, Hq, hd] -> [T, D]."""
     T = x.shape[0]
+    if T == 1 and "cuda" in lw:
+        from kernels_cuda import layer as kl
+        s, h = kl.add_rms_norm(x, linear(o.reshape(T, -1), lw["wo"]), lw["ffn_norm"], args.rms_norm_eps)
+        return s + linear(kl.silu_mul(linear(h, lw["w_gate_up"])), lw["w_down"])
     if T == 1 and "np" in lw:
         w = lw["np"]
         out = kernels_cpu.attn_out(as_numpy(x).reshape(-1), as_numpy(o).reshape(-1), w["wo"], w["ffn_norm"], args.rms_norm_eps,

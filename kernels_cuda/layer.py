@@ -1,0 +1,83 @@
+"""Wrappers of layer.cu: the small ops around a Llama layer's GEMMs for a decode token on the GPU.
+
+minirun/ops.py calls them once per layer and token instead of ~30 torch ops (docs/BENCHMARKS.md,
+twelfth session: a decode token of SmolLM2 on an H100 was bound by op launches), so the checks
+here are few: dtype (float32 or bfloat16, the same for every tensor) and contiguous rows. Outputs
+are allocated with torch; launches go to torch's current stream. References: the torch functions
+they replace (minirun.ops.rms_norm, apply_rope, swiglu's silu * up), compared in
+tests/test_kernels_cuda_layer.py.
+"""
+
+from __future__ import annotations
+
+from . import _sources
+from .ops import _backend, _cdiv, _i32, _i64, _torch
+
+__all__ = ["rms_norm", "add_rms_norm", "rope_", "silu_mul"]
+
+_THREADS = _sources.constant("layer.cu", "MR_LAYER_THREADS")
+_SUFFIX = {"torch.float32": "f32", "torch.bfloat16": "bf16"}
+
+
+def _suffix(*ts) -> str:
+    dt = ts[0].dtype
+    s = _SUFFIX.get(str(dt))
+    if s is None or any(t.dtype != dt for t in ts):
+        raise TypeError(f"layer kernels take float32 or bfloat16 tensors of one dtype, got {[t.dtype for t in ts]}")
+    return s
+
+
+def rms_norm(x, w, eps):
+    """x [rows, D] (contiguous rows), w [D] -> w * (x * rsqrt(mean(x^2) + eps)) [rows, D]."""
+    sfx = _suffix(x, w)
+    rows, D = x.shape
+    y = _torch().empty((rows, D), dtype=x.dtype, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    with _backend().session(x.device) as L:
+        L.launch("layer.cu", "rms_norm_" + sfx, (rows,), (_THREADS,),
+                 (x, _i64(x.stride(0)), w, _f32(eps), _i32(D), y, _i64(D)), shared_mem=D * 4)
+    return y
+
+
+def add_rms_norm(x, r, w, eps):
+    """x, r [rows, D] contiguous, w [D] -> (s = x + r, rms_norm(s, w, eps)), both [rows, D]."""
+    sfx = _suffix(x, r, w)
+    rows, D = x.shape
+    x, r = x.contiguous(), r.contiguous()
+    s = _torch().empty_like(x)
+    y = _torch().empty_like(x)
+    with _backend().session(x.device) as L:
+        L.launch("layer.cu", "add_rms_norm_" + sfx, (rows,), (_THREADS,), (x, r, w, _f32(eps), _i32(D), s, y),
+                 shared_mem=D * 4)
+    return s, y
+
+
+def rope_(x, n_rot, d, cs):
+    """x [rows, >= n_rot * d] (contiguous rows; heads of d elements), cs [d] = cos | sin of one
+    position, x's dtype -> x, its first n_rot heads rotated in place (HF Llama's half split)."""
+    sfx = _suffix(x, cs)
+    if x.stride(-1) != 1 or x.shape[-1] < n_rot * d or d % 2 or cs.shape[-1] != d:
+        raise ValueError(f"rope_: x {tuple(x.shape)}, n_rot {n_rot}, d {d}, cs {tuple(cs.shape)}")
+    with _backend().session(x.device) as L:
+        L.launch("layer.cu", "rope_" + sfx, (x.shape[0],), (_THREADS,),
+                 (x, _i64(x.stride(0)), _i32(n_rot), _i32(d), cs.contiguous()))
+    return x
+
+
+def silu_mul(gu):
+    """gu [rows, 2F] (gate | up, contiguous) -> silu(gate) * up [rows, F]."""
+    sfx = _suffix(gu)
+    rows, F2 = gu.shape
+    F = F2 // 2
+    gu = gu.contiguous()
+    y = _torch().empty((rows, F), dtype=gu.dtype, device=gu.device)
+    with _backend().session(gu.device) as L:
+        L.launch("layer.cu", "silu_mul_" + sfx, (rows, _cdiv(F, _THREADS)), (_THREADS,), (gu, _i32(F), y))
+    return y
+
+
+def _f32(x):
+    import numpy as np
+
+    return np.float32(x)
