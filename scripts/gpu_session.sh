@@ -81,6 +81,10 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
         timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p 4096 -n 16 -d "${SMOKE_DEPTHS:-4096}" \
             --kv dense,hca -r 1 --dtype bfloat16 --device "$DEVICE" --far-positions $far 2>&1 | tee -a "$OUT/smoke.log"
     done
+    # A/B of the layer kernels (kernels_cuda.layer): the same run with the torch ops
+    echo "MINIRUN_CUDA_LAYER=0:" | tee -a "$OUT/smoke.log"
+    MINIRUN_CUDA_LAYER=0 timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p 4096 -n 16 -d "${SMOKE_DEPTHS:-4096}" \
+        --kv dense,hca -r 1 --dtype bfloat16 --device "$DEVICE" 2>&1 | tee -a "$OUT/smoke.log"
     ;;
 bench)
     need "$KEEP/part00" tests

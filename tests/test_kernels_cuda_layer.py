@@ -17,6 +17,7 @@ import kernels_cuda
 from cuda_checks import Env
 from kernels_cuda import layer as kl
 from minirun import ops
+from minirun.kv.hca_cuda import HCACacheCUDA
 
 HAVE_GPU = kernels_cuda.available()
 emu_only = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (CPU kernel emulator)")
@@ -121,3 +122,23 @@ def test_gpu_model_decode_layer_kernels_vs_torch_ops(tiny_model_dir, dtype, monk
     lb = torch.stack([eng.step(t).reshape(-1).cpu() for t in b.tokens[:3]])
     assert a.tokens == b.tokens
     assert (la - lb).abs().max().item() <= (1e-4 if dtype == "float32" else 0.05)
+
+
+@emu_only
+def test_count_launches_script(capsys):
+    """scripts/count_launches.py: the layer kernels cut a layer's launches (dense 41 -> 12, HCA
+    50 -> 21 when written), and they stay bounded (a new op in the decode path shows up here)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "scripts" / "count_launches.py"
+    spec = importlib.util.spec_from_file_location("count_launches", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.main(["--depth", "200"])
+
+    def per_layer(name):
+        return r[name]["torch_per_layer"] + r[name]["kernels_cuda_per_layer"]
+    assert per_layer("dense, layer kernels on") <= 12 < per_layer("dense, layer kernels off")
+    assert per_layer("hca, layer kernels on") <= 21 < per_layer("hca, layer kernels off")
+    assert r["hca, layer kernels on"]["kernels_cuda_per_layer"] == 4 + HCACacheCUDA.decode_launches(0.9)["kernels_cuda"]
+    assert "| hca, layer kernels on |" in capsys.readouterr().out

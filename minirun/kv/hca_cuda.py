@@ -73,7 +73,6 @@ class HCACacheCUDA(HCACache):
         self.prefill_values = GrowingBuffer((L, Hkv), hd, dtype, store_cap, device=device)   # exact prefill
         self.anchor_v = None
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
-        self._q2k_long = self.q2k_dev.long()
         if codebooks is not None:   # moved to the device once
             self.codebooks = Codebooks(codebooks.centroids.float().to(device).contiguous(), codebooks.source)
         self._width = INITIAL_WIDTH

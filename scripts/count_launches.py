@@ -1,0 +1,114 @@
+"""Launches per decode token on a GPU, counted without one (issue 4: "report launches per token").
+
+A decode token of SmolLM2 on an H100 is bound by how many ops the host launches (docs/BENCHMARKS.md,
+twelfth session), so this counts them: a model of SmolLM2's shape (random weights; 2 and 4 layers,
+the difference gives the per-layer count) runs its GPU code path on the CPU, kernels_cuda on the
+emulator, and one decode step is recorded at the torch dispatch level. Counted: torch ops that
+launch device work (views, reshapes and allocations are not) and kernels_cuda launches. Dense and
+HCA (g16 c256 codes, tau 0.9), each with the layer kernels (kernels_cuda.layer,
+the default on a GPU) and without (MINIRUN_CUDA_LAYER=0).
+
+Usage: python scripts/count_launches.py [--depth 400]
+"""
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overhead import SMOLLM2_HEADS  # noqa: E402
+from profile_gpu_decode import emulated_gpu_cache  # noqa: E402
+
+from kernels_cuda import _emu  # noqa: E402
+from kernels_cuda import ops as kops  # noqa: E402
+from minirun import Engine, ops  # noqa: E402
+from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
+
+# aten ops that launch nothing on a GPU
+NO_LAUNCH = {"view", "slice", "select", "unsqueeze", "t", "transpose", "alias", "detach", "_unsafe_view", "expand",
+             "as_strided", "empty", "empty_like", "resolve_conj", "resolve_neg", "lift_fresh", "split", "chunk",
+             "reshape", "squeeze", "unbind", "_reshape_alias"}
+HCA = dict(key_store="codebook", tau=0.9, window=64, sinks=4, prefill_mode="exact", fit_min_tokens=64, groups=16,
+           centroids=256)
+
+
+class Record(TorchDispatchMode):
+    """The aten ops dispatched, except inside an emulated launch (the emulator's own copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        noop = name == "to" and isinstance(out, torch.Tensor) and out.data_ptr() == args[0].data_ptr() and \
+            out.dtype == args[0].dtype    # (e.g. inside .numpy(): nothing runs)
+        if not self.paused and not noop:
+            self.ops.append(name)
+        return out
+
+    def around(self, launch):
+        def run(*a, **kw):
+            self.paused = True
+            try:
+                return launch(*a, **kw)
+            finally:
+                self.paused = False
+        return run
+
+
+def count_step(model, kv, layer_kernels, depth) -> tuple[int, int]:
+    """(torch ops that launch, kernels_cuda launches) of one decode step after `depth` tokens."""
+    with emulated_gpu_cache() if kv == "hca" else _emu.emulated():
+        eng = Engine.load(model, device="cpu", dtype="bfloat16", ctx=max(2048, 2 * depth), kv=kv,
+                          **(HCA if kv == "hca" else {}))
+        for lw in eng.model.w["layers"]:
+            lw.pop("np", None)                       # (the CPU's own fused path)
+        if kv == "dense":
+            eng.cache._k_np = None                   # (the CPU's numpy step; a GPU takes SDPA)
+        if layer_kernels:
+            eng.model.cuda_decode = ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype,
+                                                            force=True)
+        eng.prefill(list(range(5, 5 + depth)))
+        eng.step(7)                                  # first-step allocations
+        be = kops._backend()
+        be.launches.clear()
+        rec = Record()
+        be.launch = rec.around(be.launch)
+        with rec, torch.inference_mode():
+            eng.step(8)
+        return sum(o not in NO_LAUNCH for o in rec.ops), len(be.launches)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depth", type=int, default=400)
+    ap.add_argument("--layers", type=int, default=30, help="layers of the model the per-token figure is for")
+    a = ap.parse_args(argv)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {n: write_random_checkpoint(SMOLLM2_HEADS | dict(num_hidden_layers=n), Path(tmp) / f"m{n}", seed=0)
+                  for n in (2, 4)}
+        for kv in ("dense", "hca"):
+            for lk in (False, True):
+                (t2, k2), (t4, k4) = (count_step(models[n], kv, lk, a.depth) for n in (2, 4))
+                per_t, per_k = (t4 - t2) / 2, (k4 - k2) / 2
+                once = t2 - 2 * per_t + k2 - 2 * per_k
+                r = {"torch_per_layer": per_t, "kernels_cuda_per_layer": per_k, "per_token_once": once,
+                     "per_token": a.layers * (per_t + per_k) + once}
+                out[f"{kv}, layer kernels {'on' if lk else 'off'}"] = r
+    print(f"| decode step | torch ops / layer | kernels_cuda / layer | once per token | launches per token ({a.layers} layers) |")
+    print("|---|---|---|---|---|")
+    for name, r in out.items():
+        print(f"| {name} | {r['torch_per_layer']:.0f} | {r['kernels_cuda_per_layer']:.0f} | {r['per_token_once']:.0f} | "
+              f"{r['per_token']:.0f} |")
+    return out
+
+
+if __name__ == "__main__":
+    main()
