@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _sources
 from .ops import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
-                  _i32, _i64, _THREADS, _SMEM_MARGIN, _tokens_per_block, _torch)
+                  _i32, _i64, _THREADS, _SMEM_MARGIN, _tokens_per_block, _torch, launch_zcut, launch_zhist)
 
 __all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged"]
 
@@ -154,7 +154,7 @@ class DecodeStep:
         self.device, self.Hq, self.Hkv, self.d = device, Hq, Hkv, d
         self.n_bins, self.z_range = n_bins, z_range
         self.num_sms, self.optin = be.device_info(device)
-        if n_bins * 4 > self.optin - _SMEM_MARGIN:
+        if 2 * n_bins * 4 > self.optin - _SMEM_MARGIN:
             raise ValueError(f"n_bins={n_bins} does not fit in shared memory")
         f32 = torch.float32
 
@@ -166,7 +166,8 @@ class DecodeStep:
         self.T = new(1)   # the LUT [Hq, g, c]: sized by the first codebooks scored
         self.part_m, self.part_l = new(Hq * nblk), new(Hq * nblk)
         self.m, self.l, self.l_sel = new(Hq), new(Hq), new(Hq)
-        self.hist = new(Hq, n_bins)
+        self.hists = new(2, Hq, n_bins)           # mass | token counts (int32 bits): prep zeroes both
+        self.hist, self.hcount = self.hists[0], self.hists[1].view(torch.int32)
         self.cut, self.counts = new(Hq, dtype=torch.int32), new(Hq, dtype=torch.int32)
         p_max = 2 * _cdiv(max(exact_rows, 1), _ATT_TILE) + 2
         self.os, self.ms, self.ls = new(p_max, Hq, d), new(p_max, Hq), new(p_max, Hq)
@@ -181,8 +182,8 @@ class DecodeStep:
         """q [Hq, d], k, v [Hkv, d] (model dtype, contiguous rows) -> (qs, qf or qs); the new token
         into k_slot / v_slot [Hkv, d]; the histogram zeroed when the selection will use it. With
         far, self.cs must hold this position's [cos | sin] (the caller copies it in)."""
-        _launch_prep(L, q, k, v, scale, self.cs, far, self.qs, self.qf, k_slot, v_slot, self.hist,
-                     self.hist.numel() if zero_hist else 0)
+        _launch_prep(L, q, k, v, scale, self.cs, far, self.qs, self.qf, k_slot, v_slot, self.hists,
+                     self.hists.numel() if zero_hist else 0)
         return self.qs, (self.qf if far else self.qs)
 
     def scores(self, L, q, q2k, codebooks, P, n, z):
@@ -216,20 +217,19 @@ class DecodeStep:
         L.launch("scores.cu", "ms_reduce", (self.Hq,), (_THREADS,),
                  (self.part_m, self.part_l, _i32(nblk), self.m, self.l))
 
-    def select(self, L, z, n, tau, idx):
+    def select(self, L, z, n, tau, idx, cap=0):
         """threshold_select of z's first n columns on the stats in m, l (ops.threshold_select's
-        semantics; the histogram zeroed by prep) -> counts [Hq]; idx int32 [Hq, >= n] rows <- the
-        selected indices (first counts[h], unordered)."""
+        semantics, cap included: 0 = none; the histograms zeroed by prep) -> counts [Hq]; idx
+        int32 [Hq, >= n] rows <- the selected indices (first counts[h], unordered)."""
         Hq, nb = self.Hq, self.n_bins
         tpb = _tokens_per_block(n, Hq, self.num_sms, lo=2048)
         nblk = _cdiv(n, tpb)
         mode = 1 if tau >= 1.0 else (2 if tau <= 0.0 else 0)
         zr = np.float32(self.z_range)
         if mode == 0:
-            L.launch("scores.cu", "zhist", (nblk, Hq), (_THREADS,),
-                     (z, _i64(z.stride(0)), _i32(n), _i32(tpb), self.m, zr, _i32(nb), self.hist), shared_mem=nb * 4)
-        L.launch("scores.cu", "zcut", (Hq,), (_THREADS,),
-                 (self.hist, _i32(nb), np.float32(tau), _i32(mode), self.m, self.l, self.cut, self.l_sel, self.counts))
+            launch_zhist(L, z, n, tpb, self.m, self.z_range, nb, self.hist, self.hcount, cap > 0)
+        launch_zcut(L, self.hist, self.hcount, nb, tau, mode, self.m, self.l, self.cut, self.l_sel, self.counts,
+                    cap if mode == 0 else 0)
         L.launch("scores.cu", "zcompact", (nblk, Hq), (_THREADS,),
                  (z, _i64(z.stride(0)), _i32(n), _i32(tpb), self.m, zr, _i32(nb), self.cut, idx, _i64(idx.stride(0)),
                   self.counts))  # fmt: skip

@@ -334,12 +334,15 @@ def approx_scores(T, P, q_to_kv, n, out=None):
 # ---------------------------------------------------------------------------
 
 
-def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range=Z_RANGE):
+def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range=Z_RANGE, cap=None):
     """Per head, the tokens holding >= tau of the softmax mass of z, without a sort.
 
     z [Hq, n] f32 (contiguous rows), tau float, out_idx optional int32 [Hq, >=n]
     (contiguous rows), stats optional (m [Hq], l [Hq]) as returned by
     approx_scores for this z (skips one pass over z)
+    cap: at most this many tokens per head (0 < tau < 1 only): the top bins whose
+    count stays <= cap, the top bin always (scores.cu, zcut); counts may then
+    exceed cap only when the top bin alone does (take any cap of them)
     -> (idx int32 [Hq, n] (view of out_idx when given; the first counts[h] entries of
     row h are the selected token indices in unspecified order, the rest is
     scratch), counts int32 [Hq], m f32 [Hq] = max z[h] (the stats tensor when
@@ -384,7 +387,7 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
         m = stats[0] if stats is not None else torch.full((Hq,), -math.inf, device=dev)
         return idx, torch.zeros(Hq, dtype=torch.int32, device=dev), m, torch.zeros(Hq, device=dev)
     num_sms, optin = be.device_info(dev)
-    if n_bins * 4 > optin - _SMEM_MARGIN:
+    if n_bins * 4 * (2 if cap else 1) > optin - _SMEM_MARGIN:
         raise ValueError(f"n_bins={n_bins} does not fit in shared memory")
     tpb = _tokens_per_block(n, Hq, num_sms, lo=2048)
     nblk = _cdiv(n, tpb)
@@ -408,20 +411,31 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
                 if tuple(t.shape) != (Hq,) or t.dtype != torch.float32:
                     raise ValueError(f"{w} must be float32 [{Hq}]")
             m, l_all = m.contiguous(), l_all.contiguous()
+        capped = mode == 0 and cap is not None and 0 < cap < n
+        hists = be.empty((2, Hq, n_bins), torch.float32, dev)   # mass | token counts (int32 bits)
+        hist, hcount = hists[0], hists[1].view(torch.int32)
         if mode == 0:
-            hist = be.empty((Hq, n_bins), torch.float32, dev)
-            hist.zero_()
-            L.launch("scores.cu", "zhist", (nblk, Hq), (_THREADS,),
-                     (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), hist),
-                     shared_mem=n_bins * 4)  # fmt: skip
-        else:
-            hist = l_all  # not read in modes 1 / 2; any valid float pointer
-        L.launch("scores.cu", "zcut", (Hq,), (_THREADS,),
-                 (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts))  # fmt: skip
+            hists.zero_()
+            launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, capped)
+        launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap if capped else 0)
         L.launch("scores.cu", "zcompact", (nblk, Hq), (_THREADS,),
                  (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), cut,
                   idx, _i64(idx.stride(0)), counts))  # fmt: skip
     return idx, counts, m, l_sel
+
+
+def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count):
+    """zhist over z's first n columns (grid from tpb); hist [Hq, n_bins] f32 and hcount [Hq,
+    n_bins] int32 zeroed by the caller (hcount only written with_count)."""
+    Hq = z.shape[0]
+    L.launch("scores.cu", "zhist", (_cdiv(n, tpb), Hq), (_THREADS,),
+             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), hist, hcount,
+              _i32(with_count)), shared_mem=n_bins * 4 * (2 if with_count else 1))  # fmt: skip
+
+
+def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap):
+    L.launch("scores.cu", "zcut", (m.shape[0],), (_THREADS,),
+             (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts, hcount, _i32(cap)))
 
 
 # ---------------------------------------------------------------------------

@@ -191,14 +191,21 @@ __device__ __forceinline__ int mr_bin(float v, float lo, float inv_w, int n_bins
     return (int)x;  // x >= 0: truncation == floor
 }
 
-// zhist: per-head mass histogram.  Launch: block 256, grid (nblk, Hq),
-// dynamic shared memory n_bins floats.  hist must be zeroed beforehand.
+// zhist: per-head mass histogram and, when with_count, token-count histogram
+// (hcount, for zcut's cap).  Launch: block 256, grid (nblk, Hq), dynamic shared
+// memory n_bins floats (2 n_bins with_count).  hist (and hcount) must be zeroed
+// beforehand.
 extern "C" __global__ void __launch_bounds__(256)
 zhist(const float* __restrict__ z, long long z_s0, int n, int tokens_per_block,
-      const float* __restrict__ m_in, float z_range, int n_bins, float* __restrict__ hist) {
+      const float* __restrict__ m_in, float z_range, int n_bins, float* __restrict__ hist,
+      int* __restrict__ hcount, int with_count) {
     MR_DYN_SMEM(sh);
+    int* shc = reinterpret_cast<int*>(sh + n_bins);   // [n_bins] counts (with_count only)
     const int h = blockIdx.y;
-    for (int i = threadIdx.x; i < n_bins; i += blockDim.x) sh[i] = 0.f;
+    for (int i = threadIdx.x; i < n_bins; i += blockDim.x) {
+        sh[i] = 0.f;
+        if (with_count) shc[i] = 0;
+    }
     __syncthreads();
     const float m = m_in[h];
     const bool live = (m > mr_neg_inf());  // false for -inf and NaN: nothing to histogram
@@ -210,13 +217,18 @@ zhist(const float* __restrict__ z, long long z_s0, int n, int tokens_per_block,
     for (long long t = start + threadIdx.x; t < end; t += blockDim.x) {
         const float v = zh[t];
         const int b = mr_bin(v, lo, inv_w, n_bins);
-        if (b >= 0) atomicAdd(&sh[b], expf(v - m));
+        if (b >= 0) {
+            atomicAdd(&sh[b], expf(v - m));
+            if (with_count) atomicAdd(&shc[b], 1);
+        }
     }
     __syncthreads();
     float* hh = hist + (long long)h * n_bins;
+    int* hc = hcount + (long long)h * n_bins;
     for (int i = threadIdx.x; i < n_bins; i += blockDim.x) {
         const float x = sh[i];
         if (x != 0.f) atomicAdd(&hh[i], x);
+        if (with_count && shc[i] != 0) atomicAdd(&hc[i], shc[i]);
     }
 }
 
@@ -224,14 +236,24 @@ zhist(const float* __restrict__ z, long long z_s0, int n, int tokens_per_block,
 // l_sel[h] and zeroes counts[h] (zcompact adds to it).
 // mode: 0 = use the histogram (0 < tau < 1), 1 = select all (tau >= 1,
 // l_sel = l_all[h]), 2 = select none (tau <= 0).
-// Launch: block 256, grid (Hq), no dynamic shared memory.  hist is only read
-// in mode 0 (may be any valid pointer otherwise).
+// cap > 0 (mode 0, hcount from zhist with_count): the cut also keeps the
+// selection to at most cap tokens, whole bins from the top: the cut bin is the
+// lower of the tau cut and the lowest bin whose cumulative count from the top
+// is <= cap -- except that the top non-empty bin is always kept (it alone may
+// hold more than cap: the caller then takes any cap of them, all within one
+// bin width of each other).  So the selection is a top set of at most cap
+// tokens (or the top bin), possibly fewer than cap (the bin that would cross
+// cap is left out whole).
+// Launch: block 256, grid (Hq), no dynamic shared memory.  hist and hcount
+// are only read in mode 0 (any valid pointers otherwise).
 extern "C" __global__ void __launch_bounds__(256)
 zcut(const float* __restrict__ hist, int n_bins, float tau, int mode, const float* __restrict__ m_in,
      const float* __restrict__ l_all, int* __restrict__ cut_bin, float* __restrict__ l_sel,
-     int* __restrict__ counts) {
+     int* __restrict__ counts, const int* __restrict__ hcount, int cap) {
     __shared__ float fscratch[64];
+    __shared__ int iscratch[64];
     __shared__ int found;
+    __shared__ int over, first;
     const int h = blockIdx.x;
     const float m = m_in[h];
     const bool live = (m > mr_neg_inf());
@@ -269,7 +291,36 @@ zcut(const float* __restrict__ hist, int n_bins, float tau, int mode, const floa
         }
     }
     __syncthreads();
-    const int rstar = found;  // n_bins if rounding kept the sum below target: take everything
+    int rstar = found;  // n_bins if rounding kept the sum below target: take everything
+    if (cap > 0) {      // uniform over the block
+        const int* hc = hcount + (long long)h * n_bins;
+        int lc = 0;
+        for (int q = 0; q < per; ++q) {
+            const int r = r0 + q;
+            if (r < n_bins) lc += hc[n_bins - 1 - r];
+        }
+        int ctotal;
+        int ccum = mr_block_excl_scan(lc, &ctotal, iscratch);
+        if (threadIdx.x == 0) {
+            over = n_bins;
+            first = n_bins;
+        }
+        __syncthreads();
+        for (int q = 0; q < per; ++q) {
+            const int r = r0 + q;
+            if (r >= n_bins) break;
+            const int c = hc[n_bins - 1 - r];
+            if (c > 0) atomicMin(&first, r);
+            ccum += c;
+            if (ccum > cap) {
+                atomicMin(&over, r);   // the first position whose bin takes the count past cap
+                break;
+            }
+        }
+        __syncthreads();
+        const int keep = (over == first) ? first : over - 1;   // the top bin stays, whatever its count
+        if (keep < rstar) rstar = keep;
+    }
     // Selected mass = histogram mass of reversed positions <= rstar.
     float part = 0.f;
     for (int q = 0; q < per; ++q) {

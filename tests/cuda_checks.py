@@ -285,3 +285,36 @@ def check_encode(env, Hkv, d, g, c, n, dtype=torch.float32, pool_extra=0, chunk=
         dg = ((xv - cbd[kv, j, Pg[kv, t, j]]) ** 2).sum()
         dr = ((xv - cbd[kv, j, ref[kv, t, j]]) ** 2).sum()
         assert dg <= dr + 1e-4 * (1 + (xv**2).sum()), (kv, t, j, dg, dr)
+
+
+def check_threshold_cap(env, z_np, tau, cap, n_bins=2048, z_range=32.0):
+    """threshold_select with a cap: per head a top set of whole bins (every token of a bin at or
+    above the lowest selected bin is in), inside the uncapped selection, of at most cap tokens
+    unless it is the top non-empty bin alone, and as large as whole bins allow (the next bin down
+    would cross cap, or the uncapped selection is reached)."""
+    with env.ctx():
+        zt = env.t(z_np)
+        idx, counts, m, _ = kernels_cuda.threshold_select(zt, tau, cap=cap)
+        idx0, counts0, _, _ = kernels_cuda.threshold_select(zt, tau)
+    idx, counts, m, idx0, counts0 = np_(idx), np_(counts), np_(m), np_(idx0), np_(counts0)
+    for h in range(z_np.shape[0]):
+        if not m[h] > -np.inf:
+            assert counts[h] == 0
+            continue
+        lo, inv_w = np.float32(m[h] - np.float32(z_range)), np.float32(n_bins / z_range)
+        x = np.clip((z_np[h] - lo) * inv_w, 0, n_bins - 1)
+        b = np.where(np.isnan(z_np[h]), -1, np.floor(x)).astype(np.int64)
+        sel = np.sort(idx[h, :counts[h]])
+        full = set(idx0[h, :counts0[h]].tolist())
+        assert set(sel.tolist()) <= full and len(set(sel.tolist())) == len(sel)
+        assert (len(sel) > 0) == (len(full) > 0)
+        if len(sel) == 0:
+            continue
+        cut = b[sel].min()
+        np.testing.assert_array_equal(sel, np.flatnonzero(b >= cut))          # whole bins from the top
+        top_bin = b.max()
+        assert len(sel) <= cap or cut == top_bin, (h, len(sel), cap)
+        below = b[(b < cut) & (b >= 0)]
+        if len(sel) < len(full) and len(below):
+            nxt = below.max()
+            assert len(sel) + (b == nxt).sum() > cap, (h, len(sel), cap)   # the next bin would cross cap

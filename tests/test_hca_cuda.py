@@ -259,6 +259,32 @@ def test_max_select_matches_cpu(tiny_model_dir, gpu_engine, key_store):
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+def test_max_select_below_tau_one_capped_in_the_histogram(tiny_model_dir, gpu_engine):
+    """tau 0.9 with a cap: the GPU caps inside its selection histogram (whole bins from the top,
+    kernels_cuda scores.cu zcut), the CPU by a sort: both keep top tokens, the GPU at most the cap
+    and possibly fewer (the bin that would cross it is left out), so logits stay close."""
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(140, seed=11)
+    kw = dict(ctx=256, kv="hca", key_store="exact", tau=0.9, max_select=8, window=16, sinks=4, prefill_chunk=32)
+    cpu = Engine.load(d, device="cpu", **kw)
+    cpu.prefill(ids)
+    want = torch.stack([cpu.step(t).reshape(-1) for t in (3, 7, 12)])
+    eng = load(d, **kw)
+    with ctx():
+        eng.prefill(ids)
+        eng.cache.record_selection = []
+        got = torch.stack([eng.step(t).reshape(-1).cpu() for t in (3, 7, 12)])
+    n = eng.cache.n_store                                      # (the steps' store sizes: n - 3 .. n - 1)
+    sel = np.concatenate(eng.cache.record_selection)
+    assert n > 100 and sel.max() <= 8 / (n - 3) + 1e-9 and sel.min() >= 1 / n - 1e-9
+    sel = sel * n
+    print(f"GPU selected per head: mean {sel.mean():.2f} of at most 8; max |logit diff| "
+          f"{(got - want).abs().max().item():.4f}")
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert (got - want).abs().max().item() <= 0.005        # (seen: 0.0006, 7.75 tokens per head)
+
+
 def test_key_store_allocated_once_at_capacity(tiny_model_dir, gpu_engine):
     """The device key store is allocated at the ctx's capacity by its first token (no doubling: a
     4M prompt held old + new copies and peaked at 2.4x its indices on an H100), so kv_stats'

@@ -45,7 +45,8 @@ NO_GPU_REASON = "no CUDA device / cupy"
 torch = pytest.importorskip("torch")
 
 from cuda_checks import (Env, _pq_data, _ref, check_approx_scores, check_attend, check_build_lut,  # noqa: E402
-                         check_encode, check_lse_merge, check_selection, check_threshold, np_, q2k_for)
+                         check_encode, check_lse_merge, check_selection, check_threshold, check_threshold_cap, np_,
+                         q2k_for)
 
 
 emu_only = pytest.mark.skipif(not HAVE_GXX, reason="g++ not found (CPU kernel emulator)")
@@ -116,6 +117,16 @@ def test_emu_threshold_select(order, n):
     rng = np.random.default_rng(10 + n)
     z = _z_cases(rng, 9, n)
     check_threshold(Env("emu", order=order), z, [0.0, 0.3, 0.9, 0.99, 1.0, 1.5])
+
+
+@emu_only
+@pytest.mark.parametrize("order", EMU_ORDERS)
+@pytest.mark.parametrize("cap", [1, 5, 40, 2999])
+def test_emu_threshold_select_cap(order, cap):
+    rng = np.random.default_rng(30 + cap)
+    z = _z_cases(rng, 9, 3000)
+    z[4, :200] = 3.0                       # a top bin of 200 tokens: alone above small caps
+    check_threshold_cap(Env("emu", order=order), z, 0.9, cap)
 
 
 @emu_only
@@ -297,6 +308,15 @@ def test_gpu_threshold_select(n):
     check_threshold(Env(GPU_KIND, num_sms=132), z, [0.0, 0.5, 0.9, 0.99, 1.0])
     if n > 1:
         check_threshold(Env(GPU_KIND, num_sms=132), z[[0, 4, 5]], [0.9], use_stats=True, out_extra=2)
+
+
+@gpu_only
+@pytest.mark.parametrize("cap", [1, 64, 4096])
+def test_gpu_threshold_select_cap(cap):
+    rng = np.random.default_rng(40 + cap)
+    z = _z_cases(rng, 9, 70000)
+    z[4, :5000] = 3.0
+    check_threshold_cap(Env(GPU_KIND, num_sms=132), z, 0.9, cap)
 
 
 @gpu_only

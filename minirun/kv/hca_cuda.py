@@ -111,12 +111,13 @@ class HCACacheCUDA(HCACache):
         decode_prep 1, build_lut 1 + approx_scores 2 (scores, ms_reduce) -- with exact keys a torch
         bmm and zstats 2 instead --, threshold_select 3 for 0 < tau < 1 (zhist, zcut, zcompact) or
         2, pack_selection 1, attend_partial 1 (2 with far positions: the sinks take the far query),
-        lse_merge_staged 1. torch on the device: none (exact keys: bmm + its copy into z; capped:
-        topk; a float16 model: the output cast); memcpys 2 (D2H pack, H2D stage), plus once per
+        lse_merge_staged 1. torch on the device: none (exact keys: bmm + its copy into z; capped
+        with tau >= 1: topk -- below 1 the histogram caps; a float16 model: the output cast); memcpys 2 (D2H pack, H2D stage), plus once per
         token the far turn's angles and, while the ring refills after a truncate, its slot mask.
         """
         k = 1 + (2 if exact_keys else 3) + (3 if 0.0 < tau < 1.0 else 2) + 1 + (2 if far else 1) + 1
-        t = (2 if exact_keys else 0) + (1 if capped else 0) + (0 if dtype in (torch.float32, torch.bfloat16) else 1)
+        t = (2 if exact_keys else 0) + (1 if capped and tau >= 1.0 else 0) + (0 if dtype in (torch.float32,
+                                                                                          torch.bfloat16) else 1)
         return {"kernels_cuda": k, "torch": t, "memcpy": 2}
 
     # ---- attention ----------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class HCACacheCUDA(HCACache):
             for t in range(qs.shape[0]):
                 q = qs[t].contiguous()
                 if 0.0 < self.tau < 1.0:
-                    ds.hist.zero_()     # (a decode step's prep zeroes it; no prep here)
+                    ds.hists.zero_()    # (a decode step's prep zeroes them; no prep here)
                 stage = self._host_sum(L, ds, layer, *self._select(L, ds, layer, q))
                 outs.append((stage[:, :self.hd], stage[:, self.hd], stage[:, self.hd + 1]))
         return tuple(torch.stack(x) for x in zip(*outs))
@@ -224,12 +225,12 @@ class HCACacheCUDA(HCACache):
             zb[:, ne:n] = torch.bmm(q.view(self.Hkv, -1, self.hd), Kx.transpose(1, 2)).reshape(self.Hq, -1)
             ds.stats(L, zb, n)
         idx = self.sel.data[..., 0]
-        ds.select(L, zb, n, self.tau, idx)
-        cap = self.max_select
-        if cap and n > cap:   # the selection is a top set: its first min(count, cap) of the sorted top `cap`
+        cap = self.max_select if self.max_select and n > self.max_select else 0
+        in_kernel = cap and 0.0 < self.tau < 1.0   # the histogram's cap: whole bins from the top (zcut)
+        ds.select(L, zb, n, self.tau, idx, cap if in_kernel else 0)
+        if cap and not in_kernel:   # tau >= 1: the first min(count, cap) of the sorted top `cap`
             idx = torch.topk(zb[:, :n], cap, dim=1, sorted=True).indices          # int64 (kv/select_cap.py)
-        else:
-            cap = 2**31 - 1
+        cap = cap or 2**31 - 1
         w = min(n, idx.shape[1], self._width)   # (idx: the [Hq, >= n] scratch, or [Hq, cap] when capped)
         return (self._copy_back(L, ds, zb, idx, n, w, cap), w, zb, idx, n, cap)
 
