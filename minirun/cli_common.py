@@ -37,6 +37,9 @@ def engine_options(f):
         click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
                      help="HCA: attend to tokens older than the window at one distance (1024), for contexts "
                           "past the model's trained one (auto: on when --ctx passes it); see docs/QUALITY.md"),
+        click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
+                     help="HCA: scale attention logits by log(n) / log(trained context) past the trained "
+                          "context (auto: on when --ctx passes it); see docs/QUALITY.md"),
         click.option("--max-select", type=int, default=None,
                      help="HCA: attend to at most this many old tokens per head and step, the top-scoring "
                           "(bounds decode time where attention is diffuse; default: tau alone)"),
@@ -66,11 +69,12 @@ def sampling_options(temperature: float, max_tokens: int):
 
 
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="off",
-                max_select=None, **extra):
+                max_select=None, length_scale="off", **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
-                      threads=threads, far_positions=far_positions, max_select=max_select, **hca_setting(kv_budget),
+                      threads=threads, far_positions=far_positions, max_select=max_select, length_scale=length_scale,
+                      **hca_setting(kv_budget),
                       **extra)
     far = getattr(eng.cache, "far", False)
     note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far)
@@ -93,7 +97,7 @@ def trained_context_note(trained: int | None, ctx: int, far: bool = False) -> st
 def split_kwargs(kw: dict):
     """Separate engine options from sampling options."""
     engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "far_positions",
-                   "max_select", "threads")
+                   "max_select", "length_scale", "threads")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
                     min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),

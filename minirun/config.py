@@ -152,6 +152,7 @@ class EngineConfig:
     far_positions: str = "off"        # HCA: "off" | "on" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (kv/select_cap.py)
+    length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     threads: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -174,6 +175,8 @@ class EngineConfig:
             raise MiniRunError(f"unknown prefill mode {self.prefill_mode!r}: use auto, exact, anchor or hca")
         if self.far_positions not in ("auto", "on", "off"):
             raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on or off")
+        if self.length_scale not in ("auto", "on", "off"):
+            raise MiniRunError(f"unknown length_scale {self.length_scale!r}: use auto, on or off")
         if self.max_select is not None and self.max_select < 1:
             raise MiniRunError(f"max_select must be at least 1, got {self.max_select}")
         if not 0.0 < self.tau <= 1.0:

@@ -12,7 +12,9 @@
 # Each stage writes $OUT/<stage>.log (and bench-dD.json); record the figures in docs/BENCHMARKS.md
 # with the commands, the device name (env.txt) and the date.
 # Seen on an H100 (2026-11-24, 30 min of device time in all): tests 200 s, bench 157 s (REPS=2),
-# 4m 573 s (prefill 391.5 s, then decode at ~0.1 tok/s ran into the limit: next time MAX_SELECT=4096).
+# 4m 573 s (prefill 391.5 s, then decode at ~0.1 tok/s ran into the limit: next time MAX_SELECT=4096
+# LENGTH_SCALE=on: on the CPU the cap alone lost a pass key in 4 copies of a text that length scaling
+# found, docs/QUALITY.md "Length scaling").
 # SmolLM2 is trained to 8K: past that it loses a pass key with plain attention, dense included; the
 # 4M chat runs with --far-positions on (minirun/kv/far_positions.py; docs/QUALITY.md, "Beyond the
 # trained context"). Stage 4m measures prefill time, decode speed and memory per tier, records the answer.
@@ -135,6 +137,7 @@ EOF
     printf 'What is the pass key mentioned in the text? Answer with the number only.\n' |
         "${timer[@]}" timeout 570 $PY -m minirun chat "$MODEL" --ctx "$CTX" --file "$KEEP/book4m.txt" --kv hca \
             --kv-budget "$KV_BUDGET" --far-positions on ${MAX_SELECT:+--max-select "$MAX_SELECT"} \
+            ${LENGTH_SCALE:+--length-scale "$LENGTH_SCALE"} \
             --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 2>&1 | tr '\r' '\n' | tee "$OUT/4m.log"
     if [ -n "$smi" ]; then
         kill "$smi"

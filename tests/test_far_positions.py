@@ -34,9 +34,9 @@ class FarReference(KVCache):
     at its true distance when j is in the chunk (causal) or in the ring (max(S, c0 - W) <= j < c0),
     and at distance D otherwise (j < S, or j < c0 - W): <R(D) q_pre, k_pre>."""
 
-    def __init__(self, args, cap, D):
+    def __init__(self, args, cap, D, length_ctx=None):
         super().__init__(args.num_hidden_layers, cap)
-        self.D = D
+        self.D, self.length_ctx = D, length_ctx   # length_ctx: logits x max(1, log end / log N) (a chunk's last)
         self.inv = rope_inv_freq(args)
         self.k = torch.zeros(args.num_hidden_layers, cap, args.num_key_value_heads, args.head_dim)
         self.v = torch.zeros_like(self.k)
@@ -56,6 +56,8 @@ class FarReference(KVCache):
         j = torch.arange(end)[None, :]
         is_far = (j < c0) & ((j < S) | (j < c0 - W))
         s = torch.where(is_far[None], far, near) / math.sqrt(hd)
+        if self.length_ctx:
+            s = s * max(1.0, math.log(end) / math.log(self.length_ctx))
         s = s.masked_fill((j > pos[:, None])[None], float("-inf"))
         return torch.einsum("htn,nhd->thd", s.softmax(-1), V).to(q.dtype)
 
@@ -133,6 +135,37 @@ def test_auto_turns_on_past_the_trained_context_off_by_default(tiny_model_dir, c
     assert not Engine.load(d, ctx=128, **{**kw, "far_positions": "off"}).cache.far
 
 
+@pytest.mark.parametrize("chunk,mode", [(1, "hca"), (7, "exact"), (7, "hca")])
+def test_length_scale_equals_the_reference(tiny_model_dir, monkeypatch, capsys, chunk, mode):
+    """--length-scale on (logits x max(1, log n / log N), N = 64 here; n the step's last position
+    + 1): with far positions, exact keys and tau 1 the cache equals the reference with that factor;
+    the first N positions are untouched, later ones change."""
+    d = tiny_model_dir("gqa-untied", max_position_embeddings=64)
+    ids = random_ids(150, seed=12)
+    kw = dict(device="cpu", ctx=256, kv="hca", key_store="exact", tau=1.0, window=W, sinks=S, far_distance=W,
+              far_positions="on")
+    eng = Engine.load(d, length_scale="on", **kw)
+    assert "length scaling: attention logits x log(n) / log(64)" in capsys.readouterr().err
+    out = eng.logits(ids, chunk=chunk, prefill_mode=mode)
+    off = Engine.load(d, **kw).logits(ids, chunk=chunk, prefill_mode=mode)
+    monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
+                        FarReference(args, cap, W, length_ctx=64))
+    ref = Engine.load(d, **kw).logits(ids, chunk=chunk)
+    assert (out - ref).abs().max().item() <= 1e-4
+    first = 64 if chunk == 1 else 63         # (chunks of 7: the chunk holding position 63 ends at 63)
+    assert torch.equal(out[:first], off[:first]) and (out[100:] - off[100:]).abs().max().item() > 1e-3
+
+
+def test_length_scale_setting(tiny_model_dir):
+    d = tiny_model_dir("gqa-untied", max_position_embeddings=64)
+    kw = dict(device="cpu", kv="hca", key_store="exact", window=W, sinks=S)
+    assert Engine.load(d, ctx=128, **kw).cache.length_ctx is None                     # off by default
+    assert Engine.load(d, ctx=128, length_scale="auto", **kw).cache.length_ctx == 64
+    assert Engine.load(d, ctx=64, length_scale="auto", **kw).cache.length_ctx is None
+    with pytest.raises(MiniRunError, match="length_scale"):
+        EngineConfig(length_scale="maybe")
+
+
 @pytest.mark.parametrize("centroids,dtype", [(16, "float32"), (32, "float32"), (32, "bfloat16")])
 def test_one_call_steps_equal_the_general_path(tiny_model_dir, centroids, dtype):   # 16: nibble pairs
     """The one-call decode steps take a single query: with far positions it is the far one, the
@@ -179,3 +212,20 @@ def test_turn_rows_kernel():
     np.testing.assert_allclose(out[:, 4:], want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         kc.turn_rows(EK.astype(np.float16), 4, c, s)
+
+
+def test_cli_length_scale(tiny_model_dir, capsys):
+    """--length-scale reaches the cache from generate (and says so on stderr); a bad value is a
+    one-line usage error."""
+    from minirun.cli import main
+    d = str(tiny_model_dir("gqa-untied", max_position_embeddings=64))
+    args = ["generate", d, "-p", "hello there " * 20, "-n", "3", "--kv", "hca", "--kv-budget", "0.5", "--window",
+            "8", "--sinks", "2", "--ctx", "256", "--far-positions", "on"]
+    try:
+        main(args + ["--length-scale", "on"])
+    except SystemExit as e:
+        assert e.code in (0, None)
+    assert "length scaling: attention logits x log(n) / log(64)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--length-scale", "maybe"])
+    assert e.value.code == 2 and "Traceback" not in capsys.readouterr().err

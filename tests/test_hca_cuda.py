@@ -196,6 +196,28 @@ def test_far_positions_match_cpu(tiny_model_dir, gpu_engine, key_store, tau):
     assert (lg - lc).abs().max().item() <= tol and (steps - sc).abs().max().item() <= tol
 
 
+def test_length_scale_matches_cpu(tiny_model_dir, gpu_engine):
+    """--length-scale on past the trained context (64 here): the GPU cache scales its queries as
+    the CPU cache does (decode_prep's scale and the prompt path): exact keys, tau 1, far positions."""
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied", max_position_embeddings=64)
+    ids = random_ids(100, seed=13)
+    kw = dict(ctx=256, kv="hca", key_store="exact", tau=1.0, window=16, sinks=4, prefill_chunk=32,
+              far_positions="on", length_scale="on")
+    cpu = Engine.load(d, device="cpu", **kw)
+    cpu.prefill(ids)
+    want = torch.stack([cpu.step(t).reshape(-1) for t in (3, 7, 12)])
+    eng = load(d, **kw)
+    with ctx():
+        eng.prefill(ids)
+        got = torch.stack([eng.step(t).reshape(-1).cpu() for t in (3, 7, 12)])
+    off = Engine.load(d, device="cpu", **{**kw, "length_scale": "off"})
+    off.prefill(ids)
+    plain = torch.stack([off.step(t).reshape(-1) for t in (3, 7, 12)])
+    assert (got - want).abs().max().item() <= 1e-4                   # (seen: 6e-8)
+    assert (want - plain).abs().max().item() > 5e-5                  # the factor matters (seen: 2.9e-4)
+
+
 @pytest.mark.parametrize("tau", [1.0, 0.9])
 def test_codebooks_match_cpu_backend(tiny_model_dir, gpu_engine, tmp_path, tau):
     load, ctx = gpu_engine

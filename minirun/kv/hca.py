@@ -38,7 +38,7 @@ class HCACache(KVCache):
     def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
                  dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
                  fit_min_tokens: int = 4096, anchor_tokens: int = 2048, far_positions: bool = False,
-                 far_distance: int | None = None, max_select: int | None = None):
+                 far_distance: int | None = None, max_select: int | None = None, length_ctx: int | None = None):
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
@@ -46,6 +46,7 @@ class HCACache(KVCache):
         self.max_select = max_select   # top tokens per head and step at most (kv/select_cap.py); None: tau alone
         self.S, self.W = sinks, window
         self.scale = 1.0 / math.sqrt(hd)
+        self.length_ctx = length_ctx   # length scaling on: the trained context N (see _q_scale); None: off
         # far positions (kv/far_positions.py): sinks and store keys kept unrotated, read at distance D
         self.far = FarFrame(args, far_distance or window) if far_positions else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
@@ -124,9 +125,14 @@ class HCACache(KVCache):
             if path.is_file():
                 codebooks = Codebooks.load(path, (args.num_hidden_layers, args.num_key_value_heads, *geometry))
                 codebooks = codebooks.paired() if layout.pairs else codebooks
+        trained = args.max_position_embeddings
+        length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
         cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
                     fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
-                    far_distance=dist, max_select=config.max_select)
+                    far_distance=dist, max_select=config.max_select, length_ctx=length_ctx)
+        if length_ctx:
+            print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens "
+                  f"(--length-scale {config.length_scale})", file=sys.stderr)
         if far:
             why = ("--far-positions on" if config.far_positions == "on" else
                    f"the context passes the {args.max_position_embeddings} tokens the model was trained on")
@@ -138,12 +144,23 @@ class HCACache(KVCache):
                   f"{' --unrotated' if far else ''}` to make one)", file=sys.stderr)
         return cache
 
+    def _q_scale(self, T: int) -> float:
+        """The query scale of a step of T queries: 1/sqrt(hd), and with length scaling on times
+        max(1, log n / log N), n = offset + T the tokens the step's last query sees, N the trained
+        context. As n grows past N, more and more old tokens share one softmax (all of them at one
+        distance with far positions) and it flattens; the factor keeps its entropy near what the
+        model saw in training ("log-n" attention scaling, e.g. Chiang & Cholak 2022, SSMax).
+        docs/QUALITY.md, "Length scaling": found a pass key that the cap alone lost."""
+        if not self.length_ctx:
+            return self.scale
+        return self.scale * max(1.0, math.log(self.offset + T) / math.log(self.length_ctx))
+
     # ---- attention ----------------------------------------------------------------------------
     def attend(self, layer, q, k, v):
         """q [T, Hq, hd], k, v [T, Hkv, hd] at positions offset.. -> [T, Hq, hd]. Stages k, v."""
         T = q.shape[0]
         self._staged[layer] = (k, v)
-        qs = q.float() * self.scale
+        qs = q.float() * self._q_scale(T)
         if (T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W
                 and not self.max_select):   # (the one-call steps select by tau alone)
             if self.n_encoded == self.n_store > 0:

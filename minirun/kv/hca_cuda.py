@@ -127,7 +127,7 @@ class HCACacheCUDA(HCACache):
         self._staged[layer] = (k, v)
         if T == 1 and self.mode == "hca" and self.n_store > 0:   # (a short ring: its dead slots masked)
             return self._decode_step(layer, q, k, v)
-        qs = q.float() * self.scale
+        qs = q.float() * self._q_scale(T)
         qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
         o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)   # torch, on the device
         n = self.n_store
@@ -151,7 +151,7 @@ class HCACacheCUDA(HCACache):
         if far:
             self._far_angles(ds)
         with ds.session() as L:
-            qs, qf = ds.prep(L, q[0], k[0], v[0], self.scale, self._ekx[layer, :, S + W], self._evx[layer, :, S + W],
+            qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W], self._evx[layer, :, S + W],
                              far, 0.0 < self.tau < 1.0)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
             # queued before the host waits: the GPU runs these while the host sums values
