@@ -185,7 +185,8 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
              prompt_tokens: int = 3072, positions: int = 256, lengths=(1024, 2048, 4096, 8000),
              depths=(0.1, 0.5, 0.9), trials: int = 2, tau: float = 0.9, window: int = 256, sinks: int = 16,
              dtype: str = "float32", key_store: str = "codebook", centroids: int | None = None, threads=None,
-             seed: int = 0, far_positions: str = "off", max_select: int | None = None, log=print) -> dict:
+             seed: int = 0, far_positions: str = "off", max_select: int | None = None, length_scale: str = "off",
+             log=print) -> dict:
     """Dense, then HCA at each budget, on the same token ids; one engine loaded at a time.
 
     ids: the evaluation text's tokens (perplexity on ids[:ppl_tokens]; agreement after the prompt
@@ -201,7 +202,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
     modes = [None] + list(budgets)
     settings = {"model": str(model), "tau": tau, "window": window, "sinks": sinks, "dtype": dtype,
                 "key_store": key_store, "centroids": centroids, "far_positions": far_positions,
-                "max_select": max_select, "ppl_tokens": ppl_tokens, "prompt_tokens": prompt_tokens,
+                "max_select": max_select, "length_scale": length_scale, "ppl_tokens": ppl_tokens, "prompt_tokens": prompt_tokens,
                 "positions": positions, "lengths": list(lengths), "depths": list(depths), "trials": trials,
                 "threads": torch.get_num_threads() if threads is None else threads}
     rows, ref_logits = [], None
@@ -209,7 +210,8 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
         name = mode_name(budget)
         kw = dict(kv="dense") if budget is None else {**dict(kv="hca", tau=tau, window=window, sinks=sinks,
                                                              key_store=key_store, centroids=centroids,
-                                                             far_positions=far_positions, max_select=max_select),
+                                                             far_positions=far_positions, max_select=max_select,
+                                                             length_scale=length_scale),
                                                       **hca_setting(budget)}
         eng = Engine.load(model, device="cpu", dtype=dtype, ctx=ctx, threads=threads, **kw)
         row: dict = {"mode": name, "seconds": {}}
@@ -288,7 +290,8 @@ def format_markdown(report: dict, data: str | None = None) -> str:
     parts = [f"tau {s['tau']}, window {s['window']}, sinks {s['sinks']}, {s['dtype']}, key store {s['key_store']}"
              + (f", {s['centroids']} centroids" if s.get("centroids") else "")
              + (f", far positions {s['far_positions']}" if s.get("far_positions", "off") != "off" else "")
-             + (f", at most {s['max_select']} tokens per head" if s.get("max_select") else "")]
+             + (f", at most {s['max_select']} tokens per head" if s.get("max_select") else "")
+             + (f", length scaling {s['length_scale']}" if s.get("length_scale", "off") != "off" else "")]
     if s.get("ppl_tokens"):
         parts.append(f"ppl over the first {s['ppl_tokens']} tokens")
     if s.get("positions"):

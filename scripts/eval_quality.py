@@ -82,6 +82,8 @@ def main(argv=None):
     ap.add_argument("--far-positions", default="off", choices=["auto", "on", "off"],
                     help="HCA: far positions (minirun/kv/far_positions.py)")
     ap.add_argument("--max-select", type=int, default=None, help="HCA: top tokens per head and step at most")
+    ap.add_argument("--length-scale", default="off", choices=["auto", "on", "off"],
+                    help="HCA: logits x log n / log(trained context) past it")
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--prompt-tokens", type=int, default=3072)
     ap.add_argument("--positions", type=int, default=256)
@@ -131,7 +133,7 @@ def main(argv=None):
                 depths=[float(x) for x in a.passkey_depths.split(",") if x.strip()], trials=a.trials,
                 tau=a.tau, window=a.window, sinks=a.sinks, dtype=a.dtype, key_store=a.key_store,
                 centroids=a.centroids, threads=a.threads, seed=a.seed, far_positions=a.far_positions,
-                max_select=a.max_select,
+                max_select=a.max_select, length_scale=a.length_scale,
                 log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True))
             r["data"] = source
             print(f"eval_quality: section {sec} took {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)

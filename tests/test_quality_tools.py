@@ -203,3 +203,18 @@ def test_eval_command_max_select(tiny_model_dir, capsys):
         ppl[cap] = r["rows"][1]["ppl"]
     assert ppl[None] != ppl["4"]
     assert "at most 4 tokens per head" in format_markdown(r)
+
+
+def test_eval_command_length_scale(tiny_model_dir, capsys):
+    """--length-scale reaches the HCA engines: recorded, named in the markdown, and past the trained
+    context (64 here) it changes the HCA row's perplexity."""
+    d = str(tiny_model_dir("gqa-untied", max_position_embeddings=64))
+    ppl = {}
+    for ls in ("off", "on"):
+        main(["eval", d, "--ppl-tokens", "300", "--positions", "0", "--passkey-lengths", "", "--window", "16",
+              "--sinks", "2", "--kv-budget", "0.5", "--far-positions", "on", "--length-scale", ls, "-o", "json"])
+        r = json.loads(capsys.readouterr().out)
+        assert r["settings"]["length_scale"] == ls
+        ppl[ls] = r["rows"][1]["ppl"]
+    assert ppl["off"] != ppl["on"]
+    assert "length scaling on" in format_markdown(r)
