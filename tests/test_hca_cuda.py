@@ -75,6 +75,21 @@ def gpu_engine(request, monkeypatch):
     return (lambda d, **kw: Engine.load(d, device="cuda", **kw)), contextlib.nullcontext
 
 
+def cpu_and_gpu_steps(gpu_engine, d, ids, kw, tokens=(3, 7, 12)):
+    """Prefill ids, then decode `tokens` one step each, on the CPU cache and on the GPU cache (its
+    selection sizes recorded) -> (CPU logits, GPU logits [len(tokens), V], the GPU engine)."""
+    load, ctx = gpu_engine
+    cpu = Engine.load(d, device="cpu", **kw)
+    cpu.prefill(ids)
+    want = torch.stack([cpu.step(t).reshape(-1) for t in tokens])
+    eng = load(d, **kw)
+    with ctx():
+        eng.prefill(ids)
+        eng.cache.record_selection = []
+        got = torch.stack([eng.step(t).reshape(-1).cpu() for t in tokens])
+    return want, got, eng
+
+
 def with_codebooks(tiny_model_dir, tmp_path, g, c, ids):
     """A copy of the tiny model with a codebook file fitted (on the CPU) from `ids`' keys."""
     src = tiny_model_dir("gqa-untied")
@@ -199,18 +214,11 @@ def test_far_positions_match_cpu(tiny_model_dir, gpu_engine, key_store, tau):
 def test_length_scale_matches_cpu(tiny_model_dir, gpu_engine):
     """--length-scale on past the trained context (64 here): the GPU cache scales its queries as
     the CPU cache does (decode_prep's scale and the prompt path): exact keys, tau 1, far positions."""
-    load, ctx = gpu_engine
     d = tiny_model_dir("gqa-untied", max_position_embeddings=64)
     ids = random_ids(100, seed=13)
     kw = dict(ctx=256, kv="hca", key_store="exact", tau=1.0, window=16, sinks=4, prefill_chunk=32,
               far_positions="on", length_scale="on")
-    cpu = Engine.load(d, device="cpu", **kw)
-    cpu.prefill(ids)
-    want = torch.stack([cpu.step(t).reshape(-1) for t in (3, 7, 12)])
-    eng = load(d, **kw)
-    with ctx():
-        eng.prefill(ids)
-        got = torch.stack([eng.step(t).reshape(-1).cpu() for t in (3, 7, 12)])
+    want, got, _ = cpu_and_gpu_steps(gpu_engine, d, ids, kw)
     off = Engine.load(d, device="cpu", **{**kw, "length_scale": "off"})
     off.prefill(ids)
     plain = torch.stack([off.step(t).reshape(-1) for t in (3, 7, 12)])
@@ -258,21 +266,13 @@ def test_max_select_matches_cpu(tiny_model_dir, gpu_engine, key_store):
     the top 6 store tokens of each head, on both backends. Exact keys: the same scores, so the
     same tokens (1e-4). Codebooks fitted on each side from the same keys: scores differ in the last
     bits, and a swap at the cap's edge is allowed to move a logit by more (argmax agreement)."""
-    load, ctx = gpu_engine
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(140, seed=10)
     kw = dict(ctx=256, kv="hca", key_store=key_store, tau=1.0, max_select=6, window=16, sinks=4,
               prefill_chunk=32, fit_min_tokens=48, centroids=32, groups=8)
     if key_store == "exact":
         kw.pop("groups"), kw.pop("centroids")
-    cpu = Engine.load(d, device="cpu", **kw)
-    cpu.prefill(ids)
-    want = torch.stack([cpu.step(t).reshape(-1) for t in (3, 7, 12)])
-    eng = load(d, **kw)
-    with ctx():
-        eng.prefill(ids)
-        eng.cache.record_selection = []
-        got = torch.stack([eng.step(t).reshape(-1).cpu() for t in (3, 7, 12)])
+    want, got, eng = cpu_and_gpu_steps(gpu_engine, d, ids, kw)
     n = eng.cache.n_store
     assert n > 100 and all(np.all(f <= 6 / (n - 3) + 1e-9) for f in eng.cache.record_selection)
     if key_store == "exact":
@@ -285,18 +285,10 @@ def test_max_select_below_tau_one_capped_in_the_histogram(tiny_model_dir, gpu_en
     """tau 0.9 with a cap: the GPU caps inside its selection histogram (whole bins from the top,
     kernels_cuda scores.cu zcut), the CPU by a sort: both keep top tokens, the GPU at most the cap
     and possibly fewer (the bin that would cross it is left out), so logits stay close."""
-    load, ctx = gpu_engine
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(140, seed=11)
     kw = dict(ctx=256, kv="hca", key_store="exact", tau=0.9, max_select=8, window=16, sinks=4, prefill_chunk=32)
-    cpu = Engine.load(d, device="cpu", **kw)
-    cpu.prefill(ids)
-    want = torch.stack([cpu.step(t).reshape(-1) for t in (3, 7, 12)])
-    eng = load(d, **kw)
-    with ctx():
-        eng.prefill(ids)
-        eng.cache.record_selection = []
-        got = torch.stack([eng.step(t).reshape(-1).cpu() for t in (3, 7, 12)])
+    want, got, eng = cpu_and_gpu_steps(gpu_engine, d, ids, kw)
     n = eng.cache.n_store                                      # (the steps' store sizes: n - 3 .. n - 1)
     sel = np.concatenate(eng.cache.record_selection)
     assert n > 100 and sel.max() <= 8 / (n - 3) + 1e-9 and sel.min() >= 1 / n - 1e-9
