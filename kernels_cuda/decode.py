@@ -156,6 +156,8 @@ class DecodeStep:
         self.num_sms, self.optin = be.device_info(device)
         if 2 * n_bins * 4 > self.optin - _SMEM_MARGIN:
             raise ValueError(f"n_bins={n_bins} does not fit in shared memory")
+        if not 2 <= d <= _ATT_THREADS or d % 2 or Hq > 65535:   # (attend_partial: a thread per element)
+            raise ValueError(f"head dim {d} (even, <= {_ATT_THREADS}) or Hq={Hq} (<= 65535) out of range")
         f32 = torch.float32
 
         def new(*shape, dtype=f32):

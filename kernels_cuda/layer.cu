@@ -45,7 +45,8 @@ __device__ __forceinline__ void rms_row(const float* xs, const typename Tag::S* 
                                         typename Tag::S* __restrict__ y, float* scratch) {
     float ss = 0.f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xs[i] * xs[i];
-    const float inv = 1.f / sqrtf(mr_block_sum(ss, scratch) / (float)D + eps);   // (IEEE, as torch.rsqrt on a CPU)
+    // IEEE 1/sqrt: as torch.rsqrt on a CPU; torch's GPU rsqrt (rsqrtf, <= 2 ulp) may differ in the last bit
+    const float inv = 1.f / sqrtf(mr_block_sum(ss, scratch) / (float)D + eps);
     for (int i = threadIdx.x; i < D; i += blockDim.x) y[i] = Tag::st(Tag::ld(w[i]) * Tag::rnd(xs[i] * inv));
 }
 

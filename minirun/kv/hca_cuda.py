@@ -165,7 +165,7 @@ class HCACacheCUDA(HCACache):
         if self._ds is None:
             self._ds = kcu_decode.DecodeStep(self.device, self.Hq, self.Hkv, self.hd, self.values.max_cap,
                                              self.S + self.W + 1, self.dtype)
-            self._stage_dev = torch.zeros(self.Hq, self.hd + 2, device=self.device)
+            self._stage_dev = torch.zeros(self.Hq, self.hd + 2, dtype=torch.float32, device=self.device)
         return self._ds
 
     def _far_angles(self, ds):
@@ -244,7 +244,7 @@ class HCACacheCUDA(HCACache):
         host = self._pack_host[:pack.numel()]
         host.copy_(pack, non_blocking=self._gpu)
         if self._gpu:
-            self._sel_event.record()
+            self._sel_event.record(torch.cuda.current_stream(self.device))
         return host
 
     def _host_sum(self, L, ds, layer, host, w, zb, idx, n, cap, out=None):
