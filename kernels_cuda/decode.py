@@ -18,7 +18,8 @@ import numpy as np
 
 from . import _sources
 from .ops import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
-                  _i32, _i64, _THREADS, _SMEM_MARGIN, _tokens_per_block, _torch, launch_zcut, launch_zhist)
+                  _i32, _i64, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, launch_attend_partial,
+                  launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
 __all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged"]
 
@@ -162,8 +163,7 @@ class DecodeStep:
 
         def new(*shape, dtype=f32):
             return torch.zeros(shape, dtype=dtype, device=device)
-        nblk = max(_cdiv(max(capacity, 1), _tokens_per_block(max(capacity, 1), Hq, self.num_sms, lo=2048)),
-                   _cdiv(4 * self.num_sms, max(1, Hq))) + 1
+        nblk = max(_score_blocks(max(capacity, 1), Hq, self.num_sms)[1], _cdiv(4 * self.num_sms, max(1, Hq))) + 1
         self.qs, self.qf, self.cs = new(Hq, d), new(Hq, d), new(d)
         self.T = new(1)   # the LUT [Hq, g, c]: sized by the first codebooks scored
         self.part_m, self.part_l = new(Hq * nblk), new(Hq * nblk)
@@ -191,50 +191,29 @@ class DecodeStep:
     def scores(self, L, q, q2k, codebooks, P, n, z):
         """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32, P [Hkv, cap, g] codes (contiguous), z f32
         [Hq, >= n] (rows contiguous) <- approximate scores of the first n tokens; m, l <- their stats."""
-        Hq = self.Hq
         _, g, c, _ = codebooks.shape
-        total = Hq * g * c
-        if self.T.numel() != total:
-            self.T = _torch().empty((Hq, g, c), dtype=_torch().float32, device=self.device)
-        L.launch("pq.cu", "build_lut_f32", (min(_cdiv(total, _THREADS), 1 << 20),), (_THREADS,),
-                 (q, codebooks, q2k, self.T, _i32(Hq), _i32(self.d), _i32(g), _i32(c)))
-        tpb = _tokens_per_block(n, Hq, self.num_sms, lo=2048)
-        nblk = _cdiv(n, tpb)
-        smem = g * c * 4
-        use_smem = smem <= self.optin - _SMEM_MARGIN
-        isz = P.element_size()
-        vec16 = (g * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
-        kname = "approx_scores_u8" if P.element_size() == 1 else "approx_scores_i16"
-        L.launch("scores.cu", kname, (nblk, Hq), (_THREADS,),
-                 (self.T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), self.part_m, self.part_l, _i32(n), _i32(g),
-                  _i32(c), _i32(tpb), _i32(use_smem), _i32(vec16)), shared_mem=smem if use_smem else 0)  # fmt: skip
-        L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (self.part_m, self.part_l, _i32(nblk), self.m, self.l))
+        if tuple(self.T.shape) != (self.Hq, g, c):
+            self.T = _torch().empty((self.Hq, g, c), dtype=_torch().float32, device=self.device)
+        launch_build_lut(L, q, codebooks, q2k, self.T)
+        launch_approx_scores(L, self.T, P, q2k, z, n, self.part_m, self.part_l, self.m, self.l, self.num_sms,
+                             self.optin)
 
     def stats(self, L, z, n):
         """m, l <- the stats of z's first n columns (when some were scored outside `scores`)."""
-        tpb = _tokens_per_block(n, self.Hq, self.num_sms, lo=2048)
-        nblk = _cdiv(n, tpb)
-        L.launch("scores.cu", "zstats_partial", (nblk, self.Hq), (_THREADS,),
-                 (z, _i64(z.stride(0)), _i32(n), _i32(tpb), self.part_m, self.part_l))
-        L.launch("scores.cu", "ms_reduce", (self.Hq,), (_THREADS,),
-                 (self.part_m, self.part_l, _i32(nblk), self.m, self.l))
+        launch_zstats(L, z, n, self.part_m, self.part_l, self.m, self.l, self.num_sms)
 
     def select(self, L, z, n, tau, idx, cap=0):
         """threshold_select of z's first n columns on the stats in m, l (ops.threshold_select's
         semantics, cap included: 0 = none; the histograms zeroed by prep) -> counts [Hq]; idx
         int32 [Hq, >= n] rows <- the selected indices (first counts[h], unordered)."""
-        Hq, nb = self.Hq, self.n_bins
-        tpb = _tokens_per_block(n, Hq, self.num_sms, lo=2048)
-        nblk = _cdiv(n, tpb)
+        nb = self.n_bins
+        tpb, _ = _score_blocks(n, self.Hq, self.num_sms)
         mode = 1 if tau >= 1.0 else (2 if tau <= 0.0 else 0)
-        zr = np.float32(self.z_range)
         if mode == 0:
             launch_zhist(L, z, n, tpb, self.m, self.z_range, nb, self.hist, self.hcount, cap > 0)
         launch_zcut(L, self.hist, self.hcount, nb, tau, mode, self.m, self.l, self.cut, self.l_sel, self.counts,
                     cap if mode == 0 else 0)
-        L.launch("scores.cu", "zcompact", (nblk, Hq), (_THREADS,),
-                 (z, _i64(z.stride(0)), _i32(n), _i32(tpb), self.m, zr, _i32(nb), self.cut, idx, _i64(idx.stride(0)),
-                  self.counts))  # fmt: skip
+        launch_zcompact(L, z, n, tpb, self.m, self.z_range, nb, self.cut, idx, self.counts)
         return self.counts
 
     def pack_selection(self, L, idx, z, n, w, cap):
@@ -250,14 +229,9 @@ class DecodeStep:
         """attend_partial over K, V [Hkv, >= n, d] (rows contiguous) -> its nsplit partials into
         os / ms / ls [part0:]; returns part0 + nsplit. valid: uint8 [>= n] or None."""
         tps, nsplit = _attend_split(n, self.Hq, self.num_sms)
-        mask, has_mask = (valid, 1) if valid is not None else (q2k, 0)   # (any pointer when unused)
-        if mask is q2k:
-            mask = q2k.view(_torch().uint8)[:1]
-        smem = (self.d + _ATT_TILE + _ATT_THREADS) * 4
-        L.launch("attention.cu", "attend_partial_" + _KV_SUFFIX[str(K.dtype)], (nsplit, self.Hq), (_ATT_THREADS,),
-                 (q, K, _i64(K.stride(0)), _i64(K.stride(1)), V, _i64(V.stride(0)), _i64(V.stride(1)), q2k,
-                  mask, _i32(has_mask), _i32(n), _i32(self.d), _i32(tps), self.os[part0:], self.ms[part0:],
-                  self.ls[part0:]), shared_mem=smem)  # fmt: skip
+        mask, has_mask = (valid, 1) if valid is not None else (q2k.view(_torch().uint8)[:1], 0)  # (unread then)
+        launch_attend_partial(L, q, K, V, q2k, mask, has_mask, n, tps, nsplit, self.os[part0:], self.ms[part0:],
+                              self.ls[part0:])
         return part0 + nsplit
 
     def merge(self, L, P, stage):

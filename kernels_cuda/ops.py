@@ -232,6 +232,78 @@ def _attend_split(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
     return tps, _cdiv(n, tps)
 
 
+def _score_blocks(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
+    """(tokens per block, nblk) of the (nblk, Hq) grids over n scores (scores, stats, selection)."""
+    tpb = _tokens_per_block(n, Hq, num_sms, lo=2048)
+    return tpb, _cdiv(n, tpb)
+
+
+# ---------------------------------------------------------------------------
+# Launches without checks: the wrappers below and kernels_cuda.decode.DecodeStep share them
+# ---------------------------------------------------------------------------
+
+
+def launch_build_lut(L, q, codebooks, q2k, T):
+    """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32 (contiguous) -> T [Hq, g, c]."""
+    Hq, d = q.shape
+    _, g, c, _ = codebooks.shape
+    L.launch("pq.cu", "build_lut_f32", (min(_cdiv(Hq * g * c, _THREADS), 1 << 20),), (_THREADS,),
+             (q, codebooks, q2k, T, _i32(Hq), _i32(d), _i32(g), _i32(c)))
+
+
+def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin):
+    """z[:, :n] <- scores of T over codes P (rows contiguous), m, l <- their stats; part_m, part_l
+    hold >= Hq * nblk floats (_score_blocks)."""
+    Hq, g, c = T.shape
+    tpb, nblk = _score_blocks(n, Hq, num_sms)
+    smem = g * c * 4
+    use_smem = smem <= optin - _SMEM_MARGIN
+    isz = P.element_size()
+    vec16 = (g * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
+    L.launch("scores.cu", "approx_scores_u8" if isz == 1 else "approx_scores_i16", (nblk, Hq), (_THREADS,),
+             (T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c),
+              _i32(tpb), _i32(use_smem), _i32(vec16)), shared_mem=smem if use_smem else 0)  # fmt: skip
+    L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
+
+
+def launch_zstats(L, z, n, part_m, part_l, m, l, num_sms):
+    """m, l <- the softmax stats of z's first n columns (part_m, part_l as launch_approx_scores)."""
+    Hq = z.shape[0]
+    tpb, nblk = _score_blocks(n, Hq, num_sms)
+    L.launch("scores.cu", "zstats_partial", (nblk, Hq), (_THREADS,),
+             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), part_m, part_l))
+    L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
+
+
+def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count):
+    """zhist over z's first n columns (grid from tpb); hist [Hq, n_bins] f32 and hcount [Hq,
+    n_bins] int32 zeroed by the caller (hcount only written with_count)."""
+    Hq = z.shape[0]
+    L.launch("scores.cu", "zhist", (_cdiv(n, tpb), Hq), (_THREADS,),
+             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), hist, hcount,
+              _i32(with_count)), shared_mem=n_bins * 4 * (2 if with_count else 1))  # fmt: skip
+
+
+def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap):
+    L.launch("scores.cu", "zcut", (m.shape[0],), (_THREADS,),
+             (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts, hcount, _i32(cap)))
+
+
+def launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts):
+    L.launch("scores.cu", "zcompact", (_cdiv(n, tpb), z.shape[0]), (_THREADS,),
+             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), cut,
+              idx, _i64(idx.stride(0)), counts))  # fmt: skip
+
+
+def launch_attend_partial(L, q, K, V, q2k, mask, has_mask, n, tps, nsplit, o_p, m_p, l_p):
+    """attend_partial's nsplit partials (tps tokens each, _attend_split) into o_p, m_p, l_p."""
+    Hq, d = q.shape
+    L.launch("attention.cu", "attend_partial_" + _KV_SUFFIX[str(K.dtype)], (nsplit, Hq), (_ATT_THREADS,),
+             (q, K, _i64(K.stride(0)), _i64(K.stride(1)), V, _i64(V.stride(0)), _i64(V.stride(1)), q2k,
+              mask, _i32(has_mask), _i32(n), _i32(d), _i32(tps), o_p, m_p, l_p),
+             shared_mem=(d + _ATT_TILE + _ATT_THREADS) * 4)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------
 # 1. build_lut
 # ---------------------------------------------------------------------------
@@ -254,9 +326,8 @@ def build_lut(q, codebooks, q_to_kv):
     total = Hq * g * c
     if total == 0:
         return T
-    grid = (min(_cdiv(total, _THREADS), 1 << 20),)
     with be.session(q.device) as L:
-        L.launch("pq.cu", "build_lut_f32", grid, (_THREADS,), (qf, cb, q2k, T, _i32(Hq), _i32(d), _i32(g), _i32(c)))
+        launch_build_lut(L, qf, cb, q2k, T)
     return T
 
 
@@ -282,11 +353,9 @@ def approx_scores(T, P, q_to_kv, n, out=None):
     if P.dtype == torch.uint8:
         if c > 256:
             raise ValueError(f"uint8 codes cannot address c={c} centroids")
-        kname = "approx_scores_u8"
     elif P.dtype == torch.int16:
         if c > 32768:
             raise ValueError("at most 32768 centroids")
-        kname = "approx_scores_i16"
     else:
         raise TypeError(f"P must be uint8 or int16, got {P.dtype}")
     n = int(n)
@@ -308,24 +377,13 @@ def approx_scores(T, P, q_to_kv, n, out=None):
     if P.stride(2) != 1 or P.stride(1) != g:
         P = P.contiguous()
     num_sms, optin = be.device_info(T.device)
-    tpb = _tokens_per_block(n, Hq, num_sms, lo=2048)
-    nblk = _cdiv(n, tpb)
+    _, nblk = _score_blocks(n, Hq, num_sms)
     part_m = be.empty((Hq, nblk), torch.float32, T.device)
     part_l = be.empty((Hq, nblk), torch.float32, T.device)
     m = be.empty((Hq,), torch.float32, T.device)
     l = be.empty((Hq,), torch.float32, T.device)
-    smem = g * c * 4
-    use_smem = smem <= optin - _SMEM_MARGIN
-    isz = P.element_size()
-    vec16 = (g * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
     with be.session(T.device) as L:
-        L.launch(
-            "scores.cu", kname, (nblk, Hq), (_THREADS,),
-            (Tc, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), part_m, part_l,
-             _i32(n), _i32(g), _i32(c), _i32(tpb), _i32(use_smem), _i32(vec16)),
-            shared_mem=smem if use_smem else 0,
-        )  # fmt: skip
-        L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
+        launch_approx_scores(L, Tc, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin)
     return z, (m, l)
 
 
@@ -389,8 +447,7 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
     num_sms, optin = be.device_info(dev)
     if n_bins * 4 * (2 if cap else 1) > optin - _SMEM_MARGIN:
         raise ValueError(f"n_bins={n_bins} does not fit in shared memory")
-    tpb = _tokens_per_block(n, Hq, num_sms, lo=2048)
-    nblk = _cdiv(n, tpb)
+    tpb, nblk = _score_blocks(n, Hq, num_sms)
     mode = 1 if tau >= 1.0 else (2 if tau <= 0.0 else 0)
     cut = be.empty((Hq,), torch.int32, dev)
     l_sel = be.empty((Hq,), torch.float32, dev)
@@ -401,9 +458,7 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
             part_l = be.empty((Hq, nblk), torch.float32, dev)
             m = be.empty((Hq,), torch.float32, dev)
             l_all = be.empty((Hq,), torch.float32, dev)
-            L.launch("scores.cu", "zstats_partial", (nblk, Hq), (_THREADS,),
-                     (z, _i64(z.stride(0)), _i32(n), _i32(tpb), part_m, part_l))  # fmt: skip
-            L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l_all))
+            launch_zstats(L, z, n, part_m, part_l, m, l_all, num_sms)
         else:
             m, l_all = stats
             for t, w in ((m, "stats m"), (l_all, "stats l")):
@@ -418,24 +473,8 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
             hists.zero_()
             launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, capped)
         launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap if capped else 0)
-        L.launch("scores.cu", "zcompact", (nblk, Hq), (_THREADS,),
-                 (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), cut,
-                  idx, _i64(idx.stride(0)), counts))  # fmt: skip
+        launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts)
     return idx, counts, m, l_sel
-
-
-def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count):
-    """zhist over z's first n columns (grid from tpb); hist [Hq, n_bins] f32 and hcount [Hq,
-    n_bins] int32 zeroed by the caller (hcount only written with_count)."""
-    Hq = z.shape[0]
-    L.launch("scores.cu", "zhist", (_cdiv(n, tpb), Hq), (_THREADS,),
-             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), hist, hcount,
-              _i32(with_count)), shared_mem=n_bins * 4 * (2 if with_count else 1))  # fmt: skip
-
-
-def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap):
-    L.launch("scores.cu", "zcut", (m.shape[0],), (_THREADS,),
-             (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts, hcount, _i32(cap)))
 
 
 # ---------------------------------------------------------------------------
@@ -493,12 +532,8 @@ def attend_exact(q, K, V, q_to_kv, n, valid=None):
         o_p = be.empty((nsplit, Hq, d), torch.float32, dev)
         m_p = be.empty((nsplit, Hq), torch.float32, dev)
         l_p = be.empty((nsplit, Hq), torch.float32, dev)
-    smem = (d + _ATT_TILE + _ATT_THREADS) * 4
     with be.session(dev) as L:
-        L.launch("attention.cu", "attend_partial_" + _KV_SUFFIX[str(K.dtype)], (nsplit, Hq), (_ATT_THREADS,),
-                 (qf, K, _i64(K.stride(0)), _i64(K.stride(1)), V, _i64(V.stride(0)), _i64(V.stride(1)), q2k,
-                  mask, _i32(has_mask), _i32(n), _i32(d), _i32(tps), o_p, m_p, l_p),
-                 shared_mem=smem)  # fmt: skip
+        launch_attend_partial(L, qf, K, V, q2k, mask, has_mask, n, tps, nsplit, o_p, m_p, l_p)
         if nsplit > 1:
             L.launch("attention.cu", "lse_merge_f32", (Hq,), (_MERGE_THREADS,),
                      (o_p, m_p, l_p, _i32(nsplit), _i32(Hq), _i32(d), o, m, l))  # fmt: skip
