@@ -23,6 +23,7 @@ from kernels_cpu import fastscan as fs
 from .. import hugepages
 from .attention import merge, partial_attention
 from .base import KVCache
+from .hca_cpu_step import OneCallSteps
 from .codebooks import Codebooks, codebook_filename
 from .far_positions import FarFrame, default_far_distance, far_positions_on
 from .hca_layout import HCALayout, fast_scan, resolve_layout
@@ -31,7 +32,7 @@ from .store import ColumnBuffer, GrowingBuffer
 
 
 
-class HCACache(KVCache):
+class HCACache(OneCallSteps, KVCache):
     """See the module docstring. CPU backend: torch for the exact part, Numba kernels for the rest."""
     uses_levels = True    # keeps the level scratch of the CPU selection (kernels_cpu.level_select)
 
@@ -181,57 +182,6 @@ class HCACache(KVCache):
         o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
         return o.to(q.dtype)
 
-    def _attend_decode_step(self, layer, qs, k, v):
-        """The common decode step (full ring, encoded store) in one kernel call: sinks + ring
-        exactly, the new token itself, and the selected store tokens, merged by log-sum-exp."""
-        n = self.n_store
-        if self._fast_scan:
-            return self._attend_fast_scan_step(layer, qs, k, v)
-        cbt = self._codebooks_t()[layer]                          # (also makes the self._lut scratch)
-        # nibble pairs without fast scan encode no ring key ahead: their codes come from the
-        # factors, in _encode
-        cnorm = None if self.layout.pairs else self._codebook_norms()[layer]   # (also makes self._pending)
-        slot = None if self.layout.pairs or self.far else self._encode_ahead_slot()
-        encode = None if slot is None else (slot, cnorm, self._pending[layer])
-        PT, V, z, sel, lev = self._decode_views(layer)
-        q, kn, EK = self._step_inputs(layer, qs, k)
-        o = kc.hca_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, cbt, PT, n,
-                                 V, self.tau, self.q_to_kv, self._packed, self._lut, z, sel, self._counts,
-                                 encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid())
-        return self._step_done(layer, o, encode is not None)
-
-    def _attend_fast_scan_step(self, layer, qs, k, v):
-        """_attend_decode_step for nibble-pair codes on a CPU with AVX2 (kernels_cpu.fastscan)."""
-        F, fnorm = self._factors()
-        slot = None if self.far else self._encode_ahead_slot()
-        encode = None if slot is None else (slot, self._pending[layer])
-        PT, V, z, sel, lev = self._decode_views(layer)
-        q, kn, EK = self._step_inputs(layer, qs, k)
-        o = fs.hca_decode_attend_fs(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, F[layer],
-                                    PT, self.n_store, V, self.tau, self.q_to_kv, self._fs_lut, z, sel, self._counts,
-                                    fnorm=fnorm[layer], encode=encode, levels=(lev, self._hist),
-                                    exact_valid=self._exact_valid())
-        return self._step_done(layer, o, encode is not None)
-
-    def _encode_ahead_slot(self) -> int | None:
-        """The slot of the ring token that leaves the ring next, whose codes the decode steps encode
-        ahead (into self._pending, one layer at a time), or None while the ring refills (none leaves)."""
-        if not self._ring_full():
-            return None
-        pos = self.S + self.n_store
-        if pos != self._pending_pos:
-            self._pending_pos = pos
-            self._pending_done[:] = False
-        return self.S + self.n_store % self.W
-
-    def _step_done(self, layer, o, encoded: bool) -> torch.Tensor:
-        """After a one-call step: its encode-ahead marked done, its selection recorded; -> [1, Hq, hd]."""
-        if encoded:
-            self._pending_done[layer] = True
-        if self.record_selection is not None:
-            self.record_selection.append(self._counts / self.n_store)
-        return torch.from_numpy(o)[None]
-
     def _factors(self) -> tuple[np.ndarray, np.ndarray]:
         """Nibble pairs: the 16-centroid factor codebooks transposed, [L, Hkv, G, ds, 16] f32, and
         their norms [L, Hkv, G, 16] (made once per codebook set, with the fast-scan step's scratch
@@ -243,28 +193,6 @@ class HCACache(KVCache):
             self._hist = kc.level_hist(self.Hq) if self._hist is None else self._hist
             self._new_pending()
         return self._fs[1], self._fs[2]
-
-    def _attend_exact_keys_step(self, layer, qs, k, v):
-        """The decode step of a store of exact keys (the 50% preset) in one kernel call
-        (kernels_cpu.exact_step): each store key read once, only the selected values."""
-        n = self.n_store
-        if self._hist is None:
-            self._hist = kc.level_hist(self.Hq)
-        K = self.exact_keys.view(layer, self.exact_keys.cap).numpy()    # full-capacity views: contiguous
-        V = self.values.view(layer, self.values.cap).numpy()
-        z = self.z.data[..., 0].numpy()
-        q, kn, EK = self._step_inputs(layer, qs, k)
-        o = kc.hca_exact_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, K, n,
-                                       V, self.tau, self.q_to_kv, self._lanes, z, self._hist, self._counts,
-                                       exact_valid=self._exact_valid())
-        return self._step_done(layer, o, False)
-
-    def _step_inputs(self, layer, qs, k):
-        """The one-call steps' query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
-        (numpy); with far positions FarFrame.step_inputs' far query and turned ring."""
-        if not self.far:
-            return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
-        return self.far.step_inputs(qs, k, self._ek_np[layer], self.ek[layer], self.S, self.offset)
 
     def _ring_full(self) -> bool:
         """The ring holds W tokens (every position from S + n_store up to offset): the next token
@@ -281,21 +209,6 @@ class HCACache(KVCache):
         if self._live_slots is None:
             self._live_slots = (self.slot_pos >= 0).numpy().astype(np.uint8)
         return self._live_slots
-
-    def _decode_views(self, layer: int) -> tuple:
-        """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
-        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap]. Made again only when a buffer
-        was reallocated (grown), not five times per layer and step."""
-        bufs = (self.indices, self.values, self.z, self.sel, self.lev)
-        key = tuple(b.data.data_ptr() for b in bufs)
-        hit = self._views.get(layer)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        cap = self.values.cap
-        views = (self.indices.view(layer, cap).numpy(), self.values.view(layer, cap).numpy(),
-                 self.z.data[..., 0].numpy(), self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16))
-        self._views[layer] = (key, views)
-        return views
 
     def _codebook_copy_bytes(self) -> int:
         """The CPU kernels' copies of the current codebooks: the transposed layout of the LUT kernel,
