@@ -65,6 +65,14 @@ def compare_logits(ref: torch.Tensor, out: torch.Tensor) -> dict:
             "mean_kl": float(kl.mean()), "max_kl": float(kl.max())}
 
 
+def continuation_ppl(logits: torch.Tensor, continuation: list[int]) -> float:
+    """exp(mean NLL) of the true continuation under teacher_forced_logits' rows (row i predicts
+    continuation[i]): past the trained context, where dense attention is no reference, the measure
+    that says which mode reads the long prompt best."""
+    nll = F.cross_entropy(logits.float(), torch.tensor(continuation[:logits.shape[0]]), reduction="mean")
+    return float(torch.exp(nll))
+
+
 def agreement(ref, eng, prompt: list[int], continuation: list[int]) -> dict:
     """Teacher forcing: top-1 agreement and mean KL(ref || eng) over the len(continuation) positions
     after the prompt. ref: the reference Engine (dense), or its `teacher_forced_logits` already
@@ -228,7 +236,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
             t0 = time.perf_counter()
             prompt, cont = ids[:prompt_tokens], ids[prompt_tokens:prompt_tokens + positions]
             if budget is None:
-                ref_logits = teacher_forced_logits(eng, prompt, cont)
+                ref_logits = out = teacher_forced_logits(eng, prompt, cont)
             else:
                 sel: dict = {}
                 out = teacher_forced_logits(eng, prompt, cont, selection=sel)
@@ -238,6 +246,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
                     row["selected_fraction_by_head"] = [[round(float(x), 4) for x in r] for r in sel["fraction"]]
                     row["store_tokens"] = [max(0, prompt_tokens - sinks - window),
                                            max(0, prompt_tokens + positions - 1 - sinks - window)]
+            row["cont_ppl"] = continuation_ppl(out, cont)
             row["seconds"]["agreement"] = round(time.perf_counter() - t0, 1)
         if lengths:
             log(f"eval: {name}: passkey {list(lengths)} x {list(depths)} x {trials}")
@@ -299,8 +308,8 @@ def format_markdown(report: dict, data: str | None = None) -> str:
     if s.get("lengths"):
         parts.append(f"passkey lengths {s['lengths']} x depths {s['depths']} x {s['trials']} trials")
     lines += ["settings: " + "; ".join(parts), "",
-              "| mode | ppl | vs dense | top-1 agreement | mean KL (nats) | max KL | passkey (all cells) | codebooks | seconds |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| mode | ppl | vs dense | continuation ppl | top-1 agreement | mean KL (nats) | max KL | passkey (all cells) | codebooks | seconds |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ppl = r.get("ppl")
         rel = f"{100 * (ppl / dense['ppl'] - 1):+.2f}%" if ppl and dense and dense.get("ppl") and r is not dense else "-"
@@ -308,7 +317,7 @@ def format_markdown(report: dict, data: str | None = None) -> str:
         acc = f"{sum(c['accuracy'] * c['trials'] for c in pk):g}/{sum(c['trials'] for c in pk)}" if pk else "-"
         agree = r.get("top1_agreement")
         secs = ", ".join(f"{k} {v:g}" for k, v in r.get("seconds", {}).items())
-        lines.append(f"| {r['mode']} | {_fmt(ppl, '.3f')} | {rel} | {'-' if agree is None else f'{100 * agree:.1f}%'} | "
+        lines.append(f"| {r['mode']} | {_fmt(ppl, '.3f')} | {rel} | {_fmt(r.get('cont_ppl'), '.3f')} | {'-' if agree is None else f'{100 * agree:.1f}%'} | "
                      f"{_fmt(r.get('mean_kl'), '.4f')} | {_fmt(r.get('max_kl'), '.3f')} | {acc} | {r['codebooks']} | {secs} |")
     pk_rows = [r for r in rows if r.get("passkey")]
     if pk_rows:

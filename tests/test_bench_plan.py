@@ -38,11 +38,12 @@ def test_smollm2_bytes_per_tier_at_4m():
     assert t["key store"] == (2 * L * Hkv * 16 * n_store, "device")             # g = d/4 = 16 int16 indices
     assert 2 * L * Hkv * 16 == 2880 == 23040 // 8                               # exactly the 12.5% preset
     assert t["value pool"] == (2 * L * Hkv * d * n_store, "host")               # float16 values
-    assert t["sinks+ring K+V"] == (4 * L * Hkv * d * 272, "device")
+    assert t["sinks+ring K+V"] == (4 * L * Hkv * d * 273, "device")               # + the GPU step's spare row
     assert t["codebooks"] == (L * Hkv * 16 * 1024 * 4 * 4, "device")            # g x c centroids of d/g f32
     assert t["scratch"] == (Hq * n_store * 8, "device")                         # f32 score + i32 index
     t_cpu = plan(a, EngineConfig(kv="hca", kv_budget=0.125, dtype="bfloat16", ctx=M4, device="cpu")).tiers
     assert t_cpu["scratch"] == (Hq * n_store * 10, "device")                    # + u16 level (CPU)
+    assert t_cpu["sinks+ring K+V"] == (4 * L * Hkv * d * 272, "device")
     # the CPU kernels also hold the codebooks transposed and their norms, and a fixed decode scratch
     assert t_cpu["codebooks"] == (2 * L * Hkv * 16 * 1024 * 4 * 4 + L * Hkv * 16 * 1024 * 4, "device")
     import numba
@@ -77,7 +78,7 @@ def test_llama3_8b_bytes_per_tier_at_4m():
     assert t["key store"] == (2 * L * Hkv * 32 * n_store, "device")             # 16 KiB per token = 1/8
     assert 2 * L * Hkv * 32 == 16 * KiB
     assert t["value pool"] == (2 * L * Hkv * d * n_store, "host")               # 64 KiB per token
-    assert t["sinks+ring K+V"] == (4 * L * Hkv * d * 272, "device")             # 34 MiB
+    assert t["sinks+ring K+V"] == (4 * L * Hkv * d * 273, "device")             # 34 MiB (272 + the spare row)
     assert t["codebooks"] == (L * Hkv * 32 * 1024 * 4 * 4, "device")            # 128 MiB
     assert t["scratch"] == (Hq * n_store * 8, "device")
     assert t[PREFILL_KEYS] == (4 * L * Hkv * d * 65264, "host")                 # 128 KiB/token f32: ~8 GiB
@@ -244,7 +245,7 @@ def test_plan_bare_llama3_config(tmp_path, capsys, monkeypatch):
     assert tiers["value pool"]["bytes"] == 64 * KiB * n_store and tiers["value pool"]["where"] == "host"
     assert tiers["value pool"]["bytes_per_token"] == 64 * KiB and tiers["weights"]["bytes_per_token"] is None
     assert tiers[PREFILL_KEYS]["transient"] and not tiers["key store"]["transient"]
-    dev = (2 * 8_030_261_248 + 16 * KiB * n_store + 32 * 8 * 128 * 4 * 272 + 32 * 8 * 32 * 1024 * 16
+    dev = (2 * 8_030_261_248 + 16 * KiB * n_store + 32 * 8 * 128 * 4 * 273 + 32 * 8 * 32 * 1024 * 16
            + 32 * n_store * 8 + 128 * KiB * 2032)
     assert r["device_bytes"] == dev and r["host_bytes"] == 64 * KiB * n_store + 128 * KiB * 65264
     # 4M tokens: 15 GiB weights + 64 GiB keys + 0.5 GiB scratch... > 80 GiB of GPU memory

@@ -16,6 +16,7 @@ Tolerances (float32 model):
                                1/64-wide histogram bin (kernels_cuda README), so sets may differ
 """
 import contextlib
+import dataclasses
 import shutil
 
 import numpy as np
@@ -314,6 +315,11 @@ def test_key_store_allocated_once_at_capacity(tiny_model_dir, gpu_engine):
     assert eng.cache.n_store > 250 and eng.cache.indices.data.data_ptr() == first.data_ptr()
     key_store = plan(eng.args, eng.config).tiers["key store"][0]
     assert eng.cache.stats()["device_keys_bytes"] == key_store == eng.cache.indices.nbytes
+    # the exact tier as allocated, its spare row (the decode step's token) included, is the GPU plan's
+    ring = plan(eng.args, dataclasses.replace(eng.config, device="cuda")).tiers["sinks+ring K+V"][0]
+    ekx = eng.cache._ekx
+    assert eng.cache.stats()["device_ring_sinks_bytes"] == ring == 2 * ekx.numel() * ekx.element_size()
+    assert ekx.shape[2] == 4 + 16 + 1
 
 
 @pytest.mark.skipif(HAVE_GPU or not HAVE_GXX, reason="emulator launch log (CPU only)")

@@ -9,7 +9,7 @@ from minirun import Engine
 from minirun.calibrate import builtin_text, calibrate, collect_keys, read_text
 from minirun.cli import main
 from minirun.errors import CheckpointError
-from minirun.evaluate import (agreement, check_targets, format_markdown, passkey, passkey_prompt, perplexity,
+from minirun.evaluate import (agreement, check_targets, continuation_ppl, format_markdown, passkey, passkey_prompt, perplexity,
                               teacher_forced_logits)
 
 QUIET = dict(progress=False, log=lambda s: None)
@@ -122,6 +122,22 @@ def test_evaluation_functions_are_sane(tiny_model_dir):
     assert [r["answers"] for r in passkey(exact, [80, 120], [0.0, 1.0], trials=2)] == [r["answers"] for r in rows]
 
 
+def test_continuation_ppl_is_the_true_tokens_perplexity(tiny_model_dir):
+    """continuation_ppl: exp(mean NLL) of the tokens the rows predict (row i -> continuation[i]);
+    an exact-key HCA cache at tau 1 gives dense's figure, a uniform row gives the vocabulary size."""
+    d = tiny_model_dir("gqa-untied")
+    prompt, cont = ids_of(200), ids_of(30, seed=1)
+    dense = teacher_forced_logits(Engine.load(d, device="cpu", ctx=512), prompt, cont)
+    lp = torch.log_softmax(dense.double(), -1)
+    want = float(torch.exp(-lp[torch.arange(30), torch.tensor(cont)].mean()))
+    assert continuation_ppl(dense, cont) == pytest.approx(want, rel=1e-5)
+    exact = Engine.load(d, device="cpu", ctx=512, kv="hca", key_store="exact", tau=1.0, window=16, sinks=2)
+    assert continuation_ppl(teacher_forced_logits(exact, prompt, cont), cont) == pytest.approx(want, rel=1e-4)
+    assert continuation_ppl(torch.zeros(30, 300), cont) == pytest.approx(300, rel=1e-5)
+    shifted = continuation_ppl(dense[1:], cont[1:])                 # rows paired with other tokens differ
+    assert shifted != pytest.approx(continuation_ppl(dense[:-1], cont[1:]), rel=1e-3)
+
+
 def test_passkey_prompt_places_the_key_and_splits_at_the_question(tiny_model_dir):
     eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=512)
     for depth in (0.0, 0.5, 1.0):
@@ -140,6 +156,7 @@ def test_eval_command_runs_small_grid(tiny_model_dir, capsys):
     r = json.loads(capsys.readouterr().out)
     assert [row["mode"] for row in r["rows"]] == ["dense", "hca 0.5"]
     assert r["rows"][1]["top1_agreement"] >= 0.9 and r["rows"][0]["ppl"] > 1
+    assert all(row["cont_ppl"] > 1 for row in r["rows"])        # the continuation's perplexity, every mode
     assert len(r["rows"][1]["selected_fraction_by_layer"]) == 2
     md = format_markdown(r, data=r["data"])
     assert "| hca 0.5 |" in md and "Passkey accuracy per cell" in md

@@ -333,6 +333,7 @@ class HCACacheCUDA(HCACache):
     def stats(self) -> dict:
         s = super().stats()
         s.pop("total_bytes")
+        s["device_ring_sinks_bytes"] = 2 * self._ekx.numel() * self._ekx.element_size()   # (+ the spare row)
         s["prefill_values_bytes"] = self.prefill_values.nbytes + (
             self.anchor_v.numel() * self.anchor_v.element_size() if self.anchor_v is not None else 0)
         pack = self._pack_host.numel() * 4 if self._pack_host is not None else 0

@@ -77,8 +77,9 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     n_exact = cfg.sinks + cfg.window
     n_store = max(0, ctx - n_exact)
     key_bytes = hd * EXACT_KEY_ELEM if lay.exact_keys else lay.groups * lay.index_bytes
+    # (on a GPU the exact tier has one spare row per layer and kv-head: the decode step's own token)
     tiers = {
-        "sinks+ring K+V": (2 * L * Hkv * n_exact * hd * e, "device"),
+        "sinks+ring K+V": (2 * L * Hkv * (n_exact + (0 if on_cpu(cfg) else 1)) * hd * e, "device"),
         "key store": (L * Hkv * n_store * key_bytes, "device"),
         "value pool": (L * Hkv * n_store * hd * value_elem_bytes(cfg.dtype), "host"),
         # per-step scratch: approximate scores [Hq, n] f32 and selected indices [Hq, n] int32, and
