@@ -111,7 +111,7 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
         messages.append({"role": "user", "content": line})
         try:
             ids = eng.chat_prompt(messages)
-            text, interrupted = "", False
+            text, interrupted, raised = "", False, False
             try:
                 with stop_on_sigint() as stopped:
                     for piece in eng.stream(ids, max_new_tokens=max_tokens, progress=_progress_bar("prompt"),
@@ -120,15 +120,16 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
                         click.echo(piece, nl=False)
                 interrupted = eng.last_result.finish_reason == "cancelled"
             except KeyboardInterrupt:          # a second Ctrl-C, or one in a step that never ends
-                interrupted = True
+                interrupted = raised = True
             if interrupted:
                 click.echo(" [interrupted]", nl=False)
             click.echo()
             messages.append({"role": "assistant", "content": text})
             r = getattr(eng, "last_result", None)
-            if r is not None and not interrupted:
+            if r is not None and not raised:   # (a stopped answer too: its speed so far, as llama.cpp prints)
                 click.echo(f"[prompt {r.prompt_tokens} tok ({r.reused_tokens} cached), {r.prefill_tps:.1f} tok/s | "
-                           f"answer {len(r.tokens)} tok, {r.decode_tps:.1f} tok/s]", err=True)
+                           f"answer {len(r.tokens)} tok{' (stopped)' if interrupted else ''}, "
+                           f"{r.decode_tps:.1f} tok/s]", err=True)
             if kv_report:
                 click.echo(kv_report_line(eng), err=True)
         except MiniRunError as e:

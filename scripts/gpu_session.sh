@@ -134,8 +134,9 @@ EOF
         smi=$!
     fi
     timer=(); [ -x /usr/bin/time ] && timer=(/usr/bin/time -v)    # peak host memory (max RSS)
+    # SIGINT at the limit stops the answer as Ctrl-C does: its tokens and decode speed so far still print
     printf 'What is the pass key mentioned in the text? Answer with the number only.\n' |
-        "${timer[@]}" timeout 570 $PY -m minirun chat "$MODEL" --ctx "$CTX" --file "$KEEP/book4m.txt" --kv hca \
+        "${timer[@]}" timeout -s INT -k 20 "${CHAT_LIMIT:-560}" $PY -m minirun chat "$MODEL" --ctx "$CTX" --file "$KEEP/book4m.txt" --kv hca \
             --kv-budget "$KV_BUDGET" --far-positions on ${MAX_SELECT:+--max-select "$MAX_SELECT"} \
             ${LENGTH_SCALE:+--length-scale "$LENGTH_SCALE"} \
             --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 2>&1 | tr '\r' '\n' | tee "$OUT/4m.log"

@@ -112,6 +112,8 @@ def test_chat_ctrl_c_returns_to_prompt(tiny_model_dir):
     assert p.returncode == 0, err
     assert "[interrupted]" in out
     assert "Traceback" not in err
+    stats = [ln for ln in err.splitlines() if ln.startswith("[prompt ")]
+    assert len(stats) == 1 and " tok (stopped), " in stats[0] and stats[0].endswith(" tok/s]")   # its speed so far
 
 
 def test_kv_budget_takes_presets_and_explicit_codebooks(tiny_model_dir, capsys):
