@@ -127,7 +127,7 @@ def build(file: str) -> ctypes.CDLL:
 
 
 # ---------------------------------------------------------------------------
-# Backend with the interface of ops._CupyBackend
+# Backend with the interface of launch._CupyBackend
 # ---------------------------------------------------------------------------
 
 _PTR_DTYPES = {
@@ -288,12 +288,12 @@ class EmuBackend:
 
 @contextlib.contextmanager
 def emulated(**kw):
-    """Route kernels_cuda.ops launches to the CPU emulator inside the block."""
-    from . import ops
+    """Route kernels_cuda launches (ops, decode, layer) to the CPU emulator inside the block."""
+    from . import launch
 
     be = EmuBackend(**kw)
-    prev = ops._set_backend(be)
+    prev = launch._set_backend(be)
     try:
         yield be
     finally:
-        ops._set_backend(prev)
+        launch._set_backend(prev)

@@ -3,7 +3,7 @@
 On an H100 a decode step of SmolLM2 was bound by the host: ~10 kernels_cuda wrappers (argument
 checks, torch allocations, a stream session each) and ~20 torch ops per layer and token
 (docs/BENCHMARKS.md, twelfth session). `DecodeStep` allocates every output and temporary once,
-launches the scoring and selection kernels of ops.py directly (same geometry helpers), and adds the
+launches the scoring and selection kernels through launch.py's helpers (as ops.py does), and adds the
 three kernels of decode.cu that replace torch glue: the step's query preparation (+ the new token
 staged into the exact tier's spare row, + the histogram zeroed), the copy-back pack, and the merge
 with the host's staged part written in the model's dtype.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _sources
-from .ops import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
+from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
                   _i32, _i64, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, launch_attend_partial,
                   launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 

@@ -11,7 +11,7 @@ tests/test_kernels_cuda_layer.py.
 from __future__ import annotations
 
 from . import _sources
-from .ops import _backend, _cdiv, _i32, _i64, _torch
+from .launch import _backend, _cdiv, _i32, _i64, _torch
 
 __all__ = ["rms_norm", "add_rms_norm", "rope_", "silu_mul"]
 

@@ -23,7 +23,7 @@ from host_overhead import SMOLLM2_HEADS  # noqa: E402
 from profile_gpu_decode import emulated_gpu_cache  # noqa: E402
 
 from kernels_cuda import _emu  # noqa: E402
-from kernels_cuda import ops as kops  # noqa: E402
+from kernels_cuda import launch as klaunch  # noqa: E402
 from minirun import Engine, ops  # noqa: E402
 from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
 
@@ -76,7 +76,7 @@ def count_step(model, kv, layer_kernels, depth) -> tuple[int, int]:
                                                             force=True)
         eng.prefill(list(range(5, 5 + depth)))
         eng.step(7)                                  # first-step allocations
-        be = kops._backend()
+        be = klaunch._backend()
         be.launches.clear()
         rec = Record()
         be.launch = rec.around(be.launch)

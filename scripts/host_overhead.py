@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_gpu_decode import emulated_gpu_cache  # noqa: E402
 
-import kernels_cuda.ops as kops  # noqa: E402
+import kernels_cuda.launch as klaunch  # noqa: E402
 from minirun import Engine  # noqa: E402
 from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
 
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
         with torch.inference_mode():
             cache.attend(0, q, k, v)             # allocates the step's buffers; a real copy-back
     stub = StubLaunches()
-    prev = kops._set_backend(stub)
+    prev = klaunch._set_backend(stub)
     try:
         with torch.inference_mode():
             for _ in range(20):
@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
                     cache.attend(0, q, k, v)
                 us.append((time.perf_counter() - t0) / a.steps * 1e6)
     finally:
-        kops._set_backend(prev)
+        klaunch._set_backend(prev)
     us.sort()
     r = {"us_per_layer_step_min": us[0], "us_per_layer_step_median": us[len(us) // 2],
          "launches_per_layer_step": stub.launches / (a.reps * a.steps), "store_tokens": cache.n_store}

@@ -1,0 +1,296 @@
+"""The launch layer of kernels_cuda: backends, argument helpers, launch geometry, and one
+launch helper per kernel without argument checks.
+
+A backend compiles and launches (CuPy's RawModule on torch's current stream; the tests install
+kernels_cuda._emu's CPU emulator with `_set_backend`). The checked wrappers of ops.py and the
+decode step's persistent-buffer launches (decode.DecodeStep) both go through the `launch_*`
+helpers here, so each kernel's argument list is written once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import numpy as np
+
+from . import _sources
+
+_THREADS = 256
+_ENC_THREADS = _sources.constant("pq.cu", "MR_ENC_THREADS")
+_ENC_TOK = _sources.constant("pq.cu", "MR_ENC_TOK")
+_ATT_THREADS = _sources.constant("attention.cu", "MR_ATT_THREADS")
+_ATT_TILE = _sources.constant("attention.cu", "MR_ATT_TILE")
+_MERGE_THREADS = 128
+_SMEM_DEFAULT = 48 * 1024  # dynamic shared memory available without opting in
+_SMEM_MARGIN = 1024  # static __shared__ of every kernel here is < 1 KiB
+_MAX_GRID_YZ = 65535
+
+N_BINS = 2048  # threshold_select histogram bins
+Z_RANGE = 32.0  # histogram covers [m - Z_RANGE, m]; lower scores share bin 0
+_KV_SUFFIX = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+# ---------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_module(file: str, dev: int):
+    import cupy
+
+    with cupy.cuda.Device(dev):
+        return cupy.RawModule(code=_sources.source(file), options=_sources.OPTIONS[file])
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_kernel(file: str, name: str, dev: int):
+    import cupy
+
+    with cupy.cuda.Device(dev):
+        return _cupy_module(file, dev).get_function(name)
+
+
+class _CupyLauncher:
+    def __init__(self, backend: "_CupyBackend", dev: int):
+        self.be = backend
+        self.dev = dev
+
+    def launch(self, file, name, grid, block, args, shared_mem=0):
+        k = _cupy_kernel(file, name, self.dev)
+        if shared_mem > _SMEM_DEFAULT:
+            key = (file, name, self.dev)
+            if self.be.smem_set.get(key, 0) < shared_mem:
+                k.max_dynamic_shared_size_bytes = int(shared_mem)
+                self.be.smem_set[key] = int(shared_mem)
+        k(tuple(grid), tuple(block), tuple(self.be.arg(a) for a in args), shared_mem=int(shared_mem))
+
+
+class _CupyBackend:
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+        self.smem_set: dict = {}
+        self._info: dict = {}
+        self._streams: dict = {}
+
+    def check_tensor(self, t, what):
+        if not t.is_cuda:
+            raise ValueError(f"{what} must be a CUDA tensor (got device {t.device})")
+
+    def device_info(self, device):
+        dev = device.index if device.index is not None else _torch().cuda.current_device()
+        if dev not in self._info:
+            rt = self.cp.cuda.runtime
+            # cudaDevAttrMultiProcessorCount = 16, cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
+            self._info[dev] = (int(rt.deviceGetAttribute(16, dev)), int(rt.deviceGetAttribute(97, dev)))
+        return self._info[dev]
+
+    def empty(self, shape, dtype, device):
+        return _torch().empty(shape, dtype=dtype, device=device)
+
+    @contextlib.contextmanager
+    def session(self, device):
+        torch = _torch()
+        cp = self.cp
+        dev = device.index if device.index is not None else torch.cuda.current_device()
+        ptr = torch.cuda.current_stream(dev).cuda_stream
+        key = (dev, ptr)
+        if key not in self._streams:   # one CuPy handle per torch stream (made once: a decode step launches ~10)
+            self._streams[key] = (cp.cuda.Device(dev), cp.cuda.ExternalStream(ptr, dev), _CupyLauncher(self, dev))
+        device_ctx, stream, launcher = self._streams[key]
+        with device_ctx, stream:
+            yield launcher
+
+    def arg(self, a):
+        """A tensor goes as its device address (what a RawKernel passes for an array anyway): a
+        DLPack round trip per argument cost more than the kernels of a decode step."""
+        if isinstance(a, _torch().Tensor):
+            return np.uint64(a.data_ptr())
+        return a  # numpy scalar of the kernel's parameter type
+
+
+_backend_override = None
+
+
+@functools.lru_cache(maxsize=1)
+def _cupy_backend():
+    return _CupyBackend()
+
+
+def _backend():
+    return _backend_override if _backend_override is not None else _cupy_backend()
+
+
+def _set_backend(be):
+    """Install a launch backend (tests: kernels_cuda._emu); returns the previous one."""
+    global _backend_override
+    prev = _backend_override
+    _backend_override = be
+    return prev
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def _i32(x) -> np.int32:
+    x = int(x)
+    if not -(2**31) <= x < 2**31:
+        raise ValueError(f"{x} does not fit in int32")
+    return np.int32(x)
+
+
+def _i64(x) -> np.int64:
+    return np.int64(int(x))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(be, t, what, ndim, device=None):
+    torch = _torch()
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch tensor, got {type(t).__name__}")
+    be.check_tensor(t, what)
+    if t.dim() != ndim:
+        raise ValueError(f"{what} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{what} is on {t.device}, expected {device}")
+
+
+def _f32c(t):
+    """float32 with a contiguous layout (no copy if already so)."""
+    return t.to(dtype=_torch().float32).contiguous()
+
+
+def _rows(t):
+    """Make the last axis contiguous (stride 1) without touching other strides if possible."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+_Q2K_CACHE: dict = {}
+
+
+def _q2k(be, q_to_kv, Hq: int, Hkv: int, device):
+    """q_to_kv as an int32 tensor on `device`.  A tensor already there is used as is
+    (its values are not checked: that would need a device sync); host input (list,
+    numpy, CPU tensor) is validated and its device copy cached."""
+    torch = _torch()
+    if isinstance(q_to_kv, torch.Tensor) and q_to_kv.device == device:
+        if tuple(q_to_kv.shape) != (Hq,):
+            raise ValueError(f"q_to_kv must have shape [{Hq}], got {tuple(q_to_kv.shape)}")
+        return q_to_kv.to(torch.int32).contiguous()
+    a = np.asarray(q_to_kv.cpu() if isinstance(q_to_kv, torch.Tensor) else q_to_kv).astype(np.int64)
+    if a.shape != (Hq,):
+        raise ValueError(f"q_to_kv must have shape [{Hq}], got {a.shape}")
+    if Hq and (a.min() < 0 or a.max() >= Hkv):
+        raise ValueError(f"q_to_kv values must lie in [0, {Hkv})")
+    key = (be.name, str(device), tuple(a.tolist()))
+    t = _Q2K_CACHE.get(key)
+    if t is None:
+        # never evicted (a handful of maps per process): a cached tensor may still be
+        # read by a kernel queued on another stream
+        t = torch.as_tensor(a.astype(np.int32)).to(device)
+        _Q2K_CACHE[key] = t
+    return t
+
+
+def _tokens_per_block(n: int, rows: int, num_sms: int, lo: int, hi: int = 1 << 16) -> int:
+    """Tokens per block (multiple of 256) for grids (nblk, rows): about 4 blocks per SM."""
+    per_row = max(1, _cdiv(4 * num_sms, max(1, rows)))
+    tpb = _cdiv(_cdiv(n, per_row), 256) * 256
+    return int(min(max(tpb, lo), hi))
+
+
+def _attend_split(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
+    """attend_partial's (tokens per split, nsplit) for n >= 1 tokens: about 2 blocks per SM."""
+    tiles = _cdiv(n, _ATT_TILE)
+    want = max(1, _cdiv(2 * num_sms, Hq))
+    tps = _cdiv(tiles, min(tiles, want)) * _ATT_TILE
+    return tps, _cdiv(n, tps)
+
+
+def _score_blocks(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
+    """(tokens per block, nblk) of the (nblk, Hq) grids over n scores (scores, stats, selection)."""
+    tpb = _tokens_per_block(n, Hq, num_sms, lo=2048)
+    return tpb, _cdiv(n, tpb)
+
+
+# ---------------------------------------------------------------------------
+# Launches without checks: the wrappers below and kernels_cuda.decode.DecodeStep share them
+# ---------------------------------------------------------------------------
+
+
+def launch_build_lut(L, q, codebooks, q2k, T):
+    """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32 (contiguous) -> T [Hq, g, c]."""
+    Hq, d = q.shape
+    _, g, c, _ = codebooks.shape
+    L.launch("pq.cu", "build_lut_f32", (min(_cdiv(Hq * g * c, _THREADS), 1 << 20),), (_THREADS,),
+             (q, codebooks, q2k, T, _i32(Hq), _i32(d), _i32(g), _i32(c)))
+
+
+def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin):
+    """z[:, :n] <- scores of T over codes P (rows contiguous), m, l <- their stats; part_m, part_l
+    hold >= Hq * nblk floats (_score_blocks)."""
+    Hq, g, c = T.shape
+    tpb, nblk = _score_blocks(n, Hq, num_sms)
+    smem = g * c * 4
+    use_smem = smem <= optin - _SMEM_MARGIN
+    isz = P.element_size()
+    vec16 = (g * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
+    L.launch("scores.cu", "approx_scores_u8" if isz == 1 else "approx_scores_i16", (nblk, Hq), (_THREADS,),
+             (T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c),
+              _i32(tpb), _i32(use_smem), _i32(vec16)), shared_mem=smem if use_smem else 0)  # fmt: skip
+    L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
+
+
+def launch_zstats(L, z, n, part_m, part_l, m, l, num_sms):
+    """m, l <- the softmax stats of z's first n columns (part_m, part_l as launch_approx_scores)."""
+    Hq = z.shape[0]
+    tpb, nblk = _score_blocks(n, Hq, num_sms)
+    L.launch("scores.cu", "zstats_partial", (nblk, Hq), (_THREADS,),
+             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), part_m, part_l))
+    L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
+
+
+def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count):
+    """zhist over z's first n columns (grid from tpb); hist [Hq, n_bins] f32 and hcount [Hq,
+    n_bins] int32 zeroed by the caller (hcount only written with_count)."""
+    Hq = z.shape[0]
+    L.launch("scores.cu", "zhist", (_cdiv(n, tpb), Hq), (_THREADS,),
+             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), hist, hcount,
+              _i32(with_count)), shared_mem=n_bins * 4 * (2 if with_count else 1))  # fmt: skip
+
+
+def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap):
+    L.launch("scores.cu", "zcut", (m.shape[0],), (_THREADS,),
+             (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts, hcount, _i32(cap)))
+
+
+def launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts):
+    L.launch("scores.cu", "zcompact", (_cdiv(n, tpb), z.shape[0]), (_THREADS,),
+             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), cut,
+              idx, _i64(idx.stride(0)), counts))  # fmt: skip
+
+
+def launch_attend_partial(L, q, K, V, q2k, mask, has_mask, n, tps, nsplit, o_p, m_p, l_p):
+    """attend_partial's nsplit partials (tps tokens each, _attend_split) into o_p, m_p, l_p."""
+    Hq, d = q.shape
+    L.launch("attention.cu", "attend_partial_" + _KV_SUFFIX[str(K.dtype)], (nsplit, Hq), (_ATT_THREADS,),
+             (q, K, _i64(K.stride(0)), _i64(K.stride(1)), V, _i64(V.stride(0)), _i64(V.stride(1)), q2k,
+              mask, _i32(has_mask), _i32(n), _i32(d), _i32(tps), o_p, m_p, l_p),
+             shared_mem=(d + _ATT_TILE + _ATT_THREADS) * 4)  # fmt: skip
