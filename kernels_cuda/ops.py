@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 
+# (N_BINS, Z_RANGE: the histogram's defaults, public here as before)
 from .launch import (N_BINS, Z_RANGE, _ATT_THREADS, _ENC_THREADS, _ENC_TOK, _KV_SUFFIX, _MAX_GRID_YZ,
                       _MERGE_THREADS, _SMEM_MARGIN, _attend_split, _backend, _cdiv, _check, _f32c, _i32, _i64,
                       _q2k, _rows, _score_blocks, _torch, launch_approx_scores, launch_attend_partial,
-                      launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)  # noqa: F401 (N_BINS, Z_RANGE: public constants)
+                      launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)  # noqa: F401
 
 __all__ = ["build_lut", "approx_scores", "threshold_select", "attend_exact", "lse_merge", "encode_keys"]
 
