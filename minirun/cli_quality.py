@@ -81,6 +81,10 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
               help="passkey prompt lengths in tokens (empty skips passkey)")
 @click.option("--passkey-depths", default="0.1,0.5,0.9", show_default=True, help="where the key sits (0..1)")
 @click.option("--trials", type=int, default=2, show_default=True, help="random keys per passkey cell")
+@click.option("--passkey-haystack", type=click.Choice(["filler", "text"]), default="filler", show_default=True,
+              help="hide the key in filler sentences, or in the evaluation text's start")
+@click.option("--passkey-copies", type=click.IntRange(min=1), default=1, show_default=True,
+              help="with --passkey-haystack text: that text repeated this many times (as a 4M-token book is)")
 @click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: softmax mass kept per head")
 @click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
@@ -98,7 +102,7 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
 @click.option("--seed", type=int, default=0, show_default=True, help="passkey keys")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey_lengths, passkey_depths, trials,
-             tau, window, sinks, key_store, centroids, far_positions, max_select, length_scale, dtype, threads, seed,
+             passkey_haystack, passkey_copies, tau, window, sinks, key_store, centroids, far_positions, max_select, length_scale, dtype, threads, seed,
              output):
     """Dense vs HCA on the same inputs: perplexity, top-1 agreement and KL, passkey accuracy."""
     from .calibrate import read_text
@@ -114,6 +118,7 @@ def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey
                       depths=_floats(passkey_depths, "--passkey-depths"), trials=trials, tau=tau, window=window,
                       sinks=sinks, dtype=dtype, key_store=key_store, centroids=centroids, threads=threads, seed=seed,
                       far_positions=far_positions, max_select=max_select, length_scale=length_scale,
+                      passkey_haystack=passkey_haystack, passkey_copies=passkey_copies,
                       log=lambda s: click.echo(s, err=True))
     report["data"] = source
     click.echo(json.dumps(report, indent=1) if output == "json" else format_markdown(report, data=source))

@@ -112,16 +112,33 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 QUESTION = "What is the pass key? Answer with the number only."
 
 
-def passkey_prompt(eng, n_tokens: int, depth: float, key: int) -> tuple[list[int], int]:
-    """A chat prompt of about n_tokens: filler with the key sentence at `depth` (0..1 of the filler),
-    then the question. Returns (ids, where the question starts: ids[q:] are fed through the decode
-    path)."""
+def prose_haystack(eng, text_ids: list[int], n_tokens: int, copies: int = 1) -> str:
+    """About n_tokens of real text: the first n_tokens / copies tokens of text_ids, `copies` times
+    (joined by blank lines): the 4M run's shape (a book repeated to length) at any size."""
+    per_copy = max(1, n_tokens // max(1, copies))
+    chunk = eng.detokenize(text_ids[:per_copy]).strip()
+    end = max(chunk.rfind("\n"), chunk.rfind(". ") + 1)        # (the last whole line or sentence)
+    chunk = chunk[:end].rstrip() if end > len(chunk) // 2 else chunk
+    return "\n\n".join([chunk] * max(1, copies))
+
+
+def passkey_prompt(eng, n_tokens: int, depth: float, key: int, haystack: str | None = None) -> tuple[list[int], int]:
+    """A chat prompt of about n_tokens: filler (or the given haystack text, cut to length at a line
+    or sentence end) with the key sentence at `depth` (0..1 of it), then the question. Returns (ids,
+    where the question starts: ids[q:] are fed through the decode path)."""
     needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    unit = len(eng.tokenize(FILLER, add_bos=False))
     overhead = len(eng.chat_prompt([{"role": "user", "content": needle + "\n\n" + QUESTION}]))
-    reps = max(0, (n_tokens - overhead) // unit)
-    before = int(round(reps * depth))
-    messages = [{"role": "user", "content": FILLER * before + needle + FILLER * (reps - before) + "\n\n" + QUESTION}]
+    if haystack is None:
+        unit = len(eng.tokenize(FILLER, add_bos=False))
+        reps = max(0, (n_tokens - overhead) // unit)
+        before = int(round(reps * depth))
+        body = FILLER * before + needle + FILLER * (reps - before)
+    else:
+        at = min(len(haystack), max(0, int(len(haystack) * depth)))
+        nl, dot = haystack.rfind("\n", 0, at), haystack.rfind(". ", 0, at)
+        cut = at if at == len(haystack) else max(nl + 1 if nl >= 0 else 0, dot + 1 if dot >= 0 else 0)
+        body = haystack[:cut] + needle + haystack[cut:]
+    messages = [{"role": "user", "content": body + "\n\n" + QUESTION}]
     ids = eng.chat_prompt(messages)
     text = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     head = text[:text.rfind(QUESTION)]
@@ -151,20 +168,25 @@ def answer(eng, ids: list[int], q: int, max_new_tokens: int = 10) -> str:
 
 
 def passkey(eng, lengths: list[int], depths: list[float], trials: int = 1, seed: int = 0,
-            max_new_tokens: int = 10) -> list[dict]:
+            max_new_tokens: int = 10, text_ids: list[int] | None = None, copies: int = 1) -> list[dict]:
     """Greedy retrieval of a 5-digit key hidden in filler; one row per (length, depth).
 
+    text_ids: hide it in real text instead (prose_haystack: the text's start, `copies` times).
     The keys depend only on seed and the cell, so every engine sees the same prompts. A trial
     succeeds when the key's digits appear in the answer's digits.
     """
     rows = []
     for n in lengths:
+        hay = None
+        if text_ids is not None:
+            overhead = len(eng.chat_prompt([{"role": "user", "content": QUESTION}])) + 24
+            hay = prose_haystack(eng, text_ids, n - overhead, copies)
         for depth in depths:
             rng = random.Random(f"{seed}-{n}-{depth}")
             ok, answers = 0, []
             for _ in range(trials):
                 key = rng.randint(10000, 99999)
-                ids, q = passkey_prompt(eng, n, depth, key)
+                ids, q = passkey_prompt(eng, n, depth, key, haystack=hay)
                 if len(ids) + max_new_tokens > eng.config.ctx:
                     raise MiniRunError(f"a passkey prompt of {len(ids)} tokens + {max_new_tokens} answer tokens "
                                        f"exceeds the context of {eng.config.ctx}")
@@ -194,11 +216,13 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
              depths=(0.1, 0.5, 0.9), trials: int = 2, tau: float = 0.9, window: int = 256, sinks: int = 16,
              dtype: str = "float32", key_store: str = "codebook", centroids: int | None = None, threads=None,
              seed: int = 0, far_positions: str = "off", max_select: int | None = None, length_scale: str = "off",
-             log=print) -> dict:
+             passkey_haystack: str = "filler", passkey_copies: int = 1, log=print) -> dict:
     """Dense, then HCA at each budget, on the same token ids; one engine loaded at a time.
 
     ids: the evaluation text's tokens (perplexity on ids[:ppl_tokens]; agreement after the prompt
     ids[:prompt_tokens] over the next `positions` tokens). 0 / empty skips a measurement.
+    passkey_haystack: "filler" (the classic task) or "text" (the key hidden in the evaluation text's
+    start, repeated passkey_copies times: evaluate.passkey's text_ids).
     centroids: codebook size for the codebook budgets (default: the preset's 1024).
     Returns {"settings", "rows": [one per mode]}; the dense row (the reference) comes first.
     """
@@ -211,6 +235,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
     settings = {"model": str(model), "tau": tau, "window": window, "sinks": sinks, "dtype": dtype,
                 "key_store": key_store, "centroids": centroids, "far_positions": far_positions,
                 "max_select": max_select, "length_scale": length_scale, "ppl_tokens": ppl_tokens, "prompt_tokens": prompt_tokens,
+                "passkey_haystack": passkey_haystack, "passkey_copies": passkey_copies,
                 "positions": positions, "lengths": list(lengths), "depths": list(depths), "trials": trials,
                 "threads": torch.get_num_threads() if threads is None else threads}
     rows, ref_logits = [], None
@@ -251,7 +276,8 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
         if lengths:
             log(f"eval: {name}: passkey {list(lengths)} x {list(depths)} x {trials}")
             t0 = time.perf_counter()
-            row["passkey"] = passkey(eng, list(lengths), list(depths), trials, seed=seed)
+            row["passkey"] = passkey(eng, list(lengths), list(depths), trials, seed=seed,
+                                     text_ids=ids if passkey_haystack == "text" else None, copies=passkey_copies)
             row["seconds"]["passkey"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         del eng
@@ -306,7 +332,9 @@ def format_markdown(report: dict, data: str | None = None) -> str:
     if s.get("positions"):
         parts.append(f"agreement over {s['positions']} positions after {s['prompt_tokens']} tokens")
     if s.get("lengths"):
-        parts.append(f"passkey lengths {s['lengths']} x depths {s['depths']} x {s['trials']} trials")
+        hay, copies = s.get("passkey_haystack", "filler"), s.get("passkey_copies", 1)
+        hay = "" if hay == "filler" else " (in the text" + (f", {copies} copies" if copies > 1 else "") + ")"
+        parts.append(f"passkey lengths {s['lengths']} x depths {s['depths']} x {s['trials']} trials{hay}")
     lines += ["settings: " + "; ".join(parts), "",
               "| mode | ppl | vs dense | continuation ppl | top-1 agreement | mean KL (nats) | max KL | passkey (all cells) | codebooks | seconds |",
               "|---|---|---|---|---|---|---|---|---|---|"]

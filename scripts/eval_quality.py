@@ -90,6 +90,9 @@ def main(argv=None):
     ap.add_argument("--passkey-lengths", default="1024,2048,4096,8000")
     ap.add_argument("--passkey-depths", default="0.1,0.5,0.9")
     ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--passkey-haystack", default="filler", choices=["filler", "text"],
+                    help="hide the key in filler, or in the evaluation text's start")
+    ap.add_argument("--passkey-copies", type=int, default=1, help="with --passkey-haystack text: copies of that text")
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--sinks", type=int, default=16)
@@ -133,7 +136,8 @@ def main(argv=None):
                 depths=[float(x) for x in a.passkey_depths.split(",") if x.strip()], trials=a.trials,
                 tau=a.tau, window=a.window, sinks=a.sinks, dtype=a.dtype, key_store=a.key_store,
                 centroids=a.centroids, threads=a.threads, seed=a.seed, far_positions=a.far_positions,
-                max_select=a.max_select, length_scale=a.length_scale,
+                max_select=a.max_select, length_scale=a.length_scale, passkey_haystack=a.passkey_haystack,
+                passkey_copies=a.passkey_copies,
                 log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True))
             r["data"] = source
             print(f"eval_quality: section {sec} took {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)

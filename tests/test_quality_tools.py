@@ -10,7 +10,7 @@ from minirun.calibrate import builtin_text, calibrate, collect_keys, read_text
 from minirun.cli import main
 from minirun.errors import CheckpointError
 from minirun.evaluate import (agreement, check_targets, continuation_ppl, format_markdown, passkey, passkey_prompt, perplexity,
-                              teacher_forced_logits)
+                              prose_haystack, teacher_forced_logits)
 
 QUIET = dict(progress=False, log=lambda s: None)
 
@@ -149,6 +149,29 @@ def test_passkey_prompt_places_the_key_and_splits_at_the_question(tiny_model_dir
         assert abs(where - depth) < 0.15
 
 
+def test_passkey_in_repeated_prose(tiny_model_dir):
+    """--passkey-haystack text: the key sits in the text (at a line or sentence end near the depth),
+    the text's start `copies` times, the prompt about the asked length, the question split off."""
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=2048)
+    text = " ".join(f"Sentence number {i} is here." + ("\n" if i % 5 == 4 else "") for i in range(400))
+    text_ids = eng.tokenize(text, add_bos=False)
+    hay = prose_haystack(eng, text_ids, 600, copies=3)
+    parts = hay.split("\n\n")
+    assert len(parts) == 3 and parts[0] == parts[1] == parts[2] and parts[0].startswith("Sentence number 0 is")
+    assert parts[0].endswith("here.")                                        # whole sentences
+    assert abs(len(eng.tokenize(hay, add_bos=False)) - 600) < 60
+    for depth in (0.0, 0.5, 1.0):
+        ids, q = passkey_prompt(eng, 700, depth, 48213, haystack=hay)
+        head, tail = eng.detokenize(ids[:q]), eng.detokenize(ids[q:])
+        assert "48213" in head and tail.startswith("What is the pass key?")
+        body = head[head.find("Sentence number 0"):] if depth > 0 else head
+        before = body[:body.find(" The pass key is 48213.")]
+        assert before == "" or before.endswith((".", "\n")), before[-20:]      # not inside a sentence
+        assert abs(len(before) - depth * len(hay)) < 80
+    rows = passkey(eng, [700], [0.5], trials=1, text_ids=text_ids, copies=2)
+    assert 600 <= rows[0]["answers"][0]["tokens"] <= 760
+
+
 def test_eval_command_runs_small_grid(tiny_model_dir, capsys):
     main(["eval", str(tiny_model_dir("gqa-untied")), "--ppl-tokens", "200", "--prompt-tokens", "150",
           "--positions", "10", "--passkey-lengths", "300", "--passkey-depths", "0.5", "--trials", "1",
@@ -160,6 +183,13 @@ def test_eval_command_runs_small_grid(tiny_model_dir, capsys):
     assert len(r["rows"][1]["selected_fraction_by_layer"]) == 2
     md = format_markdown(r, data=r["data"])
     assert "| hca 0.5 |" in md and "Passkey accuracy per cell" in md
+    assert r["settings"]["passkey_haystack"] == "filler" and "(in the text" not in md
+    main(["eval", str(tiny_model_dir("gqa-untied")), "--ppl-tokens", "0", "--positions", "0", "--passkey-lengths",
+          "300", "--passkey-depths", "0.5", "--trials", "1", "--window", "16", "--sinks", "2", "--kv-budget", "0.5",
+          "--passkey-haystack", "text", "--passkey-copies", "2", "-o", "json"])
+    prose = json.loads(capsys.readouterr().out)
+    assert prose["settings"]["passkey_copies"] == 2 and prose["rows"][1]["passkey"][0]["trials"] == 1
+    assert "x 1 trials (in the text, 2 copies)" in format_markdown(prose)
     r["rows"][1]["mode"] = "hca 0.25"
     assert [c["target"] for c in check_targets(r)][0] == "ppl within 2% of dense"
 
