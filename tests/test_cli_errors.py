@@ -64,6 +64,24 @@ def test_prompt_longer_than_ctx(tiny_model_dir, capsys):
     assert_one_line_error(code, err, "longer than the context of 32")
 
 
+@pytest.mark.parametrize("kv", ["dense", "hca"])
+def test_step_into_a_full_context_is_a_clear_error(tiny_model_dir, kv):
+    """Engine.step (the scripting API's teacher forcing) past --ctx: ContextError, the cache intact
+    (it was an IndexError deep in the dense cache)."""
+    from minirun import Engine
+    from minirun.errors import ContextError
+    kw = dict(kv="hca", key_store="exact", window=8, sinks=2) if kv == "hca" else {}
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=40, **kw)
+    eng.prefill(list(range(5, 43)))
+    eng.step(7)
+    eng.step(8)                                     # the 40th token: the context is now full
+    with pytest.raises(ContextError, match="context of 40 tokens is full"):
+        eng.step(9)
+    assert eng.cache.offset == 40
+    again = eng.generate(list(range(5, 43)) + [7], max_new_tokens=1, ignore_eos=True)   # the cache still serves
+    assert again.reused_tokens == 38 and len(again.tokens) == 1    # (the last prompt token is fed again for its logits)
+
+
 def test_ctx_too_large_for_memory(tiny_model_dir, capsys):
     code, _, err = run_cli(["generate", str(tiny_model_dir("gqa-untied")), "-p", "hi", "--ctx", "64G"], capsys)
     assert_one_line_error(code, err, "the largest context that fits is")
