@@ -34,7 +34,7 @@ def engine_options(f):
         click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
         click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
         click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
-        click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
+        click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                      help="HCA: attend to tokens older than the window at one distance (1024), for contexts "
                           "past the model's trained one (auto: on when --ctx passes it); see docs/QUALITY.md"),
         click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
@@ -68,7 +68,7 @@ def sampling_options(temperature: float, max_tokens: int):
     return deco
 
 
-def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="off",
+def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="auto",
                 max_select=None, length_scale="off", **extra):
     from .engine import Engine
     from .config import hca_setting
@@ -77,21 +77,22 @@ def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, th
                       **hca_setting(kv_budget),
                       **extra)
     far = getattr(eng.cache, "far", False)
-    note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far)
+    note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far, hca=kv == "hca")
     if note:
         click.echo(note, err=True)
     return eng
 
 
-def trained_context_note(trained: int | None, ctx: int, far: bool = False) -> str | None:
+def trained_context_note(trained: int | None, ctx: int, far: bool = False, hca: bool = False) -> str | None:
     """One line when --ctx reaches past the context the model was trained on (config.json's
     max_position_embeddings) and nothing keeps the distances inside it: answers degrade once a
     conversation is longer (SmolLM2, 8K: the pass key is lost past ~8K tokens with dense attention;
     docs/QUALITY.md). The HCA cache's far positions (kv/far_positions.py) are that something."""
     if trained is None or ctx <= trained or far:
         return None
+    fix = "--far-positions auto or on may help" if hca else "--kv hca attends past it with far positions"
     return (f"minirun: note: --ctx {ctx} is past the {trained} tokens this model was trained on; expect "
-            f"answers to degrade once the conversation is longer than that (--kv hca --far-positions on may help)")
+            f"answers to degrade once the conversation is longer than that ({fix})")
 
 
 def split_kwargs(kw: dict):

@@ -156,5 +156,16 @@ def test_ctx_past_the_trained_context_is_noted_once(tiny_model_dir, capsys):
     main(["generate", d, "-p", "hi", "-n", "2", "--ctx", "4K"])
     err = capsys.readouterr().err
     assert err.count("past the 2048 tokens this model was trained on") == 1 and "--ctx 4096" in err
+    assert "(--kv hca attends past it with far positions)" in err
     main(["generate", d, "-p", "hi", "-n", "2", "--ctx", "2K"])
     assert "trained on" not in capsys.readouterr().err
+    # HCA: far positions are on by default past the trained context (auto), so no note; off: the note
+    hca = ["generate", d, "-p", "hi", "-n", "2", "--ctx", "4K", "--kv", "hca", "--kv-budget", "0.5"]
+    main(hca)
+    err = capsys.readouterr().err
+    assert "minirun: note" not in err and "minirun: far positions: tokens older than the 256-token window" in err
+    main(hca + ["--far-positions", "off"])
+    err = capsys.readouterr().err
+    assert "(--far-positions auto or on may help)" in err and "minirun: far positions" not in err
+    main(hca[:-6] + ["--ctx", "2K", "--kv", "hca", "--kv-budget", "0.5"])     # inside the trained context: off
+    assert "far positions" not in capsys.readouterr().err
