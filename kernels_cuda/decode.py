@@ -18,8 +18,8 @@ import numpy as np
 
 from . import _sources
 from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
-                  _i32, _i64, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, launch_attend_partial,
-                  launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
+                     _i32, _i64, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, launch_attend_partial,
+                     launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
 __all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged"]
 

@@ -102,8 +102,8 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
 @click.option("--seed", type=int, default=0, show_default=True, help="passkey keys")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey_lengths, passkey_depths, trials,
-             passkey_haystack, passkey_copies, tau, window, sinks, key_store, centroids, far_positions, max_select, length_scale, dtype, threads, seed,
-             output):
+             passkey_haystack, passkey_copies, tau, window, sinks, key_store, centroids, far_positions, max_select,
+             length_scale, dtype, threads, seed, output):
     """Dense vs HCA on the same inputs: perplexity, top-1 agreement and KL, passkey accuracy."""
     from .calibrate import read_text
     from .config import ModelArgs

@@ -168,7 +168,8 @@ class Engine:
         """Feed one token after what the cache holds; return its logits [1, V] (teacher forcing, decode).
         A full context raises ContextError (before anything is written)."""
         if self.cache.offset >= self.config.ctx:
-            raise ContextError(f"the context of {self.config.ctx} tokens is full (--ctx): reset, or load with a larger ctx")
+            raise ContextError(f"the context of {self.config.ctx} tokens is full (--ctx): reset, or load with a "
+                               f"larger ctx")
         logits = self.model.forward(torch.tensor([token], dtype=torch.long, device=self.device), self.cache)
         self._cached_ids.append(token)
         return logits

@@ -234,7 +234,8 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
     modes = [None] + list(budgets)
     settings = {"model": str(model), "tau": tau, "window": window, "sinks": sinks, "dtype": dtype,
                 "key_store": key_store, "centroids": centroids, "far_positions": far_positions,
-                "max_select": max_select, "length_scale": length_scale, "ppl_tokens": ppl_tokens, "prompt_tokens": prompt_tokens,
+                "max_select": max_select, "length_scale": length_scale, "ppl_tokens": ppl_tokens,
+                "prompt_tokens": prompt_tokens,
                 "passkey_haystack": passkey_haystack, "passkey_copies": passkey_copies,
                 "positions": positions, "lengths": list(lengths), "depths": list(depths), "trials": trials,
                 "threads": torch.get_num_threads() if threads is None else threads}

@@ -9,8 +9,8 @@ from minirun import Engine
 from minirun.calibrate import builtin_text, calibrate, collect_keys, read_text
 from minirun.cli import main
 from minirun.errors import CheckpointError
-from minirun.evaluate import (agreement, check_targets, continuation_ppl, format_markdown, passkey, passkey_prompt, perplexity,
-                              prose_haystack, teacher_forced_logits)
+from minirun.evaluate import (agreement, check_targets, continuation_ppl, format_markdown, passkey, passkey_prompt,
+                              perplexity, prose_haystack, teacher_forced_logits)
 
 QUIET = dict(progress=False, log=lambda s: None)
 

@@ -112,12 +112,13 @@ class HCACacheCUDA(HCACache):
         bmm and zstats 2 instead --, threshold_select 3 for 0 < tau < 1 (zhist, zcut, zcompact) or
         2, pack_selection 1, attend_partial 1 (2 with far positions: the sinks take the far query),
         lse_merge_staged 1. torch on the device: none (exact keys: bmm + its copy into z; capped
-        with tau >= 1: topk -- below 1 the histogram caps; a float16 model: the output cast); memcpys 2 (D2H pack, H2D stage), plus once per
-        token the far turn's angles and, while the ring refills after a truncate, its slot mask.
+        with tau >= 1: topk -- below 1 the histogram caps; a float16 model: the output cast);
+        memcpys 2 (D2H pack, H2D stage), plus once per token the far turn's angles and, while the
+        ring refills after a truncate, its slot mask.
         """
         k = 1 + (2 if exact_keys else 3) + (3 if 0.0 < tau < 1.0 else 2) + 1 + (2 if far else 1) + 1
-        t = (2 if exact_keys else 0) + (1 if capped and tau >= 1.0 else 0) + (0 if dtype in (torch.float32,
-                                                                                          torch.bfloat16) else 1)
+        half_cast = dtype not in (torch.float32, torch.bfloat16)
+        t = (2 if exact_keys else 0) + (1 if capped and tau >= 1.0 else 0) + (1 if half_cast else 0)
         return {"kernels_cuda": k, "torch": t, "memcpy": 2}
 
     # ---- attention ----------------------------------------------------------------------------
@@ -151,8 +152,8 @@ class HCACacheCUDA(HCACache):
         if far:
             self._far_angles(ds)
         with ds.session() as L:
-            qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W], self._evx[layer, :, S + W],
-                             far, 0.0 < self.tau < 1.0)
+            qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W],
+                             self._evx[layer, :, S + W], far, 0.0 < self.tau < 1.0)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
             # queued before the host waits: the GPU runs these while the host sums values
             P = self._exact_parts(L, ds, layer, qs, qf)
