@@ -7,6 +7,8 @@
 //   pack_selection_*    the copy-back block [counts | idx[:, :w] | z at idx] for the host value sum
 //   lse_merge_staged_*  the merge of P device partials and the host's staged (o, m, l), written in
 //                       the model's dtype
+//   gather_value_sum_*  the store's weighted value sum read by the GPU itself from the host value
+//                       pool (pinned and mapped): no copy-back, no host sum, no host wait
 //
 // Compiled without --use_fast_math (-inf handling in the merge).
 
@@ -15,6 +17,9 @@
 #define MR_PREP_THREADS 128
 #define MR_PACK_THREADS 256
 #define MR_MERGE_THREADS 128
+#define MR_GATHER_THREADS 256
+#define MR_GATHER_TILE 256   // tokens whose (row, weight) a block stages in shared memory at a time
+#define MR_GATHER_ILP 4      // value rows in flight per thread (each read crosses the host bus)
 
 __device__ __forceinline__ void mr_store(float* p, float x) { *p = x; }
 
@@ -196,4 +201,136 @@ extern "C" __global__ void __launch_bounds__(MR_MERGE_THREADS)
 lse_merge_staged_bf16(const float* __restrict__ os, const float* __restrict__ ms, const float* __restrict__ ls,
                       int P, const float* __restrict__ stage, int Hq, int d, unsigned short* __restrict__ o) {
     lse_merge_staged_impl<unsigned short>(os, ms, ls, P, stage, Hq, d, o);
+}
+
+// ---------------------------------------------------------------------------
+// gather_value_sum: the store's part of a decode step summed on the GPU, reading the value rows
+// straight from the host pool V [Hkv, cap, d] (page-locked and mapped: a device address of host
+// memory).  Block (s, h) of grid (nsplit, Hq) takes the s-th of nsplit equal shares of the head's
+// list t < c = min(counts[h], cap): j = idx[h, t] clamped to [0, n), w = exp(z[h, j] - m[h]) and
+//   o_part[s, h] = sum w V[q_to_kv[h], j] / sum w,  m_part[s, h] = m[h],  l_part[s, h] = sum w
+// (lse_merge's partial layout [nsplit, Hq, ...]; an empty share, or m[h] = -inf: 0, -inf, 0).
+// m[h] is the max of every score z[h, :n] (approx_scores' stats), so no weight exceeds 1.
+// Launch: block MR_GATHER_THREADS, grid (nsplit, Hq), 1 <= d <= MR_GATHER_THREADS, no dynamic smem.
+// A tile of MR_GATHER_TILE tokens at a time: thread i stages token t0 + i's (row, weight); then
+// thread (grp, e), grp = tid / d, e = tid % d, sums element e of rows grp, grp + ngroups, ...,
+// MR_GATHER_ILP loads issued before their first use (a row is d contiguous elements: one
+// coalesced read per group and row).
+// ---------------------------------------------------------------------------
+template <typename Tag, typename I>
+__device__ __forceinline__ void gather_value_sum_impl(
+    const I* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const typename Tag::S* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d,
+    float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    __shared__ int js[MR_GATHER_TILE];
+    __shared__ float ws[MR_GATHER_TILE];
+    __shared__ float red[MR_GATHER_THREADS];
+    __shared__ float scratch[64];
+    const int tid = threadIdx.x, h = blockIdx.y, Hq = gridDim.y;
+    const int c = counts[h] < cap ? counts[h] : cap;
+    const long long share = ((long long)c + gridDim.x - 1) / gridDim.x;
+    const long long start = (long long)blockIdx.x * share;
+    const long long end = mr_min_ll(start + share, (long long)c);
+    const float M = m[h];
+    const bool live = M > mr_neg_inf();   // uniform over the block
+    const I* ih = idx + (long long)h * idx_s0;
+    const float* zh = z + (long long)h * z_s0;
+    const typename Tag::S* Vh = V + (long long)q_to_kv[h] * v_s0;
+    const int ngroups = blockDim.x / d;
+    const int grp = tid / d, e = tid - grp * d;
+    const bool active = grp < ngroups;
+    float acc = 0.f, lsum = 0.f;
+    for (long long t0 = start; live && t0 < end; t0 += MR_GATHER_TILE) {
+        const int cnt = (int)mr_min_ll(MR_GATHER_TILE, end - t0);
+        for (int i = tid; i < cnt; i += blockDim.x) {
+            long long j = (long long)ih[t0 + i];
+            j = j < 0 ? 0 : (j >= n ? n - 1 : j);
+            const float w = expf(zh[j] - M);
+            js[i] = (int)j;
+            ws[i] = w;
+            lsum += w;
+        }
+        __syncthreads();
+        if (active) {
+            int i = grp;
+            for (; i + (MR_GATHER_ILP - 1) * ngroups < cnt; i += MR_GATHER_ILP * ngroups) {
+                float v[MR_GATHER_ILP];
+#pragma unroll
+                for (int u = 0; u < MR_GATHER_ILP; ++u) v[u] = Tag::cvt(Vh[(long long)js[i + u * ngroups] * v_s1 + e]);
+#pragma unroll
+                for (int u = 0; u < MR_GATHER_ILP; ++u) acc = fmaf(ws[i + u * ngroups], v[u], acc);
+            }
+            for (; i < cnt; i += ngroups) acc = fmaf(ws[i], Tag::cvt(Vh[(long long)js[i] * v_s1 + e]), acc);
+        }
+        __syncthreads();   // js / ws are overwritten by the next tile
+    }
+    lsum = mr_block_sum(lsum, scratch);
+    if (active) red[grp * d + e] = acc;
+    __syncthreads();
+    const long long slot = (long long)blockIdx.x * Hq + h;
+    const bool empty = !(lsum > 0.f);
+    for (int x = tid; x < d; x += blockDim.x) {
+        float o = 0.f;
+        for (int g = 0; g < ngroups; ++g) o += red[g * d + x];
+        o_part[slot * d + x] = empty ? 0.f : o / lsum;
+    }
+    if (tid == 0) {
+        m_part[slot] = empty ? mr_neg_inf() : M;
+        l_part[slot] = empty ? 0.f : lsum;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_f32_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const float* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrF32, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_f32_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const float* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrF32, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_f16_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrF16, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_f16_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrF16, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_bf16_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrBF16, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_bf16_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrBF16, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
 }

@@ -18,14 +18,17 @@ import numpy as np
 
 from . import _sources
 from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
-                     _i32, _i64, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, launch_attend_partial,
-                     launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
+                     _i32, _i64, _q2k, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores,
+                     launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
-__all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged"]
+__all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged", "gather_value_sum", "gather_splits",
+           "host_pool_readable"]
 
 _PREP_THREADS = _sources.constant("decode.cu", "MR_PREP_THREADS")
 _PACK_THREADS = _sources.constant("decode.cu", "MR_PACK_THREADS")
 _MERGE_THREADS = _sources.constant("decode.cu", "MR_MERGE_THREADS")
+_GATHER_THREADS = _sources.constant("decode.cu", "MR_GATHER_THREADS")
+_GATHER_MIN_SHARE = 64   # tokens a gather block takes at least (fewer: more blocks than work)
 _OUT_SUFFIX = {"torch.float32": "f32", "torch.bfloat16": "bf16"}
 
 
@@ -48,6 +51,29 @@ def _launch_merge(L, os, ms, ls, P, stage, o):
     Hq, d = o.shape
     L.launch("decode.cu", "lse_merge_staged_" + _OUT_SUFFIX[str(o.dtype)], (Hq,), (_MERGE_THREADS,),
              (os, ms, ls, _i32(P), stage, _i32(Hq), _i32(d), o))
+
+
+def gather_splits(width: int, Hq: int, num_sms: int) -> int:
+    """nsplit of gather_value_sum for lists of at most `width` tokens: about 4 blocks per SM (every
+    row read crosses the host bus, so many reads in flight), each block >= 64 tokens of a full list."""
+    return max(1, min(_cdiv(4 * num_sms, max(1, Hq)), _cdiv(max(width, 1), _GATHER_MIN_SHARE)))
+
+
+def _launch_gather(L, idx, z, counts, cap, n, m, V, q2k, nsplit, o_p, m_p, l_p):
+    kname = "gather_value_sum_%s_%s" % (_KV_SUFFIX[str(V.dtype)], "i64" if idx.dtype == _torch().int64 else "i32")
+    L.launch("decode.cu", kname, (nsplit, z.shape[0]), (_GATHER_THREADS,),
+             (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, V, _i64(V.stride(0)),
+              _i64(V.stride(1)), q2k, _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip
+
+
+def host_pool_readable(device) -> bool:
+    """Whether kernels on `device` may read page-locked host memory at its host address (CUDA's
+    cudaDevAttrCanUseHostPointerForRegisteredMem): gather_value_sum's precondition on a GPU."""
+    be = _backend()
+    if be.name != "cupy":
+        return True   # the emulator: every tensor is host memory
+    dev = device.index if device.index is not None else _torch().cuda.current_device()
+    return bool(be.cp.cuda.runtime.deviceGetAttribute(91, dev))
 
 
 # ---------------------------------------------------------------------------
@@ -135,6 +161,44 @@ def lse_merge_staged(os, ms, ls, stage, out_dtype=None):
     return o
 
 
+def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None):
+    """idx int32 / int64 [Hq, >= c] and z f32 [Hq, >= n] (rows contiguous), counts int32 [Hq], m f32
+    [Hq] (>= every z[h, :n]), V [Hkv, tokens, d] f32 / f16 / bf16 with contiguous rows -- on a GPU
+    page-locked host memory (the value pool), under the emulator a CPU tensor --, q_to_kv [Hq]
+    -> (os [nsplit, Hq, d], ms, ls [nsplit, Hq]) f32: gather_value_sum_ref's partials (c =
+    min(counts, cap)); nsplit defaults to gather_splits of the widest list."""
+    torch = _torch()
+    be = _backend()
+    _check(be, idx, "idx", 2)
+    dev = idx.device
+    for t, w, nd in ((z, "z", 2), (counts, "counts", 1), (m, "m", 1)):
+        _check(be, t, w, nd, dev)
+    if be.name == "cupy":
+        if V.is_cuda or not V.is_pinned():
+            raise ValueError("V must be page-locked host memory (the value pool)")
+    else:
+        _check(be, V, "V", 3)
+    Hq = z.shape[0]
+    if idx.dtype not in (torch.int32, torch.int64) or idx.shape[0] != Hq or idx.stride(-1) != 1:
+        raise ValueError("idx must be int32 / int64 [Hq, ...] with contiguous rows")
+    if z.dtype != torch.float32 or z.stride(-1) != 1 or z.shape[1] < n or n < 1:
+        raise ValueError("z must be float32 [Hq, >= n] with contiguous rows, n >= 1")
+    if counts.dtype != torch.int32 or tuple(counts.shape) != (Hq,) or m.dtype != torch.float32 or m.shape[0] != Hq:
+        raise ValueError("counts must be int32 [Hq], m float32 [Hq]")
+    if V.dim() != 3 or str(V.dtype) not in _KV_SUFFIX or V.stride(-1) != 1 or V.shape[2] > _GATHER_THREADS:
+        raise ValueError(f"V must be [Hkv, tokens, d <= {_GATHER_THREADS}] f32 / f16 / bf16 with contiguous rows")
+    cap = 2**31 - 1 if cap is None else int(cap)
+    if nsplit is None:
+        nsplit = gather_splits(min(idx.shape[1], cap), Hq, be.device_info(dev)[0])
+    q2k = _q2k(be, q_to_kv, Hq, V.shape[0], dev)
+    os = be.empty((nsplit, Hq, V.shape[2]), torch.float32, dev)
+    ms = be.empty((nsplit, Hq), torch.float32, dev)
+    ls = be.empty((nsplit, Hq), torch.float32, dev)
+    with be.session(dev) as L:
+        _launch_gather(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), V, q2k, nsplit, os, ms, ls)
+    return os, ms, ls
+
+
 # ---------------------------------------------------------------------------
 # The decode step's launches on persistent buffers
 # ---------------------------------------------------------------------------
@@ -171,8 +235,10 @@ class DecodeStep:
         self.hists = new(2, Hq, n_bins)           # mass | token counts (int32 bits): prep zeroes both
         self.hist, self.hcount = self.hists[0], self.hists[1].view(torch.int32)
         self.cut, self.counts = new(Hq, dtype=torch.int32), new(Hq, dtype=torch.int32)
-        p_max = 2 * _cdiv(max(exact_rows, 1), _ATT_TILE) + 2
+        # partials: the exact tier's attend launches (two with far positions), then the gather's
+        p_max = 2 * _cdiv(max(exact_rows, 1), _ATT_TILE) + 2 + gather_splits(capacity, Hq, self.num_sms)
         self.os, self.ms, self.ls = new(p_max, Hq, d), new(p_max, Hq), new(p_max, Hq)
+        self.no_stage = new(Hq, d + 2)            # an empty host part (l = 0) for merge after a gather
         self.out_dtype = out_dtype if str(out_dtype) in _OUT_SUFFIX else f32
         self.o = new(Hq, d, dtype=self.out_dtype)
         self.pack = new(Hq * 3, dtype=torch.int32)
@@ -232,6 +298,16 @@ class DecodeStep:
         mask, has_mask = (valid, 1) if valid is not None else (q2k.view(_torch().uint8)[:1], 0)  # (unread then)
         launch_attend_partial(L, q, K, V, q2k, mask, has_mask, n, tps, nsplit, self.os[part0:], self.ms[part0:],
                               self.ls[part0:])
+        return part0 + nsplit
+
+    def gather(self, L, idx, z, n, cap, V, q2k, part0):
+        """The selection's value sum read from the host pool V [Hkv, >= n, d] (pinned, mapped) into
+        os / ms / ls [part0:], on the stats in m and the counts `select` left; returns the next free
+        part. idx: select's int32 rows (or topk's int64 [Hq, cap]); cap: 0 = none."""
+        cap = cap or 2**31 - 1
+        nsplit = gather_splits(min(n, idx.shape[1], cap), self.Hq, self.num_sms)
+        _launch_gather(L, idx, z, self.counts, cap, n, self.m, V, q2k, nsplit, self.os[part0:], self.ms[part0:],
+                       self.ls[part0:])
         return part0 + nsplit
 
     def merge(self, L, P, stage):

@@ -322,11 +322,67 @@ def test_key_store_allocated_once_at_capacity(tiny_model_dir, gpu_engine):
     assert ekx.shape[2] == 4 + 16 + 1
 
 
+GATHER_CASES = {
+    "exact-tau1": dict(key_store="exact", tau=1.0),
+    "codebook-tau0.9": dict(groups=8, centroids=32, tau=0.9, fit_min_tokens=48),
+    "far-positions": dict(key_store="exact", tau=1.0, far_positions="on"),
+    "cap-topk": dict(key_store="exact", tau=1.0, max_select=6),
+    "cap-histogram": dict(key_store="exact", tau=0.9, max_select=8),
+}
+
+
+@pytest.mark.parametrize("case", list(GATHER_CASES))
+def test_value_sum_on_gpu_matches_host_sum(tiny_model_dir, gpu_engine, monkeypatch, case):
+    """MINIRUN_VALUE_SUM=gpu (kernels_cuda.decode.gather_value_sum reads the mapped host pool, no
+    copy-back) against the host's Numba sum in the same cache class: the same selection on the
+    device, so the same tokens and logits up to float32 summation order. Generate 8 tokens (ring
+    wrap-around, eviction every step), a prefill that truncates (the ring short), 3 steps."""
+    import kernels_cuda.decode as kd
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(120, seed=21)
+    kw = dict(ctx=256, kv="hca", window=16, sinks=4, prefill_chunk=32, **GATHER_CASES[case])
+    gathers = []
+    real = kd.DecodeStep.gather
+    monkeypatch.setattr(kd.DecodeStep, "gather", lambda self, *a: gathers.append(1) or real(self, *a))
+    outs = {}
+    for vs in ("cpu", "gpu"):
+        monkeypatch.setenv("MINIRUN_VALUE_SUM", vs)
+        gathers.clear()
+        eng = load(d, **kw)
+        with ctx():
+            gen = eng.generate(ids, max_new_tokens=8, ignore_eos=True).tokens
+            assert eng.cache.value_sum == vs and eng.cache.n_store > 80
+            lg = [eng.prefill(ids + gen[:5])[0].reshape(1, -1)]
+            lg += [eng.step(t).reshape(1, -1) for t in gen[5:]]
+        outs[vs] = (gen, torch.cat(lg).cpu(), eng.cache.second_copies, len(gathers))
+    L = 2   # the tiny model's layers: 7 decode steps of generate, 3 steps, and (maybe) the prefill's last token
+    assert outs["cpu"][3] == 0 and outs["gpu"][3] >= 10 * L and outs["gpu"][2] == 0
+    assert outs["cpu"][0] == outs["gpu"][0]
+    diff = (outs["cpu"][1] - outs["gpu"][1]).abs().max().item()
+    print(f"{case}: max |logit diff| gpu vs host value sum {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def test_value_sum_env_is_checked(monkeypatch):
+    from minirun.errors import MiniRunError
+    from minirun.kv.hca_cuda import value_sum_choice
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", "GPU ")
+    assert value_sum_choice(torch.device("cpu")) == "gpu"
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", "")
+    assert value_sum_choice(torch.device("cpu")) == "cpu"
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", "tpu")
+    with pytest.raises(MiniRunError, match="expected cpu or gpu"):
+        value_sum_choice(torch.device("cpu"))
+
+
 @pytest.mark.skipif(HAVE_GPU or not HAVE_GXX, reason="emulator launch log (CPU only)")
-def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path):
+@pytest.mark.parametrize("value_sum", ["cpu", "gpu"])
+def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path, monkeypatch, value_sum):
     """kernels_cuda launches of one decode step per layer == HCACacheCUDA.decode_launches; also
     prints the aten ops of the step (torch-side launch upper bound, in kernels_cuda/README.md)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", value_sum)
     load, emulated = gpu_engine
     ids = random_ids(60, seed=4)
     d = with_codebooks(tiny_model_dir, tmp_path, 8, 32, ids)
@@ -350,8 +406,9 @@ def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path):
         with torch.inference_mode(), Count():
             cache.attend(0, q, k, v)
     names = [x[0] for x in be.launches]
-    want = HCACacheCUDA.decode_launches(0.9, dtype=torch.float32)
+    want = HCACacheCUDA.decode_launches(0.9, dtype=torch.float32, value_sum=value_sum)
     assert len(names) == want["kernels_cuda"], names
+    assert any(x.startswith("pack_selection" if value_sum == "cpu" else "gather_value_sum") for x in names), names
     assert names[0].startswith("decode_prep") and names[-1].startswith("lse_merge_staged"), names
     # no device kernel: views, same-dtype casts, the emulator's own 0xff fills of wrapper outputs,
     # numpy bridges (host side)
@@ -359,7 +416,8 @@ def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path):
             "expand", "as_strided", "to", "empty", "empty_like", "fill_", "resolve_conj", "resolve_neg",
             "lift_fresh"}
     compute = [a for a in aten if a.split(".")[1] not in free]
-    # the D2H pack and the H2D stage are the step's only device-side torch ops (copies)
+    # the D2H pack and the H2D stage are the step's only device-side torch ops (copies); none with
+    # the GPU's value sum
     assert [a for a in compute if a != "aten.copy_.default"] == [] and len(compute) == want["memcpy"], compute
     print(f"\none decode step, one layer: {len(names)} kernels_cuda launches {names}; "
           f"{len(compute)} non-view aten ops {compute}")

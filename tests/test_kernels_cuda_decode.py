@@ -8,6 +8,8 @@ one, with the reason). Tolerances:
   pack_selection    exact (counts, clamped indices, score bits), entries past min(c, w) unwritten
   lse_merge_staged  float32 out: 1e-6 + 1e-5 |ref|; bfloat16 out: within one bfloat16 rounding
                     (2^-8 relative) of the float32 reference
+  gather_value_sum  partials: m exact, l and o 1e-6 + 1e-5 |ref| (float32 sums of <= 300 weights
+                    <= 1 vs float64); merged, equal to weighted_value_sum_ref within the same bounds
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch
 
 import kernels_cuda
 import kernels_cuda.decode as kd
-from cuda_checks import Env, _ref, np_
+from cuda_checks import Env, _ref, np_, q2k_for
+from minirun.kv.pinned import PinnedPool
 
 HAVE_GPU = kernels_cuda.available()
 emu_only = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (CPU kernel emulator)")
@@ -101,6 +104,65 @@ def check_lse_merge_staged(env, P, Hq, d, out_dtype, seed=3):
         assert (R.bf16_bits_to_float_ref(bits) == o).mean() >= 0.99      # (a 1-ulp tie flip at most, rarely)
 
 
+def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsplit, seed=5):
+    """The value rows live where the cache keeps them: a PinnedPool (page-locked, written by its
+    async copy on a GPU; a plain CPU tensor under the emulator)."""
+    R = _ref()
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(-2, n + 2, size=(Hq, width)).astype(np.int64)       # out of range: clamped
+    z = (rng.standard_normal((Hq, n + 3)) * 3).astype(np.float32)          # wider than n (a scratch row)
+    m = z[:, :n].max(1)
+    counts = rng.integers(1, width + 1, size=Hq).astype(np.int32)
+    counts[0] = width
+    counts[1] = 0                                                          # an empty head
+    m[2] = -np.inf                                                         # no live score: empty too
+    V = torch.randn(1, Hkv, n + 7, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    pool = PinnedPool((1, Hkv), d, dtype, n + 7, env.device,
+                      torch.cuda.Stream() if env.kind == "gpu" else None)
+    pool.reserve(n + 7)
+    with env.ctx():
+        pool.write_all(0, V.to(env.device))
+        pool.wait()
+        os_, ms, ls = kd.gather_value_sum(env.t(idx, getattr(torch, idx_dtype)), env.t(z)[:, :n], env.t(counts),
+                                          env.t(m), pool.data[0], env.t(q2k_for(Hq, Hkv)), n, cap=cap,
+                                          nsplit=nsplit)
+    Vf = V[0].float().numpy()
+    c = 2**31 - 1 if cap is None else cap
+    ro, rm, rl = R.gather_value_sum_ref(idx, z, counts, c, n, m, Vf, q2k_for(Hq, Hkv), nsplit)
+    os_, ms, ls = np_(os_), np_(ms), np_(ls)
+    np.testing.assert_array_equal(ms, rm)
+    np.testing.assert_allclose(ls, rl, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(os_, ro, rtol=1e-5, atol=1e-6)
+    # merged, the partials are the one-list weighted sum (the CPU backend's host value sum)
+    o, mm, ll = R.lse_merge_ref(os_, ms, ls)
+    cl = np.minimum(counts, c).astype(np.int32)
+    cl[2] = 0
+    wo, wm, wl = R.weighted_value_sum_ref(z[:, :n], np.clip(idx, 0, n - 1), cl, Vf, q2k_for(Hq, Hkv))
+    np.testing.assert_allclose(o, wo, rtol=1e-5, atol=1e-6)
+    live = cl > 0
+    np.testing.assert_allclose(mm[live] + np.log(ll[live]), wm[live] + np.log(wl[live]), rtol=1e-6, atol=1e-6)
+    assert not (ll[~live] > 0).any()
+    pool.free()
+
+
+@emu_only
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype,idx_dtype,cap,nsplit", [(torch.float32, "int32", None, 1),
+                                                        (torch.bfloat16, "int32", None, 3),
+                                                        (torch.float16, "int64", 40, 2),
+                                                        (torch.bfloat16, "int64", 7, 5)])
+def test_emu_gather_value_sum(order, dtype, idx_dtype, cap, nsplit):
+    check_gather_value_sum(Env("emu", order=order), 6, 2, 32, 200, 300, dtype, idx_dtype, cap, nsplit)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype,idx_dtype,cap,nsplit", [(torch.bfloat16, "int32", None, 59),
+                                                        (torch.float16, "int64", 4096, 7),
+                                                        (torch.float32, "int32", 100, 1)])
+def test_gpu_gather_value_sum(dtype, idx_dtype, cap, nsplit):
+    check_gather_value_sum(Env("gpu"), 9, 3, 64, 70000, 5000, dtype, idx_dtype, cap, nsplit)
+
+
 @emu_only
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -179,5 +241,8 @@ def test_wrapper_argument_errors():
                        torch.zeros(2, 7))                                       # odd head dim
     with _emu.emulated(), pytest.raises(ValueError):
         kd.pack_selection(torch.zeros(3, 4, dtype=torch.int16), torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32), 2)
+    with _emu.emulated(), pytest.raises(ValueError):
+        kd.gather_value_sum(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 8), torch.zeros(3, dtype=torch.int32),
+                            torch.zeros(3), torch.zeros(2, 8, 300), [0, 0, 1], 8)   # head dim > block
     with _emu.emulated(), pytest.raises(ValueError):
         kd.lse_merge_staged(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3, 5))

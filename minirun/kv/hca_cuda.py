@@ -36,6 +36,9 @@ Kernel launches per decode token: see `decode_launches` (the emulator test check
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import torch
 
@@ -43,6 +46,7 @@ import kernels_cpu as kc
 import kernels_cuda as kcu
 import kernels_cuda.decode as kcu_decode
 
+from ..errors import MiniRunError
 from .attention import merge, partial_attention
 from .codebooks import Codebooks
 from .hca import HCACache
@@ -50,6 +54,21 @@ from .pinned import PinnedPool
 from .store import GrowingBuffer
 
 INITIAL_WIDTH = 1024   # selected tokens per head copied back on the first try
+VALUE_SUM_ENV = "MINIRUN_VALUE_SUM"   # where the selected values are summed: cpu (default) or gpu
+
+
+def value_sum_choice(device: torch.device) -> str:
+    """MINIRUN_VALUE_SUM: "cpu" (Numba on the host, the copy-back round trip per layer) or "gpu"
+    (kernels_cuda.decode.gather_value_sum reads the mapped host pool; falls back to cpu, with a
+    note, where the device cannot read host memory at its address)."""
+    want = os.environ.get(VALUE_SUM_ENV, "cpu").strip().lower() or "cpu"
+    if want not in ("cpu", "gpu"):
+        raise MiniRunError(f"{VALUE_SUM_ENV}={want!r}: expected cpu or gpu")
+    if want == "gpu" and device.type == "cuda" and not kcu_decode.host_pool_readable(device):
+        print(f"note: {VALUE_SUM_ENV}=gpu: this device cannot read page-locked host memory at its address; "
+              "summing values on the CPU", file=sys.stderr)
+        return "cpu"
+    return want
 
 
 class HCACacheCUDA(HCACache):
@@ -76,6 +95,7 @@ class HCACacheCUDA(HCACache):
         if codebooks is not None:   # moved to the device once
             self.codebooks = Codebooks(codebooks.centroids.float().to(device).contiguous(), codebooks.source)
         self._width = INITIAL_WIDTH
+        self.value_sum = value_sum_choice(device)
         self.second_copies = 0                  # steps whose copy-back guess was too narrow
         self._pack_host = None                  # pinned int32, grows with the copy-back width
         self._stage_host = self._host_empty((Hq, hd + 2), torch.float32)   # the host part: o | m | l
@@ -104,7 +124,7 @@ class HCACacheCUDA(HCACache):
 
     @staticmethod
     def decode_launches(tau: float, far: bool = False, exact_keys: bool = False, capped: bool = False,
-                        dtype=torch.bfloat16) -> dict:
+                        dtype=torch.bfloat16, value_sum: str = "cpu") -> dict:
         """Launches per layer of one decode step in HCA mode (times L for a token).
 
         kernels_cuda (checked against the emulator's launch log in tests/test_hca_cuda.py):
@@ -114,12 +134,13 @@ class HCACacheCUDA(HCACache):
         lse_merge_staged 1. torch on the device: none (exact keys: bmm + its copy into z; capped
         with tau >= 1: topk -- below 1 the histogram caps; a float16 model: the output cast);
         memcpys 2 (D2H pack, H2D stage), plus once per token the far turn's angles and, while the
-        ring refills after a truncate, its slot mask.
+        ring refills after a truncate, its slot mask. value_sum "gpu": gather_value_sum instead of
+        pack_selection (the same kernel count) and no memcpy.
         """
         k = 1 + (2 if exact_keys else 3) + (3 if 0.0 < tau < 1.0 else 2) + 1 + (2 if far else 1) + 1
         half_cast = dtype not in (torch.float32, torch.bfloat16)
         t = (2 if exact_keys else 0) + (1 if capped and tau >= 1.0 else 0) + (1 if half_cast else 0)
-        return {"kernels_cuda": k, "torch": t, "memcpy": 2}
+        return {"kernels_cuda": k, "torch": t, "memcpy": 2 if value_sum == "cpu" else 0}
 
     # ---- attention ----------------------------------------------------------------------------
     def attend(self, layer, q, k, v):
@@ -154,12 +175,27 @@ class HCACacheCUDA(HCACache):
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W],
                              self._evx[layer, :, S + W], far, 0.0 < self.tau < 1.0)
+            if self.value_sum == "gpu" and self.values.mapped:
+                return self._gathered_step(L, ds, layer, qs, qf, q.dtype)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
             # queued before the host waits: the GPU runs these while the host sums values
             P = self._exact_parts(L, ds, layer, qs, qf)
             stage = self._host_sum(L, ds, layer, *sel, out=self._stage_dev)
             o = ds.merge(L, P, stage)
         return (o if o.dtype == q.dtype else o.to(q.dtype))[None]
+
+    def _gathered_step(self, L, ds, layer, qs, qf, dtype):
+        """The step's rest with the GPU summing the selected values itself (value_sum "gpu"): the
+        selection, the exact tier, the gather from the mapped host pool, the merge -- all queued on
+        the stream, nothing waited for on the host."""
+        zb, idx, n, cap = self._select_on_device(L, ds, layer, qf)
+        P = self._exact_parts(L, ds, layer, qs, qf)
+        self.values.device_wait()                                     # the eviction copies, on the GPU
+        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], self.q2k_dev, P)
+        if self.record_selection is not None:                         # (a probe: this one syncs)
+            self.record_selection.append(np.minimum(ds.counts.cpu().numpy(), cap) / n)
+        o = ds.merge(L, P, ds.no_stage)
+        return (o if o.dtype == dtype else o.to(dtype))[None]
 
     def _decode_kernels(self):
         """The DecodeStep (persistent buffers of the decode launches), made on first use."""
@@ -217,6 +253,13 @@ class HCACacheCUDA(HCACache):
 
     def _select(self, L, ds, layer, q):
         """Launch scores + selection for one query [Hq, hd] f32; start the copy-back. Returns a handle."""
+        zb, idx, n, cap = self._select_on_device(L, ds, layer, q)
+        w = min(n, idx.shape[1], self._width)   # (idx: the [Hq, >= n] scratch, or [Hq, cap] when capped)
+        return (self._copy_back(L, ds, zb, idx, n, w, cap), w, zb, idx, n, cap)
+
+    def _select_on_device(self, L, ds, layer, q):
+        """Launch scores + selection for one query [Hq, hd] f32 -> (z [Hq, cap] scratch, idx rows,
+        n, cap): counts in ds.counts, stats in ds.m / ds.l, each head's first min(counts, cap) idx."""
         n, ne = self.n_store, self.n_encoded
         zb = self.z.data[..., 0]                                                  # [Hq, cap]
         if ne:
@@ -231,9 +274,7 @@ class HCACacheCUDA(HCACache):
         ds.select(L, zb, n, self.tau, idx, cap if in_kernel else 0)
         if cap and not in_kernel:   # tau >= 1: the first min(count, cap) of the sorted top `cap`
             idx = torch.topk(zb[:, :n], cap, dim=1, sorted=True).indices          # int64 (kv/select_cap.py)
-        cap = cap or 2**31 - 1
-        w = min(n, idx.shape[1], self._width)   # (idx: the [Hq, >= n] scratch, or [Hq, cap] when capped)
-        return (self._copy_back(L, ds, zb, idx, n, w, cap), w, zb, idx, n, cap)
+        return zb, idx, n, cap or 2**31 - 1
 
     def _copy_back(self, L, ds, zb, idx, n, w, cap):
         """pack [counts | idx[:, :w] | z at those idx] (each block whole: the host sum reads idx and z

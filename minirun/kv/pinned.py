@@ -12,7 +12,8 @@ the planner budgets for the value pool anyway.
 
 Writes (`write_all`) take device rows [*lead, m, width] and copy them with ONE strided async
 copy (cudaMemcpy2DAsync: prod(lead) rows of m*width elements, destination pitch max_cap*width)
-on the cache's copy stream; `wait()` blocks the host on that copy's event only. On a CPU device
+on the cache's copy stream; `wait()` blocks the host on that copy's event only, `device_wait()`
+makes the compute stream wait for it (a kernel reading the mapped pool). On a CPU device
 (the emulator tests) the same class is a plain tensor with synchronous writes.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from .. import hugepages
 
 _D2H = 2   # cudaMemcpyDeviceToHost
+_PORTABLE, _MAPPED = 1, 2   # cudaHostRegister flags
 
 
 class PinnedPool:
@@ -36,6 +38,7 @@ class PinnedPool:
         self._registered = False
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._pending = False
+        self.mapped = True       # False when the GPU would not map the pool (then no kernel reads it)
 
     def reserve(self, n: int) -> None:
         if n <= self.cap:
@@ -46,7 +49,13 @@ class PinnedPool:
         self.data = hugepages.empty(*self.lead, self.max_cap, self.width, dtype=self.dtype)
         self.cap = self.max_cap
         if self.device.type == "cuda" and self.data.numel():
-            rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.nbytes, 1))   # portable
+            rt = torch.cuda.cudart()
+            # portable | mapped: kernels may read the pool (kernels_cuda.decode.gather_value_sum)
+            rc = int(rt.cudaHostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE | _MAPPED))
+            if rc != 0:   # (clear the error, or a later launch check reports it as its own)
+                rt.cudaGetLastError()
+                rc = int(rt.cudaHostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE))
+                self.mapped = False
             if rc != 0:
                 raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed (cudaError {rc})")
             self._registered = True
@@ -78,6 +87,12 @@ class PinnedPool:
         if self._pending:
             self._event.synchronize()
             self._pending = False
+
+    def device_wait(self) -> None:
+        """Make the current stream wait (on the GPU, not the host) for the last write_all, before a
+        kernel reads the pool."""
+        if self._pending:
+            torch.cuda.current_stream(self.device).wait_event(self._event)
 
     def view(self, layer: int, n: int) -> torch.Tensor:
         return self.data[layer, :, :n]
