@@ -9,6 +9,8 @@
 #   1. carry [".gpu/a"]  bash scripts/gpu_session.sh tests   # env, nvcc, GPU tests, random checkpoint
 #   2. carry [".gpu/b"]  bash scripts/gpu_session.sh bench   # real model; dense vs HCA tg @ 8K/32K/128K
 #   3.                   bash scripts/gpu_session.sh 4m      # the 4M-token chat: prefill, answer, memory
+# MINIRUN_VALUE_SUM=gpu (the GPU reads the selected values from the mapped host pool: no round trip
+# per layer; not run on a GPU before) is A/B'd by the tests and bench stages; pass it to 4m to use it.
 # Each stage writes $OUT/<stage>.log (and bench-dD.json); record the figures in docs/BENCHMARKS.md
 # with the commands, the device name (env.txt) and the date.
 # Seen on an H100 (2026-11-24, 30 min of device time in all): tests 200 s, bench 157 s (REPS=2),
@@ -87,6 +89,11 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
     echo "MINIRUN_CUDA_LAYER=0:" | tee -a "$OUT/smoke.log"
     MINIRUN_CUDA_LAYER=0 timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p 4096 -n 16 -d "${SMOKE_DEPTHS:-4096}" \
         --kv dense,hca -r 1 --dtype bfloat16 --device "$DEVICE" 2>&1 | tee -a "$OUT/smoke.log"
+    # A/B of where the selected values are summed: the GPU reading the mapped host pool
+    echo "MINIRUN_VALUE_SUM=gpu:" | tee -a "$OUT/smoke.log"
+    MINIRUN_VALUE_SUM=gpu timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p "" -n 16 \
+        -d "${SMOKE_DEPTHS:-4096},32768" --kv hca -r 1 --dtype bfloat16 --device "$DEVICE" -o json \
+        2>&1 | tee -a "$OUT/smoke.log"
     ;;
 bench)
     need "$KEEP/part00" tests
@@ -109,6 +116,12 @@ bench)
             --kv-budget 0.125 --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
             >"$OUT/bench-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
         pp=""
+    done
+    # the same HCA runs with the GPU summing the selected values (MINIRUN_VALUE_SUM=gpu)
+    for d in ${DEPTHS//,/ }; do
+        MINIRUN_VALUE_SUM=gpu timeout "${DEPTH_LIMIT:-170}" $PY -m minirun bench "$MODEL" -p "" -n 32 -d "$d" \
+            --kv hca --kv-budget 0.125 --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" \
+            -o json >"$OUT/bench-gpusum-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
     done
     $PY -m minirun plan "$MODEL" --ctx "$CTX" --kv dense --dtype bfloat16 --device "$DEVICE" | tee -a "$OUT/bench.log"
     # how much of the host value sum the GPU hides (issue 4), at 32K and 128K (the latter capped if MAX_SELECT)

@@ -32,6 +32,15 @@ also waits for it. The width w of the copy-back is a guess (grows to the next po
 1.25 max(counts) when a step selects more; a wider second copy then fixes that step): one D2H
 round trip per layer normally.
 
+With MINIRUN_VALUE_SUM=gpu (`value_sum_choice`) the step has no host part: after the selection
+and the exact tier, gather_value_sum (kernels_cuda/decode.cu) reads the selected rows from the
+value pool itself -- the pool is page-locked *and mapped*, so a kernel reads it at its host address
+over the bus -- and lse_merge_staged merges with an empty stage. No copy-back, no host sum, no host
+wait: the host only queues launches and runs ahead of the GPU. Why it may pay: the cpu path's
+round trip (copy-back, event wait, Numba, copy to the device) sits on the critical path once per
+layer, 30 times a token, while a capped selection (--max-select 4096: at most 9 x 4096 rows of
+128 B, 4.7 MB a layer) is a few hundred microseconds of bus reads at worst. Not yet run on a GPU.
+
 Kernel launches per decode token: see `decode_launches` (the emulator test checks the count).
 """
 from __future__ import annotations
@@ -381,4 +390,5 @@ class HCACacheCUDA(HCACache):
         pack = self._pack_host.numel() * 4 if self._pack_host is not None else 0
         s["host_scratch_bytes"] = pack + self._stage_host.numel() * 4
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
+        s["value_sum"] = self.value_sum if self.values.mapped else "cpu"   # where decode sums the values
         return s
