@@ -52,17 +52,37 @@ __device__ __forceinline__ float mr_bf16_to_float(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
 }
 
+// load2: elements p[0], p[1] in one load (p aligned to two elements: an even index into rows of
+// even length); the low half of a 32-bit word is the first 16-bit element (little endian).
+struct alignas(8) MrF32x2 {
+    float a, b;
+};
 struct MrF32 {
     typedef float S;
     static __device__ __forceinline__ float cvt(float x) { return x; }
+    static __device__ __forceinline__ void load2(const float* p, float& a, float& b) {
+        const MrF32x2 v = *reinterpret_cast<const MrF32x2*>(p);
+        a = v.a;
+        b = v.b;
+    }
 };
 struct MrF16 {
     typedef unsigned short S;
     static __device__ __forceinline__ float cvt(unsigned short x) { return mr_half_to_float(x); }
+    static __device__ __forceinline__ void load2(const unsigned short* p, float& a, float& b) {
+        const unsigned int u = *reinterpret_cast<const unsigned int*>(p);
+        a = cvt((unsigned short)(u & 0xffffu));
+        b = cvt((unsigned short)(u >> 16));
+    }
 };
 struct MrBF16 {
     typedef unsigned short S;
     static __device__ __forceinline__ float cvt(unsigned short x) { return mr_bf16_to_float(x); }
+    static __device__ __forceinline__ void load2(const unsigned short* p, float& a, float& b) {
+        const unsigned int u = *reinterpret_cast<const unsigned int*>(p);
+        a = __uint_as_float(u << 16);
+        b = __uint_as_float(u & 0xffff0000u);
+    }
 };
 
 // PQ code -> centroid index.  int16 codes are read as unsigned so that a

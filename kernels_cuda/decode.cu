@@ -211,11 +211,12 @@ lse_merge_staged_bf16(const float* __restrict__ os, const float* __restrict__ ms
 //   o_part[s, h] = sum w V[q_to_kv[h], j] / sum w,  m_part[s, h] = m[h],  l_part[s, h] = sum w
 // (lse_merge's partial layout [nsplit, Hq, ...]; an empty share, or m[h] = -inf: 0, -inf, 0).
 // m[h] is the max of every score z[h, :n] (approx_scores' stats), so no weight exceeds 1.
-// Launch: block MR_GATHER_THREADS, grid (nsplit, Hq), 1 <= d <= MR_GATHER_THREADS, no dynamic smem.
-// A tile of MR_GATHER_TILE tokens at a time: thread i stages token t0 + i's (row, weight); then
-// thread (grp, e), grp = tid / d, e = tid % d, sums element e of rows grp, grp + ngroups, ...,
-// MR_GATHER_ILP loads issued before their first use (a row is d contiguous elements: one
-// coalesced read per group and row).
+// Launch: block MR_GATHER_THREADS, grid (nsplit, Hq), d even, 2 <= d <= MR_GATHER_THREADS, V's rows
+// aligned to two elements, no dynamic smem.  A tile of MR_GATHER_TILE tokens at a time: thread i
+// stages token t0 + i's (row, weight); then thread (grp, e), grp = tid / (d/2), e = 2 (tid % (d/2)),
+// sums elements e, e + 1 of rows grp, grp + ngroups, ... (one two-element load each: a row is one
+// coalesced read by d/2 threads, 128 B by one warp for SmolLM2's bfloat16 rows), MR_GATHER_ILP
+// loads issued before their first use.
 // ---------------------------------------------------------------------------
 template <typename Tag, typename I>
 __device__ __forceinline__ void gather_value_sum_impl(
@@ -225,7 +226,7 @@ __device__ __forceinline__ void gather_value_sum_impl(
     float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
     __shared__ int js[MR_GATHER_TILE];
     __shared__ float ws[MR_GATHER_TILE];
-    __shared__ float red[MR_GATHER_THREADS];
+    __shared__ float red[2 * MR_GATHER_THREADS];   // >= ngroups * d
     __shared__ float scratch[64];
     const int tid = threadIdx.x, h = blockIdx.y, Hq = gridDim.y;
     const int c = counts[h] < cap ? counts[h] : cap;
@@ -237,10 +238,11 @@ __device__ __forceinline__ void gather_value_sum_impl(
     const I* ih = idx + (long long)h * idx_s0;
     const float* zh = z + (long long)h * z_s0;
     const typename Tag::S* Vh = V + (long long)q_to_kv[h] * v_s0;
-    const int ngroups = blockDim.x / d;
-    const int grp = tid / d, e = tid - grp * d;
+    const int half = d >> 1;
+    const int ngroups = blockDim.x / half;
+    const int grp = tid / half, e = 2 * (tid - grp * half);
     const bool active = grp < ngroups;
-    float acc = 0.f, lsum = 0.f;
+    float acc0 = 0.f, acc1 = 0.f, lsum = 0.f;
     for (long long t0 = start; live && t0 < end; t0 += MR_GATHER_TILE) {
         const int cnt = (int)mr_min_ll(MR_GATHER_TILE, end - t0);
         for (int i = tid; i < cnt; i += blockDim.x) {
@@ -255,18 +257,31 @@ __device__ __forceinline__ void gather_value_sum_impl(
         if (active) {
             int i = grp;
             for (; i + (MR_GATHER_ILP - 1) * ngroups < cnt; i += MR_GATHER_ILP * ngroups) {
-                float v[MR_GATHER_ILP];
+                float a[MR_GATHER_ILP], b[MR_GATHER_ILP];
 #pragma unroll
-                for (int u = 0; u < MR_GATHER_ILP; ++u) v[u] = Tag::cvt(Vh[(long long)js[i + u * ngroups] * v_s1 + e]);
+                for (int u = 0; u < MR_GATHER_ILP; ++u)
+                    Tag::load2(Vh + (long long)js[i + u * ngroups] * v_s1 + e, a[u], b[u]);
 #pragma unroll
-                for (int u = 0; u < MR_GATHER_ILP; ++u) acc = fmaf(ws[i + u * ngroups], v[u], acc);
+                for (int u = 0; u < MR_GATHER_ILP; ++u) {
+                    const float w = ws[i + u * ngroups];
+                    acc0 = fmaf(w, a[u], acc0);
+                    acc1 = fmaf(w, b[u], acc1);
+                }
             }
-            for (; i < cnt; i += ngroups) acc = fmaf(ws[i], Tag::cvt(Vh[(long long)js[i] * v_s1 + e]), acc);
+            for (; i < cnt; i += ngroups) {
+                float a, b;
+                Tag::load2(Vh + (long long)js[i] * v_s1 + e, a, b);
+                acc0 = fmaf(ws[i], a, acc0);
+                acc1 = fmaf(ws[i], b, acc1);
+            }
         }
         __syncthreads();   // js / ws are overwritten by the next tile
     }
     lsum = mr_block_sum(lsum, scratch);
-    if (active) red[grp * d + e] = acc;
+    if (active) {
+        red[grp * d + e] = acc0;
+        red[grp * d + e + 1] = acc1;
+    }
     __syncthreads();
     const long long slot = (long long)blockIdx.x * Hq + h;
     const bool empty = !(lsum > 0.f);

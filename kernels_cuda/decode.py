@@ -185,8 +185,11 @@ def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None):
         raise ValueError("z must be float32 [Hq, >= n] with contiguous rows, n >= 1")
     if counts.dtype != torch.int32 or tuple(counts.shape) != (Hq,) or m.dtype != torch.float32 or m.shape[0] != Hq:
         raise ValueError("counts must be int32 [Hq], m float32 [Hq]")
-    if V.dim() != 3 or str(V.dtype) not in _KV_SUFFIX or V.stride(-1) != 1 or V.shape[2] > _GATHER_THREADS:
-        raise ValueError(f"V must be [Hkv, tokens, d <= {_GATHER_THREADS}] f32 / f16 / bf16 with contiguous rows")
+    if (V.dim() != 3 or str(V.dtype) not in _KV_SUFFIX or V.stride(-1) != 1 or V.shape[2] % 2
+            or not 2 <= V.shape[2] <= _GATHER_THREADS or V.stride(0) % 2 or V.stride(1) % 2
+            or V.data_ptr() % (2 * V.element_size())):   # (the kernel loads two elements at a time)
+        raise ValueError(f"V must be [Hkv, tokens, d] f32 / f16 / bf16, d even and <= {_GATHER_THREADS}, with "
+                         "contiguous rows aligned to two elements")
     cap = 2**31 - 1 if cap is None else int(cap)
     if nsplit is None:
         nsplit = gather_splits(min(idx.shape[1], cap), Hq, be.device_info(dev)[0])
