@@ -215,7 +215,7 @@ lse_merge_staged_bf16(const float* __restrict__ os, const float* __restrict__ ms
 // aligned to two elements, no dynamic smem.  A tile of MR_GATHER_TILE tokens at a time: thread i
 // stages token t0 + i's (row, weight); then thread (grp, e), grp = tid / (d/2), e = 2 (tid % (d/2)),
 // sums elements e, e + 1 of rows grp, grp + ngroups, ... (one two-element load each: a row is one
-// coalesced read by d/2 threads, 128 B by one warp for SmolLM2's bfloat16 rows), MR_GATHER_ILP
+// coalesced read by d/2 threads: 128 B by one warp for SmolLM2's 16-bit rows), MR_GATHER_ILP
 // loads issued before their first use.
 // ---------------------------------------------------------------------------
 template <typename Tag, typename I>

@@ -309,6 +309,8 @@ class DecodeStep:
         part. idx: select's int32 rows (or topk's int64 [Hq, cap]); cap: 0 = none."""
         cap = cap or 2**31 - 1
         nsplit = gather_splits(min(n, idx.shape[1], cap), self.Hq, self.num_sms)
+        if part0 + nsplit > self.os.shape[0]:   # (sized in __init__ for the capacity: cannot happen)
+            raise RuntimeError(f"gather: {part0} + {nsplit} partials > {self.os.shape[0]} allocated")
         _launch_gather(L, idx, z, self.counts, cap, n, self.m, V, q2k, nsplit, self.os[part0:], self.ms[part0:],
                        self.ls[part0:])
         return part0 + nsplit

@@ -90,11 +90,12 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
     echo "MINIRUN_CUDA_LAYER=0:" | tee -a "$OUT/smoke.log"
     MINIRUN_CUDA_LAYER=0 timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p 4096 -n 16 -d "${SMOKE_DEPTHS:-4096}" \
         --kv dense,hca -r 1 --dtype bfloat16 --device "$DEVICE" 2>&1 | tee -a "$OUT/smoke.log"
-    # A/B of where the selected values are summed: the GPU reading the mapped host pool
-    echo "MINIRUN_VALUE_SUM=gpu:" | tee -a "$OUT/smoke.log"
-    MINIRUN_VALUE_SUM=gpu timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p "" -n 16 \
-        -d "${SMOKE_DEPTHS:-4096},32768" --kv hca -r 1 --dtype bfloat16 --device "$DEVICE" -o json \
-        2>&1 | tee -a "$OUT/smoke.log"
+    # A/B of where the selected values are summed: the CPU (default) or the GPU reading the mapped pool
+    for vs in cpu gpu; do
+        echo "MINIRUN_VALUE_SUM=$vs:" | tee -a "$OUT/smoke.log"
+        MINIRUN_VALUE_SUM=$vs timeout 100 $PY -m minirun bench "$KEEP/random-smollm2" -p "" -n 16 \
+            -d "${SMOKE_DEPTHS:-4096},32768" --kv hca -r 1 --dtype bfloat16 --device "$DEVICE" 2>&1 | tee -a "$OUT/smoke.log"
+    done
     ;;
 bench)
     need "$KEEP/part00" tests
@@ -122,17 +123,18 @@ bench)
     ;;
 ab)
     need "$MODEL/config.json" bench
-    # the bench stage's HCA runs with the GPU summing the selected values (MINIRUN_VALUE_SUM=gpu)
+    # how much of the host value sum the GPU hides (issue 4), at 32K and 128K (the latter capped if MAX_SELECT)
+    for d in 32768 131072; do
+        timeout 120 $PY scripts/profile_gpu_decode.py "$MODEL" --depth $d --steps 16 --context "$KEEP/book.txt" \
+            ${MAX_SELECT:+--max-select "$MAX_SELECT"} 2>&1 | grep -v "^minirun:" | tee -a "$OUT/hidden.log"
+    done
+    # the bench stage's HCA runs with the GPU summing the selected values (MINIRUN_VALUE_SUM=gpu);
+    # 2 x 120 + 3 x 110 s at most: inside the 600 s of one call
     for d in ${DEPTHS//,/ }; do
-        MINIRUN_VALUE_SUM=gpu timeout "${DEPTH_LIMIT:-170}" $PY -m minirun bench "$MODEL" -p "" -n 32 -d "$d" \
+        MINIRUN_VALUE_SUM=gpu timeout "${AB_LIMIT:-110}" $PY -m minirun bench "$MODEL" -p "" -n 32 -d "$d" \
             --kv hca --kv-budget 0.125 ${MAX_SELECT:+--max-select "$MAX_SELECT"} --dtype bfloat16 \
             --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
             >"$OUT/bench-gpusum-d$d.json" 2> >(tee -a "$OUT/ab.log" >&2)
-    done
-    # how much of the host value sum the GPU hides (issue 4), at 32K and 128K (the latter capped if MAX_SELECT)
-    for d in 32768 131072; do
-        timeout 150 $PY scripts/profile_gpu_decode.py "$MODEL" --depth $d --steps 16 --context "$KEEP/book.txt" \
-            ${MAX_SELECT:+--max-select "$MAX_SELECT"} 2>&1 | grep -v "^minirun:" | tee -a "$OUT/hidden.log"
     done
     ;;
 4m)

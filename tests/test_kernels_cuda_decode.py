@@ -104,9 +104,10 @@ def check_lse_merge_staged(env, P, Hq, d, out_dtype, seed=3):
         assert (R.bf16_bits_to_float_ref(bits) == o).mean() >= 0.99      # (a 1-ulp tie flip at most, rarely)
 
 
-def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsplit, seed=5):
-    """The value rows live where the cache keeps them: a PinnedPool (page-locked, written by its
-    async copy on a GPU; a plain CPU tensor under the emulator)."""
+def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsplit, host_wait=True, seed=5):
+    """The value rows live where the cache keeps them: a PinnedPool (page-locked and mapped, written
+    by its async copy on a GPU; a plain CPU tensor under the emulator). host_wait False: the gather
+    waits for that copy on the GPU only (device_wait), as the decode step does."""
     R = _ref()
     rng = np.random.default_rng(seed)
     idx = rng.integers(-2, n + 2, size=(Hq, width)).astype(np.int64)       # out of range: clamped
@@ -118,12 +119,12 @@ def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsp
     m[2] = -np.inf                                                         # no live score: empty too
     V = torch.randn(1, Hkv, n + 7, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
     pool = PinnedPool((1, Hkv), d, dtype, n + 7, env.device,
-                      torch.cuda.Stream() if env.kind == "gpu" else None)
+                      torch.cuda.Stream() if env.kind == "gpu" else None, mapped=True)
     pool.reserve(n + 7)
     assert pool.mapped                 # registered portable | mapped (the GPU reads it at its address)
     with env.ctx():
         pool.write_all(0, V.to(env.device))
-        pool.wait()
+        pool.wait() if host_wait else pool.device_wait()
         os_, ms, ls = kd.gather_value_sum(env.t(idx, getattr(torch, idx_dtype)), env.t(z)[:, :n], env.t(counts),
                                           env.t(m), pool.data[0], env.t(q2k_for(Hq, Hkv)), n, cap=cap,
                                           nsplit=nsplit)
@@ -148,20 +149,21 @@ def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsp
 
 @emu_only
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("dtype,idx_dtype,cap,nsplit", [(torch.float32, "int32", None, 1),
-                                                        (torch.bfloat16, "int32", None, 3),
-                                                        (torch.float16, "int64", 40, 2),
-                                                        (torch.bfloat16, "int64", 7, 5)])
-def test_emu_gather_value_sum(order, dtype, idx_dtype, cap, nsplit):
-    check_gather_value_sum(Env("emu", order=order), 6, 2, 32, 200, 300, dtype, idx_dtype, cap, nsplit)
+@pytest.mark.parametrize("d,dtype,idx_dtype,cap,nsplit", [(32, torch.float32, "int32", None, 1),
+                                                          (32, torch.bfloat16, "int32", None, 3),
+                                                          (96, torch.float16, "int64", 40, 2),
+                                                          (128, torch.bfloat16, "int64", 7, 5)])
+def test_emu_gather_value_sum(order, d, dtype, idx_dtype, cap, nsplit):
+    check_gather_value_sum(Env("emu", order=order), 6, 2, d, 200, 300, dtype, idx_dtype, cap, nsplit)
 
 
 @gpu_only
-@pytest.mark.parametrize("dtype,idx_dtype,cap,nsplit", [(torch.bfloat16, "int32", None, 59),
-                                                        (torch.float16, "int64", 4096, 7),
-                                                        (torch.float32, "int32", 100, 1)])
-def test_gpu_gather_value_sum(dtype, idx_dtype, cap, nsplit):
-    check_gather_value_sum(Env("gpu"), 9, 3, 64, 70000, 5000, dtype, idx_dtype, cap, nsplit)
+@pytest.mark.parametrize("dtype,idx_dtype,cap,nsplit,host_wait", [(torch.float16, "int32", None, 59, False),
+                                                                  (torch.bfloat16, "int32", None, 59, True),
+                                                                  (torch.float16, "int64", 4096, 7, False),
+                                                                  (torch.float32, "int32", 100, 1, True)])
+def test_gpu_gather_value_sum(dtype, idx_dtype, cap, nsplit, host_wait):
+    check_gather_value_sum(Env("gpu"), 9, 3, 64, 70000, 5000, dtype, idx_dtype, cap, nsplit, host_wait)
 
 
 @emu_only

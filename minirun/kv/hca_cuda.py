@@ -90,7 +90,9 @@ class HCACacheCUDA(HCACache):
         self._gpu = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
         store_cap = max(0, capacity - sinks - window)
-        self.values = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream)
+        self.value_sum = value_sum_choice(device)
+        self.values = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream,
+                                 mapped=self.value_sum == "gpu")
         if self.indices is not None:   # at capacity: doubling a 11 GiB store held old + new + the allocator's
             # cache (a 4M prompt peaked at 26.9 GB of GPU memory for 11.2 GiB of indices on an H100)
             self.indices = GrowingBuffer((L, Hkv), layout.groups, self.indices.dtype, store_cap, device=device,
@@ -104,7 +106,6 @@ class HCACacheCUDA(HCACache):
         if codebooks is not None:   # moved to the device once
             self.codebooks = Codebooks(codebooks.centroids.float().to(device).contiguous(), codebooks.source)
         self._width = INITIAL_WIDTH
-        self.value_sum = value_sum_choice(device)
         self.second_copies = 0                  # steps whose copy-back guess was too narrow
         self._pack_host = None                  # pinned int32, grows with the copy-back width
         self._stage_host = self._host_empty((Hq, hd + 2), torch.float32)   # the host part: o | m | l
@@ -115,6 +116,7 @@ class HCACacheCUDA(HCACache):
         self._ds = None                         # kernels_cuda.decode.DecodeStep, on the first decode step
         self._cs_host = self._host_empty((hd,), torch.float32)   # far turn [cos | sin] of position _cs_pos
         self._cs_pos = None
+        self._cs_event = torch.cuda.Event() if self._gpu else None
         # the exact tier with one spare row per layer and kv-head: a decode step's own token goes
         # there (decode_prep), so one attend launch covers sinks + ring + the token
         SW = self.ek.shape[2]
@@ -184,7 +186,7 @@ class HCACacheCUDA(HCACache):
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W],
                              self._evx[layer, :, S + W], far, 0.0 < self.tau < 1.0)
-            if self.value_sum == "gpu" and self.values.mapped:
+            if self.value_sum == "gpu" and self._pool_mapped():
                 return self._gathered_step(L, ds, layer, qs, qf, q.dtype)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
             # queued before the host waits: the GPU runs these while the host sums values
@@ -192,6 +194,14 @@ class HCACacheCUDA(HCACache):
             stage = self._host_sum(L, ds, layer, *sel, out=self._stage_dev)
             o = ds.merge(L, P, stage)
         return (o if o.dtype == q.dtype else o.to(q.dtype))[None]
+
+    def _pool_mapped(self) -> bool:
+        """Whether the GPU can read the pool (registered mapped); if not, value_sum becomes cpu."""
+        if not self.values.mapped:
+            print(f"note: {VALUE_SUM_ENV}=gpu: the value pool could not be mapped for the GPU; summing values "
+                  "on the CPU", file=sys.stderr)
+            self.value_sum = "cpu"
+        return self.values.mapped
 
     def _gathered_step(self, L, ds, layer, qs, qf, dtype):
         """The step's rest with the GPU summing the selected values itself (value_sum "gpu"): the
@@ -220,8 +230,12 @@ class HCACacheCUDA(HCACache):
             return
         c, s = self.far.angles(self.offset)
         h = self.hd // 2
+        if self._gpu:   # the host may run ahead of the GPU (no host wait inside a token with value_sum gpu)
+            self._cs_event.synchronize()   # the previous position's copy has read the buffer
         self._cs_host[:h], self._cs_host[h:] = c, s
-        ds.cs.copy_(self._cs_host, non_blocking=self._gpu)   # (the previous position's copy is long done)
+        ds.cs.copy_(self._cs_host, non_blocking=self._gpu)
+        if self._gpu:
+            self._cs_event.record(torch.cuda.current_stream(self.device))
         self._cs_pos = self.offset
 
     def _exact_parts(self, L, ds, layer, q, qf) -> int:
@@ -390,5 +404,5 @@ class HCACacheCUDA(HCACache):
         pack = self._pack_host.numel() * 4 if self._pack_host is not None else 0
         s["host_scratch_bytes"] = pack + self._stage_host.numel() * 4
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
-        s["value_sum"] = self.value_sum if self.values.mapped else "cpu"   # where decode sums the values
+        s["value_sum"] = self.value_sum                           # where decode sums the values
         return s

@@ -30,7 +30,7 @@ _PORTABLE, _MAPPED = 1, 2   # cudaHostRegister flags
 
 class PinnedPool:
     def __init__(self, lead: tuple, width: int, dtype: torch.dtype, max_cap: int, device: torch.device,
-                 copy_stream=None):
+                 copy_stream=None, mapped: bool = False):
         self.lead, self.width, self.dtype, self.max_cap, self.device = lead, width, dtype, max_cap, device
         self.copy_stream = copy_stream      # torch.cuda.Stream (CUDA) or None (CPU)
         self.data = None
@@ -38,7 +38,7 @@ class PinnedPool:
         self._registered = False
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._pending = False
-        self.mapped = True       # False when the GPU would not map the pool (then no kernel reads it)
+        self.mapped = mapped     # kernels read the pool (asked for; False if the GPU would not map it)
 
     def reserve(self, n: int) -> None:
         if n <= self.cap:
@@ -52,14 +52,16 @@ class PinnedPool:
             import cupy
             rt = cupy.cuda.runtime   # (its errors reset CUDA's last-error state: nothing leaks to torch's checks)
             with cupy.cuda.Device(self._device_index()):
-                try:   # portable | mapped: kernels may read the pool (kernels_cuda.decode.gather_value_sum)
-                    rt.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE | _MAPPED)
-                except rt.CUDARuntimeError:
+                try:   # mapped: kernels read the pool (kernels_cuda.decode.gather_value_sum)
+                    rt.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE | (_MAPPED if self.mapped else 0))
+                except rt.CUDARuntimeError as e:
+                    if not self.mapped:
+                        raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed ({e})") from None
                     self.mapped = False
                     try:
                         rt.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE)
-                    except rt.CUDARuntimeError as e:
-                        raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed ({e})") from None
+                    except rt.CUDARuntimeError as e2:
+                        raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed ({e2})") from None
             self._registered = True
 
     def write_all(self, j0: int, rows: torch.Tensor) -> None:
@@ -108,6 +110,8 @@ class PinnedPool:
     def free(self) -> None:
         self.wait()
         if self._registered:
+            if self.mapped:   # a kernel queued on any stream may still read it
+                torch.cuda.synchronize(self.device)
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self._registered = False
         self.data, self.cap = None, 0
