@@ -55,6 +55,12 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pack_selection_i64",
         "lse_merge_staged_f32",
         "lse_merge_staged_bf16",
+        "gather_value_sum_f32_i32",
+        "gather_value_sum_f32_i64",
+        "gather_value_sum_f16_i32",
+        "gather_value_sum_f16_i64",
+        "gather_value_sum_bf16_i32",
+        "gather_value_sum_bf16_i64",
     ),
     "layer.cu": (
         "rms_norm_f32",

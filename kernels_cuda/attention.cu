@@ -112,17 +112,7 @@ __device__ __forceinline__ void attend_partial_impl(
     }
     if (active) red[grp * d + e] = acc;
     __syncthreads();
-    const long long slot = (long long)blockIdx.x * Hq + h;
-    const bool empty = !(l_run > 0.f);
-    for (int x = tid; x < d; x += blockDim.x) {
-        float o = 0.f;
-        for (int gq = 0; gq < ngroups; ++gq) o += red[gq * d + x];
-        o_part[slot * d + x] = empty ? 0.f : o / l_run;
-    }
-    if (tid == 0) {
-        m_part[slot] = empty ? mr_neg_inf() : m_run;
-        l_part[slot] = empty ? 0.f : l_run;
-    }
+    mr_write_partial(red, ngroups, d, m_run, l_run, (long long)blockIdx.x * Hq + h, o_part, m_part, l_part);
 }
 
 // valid: uint8 [>= n], read only when has_valid (0: the slot holds no token, e.g. a ring slot

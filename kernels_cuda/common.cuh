@@ -85,6 +85,24 @@ struct MrBF16 {
     }
 };
 
+// The end of one split of an attention sum: o_part[slot] = (the sum of the ngroups partial rows
+// red[g d : g d + d]) / l, m_part[slot] = m, l_part[slot] = l; an empty split (!(l > 0)) writes
+// (0, -inf, 0).  Called by every thread of the block after a barrier that published red.
+__device__ __forceinline__ void mr_write_partial(const float* red, int ngroups, int d, float m, float l,
+                                                 long long slot, float* __restrict__ o_part,
+                                                 float* __restrict__ m_part, float* __restrict__ l_part) {
+    const bool empty = !(l > 0.f);
+    for (int x = threadIdx.x; x < d; x += blockDim.x) {
+        float o = 0.f;
+        for (int g = 0; g < ngroups; ++g) o += red[g * d + x];
+        o_part[slot * d + x] = empty ? 0.f : o / l;
+    }
+    if (threadIdx.x == 0) {
+        m_part[slot] = empty ? mr_neg_inf() : m;
+        l_part[slot] = empty ? 0.f : l;
+    }
+}
+
 // PQ code -> centroid index.  int16 codes are read as unsigned so that a
 // corrupt negative code cannot index below the table.
 __device__ __forceinline__ int mr_code(unsigned char x) { return (int)x; }

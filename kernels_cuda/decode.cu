@@ -283,17 +283,7 @@ __device__ __forceinline__ void gather_value_sum_impl(
         red[grp * d + e + 1] = acc1;
     }
     __syncthreads();
-    const long long slot = (long long)blockIdx.x * Hq + h;
-    const bool empty = !(lsum > 0.f);
-    for (int x = tid; x < d; x += blockDim.x) {
-        float o = 0.f;
-        for (int g = 0; g < ngroups; ++g) o += red[g * d + x];
-        o_part[slot * d + x] = empty ? 0.f : o / lsum;
-    }
-    if (tid == 0) {
-        m_part[slot] = empty ? mr_neg_inf() : M;
-        l_part[slot] = empty ? 0.f : lsum;
-    }
+    mr_write_partial(red, ngroups, d, M, lsum, (long long)blockIdx.x * Hq + h, o_part, m_part, l_part);
 }
 
 extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
