@@ -49,20 +49,25 @@ class PinnedPool:
         self.data = hugepages.empty(*self.lead, self.max_cap, self.width, dtype=self.dtype)
         self.cap = self.max_cap
         if self.device.type == "cuda" and self.data.numel():
-            import cupy
-            rt = cupy.cuda.runtime   # (its errors reset CUDA's last-error state: nothing leaks to torch's checks)
-            with cupy.cuda.Device(self._device_index()):
-                try:   # mapped: kernels read the pool (kernels_cuda.decode.gather_value_sum)
-                    rt.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE | (_MAPPED if self.mapped else 0))
-                except rt.CUDARuntimeError as e:
-                    if not self.mapped:
-                        raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed ({e})") from None
-                    self.mapped = False
-                    try:
-                        rt.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE)
-                    except rt.CUDARuntimeError as e2:
-                        raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed ({e2})") from None
+            if self.mapped and not self._register_mapped():
+                self.mapped = False
+            if not self.mapped:
+                rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE))
+                if rc != 0:
+                    raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed (cudaError {rc})")
             self._registered = True
+
+    def _register_mapped(self) -> bool:
+        """Page-lock the pool portable | mapped (kernels read it: kernels_cuda.decode.gather_value_sum);
+        False if CUDA refuses. Through CuPy: its errors reset CUDA's last-error state, so a refusal
+        does not surface later in one of torch's launch checks (torch's cudart has no cudaGetLastError)."""
+        import cupy
+        with cupy.cuda.Device(self._device_index()):
+            try:
+                cupy.cuda.runtime.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE | _MAPPED)
+            except cupy.cuda.runtime.CUDARuntimeError:
+                return False
+        return True
 
     def write_all(self, j0: int, rows: torch.Tensor) -> None:
         """rows [*lead, m, width] (on the device) into token slots j0..j0+m of every leading index."""
