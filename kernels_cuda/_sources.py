@@ -61,6 +61,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "gather_value_sum_f16_i64",
         "gather_value_sum_bf16_i32",
         "gather_value_sum_bf16_i64",
+        "gather_value_sum_grouped_f32",
+        "gather_value_sum_grouped_f16",
+        "gather_value_sum_grouped_bf16",
     ),
     "layer.cu": (
         "rms_norm_f32",

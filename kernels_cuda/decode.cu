@@ -9,6 +9,7 @@
 //                       the model's dtype
 //   gather_value_sum_*  the store's weighted value sum read by the GPU itself from the host value
 //                       pool (pinned and mapped): no copy-back, no host sum, no host wait
+//   gather_value_sum_grouped_*  the same, each row read once per kv group (GQA heads overlap)
 //
 // Compiled without --use_fast_math (-inf handling in the merge).
 
@@ -20,6 +21,8 @@
 #define MR_GATHER_THREADS 256
 #define MR_GATHER_TILE 256   // tokens whose (row, weight) a block stages in shared memory at a time
 #define MR_GATHER_ILP 4      // value rows in flight per thread (each read crosses the host bus)
+#define MR_GATHER_MAX_GROUP 8   // query heads per kv head the grouped gather takes
+#define MR_GROUP_TILE 128       // its tile (its shared memory holds a weight per head and token)
 
 __device__ __forceinline__ void mr_store(float* p, float x) { *p = x; }
 
@@ -338,4 +341,144 @@ gather_value_sum_bf16_i64(const long long* __restrict__ idx, long long idx_s0, c
     float* __restrict__ m_part, float* __restrict__ l_part) {
     gather_value_sum_impl<MrBF16, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
         m_part, l_part);
+}
+
+// ---------------------------------------------------------------------------
+// gather_value_sum_grouped: gather_value_sum reading each selected row once per kv group (the
+// query heads of one kv head select overlapping rows: 1.6x on SmolLM2, docs/DESIGN.md).
+// Block (s, k) of grid (nsplit, Hkv) takes the s-th share of the group's entries: the
+// concatenation of its heads' lists (heads h = k g .. k g + g - 1, i.e. q_to_kv[h] = h / g; head
+// h's list: t < c_h = min(counts[h], cap), j = idx[h, t] clamped to [0, n)).  A head is *shared*
+// when counts[h] <= cap: its list is then exactly zcompact's set {j < n : bin(z[h, j]) >= cut[h]}
+// (mr_bin over [m[h] - z_range, m[h]], n_bins bins), so membership is a test on z.  Otherwise (its
+// top bin alone held more than cap tokens: the list is any cap of them) it sums its own entries
+// alone.  An entry (h, j) of a shared head is skipped when a lower shared head of the group
+// selects j; else row j is read once and weighted for every shared head at or above h that selects
+// it (w = exp(z[h', j] - m[h'])).  Each head's partial lands at o_part[s, h], m_part, l_part as
+// gather_value_sum's do (the same merged sums over other splits).  Only for 0 < tau < 1 selections.
+// Launch: block MR_GATHER_THREADS, grid (nsplit, Hkv), 1 <= g <= MR_GATHER_MAX_GROUP, d even,
+// 2 <= d <= MR_GATHER_THREADS, V's rows aligned to two elements, no dynamic shared memory.
+// ---------------------------------------------------------------------------
+template <typename Tag>
+__device__ __forceinline__ void gather_value_sum_grouped_impl(
+    const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const int* __restrict__ cut,
+    float z_range, int n_bins, int g, const typename Tag::S* __restrict__ V, long long v_s0, long long v_s1,
+    int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    __shared__ int js[MR_GROUP_TILE];
+    __shared__ float ws[MR_GATHER_MAX_GROUP][MR_GROUP_TILE];
+    __shared__ float red[2 * MR_GATHER_THREADS];   // one head's group partials at a time
+    __shared__ float scratch[64];
+    const int tid = threadIdx.x, h0 = blockIdx.y * g, Hq = gridDim.y * g;
+    const float inv_w = (float)n_bins / z_range;    // (as zhist / zcompact compute them)
+    int c[MR_GATHER_MAX_GROUP], cb[MR_GATHER_MAX_GROUP];
+    float M[MR_GATHER_MAX_GROUP], lo[MR_GATHER_MAX_GROUP], acc0[MR_GATHER_MAX_GROUP], acc1[MR_GATHER_MAX_GROUP],
+        lsum[MR_GATHER_MAX_GROUP];
+    bool shared_[MR_GATHER_MAX_GROUP];
+    long long C = 0;
+#pragma unroll
+    for (int gi = 0; gi < MR_GATHER_MAX_GROUP; ++gi) {
+        const int h = h0 + (gi < g ? gi : 0);
+        c[gi] = gi < g ? (counts[h] < cap ? counts[h] : cap) : 0;
+        shared_[gi] = gi < g && counts[h] <= cap;
+        cb[gi] = cut[h];
+        M[gi] = m[h];
+        lo[gi] = M[gi] - z_range;
+        acc0[gi] = acc1[gi] = lsum[gi] = 0.f;
+        C += c[gi];
+    }
+    const long long share = (C + gridDim.x - 1) / gridDim.x;
+    const long long start = (long long)blockIdx.x * share;
+    const long long end = mr_min_ll(start + share, C);
+    const typename Tag::S* Vh = V + (long long)blockIdx.y * v_s0;
+    const int half = d >> 1;
+    const int ngroups = blockDim.x / half;
+    const int grp = tid / half, e = 2 * (tid - grp * half);
+    const bool active = grp < ngroups;
+    for (long long t0 = start; t0 < end; t0 += MR_GROUP_TILE) {
+        const int cnt = (int)mr_min_ll(MR_GROUP_TILE, end - t0);
+        for (int i = tid; i < cnt; i += blockDim.x) {
+            long long t = t0 + i;
+            int hi = 0;
+            while (t >= c[hi]) t -= c[hi++];   // t < C: stops at a head of the group
+            long long j = (long long)idx[(long long)(h0 + hi) * idx_s0 + t];
+            j = j < 0 ? 0 : (j >= n ? n - 1 : j);
+            bool own = true;
+            for (int gl = 0; gl < hi && shared_[hi]; ++gl)
+                if (shared_[gl] && cb[gl] < n_bins && mr_bin(z[(long long)(h0 + gl) * z_s0 + j], lo[gl], inv_w, n_bins) >= cb[gl]) {
+                    own = false;
+                    break;
+                }
+            js[i] = own ? (int)j : -1;
+#pragma unroll
+            for (int gi = 0; gi < MR_GATHER_MAX_GROUP; ++gi) {
+                float w = 0.f;
+                if (own && gi < g && M[gi] > mr_neg_inf()) {
+                    const float zv = z[(long long)(h0 + gi) * z_s0 + j];
+                    const bool takes = gi == hi || (shared_[hi] && gi > hi && shared_[gi] && cb[gi] < n_bins &&
+                                                    mr_bin(zv, lo[gi], inv_w, n_bins) >= cb[gi]);
+                    if (takes) w = expf(zv - M[gi]);
+                }
+                ws[gi][i] = w;
+                lsum[gi] += w;
+            }
+        }
+        __syncthreads();
+        if (active) {
+            for (int i = grp; i < cnt; i += ngroups) {
+                const int j = js[i];
+                if (j < 0) continue;   // (uniform over the threads of one row)
+                float a, b;
+                Tag::load2(Vh + (long long)j * v_s1 + e, a, b);
+#pragma unroll
+                for (int gi = 0; gi < MR_GATHER_MAX_GROUP; ++gi) {
+                    if (gi < g) {
+                        acc0[gi] = fmaf(ws[gi][i], a, acc0[gi]);
+                        acc1[gi] = fmaf(ws[gi][i], b, acc1[gi]);
+                    }
+                }
+            }
+        }
+        __syncthreads();   // js / ws are overwritten by the next tile
+    }
+#pragma unroll
+    for (int gi = 0; gi < MR_GATHER_MAX_GROUP; ++gi) {
+        if (gi < g) {   // (g is uniform: every thread runs the barriers below)
+            const float L = mr_block_sum(lsum[gi], scratch);
+            if (active) {
+                red[grp * d + e] = acc0[gi];
+                red[grp * d + e + 1] = acc1[gi];
+            }
+            __syncthreads();
+            mr_write_partial(red, ngroups, d, M[gi], L, (long long)blockIdx.x * Hq + h0 + gi, o_part, m_part, l_part);
+            __syncthreads();   // red is rewritten for the next head
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const float* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF32>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V, v_s0,
+        v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f16(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF16>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V, v_s0,
+        v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_bf16(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrBF16>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V, v_s0,
+        v_s1, d, o_part, m_part, l_part);
 }

@@ -29,6 +29,7 @@ _PACK_THREADS = _sources.constant("decode.cu", "MR_PACK_THREADS")
 _MERGE_THREADS = _sources.constant("decode.cu", "MR_MERGE_THREADS")
 _GATHER_THREADS = _sources.constant("decode.cu", "MR_GATHER_THREADS")
 _GATHER_MIN_SHARE = 64   # tokens a gather block takes at least (fewer: more blocks than work)
+_GATHER_MAX_GROUP = _sources.constant("decode.cu", "MR_GATHER_MAX_GROUP")
 _OUT_SUFFIX = {"torch.float32": "f32", "torch.bfloat16": "bf16"}
 
 
@@ -64,6 +65,13 @@ def _launch_gather(L, idx, z, counts, cap, n, m, V, q2k, nsplit, o_p, m_p, l_p):
     L.launch("decode.cu", kname, (nsplit, z.shape[0]), (_GATHER_THREADS,),
              (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, V, _i64(V.stride(0)),
               _i64(V.stride(1)), q2k, _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip
+
+
+def _launch_gather_grouped(L, idx, z, counts, cap, n, m, cut, z_range, n_bins, g, V, nsplit, o_p, m_p, l_p):
+    L.launch("decode.cu", "gather_value_sum_grouped_" + _KV_SUFFIX[str(V.dtype)], (nsplit, V.shape[0]),
+             (_GATHER_THREADS,),
+             (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, cut, np.float32(z_range),
+              _i32(n_bins), _i32(g), V, _i64(V.stride(0)), _i64(V.stride(1)), _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip
 
 
 def host_pool_readable(device) -> bool:
@@ -161,12 +169,14 @@ def lse_merge_staged(os, ms, ls, stage, out_dtype=None):
     return o
 
 
-def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None):
+def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None, group=None):
     """idx int32 / int64 [Hq, >= c] and z f32 [Hq, >= n] (rows contiguous), counts int32 [Hq], m f32
     [Hq] (>= every z[h, :n]), V [Hkv, tokens, d] f32 / f16 / bf16 with contiguous rows -- on a GPU
     page-locked host memory (the value pool), under the emulator a CPU tensor --, q_to_kv [Hq]
     -> (os [nsplit, Hq, d], ms, ls [nsplit, Hq]) f32: gather_value_sum_ref's partials (c =
-    min(counts, cap)); nsplit defaults to gather_splits of the widest list."""
+    min(counts, cap)); nsplit defaults to gather_splits of the widest list. group = (cut int32 [Hq],
+    z_range, n_bins) of the threshold selection that made idx: the grouped kernel (each row read
+    once per kv group; q_to_kv must be h // (Hq / Hkv), then unread), the same merged sums."""
     torch = _torch()
     be = _backend()
     _check(be, idx, "idx", 2)
@@ -191,14 +201,26 @@ def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None):
         raise ValueError(f"V must be [Hkv, tokens, d] f32 / f16 / bf16, d even and <= {_GATHER_THREADS}, with "
                          "contiguous rows aligned to two elements")
     cap = 2**31 - 1 if cap is None else int(cap)
+    Hkv = V.shape[0]
+    if group is not None:
+        cut, z_range, n_bins = group
+        g = Hq // Hkv
+        if idx.dtype != torch.int32 or Hq != g * Hkv or not 1 <= g <= _GATHER_MAX_GROUP:
+            raise ValueError(f"the grouped gather needs int32 idx and Hq = g Hkv, g <= {_GATHER_MAX_GROUP}")
+        _check(be, cut, "cut", 1, dev)
     if nsplit is None:
-        nsplit = gather_splits(min(idx.shape[1], cap), Hq, be.device_info(dev)[0])
-    q2k = _q2k(be, q_to_kv, Hq, V.shape[0], dev)
+        rows = Hq if group is None else Hkv
+        nsplit = gather_splits(min(idx.shape[1], cap) * (Hq // rows), rows, be.device_info(dev)[0])
     os = be.empty((nsplit, Hq, V.shape[2]), torch.float32, dev)
     ms = be.empty((nsplit, Hq), torch.float32, dev)
     ls = be.empty((nsplit, Hq), torch.float32, dev)
     with be.session(dev) as L:
-        _launch_gather(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), V, q2k, nsplit, os, ms, ls)
+        if group is None:
+            q2k = _q2k(be, q_to_kv, Hq, Hkv, dev)
+            _launch_gather(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), V, q2k, nsplit, os, ms, ls)
+        else:   # (q_to_kv is h // g by the grid: not read)
+            _launch_gather_grouped(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), cut.contiguous(), z_range,
+                                   n_bins, g, V, nsplit, os, ms, ls)
     return os, ms, ls
 
 
@@ -239,7 +261,10 @@ class DecodeStep:
         self.hist, self.hcount = self.hists[0], self.hists[1].view(torch.int32)
         self.cut, self.counts = new(Hq, dtype=torch.int32), new(Hq, dtype=torch.int32)
         # partials: the exact tier's attend launches (two with far positions), then the gather's
-        p_max = 2 * _cdiv(max(exact_rows, 1), _ATT_TILE) + 2 + gather_splits(capacity, Hq, self.num_sms)
+        self.group = Hq // Hkv if Hq % Hkv == 0 and Hq // Hkv <= _GATHER_MAX_GROUP else 0   # grouped gather
+        gmax = max(gather_splits(capacity, Hq, self.num_sms),
+                   gather_splits(capacity * self.group, Hkv, self.num_sms) if self.group else 0)
+        p_max = 2 * _cdiv(max(exact_rows, 1), _ATT_TILE) + 2 + gmax
         self.os, self.ms, self.ls = new(p_max, Hq, d), new(p_max, Hq), new(p_max, Hq)
         self.no_stage = new(Hq, d + 2)            # an empty host part (l = 0) for merge after a gather
         self.out_dtype = out_dtype if str(out_dtype) in _OUT_SUFFIX else f32
@@ -303,16 +328,25 @@ class DecodeStep:
                               self.ls[part0:])
         return part0 + nsplit
 
-    def gather(self, L, idx, z, n, cap, V, q2k, part0):
+    def gather(self, L, idx, z, n, cap, V, q2k, part0, grouped=False):
         """The selection's value sum read from the host pool V [Hkv, >= n, d] (pinned, mapped) into
         os / ms / ls [part0:], on the stats in m and the counts `select` left; returns the next free
-        part. idx: select's int32 rows (or topk's int64 [Hq, cap]); cap: 0 = none."""
+        part. idx: select's int32 rows (or topk's int64 [Hq, cap]); cap: 0 = none. grouped: the
+        selection was select's histogram cut (0 < tau < 1) and q2k is h // group: each row is read
+        once per kv group (gather_value_sum_grouped)."""
         cap = cap or 2**31 - 1
-        nsplit = gather_splits(min(n, idx.shape[1], cap), self.Hq, self.num_sms)
+        width = min(n, idx.shape[1], cap)
+        grouped = grouped and self.group > 0 and idx.dtype == _torch().int32
+        rows = self.Hkv if grouped else self.Hq
+        nsplit = gather_splits(width * (self.group if grouped else 1), rows, self.num_sms)
         if part0 + nsplit > self.os.shape[0]:   # (sized in __init__ for the capacity: cannot happen)
             raise RuntimeError(f"gather: {part0} + {nsplit} partials > {self.os.shape[0]} allocated")
-        _launch_gather(L, idx, z, self.counts, cap, n, self.m, V, q2k, nsplit, self.os[part0:], self.ms[part0:],
-                       self.ls[part0:])
+        if grouped:
+            _launch_gather_grouped(L, idx, z, self.counts, cap, n, self.m, self.cut, self.z_range, self.n_bins,
+                                   self.group, V, nsplit, self.os[part0:], self.ms[part0:], self.ls[part0:])
+        else:
+            _launch_gather(L, idx, z, self.counts, cap, n, self.m, V, q2k, nsplit, self.os[part0:], self.ms[part0:],
+                           self.ls[part0:])
         return part0 + nsplit
 
     def merge(self, L, P, stage):

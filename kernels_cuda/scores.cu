@@ -184,12 +184,7 @@ ms_reduce(const float* __restrict__ part_m, const float* __restrict__ part_l, in
 // rounding of the bin masses at a bin edge.)
 // ---------------------------------------------------------------------------
 
-__device__ __forceinline__ int mr_bin(float v, float lo, float inv_w, int n_bins) {
-    if (!(v == v)) return -1;
-    float x = (v - lo) * inv_w;
-    x = fminf(fmaxf(x, 0.f), (float)(n_bins - 1));
-    return (int)x;  // x >= 0: truncation == floor
-}
+// (mr_bin, the bin of a score: common.cuh, shared with decode.cu's grouped gather)
 
 // zhist: per-head mass histogram and, when with_count, token-count histogram
 // (hcount, for zcut's cap).  Launch: block 256, grid (nblk, Hq), dynamic shared

@@ -12,7 +12,7 @@
 #   4.                   bash scripts/gpu_session.sh 4m      # the 4M-token chat: prefill, answer, memory
 # MINIRUN_VALUE_SUM=gpu (the GPU reads the selected values from the mapped host pool: no round trip
 # per layer; not run on a GPU before) is A/B'd by the tests and ab stages; pass it to 4m to use it.
-# Each stage writes $OUT/<stage>.log (and bench-dD.json, bench-gpusum-dD.json); record the figures in docs/BENCHMARKS.md
+# Each stage writes $OUT/<stage>.log (and bench-dD.json, bench-gpu-dD.json); record the figures in docs/BENCHMARKS.md
 # with the commands, the device name (env.txt) and the date.
 # Seen on an H100 (2026-11-24, 30 min of device time in all): tests 200 s, bench 157 s (REPS=2),
 # 4m 573 s (prefill 391.5 s, then decode at ~0.1 tok/s ran into the limit: next time MAX_SELECT=4096
@@ -91,7 +91,7 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
     MINIRUN_CUDA_LAYER=0 timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p 4096 -n 16 -d "${SMOKE_DEPTHS:-4096}" \
         --kv dense,hca -r 1 --dtype bfloat16 --device "$DEVICE" 2>&1 | tee -a "$OUT/smoke.log"
     # A/B of where the selected values are summed: the CPU (default) or the GPU reading the mapped pool
-    for vs in cpu gpu; do
+    for vs in cpu gpu gpu-per-head; do
         echo "MINIRUN_VALUE_SUM=$vs:" | tee -a "$OUT/smoke.log"
         MINIRUN_VALUE_SUM=$vs timeout 100 $PY -m minirun bench "$KEEP/random-smollm2" -p "" -n 16 \
             -d "${SMOKE_DEPTHS:-4096},32768" --kv hca -r 1 --dtype bfloat16 --device "$DEVICE" 2>&1 | tee -a "$OUT/smoke.log"
@@ -123,18 +123,18 @@ bench)
     ;;
 ab)
     need "$MODEL/config.json" bench
-    # how much of the host value sum the GPU hides (issue 4), at 32K and 128K (the latter capped if MAX_SELECT)
-    for d in 32768 131072; do
-        timeout 120 $PY scripts/profile_gpu_decode.py "$MODEL" --depth $d --steps 16 --context "$KEEP/book.txt" \
-            ${MAX_SELECT:+--max-select "$MAX_SELECT"} 2>&1 | grep -v "^minirun:" | tee -a "$OUT/hidden.log"
-    done
-    # the bench stage's HCA runs with the GPU summing the selected values (MINIRUN_VALUE_SUM=gpu);
-    # 2 x 120 + 3 x 110 s at most: inside the 600 s of one call
-    for d in ${DEPTHS//,/ }; do
-        MINIRUN_VALUE_SUM=gpu timeout "${AB_LIMIT:-110}" $PY -m minirun bench "$MODEL" -p "" -n 32 -d "$d" \
+    # how much of the host value sum the GPU hides (issue 4), at 128K (capped if MAX_SELECT)
+    timeout 120 $PY scripts/profile_gpu_decode.py "$MODEL" --depth 131072 --steps 16 --context "$KEEP/book.txt" \
+        ${MAX_SELECT:+--max-select "$MAX_SELECT"} 2>&1 | grep -v "^minirun:" | tee -a "$OUT/hidden.log"
+    # the bench stage's HCA runs with the GPU summing the selected values (MINIRUN_VALUE_SUM=gpu: a
+    # row read once per kv group), then per head at the deepest (gpu-per-head: what the grouping saves);
+    # 120 + 4 x 110 s at most: inside the 600 s of one call
+    for run in gpu:${DEPTHS//,/ gpu:} gpu-per-head:${DEPTHS##*,}; do
+        vs=${run%%:*} d=${run#*:}
+        MINIRUN_VALUE_SUM=$vs timeout "${AB_LIMIT:-110}" $PY -m minirun bench "$MODEL" -p "" -n 32 -d "$d" \
             --kv hca --kv-budget 0.125 ${MAX_SELECT:+--max-select "$MAX_SELECT"} --dtype bfloat16 \
             --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
-            >"$OUT/bench-gpusum-d$d.json" 2> >(tee -a "$OUT/ab.log" >&2)
+            >"$OUT/bench-$vs-d$d.json" 2> >(tee -a "$OUT/ab.log" >&2)
     done
     ;;
 4m)

@@ -333,9 +333,10 @@ GATHER_CASES = {
 
 @pytest.mark.parametrize("case", list(GATHER_CASES))
 def test_value_sum_on_gpu_matches_host_sum(tiny_model_dir, gpu_engine, monkeypatch, case):
-    """MINIRUN_VALUE_SUM=gpu (kernels_cuda.decode.gather_value_sum reads the mapped host pool, no
-    copy-back) against the host's Numba sum in the same cache class: the same selection on the
-    device, so the same tokens and logits up to float32 summation order. Generate 8 tokens (ring
+    """MINIRUN_VALUE_SUM=gpu and gpu-per-head (kernels_cuda.decode's gathers read the mapped host
+    pool, no copy-back; gpu reads a row once per kv group after a histogram cut) against the host's
+    Numba sum in the same cache class: the same selection on the device, so the same tokens and
+    logits up to float32 summation order. Generate 8 tokens (ring
     wrap-around, eviction every step), a prefill that truncates (the ring short), 3 steps."""
     import kernels_cuda.decode as kd
     load, ctx = gpu_engine
@@ -344,9 +345,10 @@ def test_value_sum_on_gpu_matches_host_sum(tiny_model_dir, gpu_engine, monkeypat
     kw = dict(ctx=256, kv="hca", window=16, sinks=4, prefill_chunk=32, **GATHER_CASES[case])
     gathers = []
     real = kd.DecodeStep.gather
-    monkeypatch.setattr(kd.DecodeStep, "gather", lambda self, *a: gathers.append(1) or real(self, *a))
+    monkeypatch.setattr(kd.DecodeStep, "gather",
+                        lambda self, *a, **k: gathers.append(k.get("grouped", False)) or real(self, *a, **k))
     outs = {}
-    for vs in ("cpu", "gpu"):
+    for vs in ("cpu", "gpu", "gpu-per-head"):
         monkeypatch.setenv("MINIRUN_VALUE_SUM", vs)
         gathers.clear()
         eng = load(d, **kw)
@@ -355,13 +357,17 @@ def test_value_sum_on_gpu_matches_host_sum(tiny_model_dir, gpu_engine, monkeypat
             assert eng.cache.value_sum == vs == eng.kv_stats()["value_sum"] and eng.cache.n_store > 80
             lg = [eng.prefill(ids + gen[:5])[0].reshape(1, -1)]
             lg += [eng.step(t).reshape(1, -1) for t in gen[5:]]
-        outs[vs] = (gen, torch.cat(lg).cpu(), eng.cache.second_copies, len(gathers))
+        outs[vs] = (gen, torch.cat(lg).cpu(), eng.cache.second_copies, list(gathers))
     L = 2   # the tiny model's layers: 7 decode steps of generate, 3 steps, and (maybe) the prefill's last token
-    assert outs["cpu"][3] == 0 and outs["gpu"][3] >= 10 * L and outs["gpu"][2] == 0
-    assert outs["cpu"][0] == outs["gpu"][0]
-    diff = (outs["cpu"][1] - outs["gpu"][1]).abs().max().item()
-    print(f"{case}: max |logit diff| gpu vs host value sum {diff:.2e}")
-    assert diff <= 1e-4
+    assert outs["cpu"][3] == [] and outs["gpu"][2] == outs["gpu-per-head"][2] == 0
+    histogram_cut = 0.0 < GATHER_CASES[case]["tau"] < 1.0      # the grouped gather's precondition
+    assert len(outs["gpu"][3]) >= 10 * L and set(outs["gpu"][3]) == {histogram_cut}
+    assert len(outs["gpu-per-head"][3]) >= 10 * L and set(outs["gpu-per-head"][3]) == {False}
+    for vs in ("gpu", "gpu-per-head"):
+        assert outs["cpu"][0] == outs[vs][0]
+        diff = (outs["cpu"][1] - outs[vs][1]).abs().max().item()
+        print(f"{case}: max |logit diff| {vs} vs host value sum {diff:.2e}")
+        assert diff <= 1e-4
 
 
 def test_value_sum_env_is_checked(monkeypatch):
@@ -371,8 +377,10 @@ def test_value_sum_env_is_checked(monkeypatch):
     assert value_sum_choice(torch.device("cpu")) == "gpu"
     monkeypatch.setenv("MINIRUN_VALUE_SUM", "")
     assert value_sum_choice(torch.device("cpu")) == "cpu"
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu-per-head")
+    assert value_sum_choice(torch.device("cpu")) == "gpu-per-head"
     monkeypatch.setenv("MINIRUN_VALUE_SUM", "tpu")
-    with pytest.raises(MiniRunError, match="expected cpu or gpu"):
+    with pytest.raises(MiniRunError, match="expected one of cpu, gpu, gpu-per-head"):
         value_sum_choice(torch.device("cpu"))
 
 

@@ -64,17 +64,20 @@ from .store import GrowingBuffer
 
 INITIAL_WIDTH = 1024   # selected tokens per head copied back on the first try
 VALUE_SUM_ENV = "MINIRUN_VALUE_SUM"   # where the selected values are summed: cpu (default) or gpu
+VALUE_SUMS = ("cpu", "gpu", "gpu-per-head")
 
 
 def value_sum_choice(device: torch.device) -> str:
-    """MINIRUN_VALUE_SUM: "cpu" (Numba on the host, the copy-back round trip per layer) or "gpu"
-    (kernels_cuda.decode.gather_value_sum reads the mapped host pool; falls back to cpu, with a
-    note, where the device cannot read host memory at its address)."""
+    """MINIRUN_VALUE_SUM: "cpu" (Numba on the host, the copy-back round trip per layer), "gpu"
+    (kernels_cuda.decode's gather reads the mapped host pool, each row once per kv group where the
+    selection is a histogram cut) or "gpu-per-head" (each query head reads its own rows: the A/B of
+    the grouping). The gpu ones fall back to cpu, with a note, where the device cannot read host
+    memory at its address."""
     want = os.environ.get(VALUE_SUM_ENV, "cpu").strip().lower() or "cpu"
-    if want not in ("cpu", "gpu"):
-        raise MiniRunError(f"{VALUE_SUM_ENV}={want!r}: expected cpu or gpu")
-    if want == "gpu" and device.type == "cuda" and not kcu_decode.host_pool_readable(device):
-        print(f"note: {VALUE_SUM_ENV}=gpu: this device cannot read page-locked host memory at its address; "
+    if want not in VALUE_SUMS:
+        raise MiniRunError(f"{VALUE_SUM_ENV}={want!r}: expected one of {', '.join(VALUE_SUMS)}")
+    if want != "cpu" and device.type == "cuda" and not kcu_decode.host_pool_readable(device):
+        print(f"note: {VALUE_SUM_ENV}={want}: this device cannot read page-locked host memory at its address; "
               "summing values on the CPU", file=sys.stderr)
         return "cpu"
     return want
@@ -92,7 +95,9 @@ class HCACacheCUDA(HCACache):
         store_cap = max(0, capacity - sinks - window)
         self.value_sum = value_sum_choice(device)
         self.values = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream,
-                                 mapped=self.value_sum == "gpu")
+                                 mapped=self.value_sum != "cpu")
+        g = Hq // Hkv   # the grouped gather's layout: query head h reads kv head h // g
+        self._group_layout = bool(np.array_equal(np.asarray(self.q_to_kv), np.arange(Hq) // max(1, g)))
         if self.indices is not None:   # at capacity: doubling a 11 GiB store held old + new + the allocator's
             # cache (a 4M prompt peaked at 26.9 GB of GPU memory for 11.2 GiB of indices on an H100)
             self.indices = GrowingBuffer((L, Hkv), layout.groups, self.indices.dtype, store_cap, device=device,
@@ -186,7 +191,7 @@ class HCACacheCUDA(HCACache):
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W],
                              self._evx[layer, :, S + W], far, 0.0 < self.tau < 1.0)
-            if self.value_sum == "gpu" and self._pool_mapped():
+            if self.value_sum != "cpu" and self._pool_mapped():
                 return self._gathered_step(L, ds, layer, qs, qf, q.dtype)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
             # queued before the host waits: the GPU runs these while the host sums values
@@ -198,7 +203,7 @@ class HCACacheCUDA(HCACache):
     def _pool_mapped(self) -> bool:
         """Whether the GPU can read the pool (registered mapped); if not, value_sum becomes cpu."""
         if not self.values.mapped:
-            print(f"note: {VALUE_SUM_ENV}=gpu: the value pool could not be mapped for the GPU; summing values "
+            print(f"note: {VALUE_SUM_ENV}={self.value_sum}: the value pool could not be mapped for the GPU; summing values "
                   "on the CPU", file=sys.stderr)
             self.value_sum = "cpu"
         return self.values.mapped
@@ -210,7 +215,8 @@ class HCACacheCUDA(HCACache):
         zb, idx, n, cap = self._select_on_device(L, ds, layer, qf)
         P = self._exact_parts(L, ds, layer, qs, qf)
         self.values.device_wait()                                     # the eviction copies, on the GPU
-        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], self.q2k_dev, P)
+        grouped = self.value_sum == "gpu" and self._group_layout and 0.0 < self.tau < 1.0   # (a histogram cut)
+        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], self.q2k_dev, P, grouped=grouped)
         if self.record_selection is not None:                         # (a probe: this one syncs)
             self.record_selection.append(np.minimum(ds.counts.cpu().numpy(), cap) / n)
         o = ds.merge(L, P, ds.no_stage)
