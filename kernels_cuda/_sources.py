@@ -12,7 +12,8 @@ HERE = Path(__file__).resolve().parent
 
 # file -> NVRTC options.  --use_fast_math only for pq.cu: it has no exp/log/div,
 # so fast math there only flushes denormals; scores.cu and attention.cu rely on
-# IEEE -inf/NaN behaviour and bit-identical bin arithmetic.
+# IEEE -inf/NaN behaviour and bit-identical bin arithmetic, and decode.cu's grouped
+# gather recomputes scores.cu's bins (mr_bin): the two must keep the same options.
 OPTIONS: dict[str, tuple[str, ...]] = {
     "pq.cu": ("-std=c++17", "--use_fast_math"),
     "scores.cu": ("-std=c++17",),
@@ -61,9 +62,15 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "gather_value_sum_f16_i64",
         "gather_value_sum_bf16_i32",
         "gather_value_sum_bf16_i64",
-        "gather_value_sum_grouped_f32",
-        "gather_value_sum_grouped_f16",
-        "gather_value_sum_grouped_bf16",
+        "gather_value_sum_grouped_f32_g3",
+        "gather_value_sum_grouped_f32_g4",
+        "gather_value_sum_grouped_f32_g8",
+        "gather_value_sum_grouped_f16_g3",
+        "gather_value_sum_grouped_f16_g4",
+        "gather_value_sum_grouped_f16_g8",
+        "gather_value_sum_grouped_bf16_g3",
+        "gather_value_sum_grouped_bf16_g4",
+        "gather_value_sum_grouped_bf16_g8",
     ),
     "layer.cu": (
         "rms_norm_f32",

@@ -356,31 +356,34 @@ gather_value_sum_bf16_i64(const long long* __restrict__ idx, long long idx_s0, c
 // selects j; else row j is read once and weighted for every shared head at or above h that selects
 // it (w = exp(z[h', j] - m[h'])).  Each head's partial lands at o_part[s, h], m_part, l_part as
 // gather_value_sum's do (the same merged sums over other splits).  Only for 0 < tau < 1 selections.
-// Launch: block MR_GATHER_THREADS, grid (nsplit, Hkv), 1 <= g <= MR_GATHER_MAX_GROUP, d even,
-// 2 <= d <= MR_GATHER_THREADS, V's rows aligned to two elements, no dynamic shared memory.
+// Launch: block MR_GATHER_THREADS, grid (nsplit, Hkv), 1 <= g <= G (the kernel's group size: 3, 4 or
+// MR_GATHER_MAX_GROUP; arrays of G in registers), d even, 2 <= d <= MR_GATHER_THREADS, V's rows
+// aligned to two elements, no dynamic shared memory.  Per entry the g scores z[h', j] are loaded
+// once; a bit mask of the heads that take the row keeps a row a head did not select out of its sum
+// (0 * inf would be NaN), and MR_GATHER_ILP owned rows are read at a time.
 // ---------------------------------------------------------------------------
-template <typename Tag>
+template <typename Tag, int G>
 __device__ __forceinline__ void gather_value_sum_grouped_impl(
     const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
     const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const int* __restrict__ cut,
     float z_range, int n_bins, int g, const typename Tag::S* __restrict__ V, long long v_s0, long long v_s1,
     int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
     __shared__ int js[MR_GROUP_TILE];
-    __shared__ float ws[MR_GATHER_MAX_GROUP][MR_GROUP_TILE];
+    __shared__ unsigned char takes[MR_GROUP_TILE];   // bit gi: head h0 + gi sums this row
+    __shared__ float ws[G][MR_GROUP_TILE];
     __shared__ float red[2 * MR_GATHER_THREADS];   // one head's group partials at a time
     __shared__ float scratch[64];
     const int tid = threadIdx.x, h0 = blockIdx.y * g, Hq = gridDim.y * g;
     const float inv_w = (float)n_bins / z_range;    // (as zhist / zcompact compute them)
-    int c[MR_GATHER_MAX_GROUP], cb[MR_GATHER_MAX_GROUP];
-    float M[MR_GATHER_MAX_GROUP], lo[MR_GATHER_MAX_GROUP], acc0[MR_GATHER_MAX_GROUP], acc1[MR_GATHER_MAX_GROUP],
-        lsum[MR_GATHER_MAX_GROUP];
-    bool shared_[MR_GATHER_MAX_GROUP];
+    int c[G], cb[G];
+    float M[G], lo[G], acc0[G], acc1[G], lsum[G];
+    unsigned shared_mask = 0;   // bit gi: head h0 + gi's list is its threshold set
     long long C = 0;
 #pragma unroll
-    for (int gi = 0; gi < MR_GATHER_MAX_GROUP; ++gi) {
+    for (int gi = 0; gi < G; ++gi) {
         const int h = h0 + (gi < g ? gi : 0);
         c[gi] = gi < g ? (counts[h] < cap ? counts[h] : cap) : 0;
-        shared_[gi] = gi < g && counts[h] <= cap;
+        if (gi < g && counts[h] <= cap) shared_mask |= 1u << gi;
         cb[gi] = cut[h];
         M[gi] = m[h];
         lo[gi] = M[gi] - z_range;
@@ -398,51 +401,71 @@ __device__ __forceinline__ void gather_value_sum_grouped_impl(
     for (long long t0 = start; t0 < end; t0 += MR_GROUP_TILE) {
         const int cnt = (int)mr_min_ll(MR_GROUP_TILE, end - t0);
         for (int i = tid; i < cnt; i += blockDim.x) {
-            long long t = t0 + i;
+            long long t = t0 + i;   // < C: its head is the first whose list it does not pass
             int hi = 0;
-            while (t >= c[hi]) t -= c[hi++];   // t < C: stops at a head of the group
+#pragma unroll
+            for (int gi = 0; gi < G - 1; ++gi)
+                if (hi == gi && t >= c[gi]) {
+                    t -= c[gi];
+                    hi = gi + 1;
+                }
             long long j = (long long)idx[(long long)(h0 + hi) * idx_s0 + t];
             j = j < 0 ? 0 : (j >= n ? n - 1 : j);
-            bool own = true;
-            for (int gl = 0; gl < hi && shared_[hi]; ++gl)
-                if (shared_[gl] && cb[gl] < n_bins && mr_bin(z[(long long)(h0 + gl) * z_s0 + j], lo[gl], inv_w, n_bins) >= cb[gl]) {
-                    own = false;
-                    break;
-                }
-            js[i] = own ? (int)j : -1;
+            float zv[G];
+            unsigned member = 0;   // shared heads whose threshold set holds j
 #pragma unroll
-            for (int gi = 0; gi < MR_GATHER_MAX_GROUP; ++gi) {
+            for (int gi = 0; gi < G; ++gi) {
+                zv[gi] = gi < g ? z[(long long)(h0 + gi) * z_s0 + j] : 0.f;
+                if ((shared_mask >> gi & 1u) && cb[gi] < n_bins && mr_bin(zv[gi], lo[gi], inv_w, n_bins) >= cb[gi])
+                    member |= 1u << gi;
+            }
+            const unsigned self = 1u << hi, below = self - 1u;
+            unsigned take;
+            if (!(shared_mask & self)) take = self;                 // its own list alone
+            else if (member & below) take = 0u;                      // a lower shared head reads it
+            else take = (member & ~below) | self;                    // every shared head from hi up
+            js[i] = take ? (int)j : -1;
+            unsigned live = 0;
+#pragma unroll
+            for (int gi = 0; gi < G; ++gi) {
                 float w = 0.f;
-                if (own && gi < g && M[gi] > mr_neg_inf()) {
-                    const float zv = z[(long long)(h0 + gi) * z_s0 + j];
-                    const bool takes = gi == hi || (shared_[hi] && gi > hi && shared_[gi] && cb[gi] < n_bins &&
-                                                    mr_bin(zv, lo[gi], inv_w, n_bins) >= cb[gi]);
-                    if (takes) w = expf(zv - M[gi]);
+                if ((take >> gi & 1u) && M[gi] > mr_neg_inf()) {
+                    w = expf(zv[gi] - M[gi]);
+                    live |= 1u << gi;
                 }
                 ws[gi][i] = w;
                 lsum[gi] += w;
             }
+            takes[i] = (unsigned char)live;
         }
         __syncthreads();
         if (active) {
-            for (int i = grp; i < cnt; i += ngroups) {
-                const int j = js[i];
-                if (j < 0) continue;   // (uniform over the threads of one row)
-                float a, b;
-                Tag::load2(Vh + (long long)j * v_s1 + e, a, b);
+            int i = grp;
+            for (; i < cnt; i += MR_GATHER_ILP * ngroups) {
+                float a[MR_GATHER_ILP], b[MR_GATHER_ILP];
 #pragma unroll
-                for (int gi = 0; gi < MR_GATHER_MAX_GROUP; ++gi) {
-                    if (gi < g) {
-                        acc0[gi] = fmaf(ws[gi][i], a, acc0[gi]);
-                        acc1[gi] = fmaf(ws[gi][i], b, acc1[gi]);
-                    }
+                for (int u = 0; u < MR_GATHER_ILP; ++u) {   // (a row's threads agree on every branch)
+                    const int iu = i + u * ngroups;
+                    a[u] = b[u] = 0.f;
+                    if (iu < cnt && js[iu] >= 0) Tag::load2(Vh + (long long)js[iu] * v_s1 + e, a[u], b[u]);
+                }
+#pragma unroll
+                for (int u = 0; u < MR_GATHER_ILP; ++u) {
+                    const int iu = i + u * ngroups;
+                    const unsigned tk = iu < cnt ? takes[iu] : 0u;
+#pragma unroll
+                    for (int gi = 0; gi < G; ++gi)
+                        if (tk >> gi & 1u) {
+                            acc0[gi] = fmaf(ws[gi][iu], a[u], acc0[gi]);
+                            acc1[gi] = fmaf(ws[gi][iu], b[u], acc1[gi]);
+                        }
                 }
             }
         }
-        __syncthreads();   // js / ws are overwritten by the next tile
+        __syncthreads();   // js / takes / ws are overwritten by the next tile
     }
 #pragma unroll
-    for (int gi = 0; gi < MR_GATHER_MAX_GROUP; ++gi) {
+    for (int gi = 0; gi < G; ++gi) {
         if (gi < g) {   // (g is uniform: every thread runs the barriers below)
             const float L = mr_block_sum(lsum[gi], scratch);
             if (active) {
@@ -457,28 +480,82 @@ __device__ __forceinline__ void gather_value_sum_grouped_impl(
 }
 
 extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_grouped_f32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+gather_value_sum_grouped_f32_g3(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
     long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
     const int* __restrict__ cut, float z_range, int n_bins, int g, const float* __restrict__ V, long long v_s0,
     long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_grouped_impl<MrF32>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V, v_s0,
-        v_s1, d, o_part, m_part, l_part);
+    gather_value_sum_grouped_impl<MrF32, 3>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
 }
 
 extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_grouped_f16(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+gather_value_sum_grouped_f32_g4(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
     long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
-    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const float* __restrict__ V, long long v_s0,
     long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_grouped_impl<MrF16>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V, v_s0,
-        v_s1, d, o_part, m_part, l_part);
+    gather_value_sum_grouped_impl<MrF32, 4>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
 }
 
 extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_grouped_bf16(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+gather_value_sum_grouped_f32_g8(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const float* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF32, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f16_g3(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
     long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
     const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
     long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_grouped_impl<MrBF16>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V, v_s0,
-        v_s1, d, o_part, m_part, l_part);
+    gather_value_sum_grouped_impl<MrF16, 3>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f16_g4(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF16, 4>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f16_g8(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF16, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_bf16_g3(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrBF16, 3>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_bf16_g4(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrBF16, 4>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_bf16_g8(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrBF16, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
 }

@@ -68,7 +68,8 @@ def _launch_gather(L, idx, z, counts, cap, n, m, V, q2k, nsplit, o_p, m_p, l_p):
 
 
 def _launch_gather_grouped(L, idx, z, counts, cap, n, m, cut, z_range, n_bins, g, V, nsplit, o_p, m_p, l_p):
-    L.launch("decode.cu", "gather_value_sum_grouped_" + _KV_SUFFIX[str(V.dtype)], (nsplit, V.shape[0]),
+    size = "g3" if g == 3 else ("g4" if g == 4 else "g8")   # (register arrays of the group's size)
+    L.launch("decode.cu", f"gather_value_sum_grouped_{_KV_SUFFIX[str(V.dtype)]}_{size}", (nsplit, V.shape[0]),
              (_GATHER_THREADS,),
              (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, cut, np.float32(z_range),
               _i32(n_bins), _i32(g), V, _i64(V.stride(0)), _i64(V.stride(1)), _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip
@@ -208,6 +209,9 @@ def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None, gr
         if idx.dtype != torch.int32 or Hq != g * Hkv or not 1 <= g <= _GATHER_MAX_GROUP:
             raise ValueError(f"the grouped gather needs int32 idx and Hq = g Hkv, g <= {_GATHER_MAX_GROUP}")
         _check(be, cut, "cut", 1, dev)
+        qk = np.asarray(q_to_kv.cpu() if isinstance(q_to_kv, torch.Tensor) else q_to_kv)
+        if not np.array_equal(qk, np.arange(Hq) // g):
+            raise ValueError("the grouped gather reads kv head h // g for query head h: q_to_kv must be that")
     if nsplit is None:
         rows = Hq if group is None else Hkv
         nsplit = gather_splits(min(idx.shape[1], cap) * (Hq // rows), rows, be.device_info(dev)[0])

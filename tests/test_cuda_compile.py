@@ -111,7 +111,7 @@ def test_sources_self_contained():
     ops_text = "".join((_sources.HERE / f).read_text() for f in ("launch.py", "ops.py", "decode.py", "layer.py"))
     for names in _sources.KERNELS.values():
         for name in names:
-            stem = re.sub(r"(_(f32|f16|bf16|u8|i16|i32|i64))+$", "", name)   # (dtype, then index type)
+            stem = re.sub(r"(_(f32|f16|bf16|u8|i16|i32|i64|g\d))+$", "", name)   # (dtype, index type, group)
             assert stem in ops_text, f"{name} is never launched"
 
 

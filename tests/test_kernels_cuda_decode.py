@@ -147,11 +147,13 @@ def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsp
     pool.free()
 
 
-def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, seed=7):
+def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, poison=False, seed=7):
     """The grouped gather (each row read once per kv group) on a real threshold selection
     (DecodeStep.select over scores correlated across heads, so the heads' lists overlap) against
     weighted_value_sum_ref of each head's list, and against the per-head gather. cap: also a head
-    whose top bin alone holds more than cap tokens (its list is then any cap of them: not shared)."""
+    whose top bin alone holds more than cap tokens (its list is then any cap of them: not shared).
+    poison: a value row that head 0 selected and head 1 did not is inf: head 1 stays exact (a row
+    read for one head of a group must not reach another's sum)."""
     R = _ref()
     rng = np.random.default_rng(seed)
     z = (rng.standard_normal(n) * 2 + 0.6 * rng.standard_normal((Hq, n))).astype(np.float32)
@@ -163,8 +165,6 @@ def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, seed=
     pool.reserve(n)
     q2k = q2k_for(Hq, Hkv)
     with env.ctx():
-        pool.write_all(0, V.to(env.device))
-        pool.device_wait()
         zt = env.t(z)
         ds = kd.DecodeStep(env.device, Hq, Hkv, d, n, 8, torch.float32)
         idx = torch.zeros(Hq, n, dtype=torch.int32, device=env.device)
@@ -172,28 +172,40 @@ def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, seed=
             ds.stats(L, zt, n)
             ds.hists.zero_()
             ds.select(L, zt, n, tau, idx, cap or 0)
+        if poison:
+            cnt = np_(ds.counts).astype(np.int64)
+            s0, s1 = (set(np_(idx)[h, :cnt[h]].tolist()) for h in (0, 1))
+            V[0, 0, min(s0 - s1)] = float("inf")
+        pool.write_all(0, V.to(env.device))
+        pool.device_wait()
         grouped = kd.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n, cap=cap, nsplit=nsplit,
                                       group=(ds.cut, ds.z_range, ds.n_bins))
         plain = kd.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n, cap=cap)
     counts = np_(ds.counts).astype(np.int64)
     c = np.minimum(counts, cap or 2**31 - 1).astype(np.int32)
     assert c.min() > 0 and (cap is None or counts[1] > cap)
-    wo, wm, wl = R.weighted_value_sum_ref(z, np_(idx), c, V[0].float().numpy(), q2k)
+    with np.errstate(invalid="ignore"):
+        wo, wm, wl = R.weighted_value_sum_ref(z, np_(idx), c, V[0].float().numpy(), q2k)
+    exact = np.arange(Hq) != (0 if poison else -1)          # (poison: head 0's sum is inf / NaN)
     for os_, ms, ls in (grouped, plain):
-        o, mm, ll = R.lse_merge_ref(np_(os_), np_(ms), np_(ls))
-        np.testing.assert_allclose(o, wo, rtol=1e-5, atol=2e-6)
-        np.testing.assert_allclose(mm + np.log(ll), wm + np.log(wl), rtol=1e-6, atol=1e-5)
+        with np.errstate(invalid="ignore"):
+            o, mm, ll = R.lse_merge_ref(np_(os_), np_(ms), np_(ls))
+        np.testing.assert_allclose(o[exact], wo[exact], rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose((mm + np.log(ll))[exact], (wm + np.log(wl))[exact], rtol=1e-6, atol=1e-5)
     pool.free()
     return c
 
 
 @emu_only
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("Hq,Hkv,d,dtype,tau,cap,nsplit", [(6, 2, 32, torch.float32, 0.9, None, None),
-                                                          (9, 3, 64, torch.float16, 0.5, 20, 3),
-                                                          (8, 1, 96, torch.bfloat16, 0.95, None, 2)])
-def test_emu_gather_grouped(order, Hq, Hkv, d, dtype, tau, cap, nsplit):
-    c = check_gather_grouped(Env("emu", order=order), Hq, Hkv, d, 700, dtype, tau, cap, nsplit)
+@pytest.mark.parametrize("Hq,Hkv,d,dtype,tau,cap,nsplit,poison", [(6, 2, 32, torch.float32, 0.9, None, None, False),
+                                                                 (9, 3, 64, torch.float16, 0.5, 20, 3, False),
+                                                                 (8, 1, 96, torch.bfloat16, 0.95, None, 2, False),
+                                                                 (8, 2, 32, torch.float32, 0.9, None, 4, True),
+                                                                 (10, 2, 32, torch.float16, 0.8, None, 1, False)])
+def test_emu_gather_grouped(order, Hq, Hkv, d, dtype, tau, cap, nsplit, poison):
+    """Group sizes 3, 4 and 8 (the kernel's register arrays: g3, g4, g8 for 5 and 8)."""
+    c = check_gather_grouped(Env("emu", order=order), Hq, Hkv, d, 700, dtype, tau, cap, nsplit, poison)
     assert c.sum() > 2 * Hkv * 20     # lists long enough to overlap
 
 
