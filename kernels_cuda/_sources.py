@@ -12,13 +12,14 @@ HERE = Path(__file__).resolve().parent
 
 # file -> NVRTC options.  --use_fast_math only for pq.cu: it has no exp/log/div,
 # so fast math there only flushes denormals; scores.cu and attention.cu rely on
-# IEEE -inf/NaN behaviour and bit-identical bin arithmetic, and decode.cu's grouped
+# IEEE -inf/NaN behaviour and bit-identical bin arithmetic, and gather.cu's grouped
 # gather recomputes scores.cu's bins (mr_bin): the two must keep the same options.
 OPTIONS: dict[str, tuple[str, ...]] = {
     "pq.cu": ("-std=c++17", "--use_fast_math"),
     "scores.cu": ("-std=c++17",),
     "attention.cu": ("-std=c++17",),
     "decode.cu": ("-std=c++17",),
+    "gather.cu": ("-std=c++17",),
     "layer.cu": ("-std=c++17",),
 }
 
@@ -56,6 +57,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pack_selection_i64",
         "lse_merge_staged_f32",
         "lse_merge_staged_bf16",
+    ),
+    "gather.cu": (
         "gather_value_sum_f32_i32",
         "gather_value_sum_f32_i64",
         "gather_value_sum_f16_i32",

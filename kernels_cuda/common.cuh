@@ -104,7 +104,7 @@ __device__ __forceinline__ void mr_write_partial(const float* red, int ngroups, 
 }
 
 // The selection histogram's bin of score v over [lo, lo + n_bins / inv_w] (scores.cu's zhist /
-// zcompact and decode.cu's grouped gather must agree bit for bit): NaN -> -1, clamped to the ends.
+// zcompact and gather.cu's grouped gather must agree bit for bit): NaN -> -1, clamped to the ends.
 __device__ __forceinline__ int mr_bin(float v, float lo, float inv_w, int n_bins) {
     if (!(v == v)) return -1;
     float x = (v - lo) * inv_w;

@@ -27,9 +27,9 @@ __all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged", "g
 _PREP_THREADS = _sources.constant("decode.cu", "MR_PREP_THREADS")
 _PACK_THREADS = _sources.constant("decode.cu", "MR_PACK_THREADS")
 _MERGE_THREADS = _sources.constant("decode.cu", "MR_MERGE_THREADS")
-_GATHER_THREADS = _sources.constant("decode.cu", "MR_GATHER_THREADS")
+_GATHER_THREADS = _sources.constant("gather.cu", "MR_GATHER_THREADS")
 _GATHER_MIN_SHARE = 64   # tokens a gather block takes at least (fewer: more blocks than work)
-_GATHER_MAX_GROUP = _sources.constant("decode.cu", "MR_GATHER_MAX_GROUP")
+_GATHER_MAX_GROUP = _sources.constant("gather.cu", "MR_GATHER_MAX_GROUP")
 _OUT_SUFFIX = {"torch.float32": "f32", "torch.bfloat16": "bf16"}
 
 
@@ -62,14 +62,14 @@ def gather_splits(width: int, Hq: int, num_sms: int) -> int:
 
 def _launch_gather(L, idx, z, counts, cap, n, m, V, q2k, nsplit, o_p, m_p, l_p):
     kname = "gather_value_sum_%s_%s" % (_KV_SUFFIX[str(V.dtype)], "i64" if idx.dtype == _torch().int64 else "i32")
-    L.launch("decode.cu", kname, (nsplit, z.shape[0]), (_GATHER_THREADS,),
+    L.launch("gather.cu", kname, (nsplit, z.shape[0]), (_GATHER_THREADS,),
              (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, V, _i64(V.stride(0)),
               _i64(V.stride(1)), q2k, _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip
 
 
 def _launch_gather_grouped(L, idx, z, counts, cap, n, m, cut, z_range, n_bins, g, V, nsplit, o_p, m_p, l_p):
     size = "g3" if g == 3 else ("g4" if g == 4 else "g8")   # (register arrays of the group's size)
-    L.launch("decode.cu", f"gather_value_sum_grouped_{_KV_SUFFIX[str(V.dtype)]}_{size}", (nsplit, V.shape[0]),
+    L.launch("gather.cu", f"gather_value_sum_grouped_{_KV_SUFFIX[str(V.dtype)]}_{size}", (nsplit, V.shape[0]),
              (_GATHER_THREADS,),
              (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, cut, np.float32(z_range),
               _i32(n_bins), _i32(g), V, _i64(V.stride(0)), _i64(V.stride(1)), _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip

@@ -33,7 +33,7 @@ also waits for it. The width w of the copy-back is a guess (grows to the next po
 round trip per layer normally.
 
 With MINIRUN_VALUE_SUM=gpu (`value_sum_choice`) the step has no host part: after the selection
-and the exact tier, gather_value_sum (kernels_cuda/decode.cu) reads the selected rows from the
+and the exact tier, gather_value_sum (kernels_cuda/gather.cu) reads the selected rows from the
 value pool itself -- the pool is page-locked *and mapped*, so a kernel reads it at its host address
 over the bus -- and lse_merge_staged merges with an empty stage. No copy-back, no host sum, no host
 wait: the host only queues launches and runs ahead of the GPU. Why it may pay: the cpu path's

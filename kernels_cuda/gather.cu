@@ -1,0 +1,374 @@
+// gather.cu -- the store's part of an HCA decode step summed by the GPU itself
+// (MINIRUN_VALUE_SUM=gpu, minirun/kv/hca_cuda.py): the selected value rows are read straight from
+// the host value pool (page-locked and mapped), so a decode step needs no copy-back, no host sum
+// and no host wait.
+//
+//   gather_value_sum_*          per query head: its own list of rows
+//   gather_value_sum_grouped_*  per kv group: each row once, weighted for every head that chose it
+//
+// Their partials are merged by decode.cu's lse_merge_staged.  Compiled without --use_fast_math:
+// the grouped kernel recomputes scores.cu's histogram bins (mr_bin) and must agree bit for bit.
+// The extern "C" entry points are written out one by one: the CPU emulator (kernels_cuda/_emu.py)
+// reads their signatures from this text.
+
+#include "common.cuh"
+
+#define MR_GATHER_THREADS 256
+#define MR_GATHER_TILE 256   // tokens whose (row, weight) a block stages in shared memory at a time
+#define MR_GATHER_ILP 4      // value rows in flight per thread (each read crosses the host bus)
+#define MR_GATHER_MAX_GROUP 8   // query heads per kv head the grouped gather takes
+#define MR_GROUP_TILE 128       // its tile (its shared memory holds a weight per head and token)
+
+// ---------------------------------------------------------------------------
+// gather_value_sum: the store's part of a decode step summed on the GPU, reading the value rows
+// straight from the host pool V [Hkv, cap, d] (page-locked and mapped: a device address of host
+// memory).  Block (s, h) of grid (nsplit, Hq) takes the s-th of nsplit equal shares of the head's
+// list t < c = min(counts[h], cap): j = idx[h, t] clamped to [0, n), w = exp(z[h, j] - m[h]) and
+//   o_part[s, h] = sum w V[q_to_kv[h], j] / sum w,  m_part[s, h] = m[h],  l_part[s, h] = sum w
+// (lse_merge's partial layout [nsplit, Hq, ...]; an empty share, or m[h] = -inf: 0, -inf, 0).
+// m[h] is the max of every score z[h, :n] (approx_scores' stats), so no weight exceeds 1.
+// Launch: block MR_GATHER_THREADS, grid (nsplit, Hq), d even, 2 <= d <= MR_GATHER_THREADS, V's rows
+// aligned to two elements, no dynamic smem.  A tile of MR_GATHER_TILE tokens at a time: thread i
+// stages token t0 + i's (row, weight); then thread (grp, e), grp = tid / (d/2), e = 2 (tid % (d/2)),
+// sums elements e, e + 1 of rows grp, grp + ngroups, ... (one two-element load each: a row is one
+// coalesced read by d/2 threads: 128 B by one warp for SmolLM2's 16-bit rows), MR_GATHER_ILP
+// loads issued before their first use.
+// ---------------------------------------------------------------------------
+template <typename Tag, typename I>
+__device__ __forceinline__ void gather_value_sum_impl(
+    const I* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const typename Tag::S* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d,
+    float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    __shared__ int js[MR_GATHER_TILE];
+    __shared__ float ws[MR_GATHER_TILE];
+    __shared__ float red[2 * MR_GATHER_THREADS];   // >= ngroups * d
+    __shared__ float scratch[64];
+    const int tid = threadIdx.x, h = blockIdx.y, Hq = gridDim.y;
+    const int c = counts[h] < cap ? counts[h] : cap;
+    const long long share = ((long long)c + gridDim.x - 1) / gridDim.x;
+    const long long start = (long long)blockIdx.x * share;
+    const long long end = mr_min_ll(start + share, (long long)c);
+    const float M = m[h];
+    const bool live = M > mr_neg_inf();   // uniform over the block
+    const I* ih = idx + (long long)h * idx_s0;
+    const float* zh = z + (long long)h * z_s0;
+    const typename Tag::S* Vh = V + (long long)q_to_kv[h] * v_s0;
+    const int half = d >> 1;
+    const int ngroups = blockDim.x / half;
+    const int grp = tid / half, e = 2 * (tid - grp * half);
+    const bool active = grp < ngroups;
+    float acc0 = 0.f, acc1 = 0.f, lsum = 0.f;
+    for (long long t0 = start; live && t0 < end; t0 += MR_GATHER_TILE) {
+        const int cnt = (int)mr_min_ll(MR_GATHER_TILE, end - t0);
+        for (int i = tid; i < cnt; i += blockDim.x) {
+            long long j = (long long)ih[t0 + i];
+            j = j < 0 ? 0 : (j >= n ? n - 1 : j);
+            const float w = expf(zh[j] - M);
+            js[i] = (int)j;
+            ws[i] = w;
+            lsum += w;
+        }
+        __syncthreads();
+        if (active) {
+            int i = grp;
+            for (; i + (MR_GATHER_ILP - 1) * ngroups < cnt; i += MR_GATHER_ILP * ngroups) {
+                float a[MR_GATHER_ILP], b[MR_GATHER_ILP];
+#pragma unroll
+                for (int u = 0; u < MR_GATHER_ILP; ++u)
+                    Tag::load2(Vh + (long long)js[i + u * ngroups] * v_s1 + e, a[u], b[u]);
+#pragma unroll
+                for (int u = 0; u < MR_GATHER_ILP; ++u) {
+                    const float w = ws[i + u * ngroups];
+                    acc0 = fmaf(w, a[u], acc0);
+                    acc1 = fmaf(w, b[u], acc1);
+                }
+            }
+            for (; i < cnt; i += ngroups) {
+                float a, b;
+                Tag::load2(Vh + (long long)js[i] * v_s1 + e, a, b);
+                acc0 = fmaf(ws[i], a, acc0);
+                acc1 = fmaf(ws[i], b, acc1);
+            }
+        }
+        __syncthreads();   // js / ws are overwritten by the next tile
+    }
+    lsum = mr_block_sum(lsum, scratch);
+    if (active) {
+        red[grp * d + e] = acc0;
+        red[grp * d + e + 1] = acc1;
+    }
+    __syncthreads();
+    mr_write_partial(red, ngroups, d, M, lsum, (long long)blockIdx.x * Hq + h, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_f32_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const float* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrF32, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_f32_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const float* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrF32, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_f16_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrF16, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_f16_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrF16, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_bf16_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrBF16, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_bf16_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
+    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
+    float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_impl<MrBF16, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
+        m_part, l_part);
+}
+
+// ---------------------------------------------------------------------------
+// gather_value_sum_grouped: gather_value_sum reading each selected row once per kv group (the
+// query heads of one kv head select overlapping rows: 1.6x on SmolLM2, docs/DESIGN.md).
+// Block (s, k) of grid (nsplit, Hkv) takes the s-th share of the group's entries: the
+// concatenation of its heads' lists (heads h = k g .. k g + g - 1, i.e. q_to_kv[h] = h / g; head
+// h's list: t < c_h = min(counts[h], cap), j = idx[h, t] clamped to [0, n)).  A head is *shared*
+// when counts[h] <= cap: its list is then exactly zcompact's set {j < n : bin(z[h, j]) >= cut[h]}
+// (mr_bin over [m[h] - z_range, m[h]], n_bins bins), so membership is a test on z.  Otherwise (its
+// top bin alone held more than cap tokens: the list is any cap of them) it sums its own entries
+// alone.  An entry (h, j) of a shared head is skipped when a lower shared head of the group
+// selects j; else row j is read once and weighted for every shared head at or above h that selects
+// it (w = exp(z[h', j] - m[h'])).  Each head's partial lands at o_part[s, h], m_part, l_part as
+// gather_value_sum's do (the same merged sums over other splits).  Only for 0 < tau < 1 selections.
+// Launch: block MR_GATHER_THREADS, grid (nsplit, Hkv), 1 <= g <= G (the kernel's group size: 3, 4 or
+// MR_GATHER_MAX_GROUP; arrays of G in registers), d even, 2 <= d <= MR_GATHER_THREADS, V's rows
+// aligned to two elements, no dynamic shared memory.  Per entry the g scores z[h', j] are loaded
+// once; a bit mask of the heads that take the row keeps a row a head did not select out of its sum
+// (0 * inf would be NaN), and MR_GATHER_ILP owned rows are read at a time.
+// ---------------------------------------------------------------------------
+template <typename Tag, int G>
+__device__ __forceinline__ void gather_value_sum_grouped_impl(
+    const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const int* __restrict__ cut,
+    float z_range, int n_bins, int g, const typename Tag::S* __restrict__ V, long long v_s0, long long v_s1,
+    int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    __shared__ int js[MR_GROUP_TILE];
+    __shared__ unsigned char takes[MR_GROUP_TILE];   // bit gi: head h0 + gi sums this row
+    __shared__ float ws[G][MR_GROUP_TILE];
+    __shared__ float red[2 * MR_GATHER_THREADS];   // one head's group partials at a time
+    __shared__ float scratch[64];
+    const int tid = threadIdx.x, h0 = blockIdx.y * g, Hq = gridDim.y * g;
+    const float inv_w = (float)n_bins / z_range;    // (as zhist / zcompact compute them)
+    int c[G], cb[G];
+    float M[G], lo[G], acc0[G], acc1[G], lsum[G];
+    unsigned shared_mask = 0;   // bit gi: head h0 + gi's list is its threshold set
+    long long C = 0;
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+        const int h = h0 + (gi < g ? gi : 0);
+        c[gi] = gi < g ? (counts[h] < cap ? counts[h] : cap) : 0;
+        if (gi < g && counts[h] <= cap) shared_mask |= 1u << gi;
+        cb[gi] = cut[h];
+        M[gi] = m[h];
+        lo[gi] = M[gi] - z_range;
+        acc0[gi] = acc1[gi] = lsum[gi] = 0.f;
+        C += c[gi];
+    }
+    const long long share = (C + gridDim.x - 1) / gridDim.x;
+    const long long start = (long long)blockIdx.x * share;
+    const long long end = mr_min_ll(start + share, C);
+    const typename Tag::S* Vh = V + (long long)blockIdx.y * v_s0;
+    const int half = d >> 1;
+    const int ngroups = blockDim.x / half;
+    const int grp = tid / half, e = 2 * (tid - grp * half);
+    const bool active = grp < ngroups;
+    for (long long t0 = start; t0 < end; t0 += MR_GROUP_TILE) {
+        const int cnt = (int)mr_min_ll(MR_GROUP_TILE, end - t0);
+        for (int i = tid; i < cnt; i += blockDim.x) {
+            long long t = t0 + i;   // < C: its head is the first whose list it does not pass
+            int hi = 0;
+#pragma unroll
+            for (int gi = 0; gi < G - 1; ++gi)
+                if (hi == gi && t >= c[gi]) {
+                    t -= c[gi];
+                    hi = gi + 1;
+                }
+            long long j = (long long)idx[(long long)(h0 + hi) * idx_s0 + t];
+            j = j < 0 ? 0 : (j >= n ? n - 1 : j);
+            float zv[G];
+            unsigned member = 0;   // shared heads whose threshold set holds j
+#pragma unroll
+            for (int gi = 0; gi < G; ++gi) {
+                zv[gi] = gi < g ? z[(long long)(h0 + gi) * z_s0 + j] : 0.f;
+                if ((shared_mask >> gi & 1u) && cb[gi] < n_bins && mr_bin(zv[gi], lo[gi], inv_w, n_bins) >= cb[gi])
+                    member |= 1u << gi;
+            }
+            const unsigned self = 1u << hi, below = self - 1u;
+            unsigned take;
+            if (!(shared_mask & self)) take = self;                 // its own list alone
+            else if (member & below) take = 0u;                      // a lower shared head reads it
+            else take = (member & ~below) | self;                    // every shared head from hi up
+            js[i] = take ? (int)j : -1;
+            unsigned live = 0;
+#pragma unroll
+            for (int gi = 0; gi < G; ++gi) {
+                float w = 0.f;
+                if ((take >> gi & 1u) && M[gi] > mr_neg_inf()) {
+                    w = expf(zv[gi] - M[gi]);
+                    live |= 1u << gi;
+                }
+                ws[gi][i] = w;
+                lsum[gi] += w;
+            }
+            takes[i] = (unsigned char)live;
+        }
+        __syncthreads();
+        if (active) {
+            int i = grp;
+            for (; i < cnt; i += MR_GATHER_ILP * ngroups) {
+                float a[MR_GATHER_ILP], b[MR_GATHER_ILP];
+#pragma unroll
+                for (int u = 0; u < MR_GATHER_ILP; ++u) {   // (a row's threads agree on every branch)
+                    const int iu = i + u * ngroups;
+                    a[u] = b[u] = 0.f;
+                    if (iu < cnt && js[iu] >= 0) Tag::load2(Vh + (long long)js[iu] * v_s1 + e, a[u], b[u]);
+                }
+#pragma unroll
+                for (int u = 0; u < MR_GATHER_ILP; ++u) {
+                    const int iu = i + u * ngroups;
+                    const unsigned tk = iu < cnt ? takes[iu] : 0u;
+#pragma unroll
+                    for (int gi = 0; gi < G; ++gi)
+                        if (tk >> gi & 1u) {
+                            acc0[gi] = fmaf(ws[gi][iu], a[u], acc0[gi]);
+                            acc1[gi] = fmaf(ws[gi][iu], b[u], acc1[gi]);
+                        }
+                }
+            }
+        }
+        __syncthreads();   // js / takes / ws are overwritten by the next tile
+    }
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+        if (gi < g) {   // (g is uniform: every thread runs the barriers below)
+            const float L = mr_block_sum(lsum[gi], scratch);
+            if (active) {
+                red[grp * d + e] = acc0[gi];
+                red[grp * d + e + 1] = acc1[gi];
+            }
+            __syncthreads();
+            mr_write_partial(red, ngroups, d, M[gi], L, (long long)blockIdx.x * Hq + h0 + gi, o_part, m_part, l_part);
+            __syncthreads();   // red is rewritten for the next head
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f32_g3(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const float* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF32, 3>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f32_g4(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const float* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF32, 4>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f32_g8(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const float* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF32, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f16_g3(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF16, 3>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f16_g4(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF16, 4>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_f16_g8(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrF16, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_bf16_g3(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrBF16, 3>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_bf16_g4(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrBF16, 4>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_bf16_g8(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrBF16, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
