@@ -22,7 +22,7 @@ from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _atte
                      launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
 __all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged", "gather_value_sum", "gather_splits",
-           "host_pool_readable"]
+           "group_size", "grouped_layout", "host_pool_readable"]
 
 _PREP_THREADS = _sources.constant("decode.cu", "MR_PREP_THREADS")
 _PACK_THREADS = _sources.constant("decode.cu", "MR_PACK_THREADS")
@@ -58,6 +58,24 @@ def gather_splits(width: int, Hq: int, num_sms: int) -> int:
     """nsplit of gather_value_sum for lists of at most `width` tokens: about 4 blocks per SM (every
     row read crosses the host bus, so many reads in flight), each block >= 64 tokens of a full list."""
     return max(1, min(_cdiv(4 * num_sms, max(1, Hq)), _cdiv(max(width, 1), _GATHER_MIN_SHARE)))
+
+
+def group_size(Hq: int, Hkv: int) -> int:
+    """Query heads per kv head the grouped gather takes (0: none, only the per-head gather)."""
+    g = Hq // Hkv if Hkv and Hq % Hkv == 0 else 0
+    return g if g <= _GATHER_MAX_GROUP else 0
+
+
+def grouped_layout(q_to_kv, Hq: int, Hkv: int) -> bool:
+    """Whether q_to_kv is the grouped gather's layout: query head h reads kv head h // g."""
+    g = group_size(Hq, Hkv)
+    return g > 0 and bool(np.array_equal(np.asarray(q_to_kv), np.arange(Hq) // g))
+
+
+def _gather_nsplit(width: int, Hq: int, group: int, num_sms: int) -> int:
+    """nsplit of a gather over lists of at most `width` tokens: per query head (group 0), or per kv
+    group over its group * width entries (gather_value_sum_grouped)."""
+    return gather_splits(width * group, Hq // group, num_sms) if group else gather_splits(width, Hq, num_sms)
 
 
 def _launch_gather(L, idx, z, counts, cap, n, m, V, q2k, nsplit, o_p, m_p, l_p):
@@ -203,18 +221,17 @@ def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None, gr
                          "contiguous rows aligned to two elements")
     cap = 2**31 - 1 if cap is None else int(cap)
     Hkv = V.shape[0]
+    g = 0
     if group is not None:
         cut, z_range, n_bins = group
-        g = Hq // Hkv
-        if idx.dtype != torch.int32 or Hq != g * Hkv or not 1 <= g <= _GATHER_MAX_GROUP:
+        g = group_size(Hq, Hkv)
+        if idx.dtype != torch.int32 or not g:
             raise ValueError(f"the grouped gather needs int32 idx and Hq = g Hkv, g <= {_GATHER_MAX_GROUP}")
         _check(be, cut, "cut", 1, dev)
-        qk = np.asarray(q_to_kv.cpu() if isinstance(q_to_kv, torch.Tensor) else q_to_kv)
-        if not np.array_equal(qk, np.arange(Hq) // g):
+        if not grouped_layout(q_to_kv.cpu() if isinstance(q_to_kv, torch.Tensor) else q_to_kv, Hq, Hkv):
             raise ValueError("the grouped gather reads kv head h // g for query head h: q_to_kv must be that")
     if nsplit is None:
-        rows = Hq if group is None else Hkv
-        nsplit = gather_splits(min(idx.shape[1], cap) * (Hq // rows), rows, be.device_info(dev)[0])
+        nsplit = _gather_nsplit(min(idx.shape[1], cap), Hq, g, be.device_info(dev)[0])
     os = be.empty((nsplit, Hq, V.shape[2]), torch.float32, dev)
     ms = be.empty((nsplit, Hq), torch.float32, dev)
     ls = be.empty((nsplit, Hq), torch.float32, dev)
@@ -265,9 +282,8 @@ class DecodeStep:
         self.hist, self.hcount = self.hists[0], self.hists[1].view(torch.int32)
         self.cut, self.counts = new(Hq, dtype=torch.int32), new(Hq, dtype=torch.int32)
         # partials: the exact tier's attend launches (two with far positions), then the gather's
-        self.group = Hq // Hkv if Hq % Hkv == 0 and Hq // Hkv <= _GATHER_MAX_GROUP else 0   # grouped gather
-        gmax = max(gather_splits(capacity, Hq, self.num_sms),
-                   gather_splits(capacity * self.group, Hkv, self.num_sms) if self.group else 0)
+        self.group = group_size(Hq, Hkv)          # (0: no grouped gather)
+        gmax = max(_gather_nsplit(capacity, Hq, g, self.num_sms) for g in (0, self.group))
         p_max = 2 * _cdiv(max(exact_rows, 1), _ATT_TILE) + 2 + gmax
         self.os, self.ms, self.ls = new(p_max, Hq, d), new(p_max, Hq), new(p_max, Hq)
         self.no_stage = new(Hq, d + 2)            # an empty host part (l = 0) for merge after a gather
@@ -339,15 +355,13 @@ class DecodeStep:
         selection was select's histogram cut (0 < tau < 1) and q2k is h // group: each row is read
         once per kv group (gather_value_sum_grouped)."""
         cap = cap or 2**31 - 1
-        width = min(n, idx.shape[1], cap)
-        grouped = grouped and self.group > 0 and idx.dtype == _torch().int32
-        rows = self.Hkv if grouped else self.Hq
-        nsplit = gather_splits(width * (self.group if grouped else 1), rows, self.num_sms)
+        g = self.group if grouped and idx.dtype == _torch().int32 else 0
+        nsplit = _gather_nsplit(min(n, idx.shape[1], cap), self.Hq, g, self.num_sms)
         if part0 + nsplit > self.os.shape[0]:   # (sized in __init__ for the capacity: cannot happen)
             raise RuntimeError(f"gather: {part0} + {nsplit} partials > {self.os.shape[0]} allocated")
-        if grouped:
+        if g:
             _launch_gather_grouped(L, idx, z, self.counts, cap, n, self.m, self.cut, self.z_range, self.n_bins,
-                                   self.group, V, nsplit, self.os[part0:], self.ms[part0:], self.ls[part0:])
+                                   g, V, nsplit, self.os[part0:], self.ms[part0:], self.ls[part0:])
         else:
             _launch_gather(L, idx, z, self.counts, cap, n, self.m, V, q2k, nsplit, self.os[part0:], self.ms[part0:],
                            self.ls[part0:])

@@ -105,6 +105,17 @@ def check_lse_merge_staged(env, P, Hq, d, out_dtype, seed=3):
         assert (R.bf16_bits_to_float_ref(bits) == o).mean() >= 0.99      # (a 1-ulp tie flip at most, rarely)
 
 
+def mapped_pool(env, V):
+    """A value pool as the GPU value sum's cache has it, sized for V [1, Hkv, tokens, d] (not yet
+    written): page-locked and mapped on a GPU, a plain CPU tensor under the emulator."""
+    _, Hkv, n, d = V.shape
+    pool = PinnedPool((1, Hkv), d, V.dtype, n, env.device, torch.cuda.Stream() if env.kind == "gpu" else None,
+                      mapped=True)
+    pool.reserve(n)
+    assert pool.mapped                 # registered portable | mapped (the GPU reads it at its address)
+    return pool
+
+
 def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsplit, host_wait=True, seed=5):
     """The value rows live where the cache keeps them: a PinnedPool (page-locked and mapped, written
     by its async copy on a GPU; a plain CPU tensor under the emulator). host_wait False: the gather
@@ -119,10 +130,7 @@ def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsp
     counts[1] = 0                                                          # an empty head
     m[2] = -np.inf                                                         # no live score: empty too
     V = torch.randn(1, Hkv, n + 7, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    pool = PinnedPool((1, Hkv), d, dtype, n + 7, env.device,
-                      torch.cuda.Stream() if env.kind == "gpu" else None, mapped=True)
-    pool.reserve(n + 7)
-    assert pool.mapped                 # registered portable | mapped (the GPU reads it at its address)
+    pool = mapped_pool(env, V)
     with env.ctx():
         pool.write_all(0, V.to(env.device))
         pool.wait() if host_wait else pool.device_wait()
@@ -161,9 +169,7 @@ def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, poiso
     if cap:
         z[1, :3 * cap] = z[1].max()                                   # one bin with 3 cap tokens
     V = torch.randn(1, Hkv, n, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    pool = PinnedPool((1, Hkv), d, dtype, n, env.device,
-                      torch.cuda.Stream() if env.kind == "gpu" else None, mapped=True)
-    pool.reserve(n)
+    pool = mapped_pool(env, V)
     q2k = q2k_for(Hq, Hkv)
     with env.ctx():
         zt = env.t(z)

@@ -96,8 +96,9 @@ class HCACacheCUDA(HCACache):
         self.value_sum = value_sum_choice(device)
         self.values = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream,
                                  mapped=self.value_sum != "cpu")
-        g = Hq // Hkv   # the grouped gather's layout: query head h reads kv head h // g
-        self._group_layout = bool(np.array_equal(np.asarray(self.q_to_kv), np.arange(Hq) // max(1, g)))
+        # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut (0 < tau < 1)
+        self._grouped_gather = (self.value_sum == "gpu" and 0.0 < self.tau < 1.0
+                                and kcu_decode.grouped_layout(self.q_to_kv, Hq, Hkv))
         if self.indices is not None:   # at capacity: doubling a 11 GiB store held old + new + the allocator's
             # cache (a 4M prompt peaked at 26.9 GB of GPU memory for 11.2 GiB of indices on an H100)
             self.indices = GrowingBuffer((L, Hkv), layout.groups, self.indices.dtype, store_cap, device=device,
@@ -215,8 +216,7 @@ class HCACacheCUDA(HCACache):
         zb, idx, n, cap = self._select_on_device(L, ds, layer, qf)
         P = self._exact_parts(L, ds, layer, qs, qf)
         self.values.device_wait()                                     # the eviction copies, on the GPU
-        grouped = self.value_sum == "gpu" and self._group_layout and 0.0 < self.tau < 1.0   # (a histogram cut)
-        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], self.q2k_dev, P, grouped=grouped)
+        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], self.q2k_dev, P, grouped=self._grouped_gather)
         if self.record_selection is not None:                         # (a probe: this one syncs)
             self.record_selection.append(np.minimum(ds.counts.cpu().numpy(), cap) / n)
         o = ds.merge(L, P, ds.no_stage)
