@@ -32,7 +32,8 @@ JSON/CSV fields, one object/row per (mode, test):
   was reset before the test, "process" when /proc/self/clear_refs refused and it is the process
   peak so far), peak_device_bytes (torch.cuda.max_memory_allocated during the test; 0 on CPU),
   kv_stats (the cache's stats() at the end of the last rep: tokens and bytes per tier; CSV: one
-  kv_<key> column per key), date (UTC), version (minirun's).
+  kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs (whether tg steps were
+  replayed from CUDA graphs: --cuda-graphs on a GPU with a cache that supports them).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from .planner import format_bytes, param_count, weight_bytes
 
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
           "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected",
-          "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version"]
+          "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version", "cuda_graphs"]
 CTX_ROUND = 256
 
 
@@ -88,6 +89,7 @@ class BenchResult:
     kv_stats: dict = field(default_factory=dict)
     date: str = ""
     version: str = __version__
+    cuda_graphs: bool = False
 
 
 def _reset_peak_host() -> bool:
@@ -288,7 +290,8 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
                 tps_std=statistics.stdev(samples) if len(samples) > 1 else 0.0, selected=selected,
                 samples=samples, peak_host_bytes=_peak_host(), peak_host_scope=scope,
                 peak_device_bytes=torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0,
-                kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
+                kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                cuda_graphs=eng.graphed is not None and not eng.graphed.failed))
         del eng
         gc.collect()
         if torch.cuda.is_available():
@@ -324,7 +327,7 @@ def to_markdown(results: list[BenchResult]) -> str:
         dev, host = kv_split(r.kv_stats)
         rows.append("| " + " | ".join([
             r.model, format_bytes(r.model_bytes), _params(r.model_params), r.device, str(r.threads), r.dtype,
-            r.kv, "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
+            r.kv + (" (graphs)" if r.cuda_graphs else ""), "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
             f"{r.tps_mean:.2f} ± {r.tps_std:.2f}", "-" if r.selected is None else f"{100 * r.selected:.1f}%",
             _size(r.peak_host_bytes) + ("" if r.peak_host_scope == "test" else " (process)"),
             _size(r.peak_device_bytes), _size(dev), _size(host)]) + " |")

@@ -118,6 +118,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
               help="HCA: old tokens at one distance (auto: when the ctx passes the model's trained context)")
 @click.option("--max-select", type=int, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
+@click.option("--cuda-graphs", is_flag=True,
+              help="replay each decode token from a CUDA graph (GPU, dense cache; see docs/DESIGN.md)")
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
                    "stdlib's pydoc topics: natural text, offline) or a text file (./text for one named text)")
@@ -125,7 +127,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
 def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
-          far_positions, max_select, context, output, plot_path):
+          far_positions, max_select, cuda_graphs, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
     modes = _modes(kv_modes, budgets)
@@ -137,7 +139,8 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
         b.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
-                          sinks=sinks, far_positions=far_positions, max_select=max_select, context=context,
+                          sinks=sinks, far_positions=far_positions, max_select=max_select, cuda_graphs=cuda_graphs,
+                          context=context,
                           log=lambda s: click.echo(s, err=True))
     click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
     if plot_path:

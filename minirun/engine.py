@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import sys
+
 import torch
 
 import kernels_cpu
 
+from . import cuda_graph
 from .config import EngineConfig, ModelArgs
 from .errors import CheckpointError, ContextError
 from .kv import make_cache
@@ -51,6 +54,16 @@ class Engine:
         with torch.inference_mode():   # cache tensors are updated in place inside inference mode only
             self.cache = make_cache(args, config, self.device, self.dtype, config.ctx, model_dir=path)
         self._cached_ids: list[int] = []   # the tokens whose K/V the cache holds, in order
+        self.graphed = self._graphed_decode() if config.cuda_graphs else None
+
+    def _graphed_decode(self):
+        """The CUDA-graph decode steps (config.cuda_graphs), or None with a note where they do not apply."""
+        why = ("they need a CUDA device" if self.device.type != "cuda" else
+               None if cuda_graph.supports(self.cache) else f"the {self.config.kv} cache cannot be captured yet")
+        if why:
+            print(f"note: --cuda-graphs: {why}; decoding without graphs", file=sys.stderr)
+            return None
+        return cuda_graph.GraphedDecode(self.model, self.cache)
 
     @classmethod
     def load(cls, path, device: str = "auto", dtype: str = "float32", ctx=8192, kv: str = "dense",
@@ -170,7 +183,10 @@ class Engine:
         if self.cache.offset >= self.config.ctx:
             raise ContextError(f"the context of {self.config.ctx} tokens is full (--ctx): reset, or load with a "
                                f"larger ctx")
-        logits = self.model.forward(torch.tensor([token], dtype=torch.long, device=self.device), self.cache)
+        if self.graphed is not None and not self.graphed.failed:
+            logits = self.graphed.step(token)
+        else:
+            logits = self.model.forward(torch.tensor([token], dtype=torch.long, device=self.device), self.cache)
         self._cached_ids.append(token)
         return logits
 

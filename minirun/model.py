@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from .config import ModelArgs
 from .ops import (attention_input, attention_output_and_mlp, output_logits, prepare_cuda_decode,
-                  prepare_fused_decode, rope_cos_sin, rope_inv_freq, rope_table)
+                  prepare_fused_decode, rope_cos_sin, rope_cos_sin_at, rope_inv_freq, rope_table)
 
 
 class Model:
@@ -18,6 +18,7 @@ class Model:
     def __init__(self, args: ModelArgs, weights: dict, device: torch.device, dtype: torch.dtype):
         self.args, self.w, self.device, self.dtype = args, weights, device, dtype
         self.inv_freq = rope_inv_freq(args)
+        self.inv_freq64 = self.inv_freq.to(device=device, dtype=torch.float64)   # (decode_at's angles)
         # one-token steps on the CPU: each half of a layer in one fused kernel (ops.py)
         self.fused_decode = prepare_fused_decode(weights, args, self.inv_freq, device, dtype)
         # one-token steps on a GPU: the small ops of a layer in 4 kernels (ops.py)
@@ -37,3 +38,18 @@ class Model:
             x = attention_output_and_mlp(x, o, lw, a)            # x + o_proj(o); x + mlp(rms_norm(x))
         cache.advance(T)
         return output_logits(x if all_logits else x[-1:], self.w, a)   # [T or 1, V] float32
+
+    @torch.inference_mode()
+    def decode_at(self, token: torch.Tensor, pos: torch.Tensor, cache, n_keys: int) -> torch.Tensor:
+        """One decode token with no host value in it, what minirun/cuda_graph.py captures: token, pos
+        [1] int64 on the device; the cache attends with attend_at over its first n_keys slots (n_keys
+        > pos, fixed per graph). -> logits [1, V] float32. The cache is not advanced."""
+        a = self.args
+        cos, sin = rope_cos_sin_at(self.inv_freq64, pos, self.dtype)
+        cs = rope_table(cos, sin) if self.cuda_decode else None
+        x = F.embedding(token, self.w["embed"])                                   # [1, D]
+        for il, lw in enumerate(self.w["layers"]):
+            q, k, v = attention_input(x, lw, cos, sin, None, a, cs)
+            o = cache.attend_at(il, q, k, v, pos, n_keys)
+            x = attention_output_and_mlp(x, o, lw, a)
+        return output_logits(x, self.w, a)

@@ -56,6 +56,14 @@ def rope_cos_sin(inv_freq: torch.Tensor, pos0: int, n: int, dtype: torch.dtype, 
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
+def rope_cos_sin_at(inv_freq64: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """rope_cos_sin(inv_freq, p, 1, ...) for a position p held in a device tensor pos [1] (int64),
+    so a captured CUDA graph computes each token's angles itself; inv_freq64 [hd/2] float64 on
+    pos's device. The same float64 arithmetic: the same values."""
+    ang = pos.to(torch.float64)[:, None] * inv_freq64[None, :]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, hd] rotated by position (half-split convention of HF Llama); cos, sin [T, hd/2]."""
     half = x.shape[-1] // 2
@@ -147,8 +155,9 @@ def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Tensor, pos0: int, args: ModelArgs,
                     cs: torch.Tensor | None = None):
     """x [T, D] at positions pos0.. -> q [T, Hq, hd], k, v [T, Hkv, hd]: rms_norm, the fused QKV
-    projection, RoPE (cos, sin [T, hd/2]; the fused kernel makes its own from pos0; the GPU
-    one-token path reads cs = rope_table(cos, sin))."""
+    projection, RoPE (cos, sin [T, hd/2]; the CPU's fused kernel makes its own from pos0 -- pos0
+    None: a step whose position lives on the device, cos and sin used --; the GPU one-token path
+    reads cs = rope_table(cos, sin))."""
     T, hd, Hq, Hkv = x.shape[0], args.head_dim, args.num_attention_heads, args.num_key_value_heads
     if T == 1 and "cuda" in lw:
         from kernels_cuda import layer as kl
@@ -156,7 +165,7 @@ def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Ten
         kl.rope_(qkv, Hq + Hkv, hd, cs[0] if cs is not None else rope_table(cos, sin)[0])
         qkv = qkv.view(T, Hq + 2 * Hkv, hd)
         return qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
-    fused = T == 1 and "np" in lw
+    fused = T == 1 and "np" in lw and pos0 is not None
     if fused:
         w = lw["np"]
         qkv = from_numpy_bits(kernels_cpu.attn_in(as_numpy(x).reshape(-1), w["attn_norm"], args.rms_norm_eps,

@@ -7,12 +7,15 @@
 #   bash scripts/gpu_session.sh prep     # .gpu/a = GGUF part 1 + the gguf wheel, .gpu/b = part 2 + Botchan
 # With the device tool (command run in the repo root; logs and JSON come back from $OUT):
 #   1. carry [".gpu/a"]  bash scripts/gpu_session.sh tests   # env, nvcc, GPU tests, random checkpoint
-#   2. carry [".gpu/b"]  bash scripts/gpu_session.sh bench   # real model; dense vs HCA tg @ 8K/32K/128K
+#   2. carry [".gpu/b"]  bash scripts/gpu_session.sh bench   # real model; dense vs HCA tg @ 8K/32K/128K,
+#                                                            # dense again with --cuda-graphs
 #   3.                   bash scripts/gpu_session.sh ab      # HCA with the GPU's value sum; host time hidden
 #   4.                   bash scripts/gpu_session.sh 4m      # the 4M-token chat: prefill, answer, memory
 # MINIRUN_VALUE_SUM=gpu (the GPU reads the selected values from the mapped host pool: no round trip
 # per layer; not run on a GPU before) is A/B'd by the tests and ab stages; pass it to 4m to use it.
-# Each stage writes $OUT/<stage>.log (and bench-dD.json, bench-gpu-dD.json); record the figures in docs/BENCHMARKS.md
+# --cuda-graphs (a whole dense decode token from one graph launch; not run on a GPU before) is A/B'd
+# by the tests and bench stages.
+# Each stage writes $OUT/<stage>.log (and bench-dD.json, bench-graphs-dD.json, bench-gpu-dD.json); record the figures in docs/BENCHMARKS.md
 # with the commands, the device name (env.txt) and the date.
 # Seen on an H100 (2026-11-24, 30 min of device time in all): tests 200 s, bench 157 s (REPS=2),
 # 4m 573 s (prefill 391.5 s, then decode at ~0.1 tok/s ran into the limit: next time MAX_SELECT=4096
@@ -74,7 +77,7 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
     $PY -c "import xdist" 2>/dev/null && per_test+=(-n "${TEST_PROCS:-8}")   # one GPU, 8 test processes
     timeout 300 $PY -m pytest -q -rs -p no:cacheprovider "${per_test[@]}" -k "not emu" \
         tests/test_kernels_cuda.py tests/test_kernels_cuda_decode.py tests/test_kernels_cuda_layer.py tests/test_hca_cuda.py \
-        tests/test_cuda_compile.py tests/test_bench_plan.py \
+        tests/test_cuda_compile.py tests/test_bench_plan.py tests/test_cuda_graph.py \
         2>&1 | tee "$OUT/tests.log"
     # speed and memory figures without the real weights (same shapes; kept for stage 2 if wanted)
     $PY -c "import json; print(json.dumps(dict(model_type='llama', hidden_size=576, intermediate_size=1536,
@@ -90,6 +93,10 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
     echo "MINIRUN_CUDA_LAYER=0:" | tee -a "$OUT/smoke.log"
     MINIRUN_CUDA_LAYER=0 timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p 4096 -n 16 -d "${SMOKE_DEPTHS:-4096}" \
         --kv dense,hca -r 1 --dtype bfloat16 --device "$DEVICE" 2>&1 | tee -a "$OUT/smoke.log"
+    # A/B of whole decode tokens replayed from CUDA graphs (--cuda-graphs: dense only so far)
+    echo "--cuda-graphs:" | tee -a "$OUT/smoke.log"
+    timeout 100 $PY -m minirun bench "$KEEP/random-smollm2" -p "" -n 16 -d "${SMOKE_DEPTHS:-4096},32768" --kv dense \
+        -r 1 --dtype bfloat16 --device "$DEVICE" --cuda-graphs 2>&1 | tee -a "$OUT/smoke.log"
     # A/B of where the selected values are summed: the CPU (default) or the GPU reading the mapped pool
     for vs in cpu gpu gpu-per-head; do
         echo "MINIRUN_VALUE_SUM=$vs:" | tee -a "$OUT/smoke.log"
@@ -118,6 +125,12 @@ bench)
             --kv-budget 0.125 ${MAX_SELECT:+--max-select "$MAX_SELECT"} --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
             >"$OUT/bench-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
         pp=""
+    done
+    # dense decode with every token replayed from a CUDA graph (--cuda-graphs), the same depths
+    for d in ${DEPTHS//,/ }; do
+        timeout 60 $PY -m minirun bench "$MODEL" -p "" -n 32 -d "$d" --kv dense --cuda-graphs --dtype bfloat16 \
+            --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
+            >"$OUT/bench-graphs-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
     done
     $PY -m minirun plan "$MODEL" --ctx "$CTX" --kv dense --dtype bfloat16 --device "$DEVICE" | tee -a "$OUT/bench.log"
     ;;

@@ -45,6 +45,20 @@ class DenseCache(KVCache):
         self.v[layer, :, pos0:end] = v.transpose(0, 1)
         return dense_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], pos0)
 
+    def attend_at(self, layer, q, k, v, pos, n_keys):
+        """attend for one token whose position is a device tensor pos [1] int64 (a CUDA graph's step,
+        Model.decode_at): k, v [1, Hkv, hd] written at pos, then attention over the first n_keys
+        slots (n_keys > pos, fixed per graph: fixed shapes) with those past pos masked.
+        q [1, Hq, hd] -> [1, Hq, hd]."""
+        K, V = self.k[layer], self.v[layer]                                       # [Hkv, capacity, hd]
+        K.index_copy_(1, pos, k.transpose(0, 1).to(K.dtype))
+        V.index_copy_(1, pos, v.transpose(0, 1).to(V.dtype))
+        live = (torch.arange(n_keys, device=pos.device) <= pos).view(1, 1, 1, n_keys)   # bool
+        _, Hq, hd = q.shape
+        qg = q.view(1, K.shape[0], Hq // K.shape[0], hd)
+        o = F.scaled_dot_product_attention(qg, K[None, :, :n_keys], V[None, :, :n_keys], attn_mask=live)
+        return o.reshape(1, Hq, hd)
+
     def truncate(self, n: int) -> bool:
         self.offset = min(self.offset, n)
         return True

@@ -1,0 +1,158 @@
+"""minirun/cuda_graph.py: decode tokens whose every input lives on the device (what a CUDA graph
+captures), against the engine's ordinary decode steps.
+
+On the CPU the captured step runs eagerly (capture=False): the same Model.decode_at and
+DenseCache.attend_at a graph records, so a wrong position, a missing mask or a bucket edge shows
+here. With a GPU the graphs themselves are captured and replayed against the eager GPU steps.
+
+Tolerances: float32 1e-4 absolute on logits (the masked attention over a bucket of slots sums in a
+different order than the reference's over exactly the live ones); bfloat16 0.05 (as
+test_kernels_cuda_layer: a rounding apart); greedy tokens equal.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import kernels_cuda
+from minirun import Engine, cuda_graph, ops
+
+HAVE_GPU = kernels_cuda.available() and torch.cuda.is_available()
+gpu_only = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device / cupy")
+emu_only = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (CPU kernel emulator)")
+IDS = list(range(5, 26))          # 21 prompt tokens: decoding from position 21 crosses buckets of 8
+TOL = {"float32": 1e-4, "bfloat16": 0.05}
+
+
+def _decode(eng, tokens, step):
+    """Prefill IDS, then feed `tokens` one by one through step(token) -> logits [1, V]."""
+    eng.reset()
+    eng.prefill(IDS)
+    return torch.stack([step(t).reshape(-1).float().cpu() for t in tokens])
+
+
+def _pair(d, dtype, device="cpu", ctx=64):
+    ref = Engine.load(d, device=device, dtype=dtype, ctx=ctx)
+    eng = Engine.load(d, device=device, dtype=dtype, ctx=ctx)
+    return ref, eng
+
+
+@pytest.mark.parametrize("variant", ["gqa-untied", "llama3-rope", "linear-rope-headdim"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eager_graph_step_matches_engine_step(tiny_model_dir, variant, dtype):
+    """The capturable step over buckets of 8 positions (positions 21..40: four buckets, edges
+    included) gives the engine's logits; the cache ends where the ordinary steps leave it."""
+    ref, eng = _pair(tiny_model_dir(variant), dtype)
+    toks = ref.generate(IDS, max_new_tokens=20, ignore_eos=True).tokens
+    la = _decode(ref, toks, ref.step)
+    gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=8, capture=False)
+    lb = _decode(eng, toks, gd.step)
+    assert eng.cache.offset == ref.cache.offset == len(IDS) + len(toks)
+    assert (la - lb).abs().max().item() <= TOL[dtype]
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+    # what the step wrote at the device position is what the ordinary steps wrote
+    n = ref.cache.offset
+    assert (ref.cache.k[:, :, :n].float() - eng.cache.k[:, :, :n].float()).abs().max().item() <= TOL[dtype]
+
+
+def test_eager_graph_step_after_rewind_and_at_capacity(tiny_model_dir):
+    """A rewind across a bucket edge, then steps up to the last slot of the cache (n_keys is
+    capped at the capacity); a step past it is refused."""
+    d = tiny_model_dir("gqa-untied")
+    ref, eng = _pair(d, "float32", ctx=40)
+    gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=16, capture=False)
+    toks = list(range(30, 49))                       # 21 + 19 = 40 tokens: the whole cache
+    la = _decode(ref, toks, ref.step)
+    lb = _decode(eng, toks[:12], gd.step)            # to position 33 (bucket 32..47)
+    eng.rewind(len(IDS) + 5)                         # back to position 26 (bucket 16..31)
+    lb2 = torch.stack([gd.step(t).reshape(-1) for t in toks[5:]])
+    assert gd.n_keys(eng.cache.offset - 1) == 40 == eng.cache.capacity
+    assert (la[:12] - lb).abs().max().item() <= 1e-4
+    assert (la[5:] - lb2).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="capacity"):
+        gd.step(1)
+
+
+@emu_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype):
+    """The GPU's one-token layer kernels (kernels_cuda.layer, on the emulator) inside the
+    capturable step: RoPE from the device position's table (rope_table of rope_cos_sin_at)."""
+    from kernels_cuda import _emu
+    d = tiny_model_dir("gqa-untied")
+    ref, eng = _pair(d, dtype)
+    assert ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype, force=True)
+    eng.model.cuda_decode = True
+    for lw in ref.model.w["layers"]:
+        lw.pop("np", None)
+    toks = ref.generate(IDS, max_new_tokens=6, ignore_eos=True).tokens
+    la = _decode(ref, toks, ref.step)
+    gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=8, capture=False)
+    with _emu.emulated() as be:
+        lb = _decode(eng, toks, gd.step)
+    assert "rope_" + ("f32" if dtype == "float32" else "bf16") in {x[0] for x in be.launches}
+    assert (la - lb).abs().max().item() <= TOL[dtype]
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+
+
+def test_rope_at_a_device_position_is_rope_cos_sin(tiny_model_dir):
+    """The angles made on the device from a position tensor equal the host-position ones, far out too."""
+    eng = Engine.load(tiny_model_dir("llama3-rope"), device="cpu", ctx=64)
+    for p in (0, 7, 4_194_303):
+        a = ops.rope_cos_sin(eng.model.inv_freq, p, 1, torch.float32, eng.device)
+        b = ops.rope_cos_sin_at(eng.model.inv_freq64, torch.tensor([p]), torch.float32)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_engine_flag_without_a_gpu_notes_and_decodes(tiny_model_dir, capsys):
+    """--cuda-graphs where graphs do not apply (a CPU; an HCA cache) says so once and decodes as usual."""
+    d = tiny_model_dir("gqa-untied")
+    eng = Engine.load(d, device="cpu", ctx=64, cuda_graphs=True)
+    assert eng.graphed is None
+    assert "need a CUDA device" in capsys.readouterr().err
+    ref = Engine.load(d, device="cpu", ctx=64)
+    assert eng.generate(IDS, max_new_tokens=5, ignore_eos=True).tokens == \
+        ref.generate(IDS, max_new_tokens=5, ignore_eos=True).tokens
+    assert not cuda_graph.supports(Engine.load(d, device="cpu", ctx=64, kv="hca", kv_budget=0.5).cache)
+    with pytest.raises(ValueError, match="attend_at"):
+        cuda_graph.GraphedDecode(eng.model, Engine.load(d, device="cpu", ctx=64, kv="hca", kv_budget=0.5).cache)
+
+
+def test_cli_generate_with_the_flag(tiny_model_dir):
+    from click.testing import CliRunner
+
+    from minirun.cli import cli
+    r = CliRunner().invoke(cli, ["generate", str(tiny_model_dir("gqa-untied")), "-p", "hello", "-n", "3",
+                                 "--device", "cpu", "--cuda-graphs"])
+    assert r.exit_code == 0, r.output
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_graph_replay_matches_eager_steps(tiny_model_dir, dtype):
+    """On a GPU: steps replayed from captured graphs (buckets of 8, so several captures and the
+    KEEP limit) against the engine's eager steps; a rewind replays an older bucket's graph."""
+    ref, eng = _pair(tiny_model_dir("gqa-untied"), dtype, device="cuda")
+    toks = ref.generate(IDS, max_new_tokens=20, ignore_eos=True).tokens
+    la = _decode(ref, toks, ref.step)
+    gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=8)
+    assert gd.capture
+    lb = _decode(eng, toks, gd.step)
+    assert gd.failed is None and gd.captures == 3 and len(gd._graphs) == cuda_graph.KEEP
+    assert (la - lb).abs().max().item() <= TOL[dtype]
+    eng.rewind(len(IDS) + 10)
+    lb2 = torch.stack([gd.step(t).reshape(-1).float().cpu() for t in toks[10:]])
+    assert (la[10:] - lb2).abs().max().item() <= TOL[dtype]
+
+
+@gpu_only
+def test_gpu_engine_uses_graphs(tiny_model_dir):
+    """Engine(cuda_graphs=True) on a GPU decodes through graphs and gives the same greedy tokens."""
+    d = tiny_model_dir("gqa-untied")
+    eng = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64, cuda_graphs=True)
+    ref = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64)
+    a = eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
+    assert eng.graphed is not None and eng.graphed.captures >= 1 and eng.graphed.failed is None
+    assert a == ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
