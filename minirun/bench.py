@@ -32,8 +32,9 @@ JSON/CSV fields, one object/row per (mode, test):
   was reset before the test, "process" when /proc/self/clear_refs refused and it is the process
   peak so far), peak_device_bytes (torch.cuda.max_memory_allocated during the test; 0 on CPU),
   kv_stats (the cache's stats() at the end of the last rep: tokens and bytes per tier; CSV: one
-  kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs (whether tg steps were
-  replayed from CUDA graphs: --cuda-graphs on a GPU with a cache that supports them).
+  kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs (--cuda-graphs on a GPU:
+  "token" when tg steps were whole tokens replayed from graphs (dense), "piecewise" when the parts
+  between attentions were (HCA); "off" otherwise, a failed capture included).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ import torch
 
 from . import __version__
 from .config import hca_setting
+from .cuda_graph import GraphedDecode
 from .errors import MiniRunError
 from .evaluate import selection_probe
 from .planner import format_bytes, param_count, weight_bytes
@@ -89,7 +91,7 @@ class BenchResult:
     kv_stats: dict = field(default_factory=dict)
     date: str = ""
     version: str = __version__
-    cuda_graphs: bool = False
+    cuda_graphs: str = "off"
 
 
 def _reset_peak_host() -> bool:
@@ -181,6 +183,14 @@ def selected_share(eng, ids: list[int]) -> float | None:
         eng.step(int(logits[-1].argmax()))
     eng.rewind(len(ids))
     return float(sel["fraction"].mean()) if "fraction" in sel else None
+
+
+def graphs_used(eng) -> str:
+    """What the engine's decode steps replay from CUDA graphs: "token", "piecewise" or "off"."""
+    g = eng.graphed
+    if g is None or g.failed:
+        return "off"
+    return "token" if isinstance(g, GraphedDecode) else "piecewise"
 
 
 def measure_pp(eng, n: int, seed: int, context: Context | None = None) -> float:
@@ -291,7 +301,7 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
                 samples=samples, peak_host_bytes=_peak_host(), peak_host_scope=scope,
                 peak_device_bytes=torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0,
                 kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                cuda_graphs=eng.graphed is not None and not eng.graphed.failed))
+                cuda_graphs=graphs_used(eng)))
         del eng
         gc.collect()
         if torch.cuda.is_available():
@@ -327,7 +337,7 @@ def to_markdown(results: list[BenchResult]) -> str:
         dev, host = kv_split(r.kv_stats)
         rows.append("| " + " | ".join([
             r.model, format_bytes(r.model_bytes), _params(r.model_params), r.device, str(r.threads), r.dtype,
-            r.kv + (" (graphs)" if r.cuda_graphs else ""), "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
+            r.kv + ("" if r.cuda_graphs == "off" else f" ({r.cuda_graphs} graphs)"), "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
             f"{r.tps_mean:.2f} ± {r.tps_std:.2f}", "-" if r.selected is None else f"{100 * r.selected:.1f}%",
             _size(r.peak_host_bytes) + ("" if r.peak_host_scope == "test" else " (process)"),
             _size(r.peak_device_bytes), _size(dev), _size(host)]) + " |")

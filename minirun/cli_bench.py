@@ -119,7 +119,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--max-select", type=int, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @click.option("--cuda-graphs", is_flag=True,
-              help="replay each decode token from a CUDA graph (GPU, dense cache; see docs/DESIGN.md)")
+              help="GPU: replay decode tokens from CUDA graphs (dense: whole tokens; HCA: the layers "
+                   "around the attention; see docs/DESIGN.md)")
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
                    "stdlib's pydoc topics: natural text, offline) or a text file (./text for one named text)")

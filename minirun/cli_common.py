@@ -45,8 +45,8 @@ def engine_options(f):
                           "(bounds decode time where attention is diffuse; default: tau alone)"),
         click.option("--threads", type=int, default=None, help="CPU threads for torch"),
         click.option("--cuda-graphs", is_flag=True,
-                     help="GPU: replay each decode token from a CUDA graph, one launch instead of hundreds "
-                          "(dense cache; see docs/DESIGN.md)"),
+                     help="GPU: replay decode tokens from CUDA graphs: a dense token in one launch instead of "
+                          "hundreds, an HCA token's layers around its attention (see docs/DESIGN.md)"),
     ]
     for o in reversed(opts):
         f = o(f)

@@ -154,7 +154,7 @@ class EngineConfig:
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (kv/select_cap.py)
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     threads: int | None = None
-    cuda_graphs: bool = False         # decode tokens replayed from CUDA graphs (minirun/cuda_graph.py; dense)
+    cuda_graphs: bool = False         # decode tokens replayed from CUDA graphs (minirun/cuda_graph.py)
     extra: dict = field(default_factory=dict)
 
     def chunk_for(self, device_type: str) -> int:

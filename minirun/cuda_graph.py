@@ -15,9 +15,12 @@ needs. Weights, the cache and these buffers keep their addresses, so graphs stay
 engine's truncate and reset.
 
 Caches with attend_at: DenseCache. The HCA caches' decode steps still size their grids and read
-n on the host (kernels_cuda/decode.py): not capturable yet.
+n on the host (kernels_cuda/decode.py): not capturable. For them PiecewiseDecode captures what lies
+between two attentions (a layer's output projection and MLP, the next layer's norm, QKV and RoPE:
+one graph each, L + 1 a token) and runs the cache's attention eagerly in between, as vLLM's
+piecewise graphs do: a layer's ~9 model launches become one, the attention's stay.
 
-On a CPU (or capture=False) the same step runs eagerly: what the tests compare with Engine.step.
+On a CPU (or capture=False) the same steps run eagerly: what the tests compare with Engine.step.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ import sys
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
+
+from .ops import attention_input, attention_output_and_mlp, output_logits, rope_cos_sin_at, rope_table
 
 BUCKET = 4096   # positions per graph: at most this many masked keys read per step
 KEEP = 2        # graphs kept: the current bucket's and the one before (a rewind across a boundary)
@@ -34,6 +40,28 @@ WARMUPS = 2     # eager steps on a side stream before each capture (torch's reci
 def supports(cache) -> bool:
     """Whether the cache's one-token attention can run inside a graph (it has attend_at)."""
     return callable(getattr(cache, "attend_at", None))
+
+
+def _graph_capture(run, pool, device):
+    """Warm `run` up on a side stream (lazy initialisation: cuBLAS, CuPy modules, kernel
+    attributes: none of it may happen during a capture), then capture one call of it into a new
+    graph. -> (graph, run's outputs: static tensors the replays overwrite)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUPS):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
+def _capture_failed(e: Exception) -> str:
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    print(f"note: --cuda-graphs: capturing a decode step failed ({why}); decoding without graphs", file=sys.stderr)
+    return why
 
 
 class GraphedDecode:
@@ -60,6 +88,7 @@ class GraphedDecode:
         """Slots the step at position pos attends over: pos + 1 rounded up to the bucket (<= capacity)."""
         return min(self.cache.capacity, (pos // self.bucket + 1) * self.bucket)
 
+    @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         pos = self.cache.offset
         if pos >= self.cache.capacity:
@@ -79,9 +108,7 @@ class GraphedDecode:
             try:
                 entry = self._capture(nk)
             except RuntimeError as e:   # (a kernel or op that cannot be captured: keep decoding)
-                self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
-                print(f"note: --cuda-graphs: capturing a decode step failed ({self.failed}); decoding without "
-                      "graphs", file=sys.stderr)
+                self.failed = _capture_failed(e)
                 self.capture = False
                 self._graphs.clear()
                 return self._run(nk)
@@ -90,21 +117,84 @@ class GraphedDecode:
         return entry[1]
 
     def _capture(self, nk: int):
-        """Warm up on a side stream (lazy initialisation: cuBLAS, CuPy modules, kernel attributes:
-        none of it may happen during a capture), then capture one step into a new graph. Both
-        runs write this position's k, v, as the replay that follows does again."""
-        dev = self.model.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUPS):
-                self._run(nk)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._run(nk)
+        """One step's graph for n_keys = nk (the warm-ups and the capture write this position's
+        k, v, as the replay that follows does again)."""
+        graph, logits = _graph_capture(lambda: self._run(nk), self._pool, self.model.device)
         self._graphs[nk] = (graph, logits)
         self.captures += 1
         while len(self._graphs) > KEEP:
             self._graphs.popitem(last=False)
         return graph, logits
+
+
+class PiecewiseDecode:
+    """Decode steps with the model's work between two attentions replayed from CUDA graphs and the
+    cache's attend run eagerly between them: any cache (HCA's included).
+
+    Pieces (captured on the first step, one shared pool, replayed in that order every token): 0 =
+    the embedding, RoPE's angles from the device position and layer 0's attention input; i = 1..L-1
+    = layer i-1's output projection and MLP, then layer i's attention input; L = the last layer's
+    rest and the logits. Static buffers between them: the residual stream x [1, D] and the
+    attention output o [1, Hq, hd] (the cache's output is copied in). step(token) -> logits [1, V]
+    float32 (a fresh tensor), the cache advanced by one. capture / captures / failed: as GraphedDecode.
+    """
+
+    def __init__(self, model, cache, capture: bool | None = None):
+        a, dev = model.args, model.device
+        self.model, self.cache = model, cache
+        self.capture = dev.type == "cuda" if capture is None else capture
+        self.io = torch.zeros(2, dtype=torch.int64, device=dev)    # token | position
+        self.x = torch.zeros(1, a.hidden_size, dtype=model.dtype, device=dev)
+        self.o = torch.zeros(1, a.num_attention_heads, a.head_dim, dtype=model.dtype, device=dev)
+        self._rope = None                   # piece 0's (cos, sin, cs), read by the later pieces
+        self._pieces: list = []             # (graph, q, k, v) per piece (the last: (graph, logits))
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.captures = 0
+        self.failed: str | None = None
+
+    def _piece(self, i: int):
+        """Run piece i (see the class docstring) -> (q, k, v) for layer i, or (logits,) for i = L."""
+        m, a = self.model, self.model.args
+        layers = m.w["layers"]
+        if i == 0:
+            cos, sin = rope_cos_sin_at(m.inv_freq64, self.io[1:], m.dtype)
+            self._rope = (cos, sin, rope_table(cos, sin) if m.cuda_decode else None)
+            self.x.copy_(F.embedding(self.io[:1], m.w["embed"]))
+        else:
+            self.x.copy_(attention_output_and_mlp(self.x, self.o, layers[i - 1], a))
+        if i == len(layers):
+            return (output_logits(self.x, m.w, a),)
+        cos, sin, cs = self._rope
+        return attention_input(self.x, layers[i], cos, sin, None, a, cs)
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        if self.cache.offset >= self.cache.capacity:
+            raise ValueError(f"position {self.cache.offset} is past the cache's capacity {self.cache.capacity}")
+        self.io.copy_(torch.tensor([token, self.cache.offset], dtype=torch.int64))
+        if self.capture and not self._pieces:
+            try:
+                self._capture_all()
+            except RuntimeError as e:
+                self.failed = _capture_failed(e)
+                self.capture = False
+                self._pieces = []
+        L = len(self.model.w["layers"])
+        for i in range(L + 1):
+            if self.capture:
+                graph, *out = self._pieces[i]
+                graph.replay()
+            else:
+                out = self._piece(i)
+            if i < L:
+                self.o.copy_(self.cache.attend(i, *out))
+        self.cache.advance(1)
+        return out[0].clone() if self.capture else out[0]
+
+    def _capture_all(self):
+        """Capture the L + 1 pieces in order. The warm-ups run the pieces, not the attention, so the
+        cache is not touched (piece i's input x is whatever the previous piece left: fine for shapes)."""
+        for i in range(len(self.model.w["layers"]) + 1):
+            graph, out = _graph_capture(lambda: self._piece(i), self._pool, self.model.device)
+            self._pieces.append((graph, *out))
+            self.captures += 1

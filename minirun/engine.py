@@ -57,13 +57,14 @@ class Engine:
         self.graphed = self._graphed_decode() if config.cuda_graphs else None
 
     def _graphed_decode(self):
-        """The CUDA-graph decode steps (config.cuda_graphs), or None with a note where they do not apply."""
-        why = ("they need a CUDA device" if self.device.type != "cuda" else
-               None if cuda_graph.supports(self.cache) else f"the {self.config.kv} cache cannot be captured yet")
-        if why:
-            print(f"note: --cuda-graphs: {why}; decoding without graphs", file=sys.stderr)
+        """The CUDA-graph decode steps (config.cuda_graphs): whole tokens where the cache can be
+        captured (dense), else the pieces between attentions; None, with a note, on a CPU."""
+        if self.device.type != "cuda":
+            print("note: --cuda-graphs: they need a CUDA device; decoding without graphs", file=sys.stderr)
             return None
-        return cuda_graph.GraphedDecode(self.model, self.cache)
+        if cuda_graph.supports(self.cache):
+            return cuda_graph.GraphedDecode(self.model, self.cache)
+        return cuda_graph.PiecewiseDecode(self.model, self.cache)
 
     @classmethod
     def load(cls, path, device: str = "auto", dtype: str = "float32", ctx=8192, kv: str = "dense",

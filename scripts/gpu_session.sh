@@ -13,8 +13,8 @@
 #   4.                   bash scripts/gpu_session.sh 4m      # the 4M-token chat: prefill, answer, memory
 # MINIRUN_VALUE_SUM=gpu (the GPU reads the selected values from the mapped host pool: no round trip
 # per layer; not run on a GPU before) is A/B'd by the tests and ab stages; pass it to 4m to use it.
-# --cuda-graphs (a whole dense decode token from one graph launch; not run on a GPU before) is A/B'd
-# by the tests and bench stages.
+# --cuda-graphs (a dense decode token from one graph launch, an HCA one from L + 1 around the eager
+# attentions; not run on a GPU before) is A/B'd by the tests stage (both) and the bench stage (dense).
 # Each stage writes $OUT/<stage>.log (and bench-dD.json, bench-graphs-dD.json, bench-gpu-dD.json); record the figures in docs/BENCHMARKS.md
 # with the commands, the device name (env.txt) and the date.
 # Seen on an H100 (2026-11-24, 30 min of device time in all): tests 200 s, bench 157 s (REPS=2),
@@ -93,10 +93,14 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
     echo "MINIRUN_CUDA_LAYER=0:" | tee -a "$OUT/smoke.log"
     MINIRUN_CUDA_LAYER=0 timeout 150 $PY -m minirun bench "$KEEP/random-smollm2" -p 4096 -n 16 -d "${SMOKE_DEPTHS:-4096}" \
         --kv dense,hca -r 1 --dtype bfloat16 --device "$DEVICE" 2>&1 | tee -a "$OUT/smoke.log"
-    # A/B of whole decode tokens replayed from CUDA graphs (--cuda-graphs: dense only so far)
-    echo "--cuda-graphs:" | tee -a "$OUT/smoke.log"
-    timeout 100 $PY -m minirun bench "$KEEP/random-smollm2" -p "" -n 16 -d "${SMOKE_DEPTHS:-4096},32768" --kv dense \
-        -r 1 --dtype bfloat16 --device "$DEVICE" --cuda-graphs 2>&1 | tee -a "$OUT/smoke.log"
+    # A/B of CUDA graphs (--cuda-graphs): dense whole tokens, HCA the pieces between attentions
+    # (with either value sum); compare with the runs above
+    for vs in cpu gpu; do
+        echo "--cuda-graphs, MINIRUN_VALUE_SUM=$vs:" | tee -a "$OUT/smoke.log"
+        MINIRUN_VALUE_SUM=$vs timeout 100 $PY -m minirun bench "$KEEP/random-smollm2" -p "" -n 16 \
+            -d "${SMOKE_DEPTHS:-4096},32768" --kv $([ $vs = cpu ] && echo dense,hca || echo hca) -r 1 \
+            --dtype bfloat16 --device "$DEVICE" --cuda-graphs 2>&1 | tee -a "$OUT/smoke.log"
+    done
     # A/B of where the selected values are summed: the CPU (default) or the GPU reading the mapped pool
     for vs in cpu gpu gpu-per-head; do
         echo "MINIRUN_VALUE_SUM=$vs:" | tee -a "$OUT/smoke.log"

@@ -1,9 +1,11 @@
 """minirun/cuda_graph.py: decode tokens whose every input lives on the device (what a CUDA graph
-captures), against the engine's ordinary decode steps.
+captures), whole (GraphedDecode, dense) or in pieces between attentions (PiecewiseDecode, any
+cache), against the engine's ordinary decode steps.
 
-On the CPU the captured step runs eagerly (capture=False): the same Model.decode_at and
-DenseCache.attend_at a graph records, so a wrong position, a missing mask or a bucket edge shows
-here. With a GPU the graphs themselves are captured and replayed against the eager GPU steps.
+On the CPU the captured code runs eagerly (capture=False): the same Model.decode_at and
+DenseCache.attend_at, or the same pieces, a graph records, so a wrong position, a missing mask, a
+bucket edge or a piece reading a stale buffer shows here. With a GPU the graphs themselves are
+captured and replayed against the eager GPU steps.
 
 Tolerances: float32 1e-4 absolute on logits (the masked attention over a bucket of slots sums in a
 different order than the reference's over exactly the live ones); bfloat16 0.05 (as
@@ -97,6 +99,56 @@ def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype):
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
 
 
+HCA = dict(kv="hca", kv_budget=0.5, window=8, sinks=4)
+
+
+@pytest.mark.parametrize("kw", [{}, HCA, {**HCA, "far_positions": "on"}, {**HCA, "kv_budget": 0.125, "max_select": 4}],
+                         ids=["dense", "hca", "hca-far", "hca-0.125-capped"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eager_pieces_match_engine_step(tiny_model_dir, kw, dtype):
+    """PiecewiseDecode (eager): the model's pieces around each cache's own attend give the
+    engine's logits; the HCA caches evict into their stores as the ordinary steps do."""
+    d = tiny_model_dir("gqa-untied")
+    ref = Engine.load(d, device="cpu", dtype=dtype, ctx=64, **kw)
+    eng = Engine.load(d, device="cpu", dtype=dtype, ctx=64, **kw)
+    toks = ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
+    la = _decode(ref, toks, ref.step)
+    pd = cuda_graph.PiecewiseDecode(eng.model, eng.cache, capture=False)
+    lb = _decode(eng, toks, pd.step)
+    assert eng.cache.offset == ref.cache.offset == len(IDS) + len(toks)
+    assert (la - lb).abs().max().item() <= TOL[dtype]
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+    if kw:
+        assert eng.cache.n_store == ref.cache.n_store > 0
+
+
+@emu_only
+def test_eager_pieces_around_the_gpu_hca_cache(tiny_model_dir, monkeypatch):
+    """The pieces (layer kernels forced, on the emulator) around HCACacheCUDA's decode step with
+    the GPU value sum: the logits of the same engine's ordinary steps."""
+    import minirun.engine as me
+    from kernels_cuda import _emu
+    from minirun.kv.hca_cuda import HCACacheCUDA
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
+    monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
+                        HCACacheCUDA.create(args, config, device, dtype, cap, model_dir=model_dir))
+    d = tiny_model_dir("gqa-untied")
+    kw = dict(HCA, tau=0.9, key_store="exact", prefill_mode="exact")
+    with _emu.emulated() as be:
+        ref, eng = (Engine.load(d, device="cpu", ctx=64, **kw) for _ in range(2))
+        for e in (ref, eng):
+            assert ops.prepare_cuda_decode(e.model.w, e.args, e.device, e.model.dtype, force=True)
+            e.model.cuda_decode = True
+        toks = ref.generate(IDS, max_new_tokens=8, ignore_eos=True).tokens
+        la = _decode(ref, toks, ref.step)
+        pd = cuda_graph.PiecewiseDecode(eng.model, eng.cache, capture=False)
+        lb = _decode(eng, toks, pd.step)
+    assert {"rope_f32", "decode_prep_f32"} <= {x[0] for x in be.launches}
+    assert eng.cache.value_sum == "gpu" and eng.cache.n_store > 0
+    assert (la - lb).abs().max().item() <= 1e-4
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+
+
 def test_rope_at_a_device_position_is_rope_cos_sin(tiny_model_dir):
     """The angles made on the device from a position tensor equal the host-position ones, far out too."""
     eng = Engine.load(tiny_model_dir("llama3-rope"), device="cpu", ctx=64)
@@ -107,7 +159,7 @@ def test_rope_at_a_device_position_is_rope_cos_sin(tiny_model_dir):
 
 
 def test_engine_flag_without_a_gpu_notes_and_decodes(tiny_model_dir, capsys):
-    """--cuda-graphs where graphs do not apply (a CPU; an HCA cache) says so once and decodes as usual."""
+    """--cuda-graphs on a CPU says so once and decodes as usual; an HCA cache cannot be captured whole."""
     d = tiny_model_dir("gqa-untied")
     eng = Engine.load(d, device="cpu", ctx=64, cuda_graphs=True)
     assert eng.graphed is None
@@ -155,4 +207,32 @@ def test_gpu_engine_uses_graphs(tiny_model_dir):
     ref = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64)
     a = eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
     assert eng.graphed is not None and eng.graphed.captures >= 1 and eng.graphed.failed is None
+    assert a == ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
+
+
+@gpu_only
+@pytest.mark.parametrize("kv", ["dense", "hca"])
+def test_gpu_piecewise_replay_matches_eager_steps(tiny_model_dir, kv):
+    """On a GPU: the pieces replayed from graphs (L + 1 captures on the first step) around the
+    cache's eager attention, against the engine's eager steps."""
+    kw = {} if kv == "dense" else HCA
+    d = tiny_model_dir("gqa-untied")
+    ref = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64, **kw)
+    eng = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64, **kw)
+    toks = ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
+    la = _decode(ref, toks, ref.step)
+    pd = cuda_graph.PiecewiseDecode(eng.model, eng.cache)
+    lb = _decode(eng, toks, pd.step)
+    assert pd.failed is None and pd.captures == eng.args.num_hidden_layers + 1
+    assert (la - lb).abs().max().item() <= TOL["bfloat16"]
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+
+
+@gpu_only
+def test_gpu_engine_hca_uses_piecewise_graphs(tiny_model_dir):
+    d = tiny_model_dir("gqa-untied")
+    eng = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64, cuda_graphs=True, **HCA)
+    ref = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64, **HCA)
+    a = eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
+    assert isinstance(eng.graphed, cuda_graph.PiecewiseDecode) and eng.graphed.failed is None
     assert a == ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
