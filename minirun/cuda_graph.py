@@ -51,15 +51,36 @@ def _graph_capture(run, pool, device):
     with torch.cuda.stream(side):
         for _ in range(WARMUPS):
             run()
-    torch.cuda.current_stream(device).wait_stream(side)
+    prev = torch.cuda.current_stream(device)
+    prev.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
+    except RuntimeError:
+        _abandon_capture(prev, pool, device)
+        raise
     return graph, out
 
 
+def _abandon_capture(prev, pool, device) -> None:
+    """After a capture that failed: torch.cuda.graph's exit raises in capture_end before it restores
+    the current stream and before the allocator leaves the capture's pool (torch/cuda/graphs.py),
+    so do both here; the eager steps that follow then run as without graphs."""
+    torch.cuda.set_stream(prev)
+    torch.cuda.synchronize(device)
+    end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)   # (private; absent in some versions)
+    if end_pool is not None:
+        try:
+            end_pool(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        except RuntimeError:
+            pass
+
+
 def _capture_failed(e: Exception) -> str:
-    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    """The note for a capture that failed; the cause, not torch's generic "error during capture"."""
+    cause = e.__context__ or e
+    why = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
     print(f"note: --cuda-graphs: capturing a decode step failed ({why}); decoding without graphs", file=sys.stderr)
     return why
 

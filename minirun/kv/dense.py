@@ -6,6 +6,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels_cpu
 
@@ -56,7 +57,12 @@ class DenseCache(KVCache):
         live = (torch.arange(n_keys, device=pos.device) <= pos).view(1, 1, 1, n_keys)   # bool
         _, Hq, hd = q.shape
         qg = q.view(1, K.shape[0], Hq // K.shape[0], hd)
-        o = F.scaled_dot_product_attention(qg, K[None, :, :n_keys], V[None, :, :n_keys], attn_mask=live)
+        args = (qg, K[None, :, :n_keys], V[None, :, :n_keys])
+        if q.is_cuda:   # not cuDNN's masked attention: its few-query shapes have a history of failing under capture
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                o = F.scaled_dot_product_attention(*args, attn_mask=live)
+        else:
+            o = F.scaled_dot_product_attention(*args, attn_mask=live)
         return o.reshape(1, Hq, hd)
 
     def truncate(self, n: int) -> bool:
