@@ -572,3 +572,10 @@ def gather_value_sum_ref(idx, z, counts, cap, n, m, V, q_to_kv, nsplit):
             os[s, h] = w @ V[q_to_kv[h], j].astype(np.float64) / w.sum()
             ms[s, h], ls[s, h] = m[h], w.sum()
     return os, ms, ls
+
+
+def store_rows_ref(src: np.ndarray, dst: np.ndarray, row: int) -> np.ndarray:
+    """src [R, d], dst [R, tokens, d] -> a copy of dst with dst[:, row] = src (kernels_cuda store_rows)."""
+    out = dst.copy()
+    out[:, row] = src
+    return out

@@ -57,6 +57,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pack_selection_i64",
         "lse_merge_staged_f32",
         "lse_merge_staged_bf16",
+        "store_rows_b16",
+        "store_rows_b32",
     ),
     "gather.cu": (
         "gather_value_sum_f32_i32",

@@ -241,4 +241,10 @@ __device__ __forceinline__ float mr_block_excl_scan_f(float v, float* total, flo
     return before + ex;
 }
 
+// The live token count of a kernel whose grid was sized for n: min(n, *n_live) (scores.cu's n_live).
+__device__ __forceinline__ int mr_live_n(int n, const int* __restrict__ n_live) {
+    const int x = *n_live;
+    return x < n ? (x < 0 ? 0 : x) : n;
+}
+
 #endif  // MINIRUN_COMMON_CUH

@@ -7,6 +7,8 @@
 //   pack_selection_*    the copy-back block [counts | idx[:, :w] | z at idx] for the host value sum
 //   lse_merge_staged_*  the merge of P device partials and the host's staged (o, m, l), written in
 //                       the model's dtype
+//   store_rows_*        a captured token's eviction: the leaving token's values into the (mapped
+//                       host) value pool at a row read from device memory
 // (gather.cu: the GPU's own value sum, which replaces the copy-back and the host's sum.)
 //
 // Compiled without --use_fast_math (-inf handling in the merge).
@@ -197,4 +199,31 @@ extern "C" __global__ void __launch_bounds__(MR_MERGE_THREADS)
 lse_merge_staged_bf16(const float* __restrict__ os, const float* __restrict__ ms, const float* __restrict__ ls,
                       int P, const float* __restrict__ stage, int Hq, int d, unsigned short* __restrict__ o) {
     lse_merge_staged_impl<unsigned short>(os, ms, ls, P, stage, Hq, d, o);
+}
+
+// ---------------------------------------------------------------------------
+// store_rows: block r -> dst[r * d_s0 + j * d_s1 + e] = src[r * s_s0 + e] for e < d, j = row[0]: the
+// values of the token leaving the ring (all layers and kv heads, R = L Hkv rows) into the value pool
+// at the store row a captured decode token reads from device memory (minirun/kv/hca_graph.py); dst
+// may be mapped host memory (the pool).  Raw element copies: b16 for bfloat16 / float16, b32 for
+// float32.  Launch: block MR_PREP_THREADS, grid (R).
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void store_rows_impl(const T* __restrict__ src, long long s_s0, const int* __restrict__ row,
+                                                T* __restrict__ dst, long long d_s0, long long d_s1, int d) {
+    const long long r = blockIdx.x;
+    const long long j = row[0];
+    for (int e = threadIdx.x; e < d; e += blockDim.x) dst[r * d_s0 + j * d_s1 + e] = src[r * s_s0 + e];
+}
+
+extern "C" __global__ void __launch_bounds__(MR_PREP_THREADS)
+store_rows_b16(const unsigned short* __restrict__ src, long long s_s0, const int* __restrict__ row,
+               unsigned short* __restrict__ dst, long long d_s0, long long d_s1, int d) {
+    store_rows_impl<unsigned short>(src, s_s0, row, dst, d_s0, d_s1, d);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_PREP_THREADS)
+store_rows_b32(const float* __restrict__ src, long long s_s0, const int* __restrict__ row, float* __restrict__ dst,
+               long long d_s0, long long d_s1, int d) {
+    store_rows_impl<float>(src, s_s0, row, dst, d_s0, d_s1, d);
 }

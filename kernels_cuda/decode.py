@@ -21,7 +21,8 @@ from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _atte
                      _i32, _i64, _q2k, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores,
                      launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
-__all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged", "gather_value_sum", "gather_splits",
+__all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged", "gather_value_sum", "store_rows",
+           "gather_splits",
            "group_size", "grouped_layout", "host_pool_readable"]
 
 _PREP_THREADS = _sources.constant("decode.cu", "MR_PREP_THREADS")
@@ -52,6 +53,12 @@ def _launch_merge(L, os, ms, ls, P, stage, o):
     Hq, d = o.shape
     L.launch("decode.cu", "lse_merge_staged_" + _OUT_SUFFIX[str(o.dtype)], (Hq,), (_MERGE_THREADS,),
              (os, ms, ls, _i32(P), stage, _i32(Hq), _i32(d), o))
+
+
+def _launch_store_rows(L, src, dst, row):
+    kname = "store_rows_b32" if src.element_size() == 4 else "store_rows_b16"
+    L.launch("decode.cu", kname, (src.shape[0],), (_PREP_THREADS,),
+             (src, _i64(src.stride(0)), row, dst, _i64(dst.stride(0)), _i64(dst.stride(1)), _i32(src.shape[1])))
 
 
 def gather_splits(width: int, Hq: int, num_sms: int) -> int:
@@ -188,6 +195,27 @@ def lse_merge_staged(os, ms, ls, stage, out_dtype=None):
     return o
 
 
+def store_rows(src, dst, row):
+    """src [R, d] (f32 / f16 / bf16, rows contiguous), dst [R, tokens, d] of src's dtype (contiguous
+    rows; on a GPU device memory or mapped host memory: the value pool), row int32 [1] on src's
+    device -> dst[:, row[0]] = src (in place; reference store_rows_ref)."""
+    torch = _torch()
+    be = _backend()
+    _check(be, src, "src", 2)
+    _check(be, row, "row", 1, src.device)
+    if be.name != "cupy":
+        _check(be, dst, "dst", 3)
+    if str(src.dtype) not in _KV_SUFFIX or dst.dtype != src.dtype or src.stride(-1) != 1 or dst.stride(-1) != 1:
+        raise ValueError("src and dst must be one of f32 / f16 / bf16 with contiguous rows")
+    if dst.dim() != 3 or dst.shape[0] != src.shape[0] or dst.shape[2] != src.shape[1]:
+        raise ValueError(f"dst {tuple(dst.shape)} must be [R, tokens, d] for src {tuple(src.shape)}")
+    if row.dtype != torch.int32 or row.numel() != 1:
+        raise ValueError("row must be int32 [1]")
+    with be.session(src.device) as L:
+        _launch_store_rows(L, src, dst, row)
+    return dst
+
+
 def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None, group=None):
     """idx int32 / int64 [Hq, >= c] and z f32 [Hq, >= n] (rows contiguous), counts int32 [Hq], m f32
     [Hq] (>= every z[h, :n]), V [Hkv, tokens, d] f32 / f16 / bf16 with contiguous rows -- on a GPU
@@ -302,32 +330,33 @@ class DecodeStep:
                      self.hists.numel() if zero_hist else 0)
         return self.qs, (self.qf if far else self.qs)
 
-    def scores(self, L, q, q2k, codebooks, P, n, z):
+    def scores(self, L, q, q2k, codebooks, P, n, z, n_live=None):
         """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32, P [Hkv, cap, g] codes (contiguous), z f32
-        [Hq, >= n] (rows contiguous) <- approximate scores of the first n tokens; m, l <- their stats."""
+        [Hq, >= n] (rows contiguous) <- approximate scores of the first n tokens; m, l <- their stats.
+        n_live: int32 [1] on the device: only its first n_live[0] (<= n) tokens (a captured step)."""
         _, g, c, _ = codebooks.shape
         if tuple(self.T.shape) != (self.Hq, g, c):
             self.T = _torch().empty((self.Hq, g, c), dtype=_torch().float32, device=self.device)
         launch_build_lut(L, q, codebooks, q2k, self.T)
         launch_approx_scores(L, self.T, P, q2k, z, n, self.part_m, self.part_l, self.m, self.l, self.num_sms,
-                             self.optin)
+                             self.optin, n_live)
 
     def stats(self, L, z, n):
         """m, l <- the stats of z's first n columns (when some were scored outside `scores`)."""
         launch_zstats(L, z, n, self.part_m, self.part_l, self.m, self.l, self.num_sms)
 
-    def select(self, L, z, n, tau, idx, cap=0):
+    def select(self, L, z, n, tau, idx, cap=0, n_live=None):
         """threshold_select of z's first n columns on the stats in m, l (ops.threshold_select's
         semantics, cap included: 0 = none; the histograms zeroed by prep) -> counts [Hq]; idx
-        int32 [Hq, >= n] rows <- the selected indices (first counts[h], unordered)."""
+        int32 [Hq, >= n] rows <- the selected indices (first counts[h], unordered). n_live: as scores."""
         nb = self.n_bins
         tpb, _ = _score_blocks(n, self.Hq, self.num_sms)
         mode = 1 if tau >= 1.0 else (2 if tau <= 0.0 else 0)
         if mode == 0:
-            launch_zhist(L, z, n, tpb, self.m, self.z_range, nb, self.hist, self.hcount, cap > 0)
+            launch_zhist(L, z, n, tpb, self.m, self.z_range, nb, self.hist, self.hcount, cap > 0, n_live)
         launch_zcut(L, self.hist, self.hcount, nb, tau, mode, self.m, self.l, self.cut, self.l_sel, self.counts,
                     cap if mode == 0 else 0)
-        launch_zcompact(L, z, n, tpb, self.m, self.z_range, nb, self.cut, idx, self.counts)
+        launch_zcompact(L, z, n, tpb, self.m, self.z_range, nb, self.cut, idx, self.counts, n_live)
         return self.counts
 
     def pack_selection(self, L, idx, z, n, w, cap):
@@ -366,6 +395,10 @@ class DecodeStep:
             _launch_gather(L, idx, z, self.counts, cap, n, self.m, V, q2k, nsplit, self.os[part0:], self.ms[part0:],
                            self.ls[part0:])
         return part0 + nsplit
+
+    def store_rows(self, L, src, dst, row):
+        """src [R, d] (rows contiguous) -> dst [R, cap, d] at row row[0] (int32 [1] on the device)."""
+        _launch_store_rows(L, src, dst, row)
 
     def merge(self, L, P, stage):
         """The P device partials and stage [Hq, d + 2] f32 (the host's o | m | l) -> o [Hq, d]."""

@@ -243,9 +243,15 @@ def launch_build_lut(L, q, codebooks, q2k, T):
              (q, codebooks, q2k, T, _i32(Hq), _i32(d), _i32(g), _i32(c)))
 
 
-def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin):
+def _live(n_live, dummy):
+    """The (n_live, has_live) kernel arguments: an int32 [1] device count, or an unread dummy."""
+    return (n_live, _i32(1)) if n_live is not None else (dummy, _i32(0))
+
+
+def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin, n_live=None):
     """z[:, :n] <- scores of T over codes P (rows contiguous), m, l <- their stats; part_m, part_l
-    hold >= Hq * nblk floats (_score_blocks)."""
+    hold >= Hq * nblk floats (_score_blocks). n_live: int32 [1] on the device, the tokens actually
+    scored (min(n, n_live[0])) when the grid is sized for a bucket n (a captured decode token)."""
     Hq, g, c = T.shape
     tpb, nblk = _score_blocks(n, Hq, num_sms)
     smem = g * c * 4
@@ -254,7 +260,7 @@ def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, opti
     vec16 = (g * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
     L.launch("scores.cu", "approx_scores_u8" if isz == 1 else "approx_scores_i16", (nblk, Hq), (_THREADS,),
              (T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c),
-              _i32(tpb), _i32(use_smem), _i32(vec16)), shared_mem=smem if use_smem else 0)  # fmt: skip
+              _i32(tpb), _i32(use_smem), _i32(vec16), *_live(n_live, q2k)), shared_mem=smem if use_smem else 0)  # fmt: skip
     L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
 
 
@@ -267,13 +273,14 @@ def launch_zstats(L, z, n, part_m, part_l, m, l, num_sms):
     L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
 
 
-def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count):
-    """zhist over z's first n columns (grid from tpb); hist [Hq, n_bins] f32 and hcount [Hq,
-    n_bins] int32 zeroed by the caller (hcount only written with_count)."""
+def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count, n_live=None):
+    """zhist over z's first n columns (grid from tpb; n_live as launch_approx_scores); hist [Hq,
+    n_bins] f32 and hcount [Hq, n_bins] int32 zeroed by the caller (hcount only written with_count)."""
     Hq = z.shape[0]
     L.launch("scores.cu", "zhist", (_cdiv(n, tpb), Hq), (_THREADS,),
              (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), hist, hcount,
-              _i32(with_count)), shared_mem=n_bins * 4 * (2 if with_count else 1))  # fmt: skip
+              _i32(with_count), *_live(n_live, m.view(_torch().int32))),
+             shared_mem=n_bins * 4 * (2 if with_count else 1))  # fmt: skip
 
 
 def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap):
@@ -281,10 +288,10 @@ def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts
              (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts, hcount, _i32(cap)))
 
 
-def launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts):
+def launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts, n_live=None):
     L.launch("scores.cu", "zcompact", (_cdiv(n, tpb), z.shape[0]), (_THREADS,),
              (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), cut,
-              idx, _i64(idx.stride(0)), counts))  # fmt: skip
+              idx, _i64(idx.stride(0)), counts, *_live(n_live, cut)))  # fmt: skip
 
 
 def launch_attend_partial(L, q, K, V, q2k, mask, has_mask, n, tps, nsplit, o_p, m_p, l_p):

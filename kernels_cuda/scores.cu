@@ -91,7 +91,9 @@ extern "C" __global__ void __launch_bounds__(256)
 approx_scores_u8(const float* __restrict__ T, const unsigned char* __restrict__ P, long long p_s0,
                  const int* __restrict__ q_to_kv, float* __restrict__ z, long long z_s0,
                  float* __restrict__ part_m, float* __restrict__ part_l,
-                 int n, int g, int c, int tokens_per_block, int use_smem, int vec16) {
+                 int n, int g, int c, int tokens_per_block, int use_smem, int vec16,
+                 const int* __restrict__ n_live, int has_live) {
+    if (has_live) n = mr_live_n(n, n_live);
     if (use_smem)
         approx_scores_impl<unsigned char, true>(T, P, p_s0, q_to_kv, z, z_s0, part_m, part_l, n, g, c,
                                                 tokens_per_block, vec16);
@@ -104,7 +106,9 @@ extern "C" __global__ void __launch_bounds__(256)
 approx_scores_i16(const float* __restrict__ T, const short* __restrict__ P, long long p_s0,
                   const int* __restrict__ q_to_kv, float* __restrict__ z, long long z_s0,
                   float* __restrict__ part_m, float* __restrict__ part_l,
-                  int n, int g, int c, int tokens_per_block, int use_smem, int vec16) {
+                  int n, int g, int c, int tokens_per_block, int use_smem, int vec16,
+                  const int* __restrict__ n_live, int has_live) {
+    if (has_live) n = mr_live_n(n, n_live);
     if (use_smem)
         approx_scores_impl<short, true>(T, P, p_s0, q_to_kv, z, z_s0, part_m, part_l, n, g, c,
                                         tokens_per_block, vec16);
@@ -185,6 +189,10 @@ ms_reduce(const float* __restrict__ part_m, const float* __restrict__ part_l, in
 // ---------------------------------------------------------------------------
 
 // (mr_bin, the bin of a score: common.cuh, shared with decode.cu's grouped gather)
+//
+// n_live (approx_scores_*, zhist, zcompact): with has_live, the kernel reads min(n, *n_live) tokens:
+// a captured decode token (minirun/cuda_graph.py) sizes its grid for a bucket of n and reads the
+// store's length from device memory.  Without it the pointer is not read.
 
 // zhist: per-head mass histogram and, when with_count, token-count histogram
 // (hcount, for zcut's cap).  Launch: block 256, grid (nblk, Hq), dynamic shared
@@ -193,8 +201,9 @@ ms_reduce(const float* __restrict__ part_m, const float* __restrict__ part_l, in
 extern "C" __global__ void __launch_bounds__(256)
 zhist(const float* __restrict__ z, long long z_s0, int n, int tokens_per_block,
       const float* __restrict__ m_in, float z_range, int n_bins, float* __restrict__ hist,
-      int* __restrict__ hcount, int with_count) {
+      int* __restrict__ hcount, int with_count, const int* __restrict__ n_live, int has_live) {
     MR_DYN_SMEM(sh);
+    if (has_live) n = mr_live_n(n, n_live);
     int* shc = reinterpret_cast<int*>(sh + n_bins);   // [n_bins] counts (with_count only)
     const int h = blockIdx.y;
     for (int i = threadIdx.x; i < n_bins; i += blockDim.x) {
@@ -337,9 +346,11 @@ zcut(const float* __restrict__ hist, int n_bins, float tau, int mode, const floa
 extern "C" __global__ void __launch_bounds__(256)
 zcompact(const float* __restrict__ z, long long z_s0, int n, int tokens_per_block,
          const float* __restrict__ m_in, float z_range, int n_bins, const int* __restrict__ cut_bin,
-         int* __restrict__ idx, long long idx_s0, int* __restrict__ counts) {
+         int* __restrict__ idx, long long idx_s0, int* __restrict__ counts, const int* __restrict__ n_live,
+         int has_live) {
     __shared__ int iscratch[64];
     __shared__ int base;
+    if (has_live) n = mr_live_n(n, n_live);
     const int h = blockIdx.y;
     const float m = m_in[h];
     const float lo = m - z_range;
