@@ -5,20 +5,23 @@ ran 41-53 tok/s at 8K-32K and barely slowed with depth (docs/BENCHMARKS.md, twel
 ~10 ops per layer and token, each costing the host tens of microseconds. A graph replays all of a
 token's kernels (torch's and kernels_cuda's, captured on the same stream) from one launch.
 
-What makes a token capturable (Model.decode_at with the cache's attend_at): no host value inside
-it. The token id and its position are device tensors, copied in before each replay; RoPE's angles
-are computed from the position on the device; the cache writes k, v at that position (index_copy_)
-and attends over a fixed number of slots n_keys, those past the position masked. Shapes depend on
-n_keys alone: one graph per bucket of `bucket` positions (the position + 1 rounded up), captured
-when the context first reaches it, so a step reads fewer than `bucket` masked keys more than it
-needs. Weights, the cache and these buffers keep their addresses, so graphs stay valid across the
-engine's truncate and reset.
+What makes a token capturable (Model.decode_at with the cache's attend_at and commit_at): no host
+value inside it. The token id and its position are device tensors, copied in before each replay;
+RoPE's angles are computed from the position on the device; the cache keeps whatever else it reads
+per token in device memory (its graph_prepare writes it before the replay). Shapes depend on a
+size the cache picks per step (graph_key): the dense cache writes k, v at the position
+(index_copy_) and attends over the position + 1 rounded up to `bucket` slots, those past the
+position masked; the HCA cache with the GPU value sum (kv/hca_graph.py) sizes its grids for the
+store length rounded up to `bucket` and reads the live length from device memory. One graph per
+size, captured when the context first reaches it. Weights, caches and these buffers keep their
+addresses (the key includes any that could move), so graphs stay valid across truncate and reset.
+A step the cache cannot capture (graph_key None: an HCA ring refilling after a truncate, say) runs
+eagerly.
 
-Caches with attend_at: DenseCache. The HCA caches' decode steps still size their grids and read
-n on the host (kernels_cuda/decode.py): not capturable. For them PiecewiseDecode captures what lies
-between two attentions (a layer's output projection and MLP, the next layer's norm, QKV and RoPE:
-one graph each, L + 1 a token) and runs the cache's attention eagerly in between, as vLLM's
-piecewise graphs do: a layer's ~9 model launches become one, the attention's stay.
+Caches that cannot be captured at all (an HCA cache summing values on the host) take
+PiecewiseDecode: what lies between two attentions (a layer's output projection and MLP, the next
+layer's norm, QKV and RoPE: one graph each, L + 1 a token) is captured and the cache's attention
+runs eagerly in between, as vLLM's piecewise graphs do: a layer's ~9 model launches become one.
 
 On a CPU (or capture=False) the same steps run eagerly: what the tests compare with Engine.step.
 """
@@ -38,19 +41,24 @@ WARMUPS = 2     # eager steps on a side stream before each capture (torch's reci
 
 
 def supports(cache) -> bool:
-    """Whether the cache's one-token attention can run inside a graph (it has attend_at)."""
-    return callable(getattr(cache, "attend_at", None))
+    """Whether the cache's decode steps can be captured whole (GraphedDecode's protocol:
+    graph_capturable, graph_key, graph_prepare, attend_at, commit_at, graph_advance)."""
+    capturable = getattr(cache, "graph_capturable", None)
+    return callable(capturable) and capturable()
 
 
-def _graph_capture(run, pool, device):
+def _graph_capture(run, pool, device, undo=None):
     """Warm `run` up on a side stream (lazy initialisation: cuBLAS, CuPy modules, kernel
-    attributes: none of it may happen during a capture), then capture one call of it into a new
-    graph. -> (graph, run's outputs: static tensors the replays overwrite)."""
+    attributes: none of it may happen during a capture), calling undo() after each warm-up where
+    run's writes are not idempotent; then capture one call of it into a new graph.
+    -> (graph, run's outputs: static tensors the replays overwrite)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(WARMUPS):
             run()
+            if undo is not None:
+                undo()
     prev = torch.cuda.current_stream(device)
     prev.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -90,58 +98,62 @@ class GraphedDecode:
 
     step(token) -> logits [1, V] float32 (a fresh tensor) and advances the cache by one, as
     model.forward does for one token. capture: None = on CUDA devices; False runs the captured
-    code eagerly. `captures` counts graphs captured so far; after a capture that fails, `failed`
-    holds why and every later step runs eagerly.
+    code eagerly. `captures` counts graphs captured so far, `eager_steps` the steps the cache could
+    not capture; after a capture that fails, `failed` holds why and every later step runs eagerly.
     """
 
     def __init__(self, model, cache, bucket: int = BUCKET, capture: bool | None = None):
         if not supports(cache):
-            raise ValueError(f"{type(cache).__name__} has no attend_at: its decode steps cannot be captured")
+            raise ValueError(f"{type(cache).__name__} cannot be captured whole (no attend_at, or not in this setting)")
         self.model, self.cache, self.bucket = model, cache, int(bucket)
         self.capture = model.device.type == "cuda" if capture is None else capture
         self.io = torch.zeros(2, dtype=torch.int64, device=model.device)    # token | position
-        self._graphs: OrderedDict = OrderedDict()   # n_keys -> (graph, its static logits)
+        self._graphs: OrderedDict = OrderedDict()   # key -> (graph, its static logits)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None   # shared by the graphs
         self.captures = 0
+        self.eager_steps = 0
         self.failed: str | None = None
-
-    def n_keys(self, pos: int) -> int:
-        """Slots the step at position pos attends over: pos + 1 rounded up to the bucket (<= capacity)."""
-        return min(self.cache.capacity, (pos // self.bucket + 1) * self.bucket)
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         pos = self.cache.offset
         if pos >= self.cache.capacity:
             raise ValueError(f"position {pos} is past the cache's capacity {self.cache.capacity}")
+        sized = self.cache.graph_key(self.bucket)
+        if sized is None:   # not capturable this step: the ordinary eager one
+            self.eager_steps += 1
+            return self.model.forward(torch.tensor([token], dtype=torch.long, device=self.model.device), self.cache)
+        key, nk = sized
+        self.cache.graph_prepare()
         self.io.copy_(torch.tensor([token, pos], dtype=torch.int64))   # (pageable: the host may reuse it)
-        nk = self.n_keys(pos)
-        logits = self._replay(nk) if self.capture else self._run(nk)
-        self.cache.advance(1)
+        logits = self._replay(key, nk) if self.capture else self._run(nk)
+        self.cache.graph_advance()
         return logits.clone() if self.capture else logits
 
     def _run(self, nk: int) -> torch.Tensor:
         return self.model.decode_at(self.io[:1], self.io[1:], self.cache, nk)
 
-    def _replay(self, nk: int) -> torch.Tensor:
-        entry = self._graphs.get(nk)
+    def _replay(self, key, nk: int) -> torch.Tensor:
+        entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(nk)
+                entry = self._capture(key, nk)
             except RuntimeError as e:   # (a kernel or op that cannot be captured: keep decoding)
                 self.failed = _capture_failed(e)
                 self.capture = False
                 self._graphs.clear()
                 return self._run(nk)
-        self._graphs.move_to_end(nk)
+        self._graphs.move_to_end(key)
         entry[0].replay()
         return entry[1]
 
-    def _capture(self, nk: int):
-        """One step's graph for n_keys = nk (the warm-ups and the capture write this position's
-        k, v, as the replay that follows does again)."""
-        graph, logits = _graph_capture(lambda: self._run(nk), self._pool, self.model.device)
-        self._graphs[nk] = (graph, logits)
+    def _capture(self, key, nk: int):
+        """One step's graph for this key. The warm-ups do this step's device work; the cache undoes
+        what the replay could not redo (HCA: the eviction overwrites the ring slot it reads)."""
+        snap = self.cache.graph_snapshot()
+        graph, logits = _graph_capture(lambda: self._run(nk), self._pool, self.model.device,
+                                       undo=lambda: self.cache.graph_restore(snap))
+        self._graphs[key] = (graph, logits)
         self.captures += 1
         while len(self._graphs) > KEEP:
             self._graphs.popitem(last=False)

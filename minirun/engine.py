@@ -58,7 +58,8 @@ class Engine:
 
     def _graphed_decode(self):
         """The CUDA-graph decode steps (config.cuda_graphs): whole tokens where the cache can be
-        captured (dense), else the pieces between attentions; None, with a note, on a CPU."""
+        captured (dense; HCA with the GPU value sum), else the pieces between attentions; None, with
+        a note, on a CPU."""
         if self.device.type != "cuda":
             print("note: --cuda-graphs: they need a CUDA device; decoding without graphs", file=sys.stderr)
             return None

@@ -42,8 +42,9 @@ class Model:
     @torch.inference_mode()
     def decode_at(self, token: torch.Tensor, pos: torch.Tensor, cache, n_keys: int) -> torch.Tensor:
         """One decode token with no host value in it, what minirun/cuda_graph.py captures: token, pos
-        [1] int64 on the device; the cache attends with attend_at over its first n_keys slots (n_keys
-        > pos, fixed per graph). -> logits [1, V] float32. The cache is not advanced."""
+        [1] int64 on the device; the cache attends with attend_at (n_keys: the size its graph_key
+        chose), then commit_at. -> logits [1, V] float32. The host's bookkeeping (graph_advance)
+        is the caller's."""
         a = self.args
         cos, sin = rope_cos_sin_at(self.inv_freq64, pos, self.dtype)
         cs = rope_table(cos, sin) if self.cuda_decode else None
@@ -52,4 +53,5 @@ class Model:
             q, k, v = attention_input(x, lw, cos, sin, None, a, cs)
             o = cache.attend_at(il, q, k, v, pos, n_keys)
             x = attention_output_and_mlp(x, o, lw, a)
+        cache.commit_at(pos)                         # (HCA: the ring's oldest token into the store)
         return output_logits(x, self.w, a)

@@ -70,7 +70,9 @@ def test_eager_graph_step_after_rewind_and_at_capacity(tiny_model_dir):
     lb = _decode(eng, toks[:12], gd.step)            # to position 33 (bucket 32..47)
     eng.rewind(len(IDS) + 5)                         # back to position 26 (bucket 16..31)
     lb2 = torch.stack([gd.step(t).reshape(-1) for t in toks[5:]])
-    assert gd.n_keys(eng.cache.offset - 1) == 40 == eng.cache.capacity
+    eng.cache.offset -= 1
+    assert eng.cache.graph_key(16) == (("dense", 40), 40) and eng.cache.capacity == 40   # (capped)
+    eng.cache.offset += 1
     assert (la[:12] - lb).abs().max().item() <= 1e-4
     assert (la[5:] - lb2).abs().max().item() <= 1e-4
     with pytest.raises(ValueError, match="capacity"):
@@ -149,6 +151,82 @@ def test_eager_pieces_around_the_gpu_hca_cache(tiny_model_dir, monkeypatch):
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
 
 
+HCA_GPU = dict(kv="hca", groups=4, centroids=16, window=8, sinks=4, tau=0.9, prefill_mode="exact")
+
+
+def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw):
+    """Two engines with HCACacheCUDA caches (the kernels on the emulator: call inside emulated());
+    with length scaling the model's trained context is 32 tokens, so the factor is > 1 here."""
+    import minirun.engine as me
+    from minirun.kv.hca_cuda import HCACacheCUDA
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
+    monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
+                        HCACacheCUDA.create(args, config, device, dtype, cap, model_dir=model_dir))
+    d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 32} if kw.get("length_scale") == "on" else {}))
+    return [Engine.load(d, device="cpu", ctx=128, **kw) for _ in range(2)]
+
+
+@emu_only
+@pytest.mark.parametrize("kw", [{}, {"far_positions": "on"}, {"max_select": 6}, {"tau": 1.0},
+                                {"far_positions": "on", "length_scale": "on"}],
+                         ids=["tau0.9", "far", "capped", "tau1", "far-length-scaled"])
+def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, kw):
+    """The capturable HCA token (kv/hca_graph.py, run eagerly, kernels on the emulator): the store
+    length from device memory with grids for buckets of 16, the eviction on the device (encode,
+    store_rows into the pool, the slot) -- the same logits as the ordinary steps, the same store;
+    then a rewind (ring short: eager steps) and back to captured ones."""
+    from kernels_cuda import _emu
+    prompt = list(range(5, 65))
+    with _emu.emulated():
+        ref, eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, {**HCA_GPU, **kw})
+        gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=16, capture=False)
+        ref.prefill(prompt)
+        eng.prefill(prompt)
+        toks = [int(t) for t in torch.randint(4, 300, (24,), generator=torch.Generator().manual_seed(1))]
+        # what a capture's warm-up does before the first replay: run the step, undo its eviction
+        with torch.inference_mode():
+            key, nk = eng.cache.graph_key(16)
+            snap = eng.cache.graph_snapshot()
+            eng.cache.graph_prepare()
+            gd.io.copy_(torch.tensor([toks[0], eng.cache.offset]))
+            gd._run(nk)
+            eng.cache.graph_restore(snap)
+        la = torch.stack([ref.step(t).reshape(-1) for t in toks])
+        lb = torch.stack([gd.step(t).reshape(-1) for t in toks])
+        assert gd.eager_steps == 0 and eng.cache.n_store == ref.cache.n_store
+        # the store and the ring as the ordinary steps left them (the decoded tokens' k, v differ
+        # by float32 rounding: the step's partials are split for a bucket, not for n)
+        c, r = eng.cache, ref.cache
+        n, n0 = c.n_store, len(prompt) - 4 - 8
+        assert torch.equal(c.indices.data[:, :, :n0], r.indices.data[:, :, :n0])
+        assert (c.indices.data[:, :, :n] == r.indices.data[:, :, :n]).float().mean() >= 0.95
+        for a, b in ((c.values.data[:, :, :n], r.values.data[:, :, :n]), (c.ek, r.ek), (c.ev, r.ev)):
+            assert (a - b).abs().max().item() <= 1e-5
+        assert (la - lb).abs().max().item() <= 1e-4
+        # a rewind: the ring is short, those steps run eagerly until it refills
+        for e in (ref, eng):
+            e.rewind(len(prompt) + 10)
+        la2 = torch.stack([ref.step(t).reshape(-1) for t in toks[10:]])
+        lb2 = torch.stack([gd.step(t).reshape(-1) for t in toks[10:]])
+        assert 0 < gd.eager_steps < len(toks) - 10
+        assert (la2 - lb2).abs().max().item() <= 1e-4
+
+
+@emu_only
+def test_whole_hca_tokens_need_the_gpu_value_sum(tiny_model_dir, monkeypatch):
+    """With the host's value sum (or a cap by torch.topk: tau 1) an HCA token is not captured
+    whole: the engine's --cuda-graphs would take the pieces."""
+    from kernels_cuda import _emu
+    with _emu.emulated():
+        eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, HCA_GPU)[0]
+        assert cuda_graph.supports(eng.cache)
+        monkeypatch.setenv("MINIRUN_VALUE_SUM", "cpu")
+        assert not cuda_graph.supports(Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=128, **HCA_GPU).cache)
+        monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
+        assert not cuda_graph.supports(Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=128,
+                                                   **{**HCA_GPU, "tau": 1.0, "max_select": 4}).cache)
+
+
 def test_rope_at_a_device_position_is_rope_cos_sin(tiny_model_dir):
     """The angles made on the device from a position tensor equal the host-position ones, far out too."""
     eng = Engine.load(tiny_model_dir("llama3-rope"), device="cpu", ctx=64)
@@ -168,7 +246,7 @@ def test_engine_flag_without_a_gpu_notes_and_decodes(tiny_model_dir, capsys):
     assert eng.generate(IDS, max_new_tokens=5, ignore_eos=True).tokens == \
         ref.generate(IDS, max_new_tokens=5, ignore_eos=True).tokens
     assert not cuda_graph.supports(Engine.load(d, device="cpu", ctx=64, kv="hca", kv_budget=0.5).cache)
-    with pytest.raises(ValueError, match="attend_at"):
+    with pytest.raises(ValueError, match="captured whole"):
         cuda_graph.GraphedDecode(eng.model, Engine.load(d, device="cpu", ctx=64, kv="hca", kv_budget=0.5).cache)
 
 
@@ -256,10 +334,37 @@ def test_gpu_piecewise_replay_matches_eager_steps(tiny_model_dir, kv):
 
 
 @gpu_only
-def test_gpu_engine_hca_uses_piecewise_graphs(tiny_model_dir):
+def test_gpu_engine_hca_uses_piecewise_graphs(tiny_model_dir, monkeypatch):
+    """With the host's value sum an HCA token is captured in pieces."""
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", "cpu")
     d = tiny_model_dir("gqa-untied")
     eng = Engine.load(d, device="cuda", ctx=64, cuda_graphs=True, **HCA)
     ref = Engine.load(d, device="cuda", ctx=64, **HCA)
     a = eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
     assert isinstance(eng.graphed, cuda_graph.PiecewiseDecode) and eng.graphed.failed is None
     assert a == ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
+
+
+@gpu_only
+@pytest.mark.parametrize("kw", [{}, {"far_positions": "on", "max_select": 6}], ids=["tau0.9", "far-capped"])
+def test_gpu_whole_hca_tokens_replayed(tiny_model_dir, monkeypatch, kw):
+    """On a GPU, the GPU value sum: whole HCA tokens captured (buckets of 16: several graphs) and
+    replayed, against the eager steps of an engine without graphs; the pool rows the graphs wrote
+    (store_rows into mapped host memory) against the eager copies."""
+    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
+    d = tiny_model_dir("gqa-untied")
+    kw = {**HCA_GPU, **kw}
+    ref = Engine.load(d, device="cuda", ctx=128, **kw)
+    eng = Engine.load(d, device="cuda", ctx=128, **kw)
+    gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=16)
+    prompt = list(range(5, 65))
+    ref.prefill(prompt)
+    eng.prefill(prompt)
+    toks = [int(t) for t in torch.randint(4, 300, (24,), generator=torch.Generator().manual_seed(1))]
+    la = torch.stack([ref.step(t).reshape(-1).cpu() for t in toks])
+    lb = torch.stack([gd.step(t).reshape(-1).cpu() for t in toks])
+    torch.cuda.synchronize()
+    assert gd.failed is None and gd.eager_steps == 0 and gd.captures >= 2
+    assert (la - lb).abs().max().item() <= 1e-4
+    n = eng.cache.n_store
+    assert (eng.cache.values.data[:, :, :n] - ref.cache.values.data[:, :, :n]).abs().max().item() <= 1e-5

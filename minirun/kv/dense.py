@@ -46,6 +46,30 @@ class DenseCache(KVCache):
         self.v[layer, :, pos0:end] = v.transpose(0, 1)
         return dense_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], pos0)
 
+    # ---- the capture protocol of minirun/cuda_graph.GraphedDecode (kv/hca_graph.py has the HCA one) ----
+    def graph_capturable(self) -> bool:
+        return True
+
+    def graph_key(self, bucket: int):
+        """(key, n_keys): the slots the next step attends over, its position + 1 rounded up to the bucket."""
+        nk = min(self.capacity, (self.offset // bucket + 1) * bucket)
+        return ("dense", nk), nk
+
+    def graph_prepare(self) -> None:
+        """(Nothing: the position comes with the token.)"""
+
+    def commit_at(self, pos) -> None:
+        """(Nothing: attend_at wrote each layer's k, v.)"""
+
+    def graph_advance(self) -> None:
+        self.advance(1)
+
+    def graph_snapshot(self):
+        """(Nothing to undo after a warm-up: writing k, v at the position again is the same write.)"""
+
+    def graph_restore(self, snap) -> None:
+        pass
+
     def attend_at(self, layer, q, k, v, pos, n_keys):
         """attend for one token whose position is a device tensor pos [1] int64 (a CUDA graph's step,
         Model.decode_at): k, v [1, Hkv, hd] written at pos, then attention over the first n_keys

@@ -59,6 +59,7 @@ from ..errors import MiniRunError
 from .attention import merge, partial_attention
 from .codebooks import Codebooks
 from .hca import HCACache
+from .hca_graph import CapturedSteps
 from .pinned import PinnedPool
 from .store import GrowingBuffer
 
@@ -83,8 +84,9 @@ def value_sum_choice(device: torch.device) -> str:
     return want
 
 
-class HCACacheCUDA(HCACache):
-    """HCACache with the GPU pipeline above; same tiers, modes and semantics as the CPU class."""
+class HCACacheCUDA(CapturedSteps, HCACache):
+    """HCACache with the GPU pipeline above; same tiers, modes and semantics as the CPU class. With
+    the GPU value sum a whole decode token can run inside a CUDA graph (hca_graph.CapturedSteps)."""
     uses_levels = False   # the GPU selects on float scores (kernels_cuda.threshold_select)
 
     def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None, **kw):

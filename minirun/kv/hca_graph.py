@@ -1,0 +1,151 @@
+"""A whole HCA decode token inside a CUDA graph: the cache's side (minirun/cuda_graph.py replays it).
+
+An eager decode step (hca_cuda.py) reads three host values per token: the store's length n (grid
+sizes and loop bounds of scoring and selection), the ring slot the oldest token leaves from, and
+the pool row it goes to (a copy at a host offset). Here they live in a small device state
+[pos, slot, row, leaving pos] (int64; the row, = n, also read as int32 by the kernels' n_live)
+that the host writes before each replay (graph_prepare); grids are sized for a bucket of n
+(graph_key: one graph per bucket), the kernels read the live n (kernels_cuda scores.cu n_live).
+After all layers commit_at evicts on the device: the leaving key is (unrotated with far positions
+and) encoded into its row of the index store, its values go into the mapped pool by store_rows,
+the new token's k, v (decode_prep's spare row) into the freed slot. graph_advance then does the
+host bookkeeping the eager advance does, without its copies.
+
+Capturable (graph_capturable, fixed per cache): the GPU's value sum (MINIRUN_VALUE_SUM=gpu: no
+host part in the step), codebook keys, no --max-select with tau >= 1 (torch.topk over n). Length
+scaling's factor moves every token: it is written with the state and applied to the scaled
+queries on the device (two small multiplies a layer). Per token (graph_key): decode mode, a full ring
+(no slot mask), every store key encoded, codebooks fitted, no selection probe, room in the store;
+otherwise that token runs eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from .far_positions import rotate
+
+GRAPH_STATE = ("pos", "slot", "row", "leaving_pos")
+
+
+class CapturedSteps:
+    """Mixin of HCACacheCUDA: the capture protocol of minirun/cuda_graph.GraphedDecode
+    (graph_capturable, graph_key, graph_prepare, attend_at, commit_at, graph_advance, and
+    graph_snapshot / graph_restore around the capture's warm-ups)."""
+
+    def graph_capturable(self) -> bool:
+        return self.value_sum != "cpu" and not self.layout.exact_keys and not (self.max_select and self.tau >= 1.0)
+
+    def _graph_state(self):
+        """The device state [pos, slot, row, leaving pos] int64 and n_live (the row's int32 low word)."""
+        if getattr(self, "_gstate", None) is None:
+            self._gstate = torch.zeros(len(GRAPH_STATE), dtype=torch.int64, device=self.device)
+            self._n_live = self._gstate.view(torch.int32)[4:5]     # little-endian: element 2's low word
+            self._row32 = self._n_live
+            self._far_inv64 = (self.far.inv_freq.to(device=self.device, dtype=torch.float64)
+                               if self.far is not None else None)
+            self._length_factor = torch.ones(1, dtype=torch.float32, device=self.device)   # (length scaling)
+        return self._gstate
+
+    def graph_key(self, bucket: int):
+        """(key, n_keys) when the next decode step can run inside a graph, else None. n_keys: the
+        store length rounded up to the bucket (the grids' size); z and sel are reserved to it here,
+        outside any capture, and their addresses are part of the key (a reallocation recaptures)."""
+        n = self.n_store
+        if not (self.graph_capturable() and self.mode == "hca" and n > 0 and self.n_encoded == n
+                and self.codebooks is not None and self.record_selection is None and self.W > 0
+                and self._ring_full() and n < self.values.max_cap and self.values.mapped):
+            return None
+        nb = min(self.values.max_cap, (n // bucket + 1) * bucket)
+        self.z.reserve(nb)
+        self.sel.reserve(nb)
+        self.values.reserve(n + 1)
+        self.indices.reserve(n + 1)
+        self._graph_state()
+        self._decode_kernels()
+        key = ("hca", nb, self.z.data.data_ptr(), self.sel.data.data_ptr(), self.sel.data.shape[-2],
+               self.indices.data.data_ptr(), self.values.data.data_ptr(), id(self.codebooks))
+        return key, nb
+
+    def graph_prepare(self) -> None:
+        """Before a replay: this token's state into device memory; the pool's eager eviction copies
+        waited for on the GPU (the graph writes the pool itself)."""
+        pos, S, W = self.offset, self.S, self.W
+        slot = S + (pos - S) % W
+        st = torch.tensor([pos, slot, self.n_store, S + self.n_store], dtype=torch.int64)
+        self._graph_state().copy_(st)
+        if self.length_ctx:   # _q_scale(1)'s factor, applied on the device after decode_prep's base scale
+            self._length_factor.fill_(self._q_scale(1) / self.scale)
+        self.values.device_wait()
+
+    def attend_at(self, layer, q, k, v, pos, n_keys):
+        """_decode_step with the GPU's value sum, every per-token value read from the device state:
+        q [1, Hq, hd], k, v [1, Hkv, hd] -> [1, Hq, hd] (model dtype). pos: unused (the state has it)."""
+        ds = self._decode_kernels()
+        S, W = self.S, self.W
+        far = self.far is not None
+        st = self._graph_state()
+        if far and layer == 0:   # this token's far turn R(D - pos) as [cos | sin] (far.angles on the device)
+            ang = (self.far.distance - st[0:1].to(torch.float64))[:, None] * self._far_inv64[None, :]
+            ds.cs.copy_(torch.cat([ang.cos(), ang.sin()], dim=-1)[0].float())
+        tau = self.tau
+        with ds.session() as L:
+            qs, qf = ds.prep(L, q[0], k[0], v[0], self.scale, self._ekx[layer, :, S + W],
+                             self._evx[layer, :, S + W], far, 0.0 < tau < 1.0)
+            if self.length_ctx:   # (its factor moves every token: read from device memory)
+                qs.mul_(self._length_factor)
+                if far:
+                    qf.mul_(self._length_factor)
+            zb, idx = self.z.data[..., 0], self.sel.data[..., 0]
+            ds.scores(L, qf, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], n_keys, zb,
+                      n_live=self._n_live)
+            # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
+            cap = self.max_select or 0
+            ds.select(L, zb, n_keys, tau, idx, cap if 0.0 < tau < 1.0 else 0, n_live=self._n_live)
+            P = self._exact_parts(L, ds, layer, qs, qf)
+            P = ds.gather(L, idx, zb, n_keys, cap, self.values.data[layer], self.q2k_dev, P,
+                          grouped=self._grouped_gather)
+            o = ds.merge(L, P, ds.no_stage)
+        return (o if o.dtype == q.dtype else o.to(q.dtype))[None]
+
+    def commit_at(self, pos) -> None:
+        """After all layers, on the device: the ring's oldest token (slot) into the store (row): its
+        key encoded (unrotated first with far positions), its values into the pool; the new token
+        (decode_prep's spare rows) into the slot."""
+        st = self._graph_state()
+        slot, row = st[1:2], st[2:3]
+        S, W = self.S, self.W
+        K = self.ek.index_select(2, slot)                                   # [L, Hkv, 1, hd]
+        V = self.ev.index_select(2, slot)
+        if self.far is not None:
+            K = rotate(K, st[3:4], self._far_inv64, sign=-1)
+        self.indices.data.index_copy_(2, row, self._encode(K))
+        L, Hkv, cap, hd = self.values.data.shape
+        ds = self._decode_kernels()
+        with ds.session() as launcher:
+            ds.store_rows(launcher, V.reshape(L * Hkv, hd).to(self.values.dtype).contiguous(),
+                          self.values.data.view(L * Hkv, cap, hd), self._row32)
+        # (clones: the spare rows share the tiers' storage, which index_copy_ refuses as a source)
+        self.ek.index_copy_(2, slot, self._ekx[:, :, S + W:S + W + 1].clone())
+        self.ev.index_copy_(2, slot, self._evx[:, :, S + W:S + W + 1].clone())
+
+    def graph_snapshot(self):
+        """What commit_at overwrites and a later run of the same step reads: the ring slot's k, v."""
+        slot = self.S + (self.offset - self.S) % self.W
+        return slot, self.ek[:, :, slot].clone(), self.ev[:, :, slot].clone()
+
+    def graph_restore(self, snap) -> None:
+        slot, k, v = snap
+        self.ek[:, :, slot] = k
+        self.ev[:, :, slot] = v
+
+    def graph_advance(self) -> None:
+        """After a replay: the host's bookkeeping of advance(1) (the graph did the device part)."""
+        pos, S, W = self.offset, self.S, self.W
+        slot = S + (pos - S) % W
+        self.slot_pos[slot] = pos
+        self._live_slots = None
+        self.n_store += 1
+        self.n_encoded = self.n_store
+        self._pending_pos = -1
+        self._staged = [None] * self.n_layers
+        self.offset = pos + 1
