@@ -335,11 +335,16 @@ class DecodeStep:
         [Hq, >= n] (rows contiguous) <- approximate scores of the first n tokens; m, l <- their stats.
         n_live: int32 [1] on the device: only its first n_live[0] (<= n) tokens (a captured step)."""
         _, g, c, _ = codebooks.shape
-        if tuple(self.T.shape) != (self.Hq, g, c):
-            self.T = _torch().empty((self.Hq, g, c), dtype=_torch().float32, device=self.device)
+        self.reserve_lut(g, c)
         launch_build_lut(L, q, codebooks, q2k, self.T)
         launch_approx_scores(L, self.T, P, q2k, z, n, self.part_m, self.part_l, self.m, self.l, self.num_sms,
                              self.optin, n_live)
+
+    def reserve_lut(self, g, c):
+        """The LUT T [Hq, g, c] for codebooks of g groups of c centroids (made again on a change)."""
+        if tuple(self.T.shape) != (self.Hq, g, c):
+            self.T = _torch().empty((self.Hq, g, c), dtype=_torch().float32, device=self.device)
+        return self.T
 
     def stats(self, L, z, n):
         """m, l <- the stats of z's first n columns (when some were scored outside `scores`)."""

@@ -61,9 +61,11 @@ class CapturedSteps:
         self.values.reserve(n + 1)
         self.indices.reserve(n + 1)
         self._graph_state()
-        self._decode_kernels()
-        key = ("hca", nb, self.z.data.data_ptr(), self.sel.data.data_ptr(), self.sel.data.shape[-2],
-               self.indices.data.data_ptr(), self.values.data.data_ptr(), id(self.codebooks))
+        C = self._codebooks_dev()
+        T = self._decode_kernels().reserve_lut(C.shape[2], C.shape[3])
+        # what a graph bakes in: the addresses (and strides) of everything that can be reallocated
+        key = ("hca", nb) + tuple((t.data_ptr(), tuple(t.shape)) for t in (
+            self.z.data, self.sel.data, self.indices.data, self.values.data, C, T))
         return key, nb
 
     def graph_prepare(self) -> None:
