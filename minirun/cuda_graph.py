@@ -56,9 +56,11 @@ def _graph_capture(run, pool, device, undo=None):
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(WARMUPS):
-            run()
-            if undo is not None:
-                undo()
+            try:
+                run()
+            finally:   # (also when it raises: the eager step that follows must see the state before)
+                if undo is not None:
+                    undo()
     prev = torch.cuda.current_stream(device)
     prev.wait_stream(side)
     graph = torch.cuda.CUDAGraph()

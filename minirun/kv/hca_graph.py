@@ -75,6 +75,7 @@ class CapturedSteps:
         slot = S + (pos - S) % W
         st = torch.tensor([pos, slot, self.n_store, S + self.n_store], dtype=torch.int64)
         self._graph_state().copy_(st)
+        self._cs_pos = None   # the graph writes ds.cs: an eager step (at any position) must write it again
         if self.length_ctx:   # _q_scale(1)'s factor, applied on the device after decode_prep's base scale
             self._length_factor.fill_(self._q_scale(1) / self.scale)
         self.values.device_wait()
