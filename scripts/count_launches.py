@@ -6,11 +6,14 @@ the difference gives the per-layer count) runs its GPU code path on the CPU, ker
 emulator, and one decode step is recorded at the torch dispatch level. Counted: torch ops that
 launch device work (views, reshapes and allocations are not) and kernels_cuda launches. Dense and
 HCA (g16 c256 codes, tau 0.9), each with the layer kernels (kernels_cuda.layer,
-the default on a GPU) and without (MINIRUN_CUDA_LAYER=0).
+the default on a GPU) and without (MINIRUN_CUDA_LAYER=0); and with --cuda-graphs (the step a graph
+captures, run eagerly: its kernels, and the launches left per token).
 
 Usage: python scripts/count_launches.py [--depth 400]
 """
 import argparse
+import contextlib
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -25,10 +28,11 @@ from profile_gpu_decode import emulated_gpu_cache  # noqa: E402
 from kernels_cuda import _emu  # noqa: E402
 from kernels_cuda import launch as klaunch  # noqa: E402
 from minirun import Engine, ops  # noqa: E402
+from minirun.cuda_graph import GraphedDecode  # noqa: E402
 from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
 
 # aten ops that launch nothing on a GPU
-NO_LAUNCH = {"view", "slice", "select", "unsqueeze", "t", "transpose", "alias", "detach", "_unsafe_view", "expand",
+NO_LAUNCH = {"view", "slice", "select", "unsqueeze", "t", "transpose", "alias", "detach", "detach_", "_unsafe_view", "expand",
              "as_strided", "empty", "empty_like", "resolve_conj", "resolve_neg", "lift_fresh", "split", "chunk",
              "reshape", "squeeze", "unbind", "_reshape_alias"}
 HCA = dict(key_store="codebook", tau=0.9, window=64, sinks=4, prefill_mode="exact", fit_min_tokens=64, groups=16,
@@ -62,8 +66,10 @@ class Record(TorchDispatchMode):
         return run
 
 
-def count_step(model, kv, layer_kernels, depth) -> tuple[int, int]:
-    """(torch ops that launch, kernels_cuda launches) of one decode step after `depth` tokens."""
+def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]:
+    """(torch ops that launch, kernels_cuda launches) of one decode step after `depth` tokens;
+    graphs: of the step --cuda-graphs captures (minirun/cuda_graph.py, run eagerly), and also the
+    torch ops outside it (the copies before a replay) -> (torch, kernels_cuda, outside)."""
     with emulated_gpu_cache() if kv == "hca" else _emu.emulated():
         eng = Engine.load(model, device="cpu", dtype="bfloat16", ctx=max(2048, 2 * depth), kv=kv,
                           **(HCA if kv == "hca" else {}))
@@ -75,13 +81,35 @@ def count_step(model, kv, layer_kernels, depth) -> tuple[int, int]:
             eng.model.cuda_decode = ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype,
                                                             force=True)
         eng.prefill(list(range(5, 5 + depth)))
-        eng.step(7)                                  # first-step allocations
+        step = eng.step
+        if graphs:
+            gd = GraphedDecode(eng.model, eng.cache, capture=False)
+            step = gd.step
+        step(7)                                      # first-step allocations
         be = klaunch._backend()
         be.launches.clear()
         rec = Record()
         be.launch = rec.around(be.launch)
+        if graphs:   # what the graph holds: the ops inside decode_at
+            inside = []
+            run = gd._run
+
+            def marked(nk):
+                n0 = len(rec.ops)
+                try:
+                    return run(nk)
+                finally:
+                    inside.extend(range(n0, len(rec.ops)))
+            gd._run = marked
+            eng.cache.graph_advance = rec.around(eng.cache.graph_advance)   # (host bookkeeping: CPU tensors)
         with rec, torch.inference_mode():
-            eng.step(8)
+            step(8)
+        if graphs:
+            assert gd.eager_steps == 0, "the step was not capturable"
+            ins = set(inside)
+            t_in = sum(o not in NO_LAUNCH for i, o in enumerate(rec.ops) if i in ins)
+            t_out = sum(o not in NO_LAUNCH for i, o in enumerate(rec.ops) if i not in ins)
+            return t_in, len(be.launches), t_out
         return sum(o not in NO_LAUNCH for o in rec.ops), len(be.launches)
 
 
@@ -102,12 +130,38 @@ def main(argv=None) -> dict:
                 r = {"torch_per_layer": per_t, "kernels_cuda_per_layer": per_k, "per_token_once": once,
                      "per_token": a.layers * (per_t + per_k) + once}
                 out[f"{kv}, layer kernels {'on' if lk else 'off'}"] = r
+        # --cuda-graphs (layer kernels on; HCA with the GPU value sum): the graph's kernels, and the
+        # launches per token: one replay, the copies before it, the logits' clone after it
+        for kv in ("dense", "hca"):
+            with _env("MINIRUN_VALUE_SUM", "gpu"):
+                (t2, k2, o2), (t4, k4, o4) = (count_step(models[n], kv, True, a.depth, graphs=True) for n in (2, 4))
+            per_t, per_k = (t4 - t2) / 2, (k4 - k2) / 2
+            once = t2 - 2 * per_t + k2 - 2 * per_k
+            out[f"{kv}, --cuda-graphs"] = {"torch_per_layer": per_t, "kernels_cuda_per_layer": per_k,
+                                           "per_token_once": once, "graph_nodes": a.layers * (per_t + per_k) + once,
+                                           "per_token": 1 + o2 + 1}
     print(f"| decode step | torch ops / layer | kernels_cuda / layer | once per token | launches per token ({a.layers} layers) |")
     print("|---|---|---|---|---|")
     for name, r in out.items():
+        total = f"{r['per_token']:.0f}"
+        if "graph_nodes" in r:
+            total += f" (a graph of {r['graph_nodes']:.0f} kernels, the copies and the logits' clone)"
         print(f"| {name} | {r['torch_per_layer']:.0f} | {r['kernels_cuda_per_layer']:.0f} | {r['per_token_once']:.0f} | "
-              f"{r['per_token']:.0f} |")
+              f"{total} |")
     return out
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 if __name__ == "__main__":
