@@ -52,7 +52,6 @@ import torch
 
 from . import __version__
 from .config import hca_setting
-from .cuda_graph import GraphedDecode
 from .errors import MiniRunError
 from .evaluate import selection_probe
 from .planner import format_bytes, param_count, weight_bytes
@@ -185,14 +184,6 @@ def selected_share(eng, ids: list[int]) -> float | None:
     return float(sel["fraction"].mean()) if "fraction" in sel else None
 
 
-def graphs_used(eng) -> str:
-    """What the engine's decode steps replay from CUDA graphs: "token", "piecewise" or "off"."""
-    g = eng.graphed
-    if g is None or g.failed:
-        return "off"
-    return "token" if isinstance(g, GraphedDecode) else "piecewise"
-
-
 def measure_pp(eng, n: int, seed: int, context: Context | None = None) -> float:
     """Prefill n fresh tokens; tokens/s."""
     eng.reset()
@@ -301,7 +292,7 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
                 samples=samples, peak_host_bytes=_peak_host(), peak_host_scope=scope,
                 peak_device_bytes=torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0,
                 kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                cuda_graphs=graphs_used(eng)))
+                cuda_graphs=eng.cuda_graphs_mode()))
         del eng
         gc.collect()
         if torch.cuda.is_available():

@@ -138,4 +138,6 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
 
 
 def kv_report_line(eng) -> str:
-    return format_kv_report(eng.kv_stats())
+    line = format_kv_report(eng.kv_stats())
+    mode = eng.cuda_graphs_mode()
+    return line if mode == "off" else f"{line} [cuda graphs: {mode}]"

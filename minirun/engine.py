@@ -283,6 +283,14 @@ class Engine:
         """messages: [{"role": "system"|"user"|"assistant", "content": str}]. Returns the reply."""
         return self.generate(self.chat_prompt(messages), max_new_tokens=max_new_tokens, **kwargs)
 
+    def cuda_graphs_mode(self) -> str:
+        """What the decode steps replay from CUDA graphs: "token" (whole tokens), "piecewise" (the
+        model's work around the attention) or "off" (no --cuda-graphs, a CPU, or a failed capture)."""
+        g = self.graphed
+        if g is None or g.failed:
+            return "off"
+        return "token" if isinstance(g, cuda_graph.GraphedDecode) else "piecewise"
+
     def kv_stats(self) -> dict:
         """Bytes per tier of the conversation cache and the tokens it holds."""
         return self.cache.stats()

@@ -249,7 +249,7 @@ def test_engine_flag_without_a_gpu_notes_and_decodes(tiny_model_dir, capsys):
     """--cuda-graphs on a CPU says so once and decodes as usual; an HCA cache cannot be captured whole."""
     d = tiny_model_dir("gqa-untied")
     eng = Engine.load(d, device="cpu", ctx=64, cuda_graphs=True)
-    assert eng.graphed is None
+    assert eng.graphed is None and eng.cuda_graphs_mode() == "off"
     assert "need a CUDA device" in capsys.readouterr().err
     ref = Engine.load(d, device="cpu", ctx=64)
     assert eng.generate(IDS, max_new_tokens=5, ignore_eos=True).tokens == \
@@ -281,6 +281,7 @@ def test_a_failed_capture_falls_back_to_eager_steps(tiny_model_dir, capsys, monk
     la = _decode(ref, toks, ref.step)
     lb = _decode(eng, toks, eng.step)
     assert g.failed == "operation not permitted when stream is capturing" and not g.capture
+    assert eng.cuda_graphs_mode() == "off"
     assert capsys.readouterr().err.count("capturing a decode step failed") == 1
     assert (la - lb).abs().max().item() <= 1e-4
 
@@ -321,6 +322,9 @@ def test_gpu_engine_uses_graphs(tiny_model_dir):
     ref = Engine.load(d, device="cuda", ctx=64)
     a = eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
     assert eng.graphed is not None and eng.graphed.captures >= 1 and eng.graphed.failed is None
+    assert eng.cuda_graphs_mode() == "token"
+    from minirun.chat_repl import kv_report_line
+    assert kv_report_line(eng).endswith("[cuda graphs: token]")
     assert a == ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
 
 
@@ -351,6 +355,7 @@ def test_gpu_engine_hca_uses_piecewise_graphs(tiny_model_dir, monkeypatch):
     ref = Engine.load(d, device="cuda", ctx=64, **HCA)
     a = eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
     assert isinstance(eng.graphed, cuda_graph.PiecewiseDecode) and eng.graphed.failed is None
+    assert eng.cuda_graphs_mode() == "piecewise"
     assert a == ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
 
 
