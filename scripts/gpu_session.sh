@@ -80,7 +80,7 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
     } 2>&1 | tee "$OUT/env.txt"
     per_test=(); $PY -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
     $PY -c "import xdist" 2>/dev/null && per_test+=(-n "${TEST_PROCS:-8}")   # one GPU, 8 test processes
-    timeout 300 $PY -m pytest -q -rs -p no:cacheprovider "${per_test[@]}" -k "not emu" \
+    timeout 300 $PY -m pytest -q -rs -p no:cacheprovider "${per_test[@]}" -k "not emu and not eager" \
         tests/test_kernels_cuda.py tests/test_kernels_cuda_decode.py tests/test_kernels_cuda_layer.py tests/test_hca_cuda.py \
         tests/test_cuda_compile.py tests/test_bench_plan.py tests/test_cuda_graph.py tests/test_kernels_cuda_live.py \
         2>&1 | tee "$OUT/tests.log"

@@ -297,7 +297,7 @@ def test_cli_generate_with_the_flag(tiny_model_dir):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_graph_replay_matches_eager_steps(tiny_model_dir, dtype):
+def test_gpu_graph_replay_matches_ordinary_steps(tiny_model_dir, dtype):
     """On a GPU: steps replayed from captured graphs (buckets of 8, so several captures and the
     KEEP limit) against the engine's eager steps; a rewind replays an older bucket's graph."""
     ref, eng = _pair(tiny_model_dir("gqa-untied"), dtype, device="cuda")
@@ -330,7 +330,7 @@ def test_gpu_engine_uses_graphs(tiny_model_dir):
 
 @gpu_only
 @pytest.mark.parametrize("kv", ["dense", "hca"])
-def test_gpu_piecewise_replay_matches_eager_steps(tiny_model_dir, kv):
+def test_gpu_piecewise_replay_matches_ordinary_steps(tiny_model_dir, kv):
     """On a GPU: the pieces replayed from graphs (L + 1 captures on the first step) around the
     cache's eager attention, against the engine's eager steps."""
     kw = {} if kv == "dense" else HCA
