@@ -114,8 +114,9 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head")
 @click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
-@click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
-              help="HCA: old tokens at one distance (auto: when the ctx passes the model's trained context)")
+@click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="off", show_default=True,
+              help="HCA: old tokens at one distance, or grouped: compressed distances (auto: on when the ctx "
+                   "passes the model's trained context)")
 @click.option("--max-select", type=int, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @click.option("--cuda-graphs", is_flag=True,

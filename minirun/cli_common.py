@@ -34,9 +34,10 @@ def engine_options(f):
         click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
         click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
         click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
-        click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-                     help="HCA: attend to tokens older than the window at one distance (1024), for contexts "
-                          "past the model's trained one (auto: on when --ctx passes it); see docs/QUALITY.md"),
+        click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="auto", show_default=True,
+                     help="HCA: attend to tokens older than the window at one distance (1024), or grouped: at "
+                          "their distances compressed to fit the model's trained context, for contexts past it "
+                          "(auto: on when --ctx passes it); see docs/QUALITY.md"),
         click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
                      help="HCA: scale attention logits by log(n) / log(trained context) past the trained "
                           "context (auto: on when --ctx passes it); see docs/QUALITY.md"),

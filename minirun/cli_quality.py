@@ -50,7 +50,8 @@ def _ints(value: str, what: str) -> list[int]:
               help="mini-batch k-means steps (4096 samples each)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--unrotated", is_flag=True,
-              help="keys without their RoPE rotation: the codebooks --far-positions runs load")
+              help="keys without their RoPE rotation: the codebooks --far-positions on / auto runs load "
+                   "(grouped ones load the plain, rotated ones)")
 @click.option("--threads", type=int, default=None, help="CPU threads for torch")
 def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, unrotated, threads):
     """Fit key codebooks on text and write codebooks-g{G}-c{C}[-unrotated].safetensors into MODEL."""
@@ -91,8 +92,9 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
 @click.option("--key-store", type=click.Choice(["codebook", "exact"]), default="codebook", show_default=True,
               help="HCA keys: codebook indices, or exact (isolates the selection's effect)")
 @click.option("--centroids", type=int, default=None, help="HCA codebook size (default: the preset's 1024)")
-@click.option("--far-positions", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
-              help="HCA: old tokens at one distance (docs/QUALITY.md, \"Beyond the trained context\")")
+@click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="off", show_default=True,
+              help="HCA: old tokens at one distance, or grouped: compressed distances (docs/QUALITY.md, "
+                   "\"Beyond the trained context\")")
 @click.option("--max-select", type=int, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,

@@ -149,7 +149,7 @@ class EngineConfig:
     prefill_mode: str = "auto"        # "auto" | "exact" | "anchor" | "hca": how an HCA prompt attends to old tokens
     exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens, anchor beyond
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
-    far_positions: str = "off"        # HCA: "off" | "on" | "auto" (on past the trained ctx): kv/far_positions.py
+    far_positions: str = "off"        # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (kv/select_cap.py)
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
@@ -174,8 +174,8 @@ class EngineConfig:
             raise MiniRunError(f"unknown key_store {self.key_store!r}: use codebook or exact")
         if self.prefill_mode not in ("auto", "exact", "anchor", "hca"):
             raise MiniRunError(f"unknown prefill mode {self.prefill_mode!r}: use auto, exact, anchor or hca")
-        if self.far_positions not in ("auto", "on", "off"):
-            raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on or off")
+        if self.far_positions not in ("auto", "on", "off", "grouped"):
+            raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on, grouped or off")
         if self.length_scale not in ("auto", "on", "off"):
             raise MiniRunError(f"unknown length_scale {self.length_scale!r}: use auto, on or off")
         if self.max_select is not None and self.max_select < 1:

@@ -42,6 +42,8 @@ DEVICE=${DEVICE:-cuda} DEPTHS=${DEPTHS:-8192,32768,131072} PP=${PP:-8192} REPS=$
 CTX=${CTX:-4M} COPIES=${COPIES:-59} KEY_AT=${KEY_AT:-0.5}   # where the pass key goes (fraction of the text)
 MAX_SELECT=${MAX_SELECT:-}      # --max-select for the 4M chat (empty: tau alone; kv/select_cap.py)
 KV_BUDGET=${KV_BUDGET:-0.125}   # the 4M chat's key store (g64c16: same bytes, with carried unrotated codebooks)
+FAR=${FAR:-on}                   # the 4M chat's --far-positions: on (one distance) or grouped (its
+                                # codebooks: the plain calibration's, carried when models/ has them)
 CUDA_GRAPHS=${CUDA_GRAPHS:-}    # non-empty: the 4M chat with --cuda-graphs (whole tokens need MINIRUN_VALUE_SUM=gpu
                                 # and no --length-scale: its factor moves every token; else the pieces)
 PY=${PY:-python3}
@@ -64,8 +66,9 @@ prep)
     (cd .gpu && sha256sum "$GGUF" | cut -d' ' -f1 >a/gguf.sha256)
     ${PIP:-.venv/bin/pip} download -q --no-deps --only-binary=:all: -d .gpu/a "gguf==0.19.0" || exit 1
     cp "$BOOK" .gpu/b/book.txt
-    # unrotated codebooks (calibrate --unrotated) small enough to ride along (g64c16: 0.4 MB)
-    find "$(dirname "$GGUF")" models -name 'codebooks-*-unrotated.safetensors' -size -8M \
+    # g64c16 codebooks small enough to ride along (0.4 MB each): unrotated (calibrate --unrotated) for
+    # --far-positions on, plain (rotated) for grouped
+    find "$(dirname "$GGUF")" models -name 'codebooks-g64-c16*.safetensors' -size -8M \
         -exec cp {} .gpu/b/ \; 2>/dev/null
     du -sh .gpu/a .gpu/b
     ;;
@@ -180,7 +183,7 @@ EOF
     # SIGINT at the limit stops the answer as Ctrl-C does: its tokens and decode speed so far still print
     printf 'What is the pass key mentioned in the text? Answer with the number only.\n' |
         "${timer[@]}" timeout -s INT -k 20 "${CHAT_LIMIT:-560}" $PY -m minirun chat "$MODEL" --ctx "$CTX" --file "$KEEP/book4m.txt" --kv hca \
-            --kv-budget "$KV_BUDGET" --far-positions on ${MAX_SELECT:+--max-select "$MAX_SELECT"} \
+            --kv-budget "$KV_BUDGET" --far-positions "$FAR" ${MAX_SELECT:+--max-select "$MAX_SELECT"} \
             ${LENGTH_SCALE:+--length-scale "$LENGTH_SCALE"} ${CUDA_GRAPHS:+--cuda-graphs} \
             --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 2>&1 | tr '\r' '\n' | tee "$OUT/4m.log"
     if [ -n "$smi" ]; then

@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--kv-budget", default="0.125")
     ap.add_argument("--max-select", type=int, default=None)
-    ap.add_argument("--far-positions", default="off", choices=["auto", "on", "off"])
+    ap.add_argument("--far-positions", default="off", choices=["auto", "on", "grouped", "off"])
     ap.add_argument("--context", default="text")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--emulate", action="store_true", help="the GPU cache on the CPU kernel emulator (smoke test)")

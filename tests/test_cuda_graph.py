@@ -156,20 +156,22 @@ HCA_GPU = dict(kv="hca", groups=4, centroids=16, window=8, sinks=4, tau=0.9, pre
 
 def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw):
     """Two engines with HCACacheCUDA caches (the kernels on the emulator: call inside emulated());
-    with length scaling the model's trained context is 32 tokens, so the factor is > 1 here."""
+    with length scaling or grouped far positions the model's trained context is 32 tokens, so the
+    factor is > 1 and G > 1 here."""
     import minirun.engine as me
     from minirun.kv.hca_cuda import HCACacheCUDA
     monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
     monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
                         HCACacheCUDA.create(args, config, device, dtype, cap, model_dir=model_dir))
-    d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 32} if kw.get("length_scale") == "on" else {}))
+    short = kw.get("length_scale") == "on" or kw.get("far_positions") == "grouped"   # (grouped: G = 6)
+    d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 32} if short else {}))
     return [Engine.load(d, device="cpu", ctx=128, **kw) for _ in range(2)]
 
 
 @emu_only
 @pytest.mark.parametrize("kw", [{}, {"far_positions": "on"}, {"max_select": 6}, {"tau": 1.0},
-                                {"far_positions": "on", "length_scale": "on"}],
-                         ids=["tau0.9", "far", "capped", "tau1", "far-length-scaled"])
+                                {"far_positions": "on", "length_scale": "on"}, {"far_positions": "grouped"}],
+                         ids=["tau0.9", "far", "capped", "tau1", "far-length-scaled", "far-grouped"])
 def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, kw):
     """The capturable HCA token (kv/hca_graph.py, run eagerly, kernels on the emulator): the store
     length from device memory with grids for buckets of 16, the eviction on the device (encode,

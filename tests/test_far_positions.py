@@ -10,7 +10,8 @@ from minirun import Engine
 from minirun.config import EngineConfig
 from minirun.errors import MiniRunError
 from minirun.kv.base import KVCache
-from minirun.kv.far_positions import default_far_distance, far_positions_on, far_queries, rotate, unrotate_keys
+from minirun.kv.far_positions import (default_far_distance, far_group, far_positions_on, far_queries, rotate,
+                                      unrotate_keys)
 from minirun.ops import apply_rope, rope_cos_sin, rope_inv_freq
 
 from test_hca_cache import random_ids
@@ -32,11 +33,14 @@ def _cs(pos, inv):
 class FarReference(KVCache):
     """Dense attention with the far-position rule: a query of the chunk starting at c0 reads key j
     at its true distance when j is in the chunk (causal) or in the ring (max(S, c0 - W) <= j < c0),
-    and at distance D otherwise (j < S, or j < c0 - W): <R(D) q_pre, k_pre>."""
+    and at distance D otherwise (j < S, or j < c0 - W): <R(D) q_pre, k_pre>. group G > 0 (grouped
+    far positions): those far keys at distance f(p) - g(j), f(p) = p // G + W - W // G, g(j) = j // G:
+    <R(f(p)) q_pre, R(g(j)) k_pre>."""
 
-    def __init__(self, args, cap, D, length_ctx=None):
+    def __init__(self, args, cap, D, length_ctx=None, group=0):
         super().__init__(args.num_hidden_layers, cap)
         self.D, self.length_ctx = D, length_ctx   # length_ctx: logits x max(1, log end / log N) (a chunk's last)
+        self.group = group
         self.inv = rope_inv_freq(args)
         self.k = torch.zeros(args.num_hidden_layers, cap, args.num_key_value_heads, args.head_dim)
         self.v = torch.zeros_like(self.k)
@@ -50,7 +54,11 @@ class FarReference(KVCache):
         K = self.k[layer, :end].repeat_interleave(rep, 1)                     # [n, Hq, hd]
         V = self.v[layer, :end].repeat_interleave(rep, 1)
         K_pre = rope(K, torch.arange(end), self.inv, -1)
-        q_far = rope(rope(q.float(), pos, self.inv, -1), torch.full((T,), self.D), self.inv)
+        G = self.group
+        q_at = pos // G + W - W // G if G else torch.full((T,), self.D)
+        q_far = rope(rope(q.float(), pos, self.inv, -1), q_at, self.inv)
+        if G:
+            K_pre = rope(K_pre, torch.arange(end) // G, self.inv)
         near = torch.einsum("thd,nhd->htn", q.float(), K)
         far = torch.einsum("thd,nhd->htn", q_far, K_pre)
         j = torch.arange(end)[None, :]
@@ -78,7 +86,8 @@ def test_setting():
     assert default_far_distance(2048, 8192) == 2048 and default_far_distance(256, None) == 1024
     assert far_positions_on("auto", 8192, 4 << 20) and not far_positions_on("auto", 8192, 8192)
     assert not far_positions_on("auto", None, 4 << 20) and far_positions_on("on", 8192, 16)
-    assert not far_positions_on("off", 8192, 4 << 20)
+    assert not far_positions_on("off", 8192, 4 << 20) and far_positions_on("grouped", 8192, 16)
+    assert far_group(16640, 256, 8192) == 3 and far_group(4 << 20, 256, 8192) == 529 and far_group(100, 8, 64) == 2
     with pytest.raises(MiniRunError):
         EngineConfig(far_positions="maybe")
 
@@ -102,6 +111,34 @@ def test_exact_keys_tau1_equal_the_reference(tiny_model_dir, monkeypatch, chunk,
     assert (out - ref).abs().max().item() <= 1e-4
     print("far vs true positions:", (out - plain).abs().max().item())
     assert (out - plain).abs().max().item() > 1e-3          # (the rule changes the result)
+
+
+@pytest.mark.parametrize("chunk,mode", [(1, "hca"), (7, "exact"), (7, "hca")])
+def test_grouped_equals_the_reference(tiny_model_dir, monkeypatch, chunk, mode):
+    """--far-positions grouped (SelfExtend's grouped distances), exact keys, tau 1: the reference
+    with G = ceil(n / (N - W)) = 3 (N = 40 trained tokens, n = 70: Engine.logits' cache holds just
+    the sequence), through prefill and decode steps, ring wrap-around and eviction included; and
+    G = 1 (a ctx inside the trained one) is plain attention, as if far positions were off."""
+    d = tiny_model_dir("gqa-untied", max_position_embeddings=40)
+    ids = random_ids(70, seed=3)
+    kw = dict(device="cpu", ctx=256, kv="hca", key_store="exact", tau=1.0, window=W, sinks=S)
+    G = far_group(len(ids), W, 40)
+    eng = Engine.load(d, far_positions="grouped", **kw)
+    assert eng.cache.far.group == far_group(256, W, 40) == 8     # (the conversation cache: its ctx)
+    out = eng.logits(ids, chunk=chunk, prefill_mode=mode)
+    assert G == 3 and eng.last_logits_cache.far.group == G
+    one = Engine.load(d, far_positions="on", **kw).logits(ids, chunk=chunk, prefill_mode=mode)
+    monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
+                        FarReference(args, cap, 0, group=G))
+    ref = Engine.load(d, **kw).logits(ids, chunk=chunk)
+    assert (out - ref).abs().max().item() <= 1e-4
+    assert (out - one).abs().max().item() > 1e-3            # (not the one-distance rule)
+    monkeypatch.undo()
+    kw["ctx"] = 32                                          # G = 1
+    short = Engine.load(d, far_positions="grouped", **kw)
+    assert short.cache.far.group == 1
+    plain = Engine.load(d, far_positions="off", **kw).logits(ids[:32], chunk=chunk, prefill_mode=mode)
+    assert (short.logits(ids[:32], chunk=chunk, prefill_mode=mode) - plain).abs().max().item() <= 1e-5
 
 
 def test_generate_and_codebooks_follow_the_reference(tiny_model_dir, monkeypatch):

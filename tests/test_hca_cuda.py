@@ -186,17 +186,18 @@ def test_decode_step_after_a_truncate_masks_dead_slots(tiny_model_dir, gpu_engin
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-5   # (unmasked stale slots: 3e-4)
 
 
-@pytest.mark.parametrize("key_store,tau", [("exact", 1.0), ("codebook", 1.0)])
-def test_far_positions_match_cpu(tiny_model_dir, gpu_engine, key_store, tau):
+@pytest.mark.parametrize("key_store,tau,far", [("exact", 1.0, "on"), ("codebook", 1.0, "on"), ("exact", 1.0, "grouped"),
+                                              ("codebook", 1.0, "grouped")])
+def test_far_positions_match_cpu(tiny_model_dir, gpu_engine, key_store, tau, far):
     """Far positions (sinks and store unrotated, read at distance W; minirun/kv/far_positions.py):
     the decode step splits sinks (far query) from the ring (true one); prompt, decode steps and a
     truncate, against the CPU cache. Codebooks fitted from the prompt's unrotated keys (the same
     fit on both: same keys, same seed)."""
     load, ctx = gpu_engine
-    d = tiny_model_dir("gqa-untied")
+    d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 64} if far == "grouped" else {}))   # (G = 6)
     ids = random_ids(90, seed=6)
     kw = dict(ctx=256, kv="hca", key_store=key_store, tau=tau, window=16, sinks=4, prefill_chunk=32,
-              far_positions="on", fit_min_tokens=32, centroids=16)
+              far_positions=far, fit_min_tokens=32, centroids=16)
     cpu = Engine.load(d, device="cpu", **kw)
     a = cpu.generate(ids, max_new_tokens=10, ignore_eos=True)
     eng = load(d, **kw)

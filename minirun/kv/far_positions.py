@@ -10,9 +10,19 @@ position p scores them rotated by R(D - p), so that <R(D - p) q_p, R(-j) k_j> = 
 for every old j. One rotation per query and layer: the codebook LUT, the selection and the GPU
 kernels take the rotated query unchanged.
 
+Grouped (`--far-positions grouped`; SelfExtend, Jin et al. 2024, "LLM Maybe LongLM"): instead of
+one distance, an old key j keeps its order, G times compressed: it is held at position j // G
+(R(j // G - j) k_j instead of R(-j) k_j) and read by a query at p turned to p // G + W - W // G, so
+the distance is W - W // G + p // G - j // G: W at the ring's edge, at most W + ctx / G past it,
+inside the trained context N with G = ceil(ctx / (N - W)) (`far_group`). Still one rotation per
+query and layer. docs/QUALITY.md, "Grouped far positions": a novel's continuation read better than
+with one distance at 16K and 24K.
+
 Rotation convention: that of ops.apply_rope (HF Llama's half split).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -23,11 +33,17 @@ from ..ops import rope_cos_sin, rope_inv_freq
 
 
 def far_positions_on(setting: str, trained_ctx: int | None, ctx: int) -> bool:
-    """auto: on exactly when the context is longer than the model's trained context
+    """on and grouped: on; auto: on exactly when the context is longer than the model's trained context
     (config.json's max_position_embeddings; unknown -> off)."""
     if setting == "auto":
         return trained_ctx is not None and ctx > trained_ctx
-    return setting == "on"
+    return setting in ("on", "grouped")
+
+
+def far_group(ctx: int, window: int, trained_ctx: int | None) -> int:
+    """G of grouped far positions: the smallest compression that keeps every far distance
+    (at most window + ctx / G) inside the trained context (unknown: 8192)."""
+    return max(1, math.ceil(ctx / max(1, (trained_ctx or 8192) - window)))
 
 
 def default_far_distance(window: int, trained_ctx: int | None) -> int:
@@ -68,31 +84,55 @@ def far_queries(qs: torch.Tensor, pos0: int, distance: int, inv_freq: torch.Tens
 class FarFrame:
     """One HCA cache's far positions: its rotations, and what a decode step reuses across layers.
 
-    distance: D. The cache holds sinks and store keys unrotated (`unrotate`), and reads them with
-    `queries`; its one-call CPU steps take a single query and get `step_inputs`."""
+    distance: D; group: G of grouped far positions (0: one distance D), window W (the ring).
+    The cache holds sinks and store keys placed by `unrotate` (unrotated; grouped: at j // G), and
+    reads them with `queries`; its one-call CPU steps take a single query and get `step_inputs`."""
 
-    def __init__(self, args, distance: int):
+    def __init__(self, args, distance: int, group: int = 0, window: int = 0):
         self.inv_freq = rope_inv_freq(args)      # [hd/2] (the model's, rope scaling included)
         self.distance = distance
-        self._angles = None                      # (position, cos, sin) of R(D - p)
+        self.group, self.window = group, window
+        self._angles = None                      # (position, cos, sin) of the query's turn
         self._turned = None                      # the steps' turned copy of one layer's sinks + ring
 
+    def query_turn(self, pos):
+        """The angle (in positions) a query at pos (int, or an int64 tensor) is turned by: D - pos,
+        grouped pos // G + W - W // G - pos."""
+        if not self.group:
+            return self.distance - pos
+        G, W = self.group, self.window
+        return pos // G + W - W // G - pos
+
+    def key_turn(self, positions: torch.Tensor) -> torch.Tensor:
+        """The angle (in positions) a post-RoPE key at each position is turned by when it leaves
+        the ring: -j (unrotated), grouped j // G - j."""
+        positions = positions.to(torch.int64)
+        return positions // self.group - positions if self.group else -positions
+
     def unrotate(self, K: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return unrotate_keys(K, positions, self.inv_freq)
+        """K [..., m, hd] (post-RoPE, row i at positions[i]) -> as the cache holds them (key_turn)."""
+        if not self.group:
+            return unrotate_keys(K, positions, self.inv_freq)
+        return rotate(K, self.key_turn(positions), self.inv_freq)
 
     def angles(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [hd/2] f32 (CPU) of the rotation R(D - pos) (made once per position: every layer
+        """cos, sin [hd/2] f32 (CPU) of the query's turn at pos (made once per position: every layer
         of a decode step reuses them)."""
         if self._angles is None or self._angles[0] != pos:
-            ang = (self.distance - pos) * self.inv_freq.to(torch.float64)
+            ang = self.query_turn(pos) * self.inv_freq.to(torch.float64)
             self._angles = (pos, ang.cos().float(), ang.sin().float())
         return self._angles[1], self._angles[2]
 
     def queries(self, qs: torch.Tensor, pos0: int) -> torch.Tensor:
-        """qs [T, Hq, hd] at positions pos0.. -> rotated to read unrotated keys at distance D."""
+        """qs [T, Hq, hd] at positions pos0.. -> turned to read the held keys (query_turn)."""
         if qs.shape[0] == 1 and qs.device.type == "cpu":   # a decode step: the cached angles
             return turn(qs.float(), *self.angles(pos0))
-        return far_queries(qs, pos0, self.distance, self.inv_freq)
+        if not self.group:
+            return far_queries(qs, pos0, self.distance, self.inv_freq)
+        p = torch.arange(pos0, pos0 + qs.shape[0], dtype=torch.int64)
+        ang = self.query_turn(p).to(torch.float64)[:, None] * self.inv_freq.to(torch.float64)[None, :]
+        c, s = ang.cos().float().to(qs.device), ang.sin().float().to(qs.device)
+        return turn(qs.float(), c[:, None, :], s[:, None, :])
 
     def step_inputs(self, qs, k, EK: np.ndarray, ek: torch.Tensor, sinks: int, pos: int) -> tuple:
         """The one-call CPU steps' (query [Hq, hd], own key [Hkv, hd], exact tier [Hkv, S + W, hd])

@@ -25,7 +25,7 @@ from .attention import merge, partial_attention
 from .base import KVCache
 from .hca_cpu_step import OneCallSteps
 from .codebooks import Codebooks, codebook_filename
-from .far_positions import FarFrame, default_far_distance, far_positions_on
+from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
 from .hca_layout import HCALayout, fast_scan, resolve_layout
 from .select_cap import cap_selection
 from .store import ColumnBuffer, GrowingBuffer
@@ -39,7 +39,8 @@ class HCACache(OneCallSteps, KVCache):
     def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
                  dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
                  fit_min_tokens: int = 4096, anchor_tokens: int = 2048, far_positions: bool = False,
-                 far_distance: int | None = None, max_select: int | None = None, length_ctx: int | None = None):
+                 far_distance: int | None = None, max_select: int | None = None, length_ctx: int | None = None,
+                 far_group: int = 0):
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
@@ -49,7 +50,7 @@ class HCACache(OneCallSteps, KVCache):
         self.scale = 1.0 / math.sqrt(hd)
         self.length_ctx = length_ctx   # length scaling on: the trained context N (see _q_scale); None: off
         # far positions (kv/far_positions.py): sinks and store keys kept unrotated, read at distance D
-        self.far = FarFrame(args, far_distance or window) if far_positions else None
+        self.far = FarFrame(args, far_distance or window, far_group, window) if far_positions else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         self._lanes = kc.lane_map(self.q_to_kv, Hkv)               # query heads in the packed tables' lanes
         self._counts = np.zeros(self.Hq, np.int32)                 # selection sizes of the last step
@@ -120,9 +121,12 @@ class HCACache(OneCallSteps, KVCache):
         geometry = layout.codebook_geometry
         far = far_positions_on(config.far_positions, args.max_position_embeddings, capacity)
         dist = config.far_distance or default_far_distance(config.window, args.max_position_embeddings)
-        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys
+        group = far_group(capacity, config.window, args.max_position_embeddings) if config.far_positions == "grouped" else 0
+        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys (grouped
+        # ones hold them rotated, at j // G: the ordinary calibration's)
+        unrotated = far and not group
         if not layout.exact_keys and model_dir is not None:
-            path = model_dir / codebook_filename(*geometry[:2], unrotated=far)
+            path = model_dir / codebook_filename(*geometry[:2], unrotated=unrotated)
             if path.is_file():
                 codebooks = Codebooks.load(path, (args.num_hidden_layers, args.num_key_value_heads, *geometry))
                 codebooks = codebooks.paired() if layout.pairs else codebooks
@@ -130,19 +134,20 @@ class HCACache(OneCallSteps, KVCache):
         length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
         cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
                     fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
-                    far_distance=dist, max_select=config.max_select, length_ctx=length_ctx)
+                    far_distance=dist, max_select=config.max_select, length_ctx=length_ctx, far_group=group)
         if length_ctx:
             print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens "
                   f"(--length-scale {config.length_scale})", file=sys.stderr)
         if far:
-            why = ("--far-positions on" if config.far_positions == "on" else
+            why = (f"--far-positions {config.far_positions}" if config.far_positions != "auto" else
                    f"the context passes the {args.max_position_embeddings} tokens the model was trained on")
+            how = (f"at their distances divided by {group} (grouped)" if group else f"at distance {dist}")
             print(f"minirun: far positions: tokens older than the {config.window}-token window are attended "
-                  f"at distance {dist} ({why})", file=sys.stderr)
+                  f"{how} ({why})", file=sys.stderr)
         if not layout.exact_keys and codebooks is None:
-            print(f"minirun: no {codebook_filename(*geometry[:2], unrotated=far)} in the model directory: "
+            print(f"minirun: no {codebook_filename(*geometry[:2], unrotated=unrotated)} in the model directory: "
                   f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate"
-                  f"{' --unrotated' if far else ''}` to make one)", file=sys.stderr)
+                  f"{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
         return cache
 
     def _q_scale(self, T: int) -> float:

@@ -87,8 +87,8 @@ class CapturedSteps:
         S, W = self.S, self.W
         far = self.far is not None
         st = self._graph_state()
-        if far and layer == 0:   # this token's far turn R(D - pos) as [cos | sin] (far.angles on the device)
-            ang = (self.far.distance - st[0:1].to(torch.float64))[:, None] * self._far_inv64[None, :]
+        if far and layer == 0:   # this token's far turn as [cos | sin] (far.angles on the device)
+            ang = self.far.query_turn(st[0:1]).to(torch.float64)[:, None] * self._far_inv64[None, :]
             ds.cs.copy_(torch.cat([ang.cos(), ang.sin()], dim=-1)[0].float())
         tau = self.tau
         with ds.session() as L:
@@ -120,7 +120,7 @@ class CapturedSteps:
         K = self.ek.index_select(2, slot)                                   # [L, Hkv, 1, hd]
         V = self.ev.index_select(2, slot)
         if self.far is not None:
-            K = rotate(K, st[3:4], self._far_inv64, sign=-1)
+            K = rotate(K, self.far.key_turn(st[3:4]), self._far_inv64)
         self.indices.data.index_copy_(2, row, self._encode(K))
         L, Hkv, cap, hd = self.values.data.shape
         ds = self._decode_kernels()
