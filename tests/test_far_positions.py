@@ -10,7 +10,7 @@ from minirun import Engine
 from minirun.config import EngineConfig
 from minirun.errors import MiniRunError
 from minirun.kv.base import KVCache
-from minirun.kv.far_positions import (default_far_distance, far_group, far_positions_on, far_queries, rotate,
+from minirun.kv.far_positions import (FarFrame, default_far_distance, far_group, far_positions_on, rotate,
                                       unrotate_keys)
 from minirun.ops import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -71,14 +71,16 @@ class FarReference(KVCache):
 
 
 def test_rotations():
-    inv = rope_inv_freq(type("A", (), {"rope_theta": 10000.0, "head_dim": 64, "rope_scaling": None})())
+    args = type("A", (), {"rope_theta": 10000.0, "head_dim": 64, "rope_scaling": None})()
+    inv = rope_inv_freq(args)
     q, k = torch.randn(3, 9, 64), torch.randn(5, 3, 64)
     qp, kp = rope(q, torch.arange(100, 103), inv), rope(k, torch.arange(10, 15), inv)
     k_pre = unrotate_keys(kp.transpose(0, 1), torch.arange(10, 15), inv)            # [3, 5, 64]
     assert (k_pre - k.transpose(0, 1)).abs().max() < 1e-5
     assert (rotate(k_pre, torch.arange(10, 15), inv) - kp.transpose(0, 1)).abs().max() < 1e-5
     want = rope(q, torch.full((3,), 7), inv)                                       # R(7) q_pre
-    assert (far_queries(qp, 100, 7, inv) - want).abs().max() < 1e-5
+    assert (FarFrame(args, 7).queries(qp, 100) - want).abs().max() < 1e-5             # (3 queries: the general path)
+    assert (FarFrame(args, 7).unrotate(kp.transpose(0, 1), torch.arange(10, 15)) - k_pre).abs().max() < 1e-5
 
 
 def test_setting():
@@ -239,7 +241,8 @@ def test_turn_rows_kernel():
     import kernels_cpu as kc
     rng = np.random.default_rng(0)
     EK = rng.standard_normal((3, 20, 64)).astype(np.float32)
-    inv = rope_inv_freq(type("A", (), {"rope_theta": 10000.0, "head_dim": 64, "rope_scaling": None})())
+    args = type("A", (), {"rope_theta": 10000.0, "head_dim": 64, "rope_scaling": None})()
+    inv = rope_inv_freq(args)
     ang = -1234 * inv.double()
     c, s = ang.cos().float().numpy(), ang.sin().float().numpy()
     out = kc.turn_rows(EK, 4, c, s)

@@ -29,7 +29,7 @@ import torch
 
 import kernels_cpu as kc
 
-from ..ops import rope_cos_sin, rope_inv_freq
+from ..ops import rope_inv_freq
 
 
 def far_positions_on(setting: str, trained_ctx: int | None, ctx: int) -> bool:
@@ -74,13 +74,6 @@ def unrotate_keys(K: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
     return rotate(K, positions, inv_freq, sign=-1)
 
 
-def far_queries(qs: torch.Tensor, pos0: int, distance: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """qs [T, Hq, hd] (post-RoPE, positions pos0..pos0+T-1) -> R(distance - p) q per query: scores
-    against unrotated keys then read every old key at `distance` from the query."""
-    cos, sin = rope_cos_sin(inv_freq, pos0 - distance, qs.shape[0], torch.float32, qs.device)   # (p - D) f
-    return turn(qs.float(), cos[:, None, :], -sin[:, None, :])                                   # by -(p - D)
-
-
 class FarFrame:
     """One HCA cache's far positions: its rotations, and what a decode step reuses across layers.
 
@@ -111,28 +104,29 @@ class FarFrame:
 
     def unrotate(self, K: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """K [..., m, hd] (post-RoPE, row i at positions[i]) -> as the cache holds them (key_turn)."""
-        if not self.group:
-            return unrotate_keys(K, positions, self.inv_freq)
         return rotate(K, self.key_turn(positions), self.inv_freq)
+
+    def turn_cos_sin(self, positions: torch.Tensor, inv_freq64: torch.Tensor | None = None) -> tuple:
+        """cos, sin [m, hd/2] f32 of the query turn at each of positions [m] (int64; on inv_freq64's
+        device when it is given: a captured GPU step's device position), angles in float64."""
+        inv = self.inv_freq.to(torch.float64) if inv_freq64 is None else inv_freq64
+        ang = self.query_turn(positions.to(torch.int64)).to(torch.float64)[:, None] * inv[None, :]
+        return ang.cos().float(), ang.sin().float()
 
     def angles(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [hd/2] f32 (CPU) of the query's turn at pos (made once per position: every layer
         of a decode step reuses them)."""
         if self._angles is None or self._angles[0] != pos:
-            ang = self.query_turn(pos) * self.inv_freq.to(torch.float64)
-            self._angles = (pos, ang.cos().float(), ang.sin().float())
+            c, s = self.turn_cos_sin(torch.tensor([pos]))
+            self._angles = (pos, c[0], s[0])
         return self._angles[1], self._angles[2]
 
     def queries(self, qs: torch.Tensor, pos0: int) -> torch.Tensor:
         """qs [T, Hq, hd] at positions pos0.. -> turned to read the held keys (query_turn)."""
         if qs.shape[0] == 1 and qs.device.type == "cpu":   # a decode step: the cached angles
             return turn(qs.float(), *self.angles(pos0))
-        if not self.group:
-            return far_queries(qs, pos0, self.distance, self.inv_freq)
-        p = torch.arange(pos0, pos0 + qs.shape[0], dtype=torch.int64)
-        ang = self.query_turn(p).to(torch.float64)[:, None] * self.inv_freq.to(torch.float64)[None, :]
-        c, s = ang.cos().float().to(qs.device), ang.sin().float().to(qs.device)
-        return turn(qs.float(), c[:, None, :], s[:, None, :])
+        c, s = self.turn_cos_sin(torch.arange(pos0, pos0 + qs.shape[0]))
+        return turn(qs.float(), c[:, None, :].to(qs.device), s[:, None, :].to(qs.device))
 
     def step_inputs(self, qs, k, EK: np.ndarray, ek: torch.Tensor, sinks: int, pos: int) -> tuple:
         """The one-call CPU steps' (query [Hq, hd], own key [Hkv, hd], exact tier [Hkv, S + W, hd])

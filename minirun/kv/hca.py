@@ -338,14 +338,14 @@ class HCACache(OneCallSteps, KVCache):
         Vn = torch.stack([kv[1] for kv in self._staged]).transpose(1, 2).to(self.ek.dtype)
         if ev_pos.numel():
             from_ring = ev_pos[ev_pos < pos0]
-            ring_slots = S + (from_ring - S) % W
+            ring_slots = self._ring_slot(from_ring)
             from_chunk = ev_pos[ev_pos >= pos0] - pos0
             Ke = torch.cat([self.ek[:, :, ring_slots], Kn[:, :, from_chunk]], 2)            # [L, Hkv, m, hd]
             Ve = torch.cat([self.ev[:, :, ring_slots], Vn[:, :, from_chunk]], 2)
             self._store_append(Ke, Ve, self._take_pending(int(ev_pos[0]) if ev_pos.numel() == 1 else -1))
             self.slot_pos[ring_slots] = -1
         if keep.numel():
-            slots = torch.where(keep < S, keep, S + (keep - S) % W)
+            slots = torch.where(keep < S, keep, self._ring_slot(keep))
             Kk = Kn[:, :, keep - pos0]
             if self.far and bool((keep < S).any()):   # sinks are held unrotated (read at distance D)
                 Kk = torch.where((keep < S)[:, None].to(Kk.device), self.far.unrotate(Kk, keep), Kk)
@@ -362,7 +362,7 @@ class HCACache(OneCallSteps, KVCache):
         (a short context, or after a truncate: every bench round) the new one takes a dead slot.
         The general path's index arithmetic and gathers cost ~1.5 ms per step in torch calls on the
         2-core VM; this is a few slice copies."""
-        slot = self.S + (pos - self.S) % self.W                   # = the leaving token's slot, if any
+        slot = self._ring_slot(pos)                               # = the leaving token's slot, if any
         if self._ring_full():
             codes = self._take_pending(pos - self.W)
             self._store_append(self.ek[:, :, slot:slot + 1], self.ev[:, :, slot:slot + 1], codes)   # (copies)
@@ -371,6 +371,15 @@ class HCACache(OneCallSteps, KVCache):
             self._live_slots[slot] = 1                            # the mask stays valid: one more live slot
         self.ek[:, :, slot] = torch.stack([kv[0][0] for kv in self._staged])         # [L, Hkv, hd]
         self.ev[:, :, slot] = torch.stack([kv[1][0] for kv in self._staged])
+        self._ring_took(pos, slot)
+
+    def _ring_slot(self, pos):
+        """The ring slot of the token at pos >= S (an int, or an int64 tensor of positions; the
+        slot the token W positions before it held)."""
+        return self.S + (pos - self.S) % self.W
+
+    def _ring_took(self, pos: int, slot: int) -> None:
+        """The host's bookkeeping once the token at pos is in its ring slot: one step done."""
         self.slot_pos[slot] = pos
         self._staged = [None] * self.n_layers
         self.offset = pos + 1

@@ -59,7 +59,7 @@ class OneCallSteps:
         if pos != self._pending_pos:
             self._pending_pos = pos
             self._pending_done[:] = False
-        return self.S + self.n_store % self.W
+        return self._ring_slot(pos)
 
     def _step_done(self, layer, o, encoded: bool) -> torch.Tensor:
         """After a one-call step: its encode-ahead marked done, its selection recorded; -> [1, Hq, hd]."""

@@ -71,9 +71,8 @@ class CapturedSteps:
     def graph_prepare(self) -> None:
         """Before a replay: this token's state into device memory; the pool's eager eviction copies
         waited for on the GPU (the graph writes the pool itself)."""
-        pos, S, W = self.offset, self.S, self.W
-        slot = S + (pos - S) % W
-        st = torch.tensor([pos, slot, self.n_store, S + self.n_store], dtype=torch.int64)
+        pos = self.offset
+        st = torch.tensor([pos, self._ring_slot(pos), self.n_store, self.S + self.n_store], dtype=torch.int64)
         self._graph_state().copy_(st)
         self._cs_pos = None   # the graph writes ds.cs: an eager step (at any position) must write it again
         if self.length_ctx:   # _q_scale(1)'s factor, applied on the device after decode_prep's base scale
@@ -88,8 +87,7 @@ class CapturedSteps:
         far = self.far is not None
         st = self._graph_state()
         if far and layer == 0:   # this token's far turn as [cos | sin] (far.angles on the device)
-            ang = self.far.query_turn(st[0:1]).to(torch.float64)[:, None] * self._far_inv64[None, :]
-            ds.cs.copy_(torch.cat([ang.cos(), ang.sin()], dim=-1)[0].float())
+            ds.cs.copy_(torch.cat(self.far.turn_cos_sin(st[0:1], self._far_inv64), dim=-1)[0])
         tau = self.tau
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self.scale, self._ekx[layer, :, S + W],
@@ -133,7 +131,7 @@ class CapturedSteps:
 
     def graph_snapshot(self):
         """What commit_at overwrites and a later run of the same step reads: the ring slot's k, v."""
-        slot = self.S + (self.offset - self.S) % self.W
+        slot = self._ring_slot(self.offset)
         return slot, self.ek[:, :, slot].clone(), self.ev[:, :, slot].clone()
 
     def graph_restore(self, snap) -> None:
@@ -143,12 +141,8 @@ class CapturedSteps:
 
     def graph_advance(self) -> None:
         """After a replay: the host's bookkeeping of advance(1) (the graph did the device part)."""
-        pos, S, W = self.offset, self.S, self.W
-        slot = S + (pos - S) % W
-        self.slot_pos[slot] = pos
         self._live_slots = None
         self.n_store += 1
         self.n_encoded = self.n_store
         self._pending_pos = -1
-        self._staged = [None] * self.n_layers
-        self.offset = pos + 1
+        self._ring_took(self.offset, self._ring_slot(self.offset))
