@@ -87,15 +87,37 @@ def _abandon_capture(prev, pool, device) -> None:
             pass
 
 
-def _capture_failed(e: Exception) -> str:
-    """The note for a capture that failed; the cause, not torch's generic "error during capture"."""
-    cause = e.__context__ or e
-    why = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-    print(f"note: --cuda-graphs: capturing a decode step failed ({why}); decoding without graphs", file=sys.stderr)
-    return why
+class _GraphSteps:
+    """What both kinds of graph steps share: the [token, position] device input, the graph pool,
+    the counters, and giving up after a capture that failed."""
+
+    def __init__(self, model, cache, capture: bool | None):
+        self.model, self.cache = model, cache
+        self.capture = model.device.type == "cuda" if capture is None else capture
+        self.io = torch.zeros(2, dtype=torch.int64, device=model.device)    # token | position
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None   # shared by the graphs
+        self.captures = 0
+        self.failed: str | None = None
+
+    def _stage(self, token: int) -> int:
+        """[token, position] into io (pageable: the host may reuse it) -> the position."""
+        pos = self.cache.offset
+        if pos >= self.cache.capacity:
+            raise ValueError(f"position {pos} is past the cache's capacity {self.cache.capacity}")
+        self.io.copy_(torch.tensor([token, pos], dtype=torch.int64))
+        return pos
+
+    def _give_up(self, e: Exception) -> None:
+        """After a capture that failed: one note with its cause (not torch's generic "error during
+        capture"); this and every later step run eagerly."""
+        cause = e.__context__ or e
+        self.failed = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        print(f"note: --cuda-graphs: capturing a decode step failed ({self.failed}); decoding without graphs",
+              file=sys.stderr)
+        self.capture = False
 
 
-class GraphedDecode:
+class GraphedDecode(_GraphSteps):
     """Decode steps of `model` over `cache` (offset = the position of the next token) from CUDA graphs.
 
     step(token) -> logits [1, V] float32 (a fresh tensor) and advances the cache by one, as
@@ -107,27 +129,20 @@ class GraphedDecode:
     def __init__(self, model, cache, bucket: int = BUCKET, capture: bool | None = None):
         if not supports(cache):
             raise ValueError(f"{type(cache).__name__} cannot be captured whole (no attend_at, or not in this setting)")
-        self.model, self.cache, self.bucket = model, cache, int(bucket)
-        self.capture = model.device.type == "cuda" if capture is None else capture
-        self.io = torch.zeros(2, dtype=torch.int64, device=model.device)    # token | position
+        super().__init__(model, cache, capture)
+        self.bucket = int(bucket)
         self._graphs: OrderedDict = OrderedDict()   # key -> (graph, its static logits)
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None   # shared by the graphs
-        self.captures = 0
         self.eager_steps = 0
-        self.failed: str | None = None
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
-        pos = self.cache.offset
-        if pos >= self.cache.capacity:
-            raise ValueError(f"position {pos} is past the cache's capacity {self.cache.capacity}")
+        self._stage(token)
         sized = self.cache.graph_key(self.bucket)
         if sized is None:   # not capturable this step: the ordinary eager one
             self.eager_steps += 1
-            return self.model.forward(torch.tensor([token], dtype=torch.long, device=self.model.device), self.cache)
+            return self.model.forward(self.io[:1].clone(), self.cache)
         key, nk = sized
         self.cache.graph_prepare()
-        self.io.copy_(torch.tensor([token, pos], dtype=torch.int64))   # (pageable: the host may reuse it)
         logits = self._replay(key, nk) if self.capture else self._run(nk)
         self.cache.graph_advance()
         return logits.clone() if self.capture else logits
@@ -141,8 +156,7 @@ class GraphedDecode:
             try:
                 entry = self._capture(key, nk)
             except RuntimeError as e:   # (a kernel or op that cannot be captured: keep decoding)
-                self.failed = _capture_failed(e)
-                self.capture = False
+                self._give_up(e)
                 self._graphs.clear()
                 return self._run(nk)
         self._graphs.move_to_end(key)
@@ -162,7 +176,7 @@ class GraphedDecode:
         return graph, logits
 
 
-class PiecewiseDecode:
+class PiecewiseDecode(_GraphSteps):
     """Decode steps with the model's work between two attentions replayed from CUDA graphs and the
     cache's attend run eagerly between them: any cache (HCA's included).
 
@@ -175,17 +189,12 @@ class PiecewiseDecode:
     """
 
     def __init__(self, model, cache, capture: bool | None = None):
+        super().__init__(model, cache, capture)
         a, dev = model.args, model.device
-        self.model, self.cache = model, cache
-        self.capture = dev.type == "cuda" if capture is None else capture
-        self.io = torch.zeros(2, dtype=torch.int64, device=dev)    # token | position
         self.x = torch.zeros(1, a.hidden_size, dtype=model.dtype, device=dev)
         self.o = torch.zeros(1, a.num_attention_heads, a.head_dim, dtype=model.dtype, device=dev)
         self._rope = None                   # piece 0's (cos, sin, cs), read by the later pieces
         self._pieces: list = []             # (graph, q, k, v) per piece (the last: (graph, logits))
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.captures = 0
-        self.failed: str | None = None
 
     def _piece(self, i: int):
         """Run piece i (see the class docstring) -> (q, k, v) for layer i, or (logits,) for i = L."""
@@ -204,15 +213,12 @@ class PiecewiseDecode:
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
-        if self.cache.offset >= self.cache.capacity:
-            raise ValueError(f"position {self.cache.offset} is past the cache's capacity {self.cache.capacity}")
-        self.io.copy_(torch.tensor([token, self.cache.offset], dtype=torch.int64))
+        self._stage(token)
         if self.capture and not self._pieces:
             try:
                 self._capture_all()
             except RuntimeError as e:
-                self.failed = _capture_failed(e)
-                self.capture = False
+                self._give_up(e)
                 self._pieces = []
         L = len(self.model.w["layers"])
         for i in range(L + 1):

@@ -128,16 +128,10 @@ def test_eager_pieces_match_engine_step(tiny_model_dir, kw, dtype):
 def test_eager_pieces_around_the_gpu_hca_cache(tiny_model_dir, monkeypatch):
     """The pieces (layer kernels forced, on the emulator) around HCACacheCUDA's decode step with
     the GPU value sum: the logits of the same engine's ordinary steps."""
-    import minirun.engine as me
     from kernels_cuda import _emu
-    from minirun.kv.hca_cuda import HCACacheCUDA
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
-    monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
-                        HCACacheCUDA.create(args, config, device, dtype, cap, model_dir=model_dir))
-    d = tiny_model_dir("gqa-untied")
     kw = dict(HCA, tau=0.9, key_store="exact", prefill_mode="exact")
     with _emu.emulated() as be:
-        ref, eng = (Engine.load(d, device="cpu", ctx=64, **kw) for _ in range(2))
+        ref, eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, kw, ctx=64)
         for e in (ref, eng):
             assert ops.prepare_cuda_decode(e.model.w, e.args, e.device, e.model.dtype, force=True)
             e.model.cuda_decode = True
@@ -154,7 +148,7 @@ def test_eager_pieces_around_the_gpu_hca_cache(tiny_model_dir, monkeypatch):
 HCA_GPU = dict(kv="hca", groups=4, centroids=16, window=8, sinks=4, tau=0.9, prefill_mode="exact")
 
 
-def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw):
+def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw, ctx=128):
     """Two engines with HCACacheCUDA caches (the kernels on the emulator: call inside emulated());
     with length scaling or grouped far positions the model's trained context is 32 tokens, so the
     factor is > 1 and G > 1 here."""
@@ -165,7 +159,7 @@ def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw):
                         HCACacheCUDA.create(args, config, device, dtype, cap, model_dir=model_dir))
     short = kw.get("length_scale") == "on" or kw.get("far_positions") == "grouped"   # (grouped: G = 6)
     d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 32} if short else {}))
-    return [Engine.load(d, device="cpu", ctx=128, **kw) for _ in range(2)]
+    return [Engine.load(d, device="cpu", ctx=ctx, **kw) for _ in range(2)]
 
 
 @emu_only

@@ -1,6 +1,7 @@
 """Full-precision K and V for every token: the exact baseline."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -81,12 +82,10 @@ class DenseCache(KVCache):
         live = (torch.arange(n_keys, device=pos.device) <= pos).view(1, 1, 1, n_keys)   # bool
         _, Hq, hd = q.shape
         qg = q.view(1, K.shape[0], Hq // K.shape[0], hd)
-        args = (qg, K[None, :, :n_keys], V[None, :, :n_keys])
-        if q.is_cuda:   # not cuDNN's masked attention: its few-query shapes have a history of failing under capture
-            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                o = F.scaled_dot_product_attention(*args, attn_mask=live)
-        else:
-            o = F.scaled_dot_product_attention(*args, attn_mask=live)
+        # on a GPU not cuDNN's masked attention: its few-query shapes have a history of failing under capture
+        backends = sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if q.is_cuda else contextlib.nullcontext()
+        with backends:
+            o = F.scaled_dot_product_attention(qg, K[None, :, :n_keys], V[None, :, :n_keys], attn_mask=live)
         return o.reshape(1, Hq, hd)
 
     def truncate(self, n: int) -> bool:
