@@ -297,3 +297,30 @@ def emulated(**kw):
         yield be
     finally:
         launch._set_backend(prev)
+
+
+@contextlib.contextmanager
+def hca_cuda_caches():
+    """Engines made inside (minirun.engine.make_cache) get HCA caches of the GPU class,
+    kv/hca_cuda.HCACacheCUDA, on the CPU: run them inside emulated(). Dense engines stay dense."""
+    import minirun.engine as me
+    from minirun.kv.hca_cuda import HCACacheCUDA
+
+    orig = me.make_cache
+
+    def make(args, config, device, dtype, capacity, model_dir=None):
+        if config.kv != "hca":
+            return orig(args, config, device, dtype, capacity, model_dir=model_dir)
+        return HCACacheCUDA.create(args, config, device, dtype, capacity, model_dir=model_dir)
+    me.make_cache = make
+    try:
+        yield
+    finally:
+        me.make_cache = orig
+
+
+@contextlib.contextmanager
+def emulated_hca_cuda(**kw):
+    """emulated(**kw) with hca_cuda_caches(): the GPU cache's whole decode path on the CPU."""
+    with emulated(**kw) as be, hca_cuda_caches():
+        yield be

@@ -23,7 +23,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_overhead import SMOLLM2_HEADS  # noqa: E402
-from profile_gpu_decode import emulated_gpu_cache  # noqa: E402
 
 from kernels_cuda import _emu  # noqa: E402
 from kernels_cuda import launch as klaunch  # noqa: E402
@@ -70,7 +69,7 @@ def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]
     """(torch ops that launch, kernels_cuda launches) of one decode step after `depth` tokens;
     graphs: of the step --cuda-graphs captures (minirun/cuda_graph.py, run eagerly), and also the
     torch ops outside it (the copies before a replay) -> (torch, kernels_cuda, outside)."""
-    with emulated_gpu_cache() if kv == "hca" else _emu.emulated():
+    with _emu.emulated_hca_cuda():   # (a dense engine stays dense)
         eng = Engine.load(model, device="cpu", dtype="bfloat16", ctx=max(2048, 2 * depth), kv=kv,
                           **(HCA if kv == "hca" else {}))
         for lw in eng.model.w["layers"]:

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_gpu_decode import emulated_gpu_cache  # noqa: E402
 
 import kernels_cuda.launch as klaunch  # noqa: E402
+from kernels_cuda import _emu  # noqa: E402
 from minirun import Engine  # noqa: E402
 from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
 
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     kw = dict(ctx=max(2048, 2 * a.depth), kv="hca", key_store="codebook", tau=0.9, window=64, sinks=4,
               prefill_mode="exact", fit_min_tokens=64, groups=16, centroids=256, far_positions=a.far_positions)
     g = torch.Generator().manual_seed(1)
-    with tempfile.TemporaryDirectory() as tmp, emulated_gpu_cache():
+    with tempfile.TemporaryDirectory() as tmp, _emu.emulated_hca_cuda():
         eng = Engine.load(write_random_checkpoint(SMOLLM2_HEADS, Path(tmp) / "m", seed=0), device="cpu", **kw)
         eng.prefill(ids)
         cache = eng.cache

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 import kernels_cpu as kc
+from kernels_cuda import _emu
 from minirun import Engine
 from minirun.bench import Context, measure_tg
 from minirun.config import hca_setting
@@ -28,22 +29,6 @@ def empty_value_sum(z, idx, counts, V, q_to_kv, compact=False):
     """weighted_value_sum's shapes with nothing selected: (o 0, m -inf, l 0), which the merge ignores."""
     Hq, d = len(counts), V.shape[-1]
     return np.zeros((Hq, d), np.float32), np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
-
-
-@contextlib.contextmanager
-def emulated_gpu_cache():
-    """Engines made inside get kv/hca_cuda.HCACacheCUDA on the CPU, its kernels on the emulator."""
-    import minirun.engine as me
-    from kernels_cuda import _emu
-    from minirun.kv.hca_cuda import HCACacheCUDA
-    orig = me.make_cache
-    me.make_cache = lambda args, cfg, dev, dt, cap, model_dir=None: HCACacheCUDA.create(
-        args, cfg, dev, dt, cap, model_dir=model_dir)
-    try:
-        with _emu.emulated():
-            yield
-    finally:
-        me.make_cache = orig
 
 
 def run(a) -> dict:
@@ -90,7 +75,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--emulate", action="store_true", help="the GPU cache on the CPU kernel emulator (smoke test)")
     a = ap.parse_args(argv)
-    with emulated_gpu_cache() if a.emulate else contextlib.nullcontext():
+    with _emu.emulated_hca_cuda() if a.emulate else contextlib.nullcontext():   # (the GPU cache on the CPU)
         r = run(a)
     T = r["value_sum_ms_per_token"]
     print(f"| depth | ms/token | without the value sum | value sum (host) | exposed | hidden | selected |\n"

@@ -152,14 +152,12 @@ def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw, ctx=128):
     """Two engines with HCACacheCUDA caches (the kernels on the emulator: call inside emulated());
     with length scaling or grouped far positions the model's trained context is 32 tokens, so the
     factor is > 1 and G > 1 here."""
-    import minirun.engine as me
-    from minirun.kv.hca_cuda import HCACacheCUDA
+    from kernels_cuda import _emu
     monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
-    monkeypatch.setattr(me, "make_cache", lambda args, config, device, dtype, cap, model_dir=None:
-                        HCACacheCUDA.create(args, config, device, dtype, cap, model_dir=model_dir))
     short = kw.get("length_scale") == "on" or kw.get("far_positions") == "grouped"   # (grouped: G = 6)
     d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 32} if short else {}))
-    return [Engine.load(d, device="cpu", ctx=ctx, **kw) for _ in range(2)]
+    with _emu.hca_cuda_caches():
+        return [Engine.load(d, device="cpu", ctx=ctx, **kw) for _ in range(2)]
 
 
 @emu_only

@@ -45,29 +45,13 @@ def random_ids(n, seed=0):
 
 
 @pytest.fixture(params=BACKENDS)
-def gpu_engine(request, monkeypatch):
+def gpu_engine(request):
     """gpu_engine(model_dir, **kw) -> (Engine with an HCACacheCUDA cache, launch context)."""
     kind = request.param
     if kind == "emu":
-        import minirun.engine as me
         from kernels_cuda import _emu
-        active = []   # only engines used inside `emulated()` get the CUDA class (not the CPU references)
-        orig = me.make_cache
 
-        def make(args, config, device, dtype, cap, model_dir=None):
-            if not active:
-                return orig(args, config, device, dtype, cap, model_dir=model_dir)
-            return HCACacheCUDA.create(args, config, device, dtype, cap, model_dir=model_dir)
-        monkeypatch.setattr(me, "make_cache", make)
-
-        @contextlib.contextmanager
-        def emulated():
-            with _emu.emulated() as be:
-                active.append(1)
-                try:
-                    yield be
-                finally:
-                    active.pop()
+        emulated = _emu.emulated_hca_cuda   # (only engines loaded inside get the GPU class: not the CPU references)
 
         def load(d, **kw):
             with emulated():
