@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from pathlib import Path
 
 import click
@@ -62,7 +63,7 @@ def stop_on_sigint():
         signal.signal(signal.SIGINT, previous)
 
 
-def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None):
+def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None, prompt_cache=None):
     sampling = sampling or {}
     base: list[dict] = []
     if system or file:
@@ -70,16 +71,18 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
         if file:
             content += "\n\nThe user has shared this document:\n\n" + read_document(file)
         base = [{"role": "system", "content": content}]
+    elif prompt_cache:
+        raise MiniRunError("--prompt-cache holds the prefill of --file (or --system): give one of them")
     messages = list(base)
-    if file:
-        # prefill the document now, so the first question only pays for itself
+    prefix = []
+    if base:
         prefix = eng.tokenize(eng.tokenizer.apply_chat_template(base, add_generation_prompt=False), add_bos=None)
         if len(prefix) >= eng.config.ctx:
-            raise MiniRunError(f"--file {file} is {len(prefix)} tokens, more than the context of {eng.config.ctx} (--ctx)")
-        eng.prefill(prefix, progress=_progress_bar("prefill"))
-        r = eng.last_prefill
-        click.echo(f"[document: {len(prefix)} tokens in context, prefilled in {r['seconds']:.1f}s "
-                   f"({r['tps']:.0f} tok/s, mode {r['mode']})]", err=True)
+            what = f"--file {file}" if file else "--system"
+            raise MiniRunError(f"{what} is {len(prefix)} tokens, more than the context of {eng.config.ctx} (--ctx)")
+    if file or prompt_cache:
+        # the document now (or from the prompt cache), so the first question only pays for itself
+        prefill_document(eng, prefix, prompt_cache)
         if kv_report:
             click.echo(kv_report_line(eng), err=True)
     click.echo(f"minirun chat: {eng.path.name}, ctx {eng.config.ctx}, kv {eng.config.kv}. {HELP}", err=True)
@@ -99,8 +102,11 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
             return
         if cmd == "/reset":
             messages = list(base)
-            eng.reset()
-            click.echo("[conversation reset]")
+            eng.rewind(len(prefix))   # (the document stays where the cache can drop what followed it)
+            if prefix and eng.cache.offset < len(prefix) and prompt_cache:
+                prefill_document(eng, prefix, prompt_cache)
+            kept = " (the document kept)" if prefix and eng.cache.offset == len(prefix) else ""
+            click.echo(f"[conversation reset{kept}]")
             continue
         if cmd == "/kv":
             click.echo(kv_report_line(eng))
@@ -135,6 +141,33 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
         except MiniRunError as e:
             messages.pop()
             click.echo(f"error: {e}", err=True)
+
+
+def prefill_document(eng, prefix: list[int], prompt_cache: Path | None = None) -> None:
+    """Make the cache hold `prefix` (the system prompt with the document): from the prompt-cache
+    file when it holds exactly that for this model and setting, else by prefilling it (and then
+    writing the file). A file that does not fit is said so in one line and rewritten."""
+    if prompt_cache is not None and prompt_cache.exists():
+        t0 = time.perf_counter()
+        try:
+            n = eng.load_prompt_cache(prompt_cache, prefix)
+            click.echo(f"[document: {n} tokens in context, loaded from {prompt_cache} in "
+                       f"{time.perf_counter() - t0:.1f}s]", err=True)
+            return
+        except MiniRunError as e:
+            click.echo(f"[{e}: prefilling again]", err=True)
+    eng.prefill(prefix, progress=_progress_bar("prefill"))
+    r = eng.last_prefill
+    click.echo(f"[document: {len(prefix)} tokens in context, prefilled in {r['seconds']:.1f}s "
+               f"({r['tps']:.0f} tok/s, mode {r['mode']})]", err=True)
+    if prompt_cache is not None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = eng.save_prompt_cache(prompt_cache)
+            click.echo(f"[prompt cache: {format_bytes(nbytes)} written to {prompt_cache} in "
+                       f"{time.perf_counter() - t0:.1f}s]", err=True)
+        except OSError as e:   # (a full disk, no permission: the chat goes on without the file)
+            click.echo(f"[prompt cache {prompt_cache} not written: {e.strerror or e}]", err=True)
 
 
 def kv_report_line(eng) -> str:

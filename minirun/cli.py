@@ -22,9 +22,12 @@ def cli():
 @click.option("--system", default=None, help="system prompt")
 @click.option("--file", "file_", type=click.Path(path_type=Path), default=None, help="a document to put into the context")
 @click.option("--kv-report", is_flag=True, help="print the KV cache's bytes per tier after each answer")
+@click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="a file for the KV cache of the --file document: written after its prefill, loaded by "
+                   "later chats instead of prefilling again (same model, document and cache settings)")
 @engine_options
 @sampling_options(temperature=0.0, max_tokens=512)   # greedy: the 135M default model answers best so
-def chat(model, system, file_, kv_report, max_tokens, **kw):
+def chat(model, system, file_, kv_report, prompt_cache, max_tokens, **kw):
     """Interactive chat (streams tokens; /reset, /exit; Ctrl-C stops the current answer)."""
     from .chat_repl import run_chat
     if model is None:
@@ -35,7 +38,8 @@ def chat(model, system, file_, kv_report, max_tokens, **kw):
             model = pull("smollm2", models_dir=DEFAULT_MODEL.parent)
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
-    run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling)
+    run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling,
+             prompt_cache=prompt_cache)
 
 
 @cli.command()

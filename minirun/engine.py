@@ -12,7 +12,7 @@ import torch
 
 import kernels_cpu
 
-from . import cuda_graph
+from . import cuda_graph, prompt_cache
 from .config import EngineConfig, ModelArgs
 from .errors import CheckpointError, ContextError
 from .kv import make_cache
@@ -290,6 +290,18 @@ class Engine:
         if g is None or g.failed:
             return "off"
         return "token" if isinstance(g, cuda_graph.GraphedDecode) else "piecewise"
+
+    def save_prompt_cache(self, path) -> int:
+        """Write what the cache holds, and its tokens, to a prompt-cache file (minirun/prompt_cache.py)
+        -> bytes written. Between prompts only (not inside a prefill)."""
+        return prompt_cache.save(self, path)
+
+    @torch.inference_mode()
+    def load_prompt_cache(self, path, tokens: list[int] | None = None) -> int:
+        """Make the cache hold what a prompt-cache file holds -> its tokens; the next prompt that
+        starts with them prefills only the rest. tokens: the prompt the file must hold (else
+        PromptCacheMismatch, the cache untouched)."""
+        return prompt_cache.load(self, path, tokens)
 
     def kv_stats(self) -> dict:
         """Bytes per tier of the conversation cache and the tokens it holds."""

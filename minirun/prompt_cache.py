@@ -1,0 +1,144 @@
+"""Prompt-cache files (`minirun chat --file BOOK --prompt-cache BOOK.kv`): the KV cache after a
+document's prefill, saved once and loaded by later chats instead of prefilling again.
+
+Why: a long document's prefill is the slow part of a chat over it (minutes on a CPU at 64K tokens,
+6.5 minutes on an H100 at 4M) and is the same every time. llama.cpp's --prompt-cache does this
+for its cache; here the file holds whatever the cache holds (kv/state.py): dense K and V, or the
+HCA tiers (sinks and ring, key codes, host values, codebooks).
+
+Format: a safetensors file (one tensor per name, little-endian, readable by any safetensors
+reader), written by streaming the cache's own buffers (no second copy of a 45 GB value pool in
+memory) to FILE.tmp, renamed over FILE when complete: never a half-written file. Its metadata
+(`minirun`: JSON) holds the format version, the model's fingerprint (config.json, and each weight
+file's size and first MiB), the engine settings that shape the state, the cache signature, the
+counters and the token ids. A file that does not match the engine is refused with the reason
+(PromptCacheMismatch), one that cannot be read with a one-line error: the chat then prefills again
+and rewrites it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from .errors import MiniRunError
+from .kv import state
+
+FORMAT, VERSION = "minirun-prompt-cache", 1
+# engine settings that shape the saved state (tau, max_select, length scaling and the like only
+# steer later steps: a file made with other values of those still fits)
+STATE_SETTINGS = ("ctx", "dtype", "kv", "kv_budget", "groups", "centroids", "key_store", "window", "sinks",
+                  "far_positions", "far_distance")
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+           torch.int32: "I32", torch.int16: "I16", torch.uint8: "U8"}
+_CHUNK = 64 << 20   # device or strided tensors are copied out in pieces of at most this many bytes
+
+
+class PromptCacheMismatch(MiniRunError):
+    """The file is a prompt cache, but of another model, setting or prompt."""
+
+
+def model_fingerprint(model_dir: Path) -> dict:
+    """config.json's hash and each weight file's size and hash of its first MiB (the header and the
+    first tensors: a re-converted or re-quantized checkpoint differs there)."""
+    def head_hash(p: Path, n: int | None = None) -> str:
+        with open(p, "rb") as f:
+            return hashlib.sha256(f.read(n) if n else f.read()).hexdigest()[:16]
+    weights = sorted(model_dir.glob("*.safetensors"))
+    return {"config": head_hash(model_dir / "config.json"),
+            "weights": [[p.name, p.stat().st_size, head_hash(p, 1 << 20)] for p in weights
+                        if not p.name.startswith("codebooks-")]}
+
+
+def _meta(eng) -> dict:
+    cfg = eng.config
+    return {"format": FORMAT, "version": VERSION, "model": model_fingerprint(eng.path),
+            "settings": {k: getattr(cfg, k) for k in STATE_SETTINGS}, "device": eng.device.type,
+            "cache": state.signature(eng.cache)}
+
+
+def _write_tensor(f, t: torch.Tensor) -> None:
+    """t's elements in C order, without copying a large CPU tensor that is contiguous."""
+    if t.numel() == 0:
+        return
+    if t.device.type != "cpu" or not t.is_contiguous():
+        if t.dim() > 1 and t.numel() * t.element_size() > _CHUNK:
+            for sub in t:
+                _write_tensor(f, sub)
+            return
+        t = t.cpu().contiguous()
+    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def save(eng, path) -> int:
+    """Write the engine's cache and its token ids to path (atomically). -> bytes written."""
+    path = Path(path)
+    sig, scalars, tensors = state.export_state(eng.cache)
+    tensors = [("tokens", torch.tensor(eng._cached_ids, dtype=torch.int64))] + tensors
+    meta = {**_meta(eng), "cache": sig, "scalars": scalars}
+    header, off = {}, 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    header["__metadata__"] = {"minirun": json.dumps(meta)}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, t in tensors:
+                _write_tensor(f, t)
+        os.replace(tmp, path)
+    except BaseException:   # (a full disk, Ctrl-C: no half-written file, at either name)
+        tmp.unlink(missing_ok=True)
+        raise
+    return 8 + len(raw) + off
+
+
+def _mismatch(want: dict, have: dict, what: str) -> str | None:
+    for k in list(want) + [k for k in have if k not in want]:   # (the settings' order: ctx, dtype, kv first)
+        if want.get(k) != have.get(k):
+            return f"{what} {k}: {have.get(k)!r} in the file, {want.get(k)!r} here"
+    return None
+
+
+def load(eng, path, tokens: list[int] | None = None) -> int:
+    """Make the engine's cache what the file holds. tokens: the prompt the file must hold exactly
+    (None: any). -> tokens loaded. PromptCacheMismatch: another model, setting or prompt (the reason
+    in one line); MiniRunError: not a readable prompt cache."""
+    from safetensors import SafetensorError, safe_open
+    path = Path(path)
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+        meta = json.loads((f.metadata() or {}).get("minirun", "null"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise MiniRunError(f"prompt cache {path} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise MiniRunError(f"{path} is not a minirun prompt cache")
+    if meta.get("version") != VERSION:
+        raise PromptCacheMismatch(f"prompt cache {path} has format version {meta.get('version')}, this minirun reads {VERSION}")
+    want = _meta(eng)
+    why = (_mismatch(want["model"], meta.get("model", {}), "model") or _mismatch(want["settings"], meta.get("settings", {}), "setting")
+           or _mismatch({"device": want["device"]}, {"device": meta.get("device")}, "the")
+           or _mismatch(want["cache"], meta.get("cache", {}), "cache"))
+    if why:
+        raise PromptCacheMismatch(f"prompt cache {path} was made for another setup ({why})")
+    try:
+        saved = f.get_tensor("tokens").tolist()
+        if tokens is not None and saved != list(tokens):
+            raise PromptCacheMismatch(f"prompt cache {path} holds another prompt ({len(saved)} tokens, "
+                                      f"{len(tokens)} here)")
+        eng.reset()
+        state.import_state(eng.cache, meta["scalars"], f.get_tensor)
+    except (SafetensorError, KeyError, RuntimeError, ValueError) as e:
+        eng.reset()
+        raise MiniRunError(f"prompt cache {path} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    eng._cached_ids = saved
+    return len(saved)

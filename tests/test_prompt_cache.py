@@ -1,0 +1,175 @@
+"""Prompt-cache files (minirun/prompt_cache.py, kv/state.py): a cache saved after a prefill and
+loaded into another engine decodes exactly as the first one goes on decoding; files of another
+model, setting or prompt are refused with the reason; unreadable ones are one-line errors; a
+failed write leaves no file; `minirun chat --prompt-cache` prefills once and loads afterwards."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minirun import Engine
+from minirun import prompt_cache as pc
+from minirun.errors import MiniRunError
+from minirun.prompt_cache import PromptCacheMismatch
+
+PROMPT = list(range(5, 205))          # 200 tokens: past sinks + window below, so the store holds 150
+NEXT = (3, 77, 150, 9)
+HCA = dict(kv="hca", sinks=4, window=46, fit_min_tokens=64)
+CASES = {
+    "dense": dict(kv="dense"),
+    "hca-0.25": dict(HCA, kv_budget=0.25, centroids=32),                 # codebooks fitted from the prompt
+    "hca-g4c16-pairs": dict(HCA, groups=4, centroids=16),                # nibble pairs (fast scan)
+    "hca-exact-keys": dict(HCA, kv_budget=0.5),
+    "hca-far": dict(HCA, groups=4, centroids=16, far_positions="on"),
+    "hca-far-grouped": dict(HCA, groups=4, centroids=16, far_positions="grouped"),
+    "hca-short": dict(kv="hca", sinks=4, window=400),                   # the ring not yet full: no store
+}
+
+
+def _continue(eng, tokens=NEXT):
+    return torch.stack([eng.step(t).reshape(-1) for t in tokens])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_saved_then_loaded_cache_decodes_as_the_original(tiny_model_dir, tmp_path, case):
+    """Bit-equal logits after the load (the same buffers' values: nothing recomputed differently),
+    the same tokens and bytes per tier; the loaded engine's next prompt reuses the loaded tokens."""
+    d = tiny_model_dir("gqa-untied", max_position_embeddings=64)   # (grouped: G > 1 at ctx 512)
+    kw = dict(ctx=512, **CASES[case])
+    a, b = (Engine.load(d, device="cpu", **kw) for _ in range(2))
+    a.prefill(PROMPT)
+    f = tmp_path / "p.kv"
+    nbytes = a.save_prompt_cache(f)
+    assert f.stat().st_size == nbytes
+    b.prefill([7] * 30)                                   # (something else in b's cache first)
+    assert b.load_prompt_cache(f, PROMPT) == len(PROMPT)
+    tiers = ("tokens", "tokens_exact", "tokens_store", "device_keys_bytes", "device_kv_bytes", "host_values_bytes")
+    assert [b.kv_stats().get(k) for k in tiers] == [a.kv_stats().get(k) for k in tiers]
+    assert torch.equal(_continue(b), _continue(a))
+    _, reused = b.prefill(PROMPT + list(NEXT) + [11, 12])
+    assert reused == len(PROMPT) + len(NEXT)
+
+
+def test_gpu_cache_class_round_trip_on_the_emulator(tiny_model_dir, tmp_path):
+    """HCACacheCUDA (kernels on the CPU emulator): its device key store and pinned value pool saved
+    and loaded, the same logits as the engine that prefilled."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found (CPU kernel emulator)")
+    from kernels_cuda import _emu
+    from minirun.kv.hca_cuda import HCACacheCUDA
+    d = tiny_model_dir("gqa-untied")
+    kw = dict(ctx=512, **CASES["hca-0.25"])
+    with _emu.emulated_hca_cuda():
+        a, b = (Engine.load(d, device="cpu", **kw) for _ in range(2))
+        assert isinstance(a.cache, HCACacheCUDA)
+        a.prefill(PROMPT)
+        a.save_prompt_cache(tmp_path / "p.kv")
+        b.load_prompt_cache(tmp_path / "p.kv", PROMPT)
+        assert torch.equal(_continue(b), _continue(a))
+
+
+def test_a_file_of_another_setting_or_prompt_is_refused_and_the_cache_kept(tiny_model_dir, tmp_path):
+    d = tiny_model_dir("gqa-untied")
+    a = Engine.load(d, device="cpu", ctx=512, **CASES["hca-0.25"])
+    a.prefill(PROMPT)
+    f = tmp_path / "p.kv"
+    a.save_prompt_cache(f)
+    other = Engine.load(d, device="cpu", ctx=1024, **CASES["hca-0.25"])
+    other.prefill([9] * 20)
+    with pytest.raises(PromptCacheMismatch, match=r"setting ctx: 512 in the file, 1024 here"):
+        other.load_prompt_cache(f, PROMPT)
+    assert other.cache.offset == 20
+    with pytest.raises(PromptCacheMismatch, match="setting kv"):
+        Engine.load(d, device="cpu", ctx=512).load_prompt_cache(f)
+    with pytest.raises(PromptCacheMismatch, match="another prompt"):
+        a.load_prompt_cache(f, PROMPT[:-1] + [4])
+    with pytest.raises(PromptCacheMismatch, match="model config"):
+        Engine.load(tiny_model_dir("tied-mha"), device="cpu", ctx=512, **CASES["hca-0.25"]).load_prompt_cache(f)
+    # decode-time knobs do not shape the state: a file made with tau 0.9 loads with tau 0.5
+    c = Engine.load(d, device="cpu", ctx=512, **{**CASES["hca-0.25"], "tau": 0.5, "max_select": 8})
+    assert c.load_prompt_cache(f, PROMPT) == len(PROMPT)
+
+
+def test_unreadable_files_are_one_line_errors(tiny_model_dir, tmp_path):
+    d = tiny_model_dir("gqa-untied")
+    eng = Engine.load(d, device="cpu", ctx=512)
+    eng.prefill(PROMPT)
+    good = tmp_path / "p.kv"
+    eng.save_prompt_cache(good)
+    cut = tmp_path / "cut.kv"
+    cut.write_bytes(good.read_bytes()[:good.stat().st_size // 2])
+    junk = tmp_path / "junk.kv"
+    junk.write_bytes(b"\x00" * 100)
+    for f, msg in ((cut, "unreadable"), (junk, "unreadable"), (tmp_path / "none.kv", "unreadable"),
+                   (d / "model.safetensors", "not a minirun prompt cache")):
+        with pytest.raises(MiniRunError, match=msg) as e:
+            eng.load_prompt_cache(f)
+        assert "\n" not in str(e.value)
+
+
+def test_a_failed_write_leaves_no_file_and_an_old_one_intact(tiny_model_dir, tmp_path, monkeypatch):
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=512, **CASES["hca-0.25"])
+    eng.prefill(PROMPT[:100])
+    f = tmp_path / "p.kv"
+    eng.save_prompt_cache(f)
+    before = f.read_bytes()
+    eng.prefill(PROMPT)
+    calls = []
+
+    def failing(fh, t):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(fh, t)
+    real = pc._write_tensor
+    monkeypatch.setattr(pc, "_write_tensor", failing)
+    with pytest.raises(OSError):
+        eng.save_prompt_cache(f)
+    assert f.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.kv"]
+    monkeypatch.setattr(pc, "_write_tensor", real)
+    eng.save_prompt_cache(tmp_path / "q.kv")
+    eng.reset()
+    with pytest.raises(ValueError, match="middle of a prefill"):   # (an anchor prefill's chunks in flight)
+        eng.cache.begin_prefill("anchor")
+        eng.save_prompt_cache(tmp_path / "r.kv")
+
+
+def _chat(d, doc, cache_file, script, *extra):
+    p = subprocess.run([sys.executable, "-m", "minirun.cli", "chat", str(d), "--file", str(doc), "--ctx", "1024",
+                        "-n", "6", "--kv", "hca", "--window", "32", "--sinks", "4", "--prompt-cache", str(cache_file),
+                        *extra], input=script, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    return p
+
+
+def test_chat_prefills_once_then_loads(tiny_model_dir, tmp_path):
+    """The first chat prefills the document and writes the file; the second loads it and answers
+    the same; /reset after a conversation longer than the ring reloads it; a damaged file is said
+    so in one line, prefilled again and rewritten; --prompt-cache without a document is an error."""
+    d = tiny_model_dir("gqa-untied")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("tokens of a document. " * 20)
+    f = tmp_path / "doc.kv"
+    first = _chat(d, doc, f, "hello\n")
+    assert "prefilled in" in first.stderr and "written to" in first.stderr and f.is_file()
+    second = _chat(d, doc, f, "hello\n" + "more words " * 5 + "\n/reset\nhello\n")
+    assert "loaded from" in second.stderr and "prefilled in" not in second.stderr
+    answers = [ln for ln in second.stdout.split(">>> ") if ln.strip() and not ln.startswith("[")]
+    assert first.stdout.split(">>> ")[1] == answers[0] == answers[2]
+    assert second.stderr.count("loaded from") == 2          # the ring overflowed: /reset reloaded the file
+    assert "[conversation reset (the document kept)]" in second.stdout
+    f.write_bytes(f.read_bytes()[:1000])
+    third = _chat(d, doc, f, "hello\n")
+    assert "unreadable" in third.stderr and "prefilling again" in third.stderr and "written to" in third.stderr
+    other = _chat(d, doc, f, "hello\n", "--window", "64")
+    assert "setting window: 32 in the file, 64 here" in other.stderr
+    p = subprocess.run([sys.executable, "-m", "minirun.cli", "chat", str(d), "--prompt-cache", str(f)],
+                       input="", capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].endswith("give one of them")
