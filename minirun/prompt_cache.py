@@ -62,16 +62,21 @@ def _meta(eng) -> dict:
 
 
 def _write_tensor(f, t: torch.Tensor) -> None:
-    """t's elements in C order, without copying a large CPU tensor that is contiguous."""
+    """t's elements in C order: a contiguous CPU tensor as it is (no copy), anything else (a device
+    tensor, a strided or transposed view) in pieces of at most _CHUNK bytes, split along the
+    leading dimensions (never a host copy of a whole value pool, nor a copy per row)."""
     if t.numel() == 0:
         return
-    if t.device.type != "cpu" or not t.is_contiguous():
-        if t.dim() > 1 and t.numel() * t.element_size() > _CHUNK:
-            for sub in t:
-                _write_tensor(f, sub)
-            return
-        t = t.cpu().contiguous()
-    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    if t.device.type == "cpu" and t.is_contiguous():
+        f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    elif t.numel() * t.element_size() <= _CHUNK:
+        _write_tensor(f, t.cpu().contiguous())
+    elif t.shape[0] == 1:
+        _write_tensor(f, t[0])
+    else:
+        step = max(1, _CHUNK // (t[0].numel() * t.element_size()))
+        for i in range(0, t.shape[0], step):
+            _write_tensor(f, t[i:i + step])
 
 
 def save(eng, path) -> int:

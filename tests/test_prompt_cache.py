@@ -35,9 +35,11 @@ def _continue(eng, tokens=NEXT):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_saved_then_loaded_cache_decodes_as_the_original(tiny_model_dir, tmp_path, case):
+def test_saved_then_loaded_cache_decodes_as_the_original(tiny_model_dir, tmp_path, monkeypatch, case):
     """Bit-equal logits after the load (the same buffers' values: nothing recomputed differently),
-    the same tokens and bytes per tier; the loaded engine's next prompt reuses the loaded tokens."""
+    the same tokens and bytes per tier; the loaded engine's next prompt reuses the loaded tokens.
+    The writer's pieces made tiny, so every strided and transposed view is written in pieces."""
+    monkeypatch.setattr(pc, "_CHUNK", 100)
     d = tiny_model_dir("gqa-untied", max_position_embeddings=64)   # (grouped: G > 1 at ctx 512)
     kw = dict(ctx=512, **CASES[case])
     a, b = (Engine.load(d, device="cpu", **kw) for _ in range(2))
