@@ -17,15 +17,18 @@ and rewrites it.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
 import torch
 
 from .errors import MiniRunError
+from .planner import format_bytes
 from .kv import state
 
 FORMAT, VERSION = "minirun-prompt-cache", 1
@@ -94,6 +97,9 @@ def save(eng, path) -> int:
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = path.with_name(path.name + ".tmp")
+    free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
+    if 8 + len(raw) + off > free:   # (say so before writing tens of GiB, not after)
+        raise OSError(errno.ENOSPC, f"{format_bytes(8 + len(raw) + off)} needed, {format_bytes(free)} free")
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))

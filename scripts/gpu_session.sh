@@ -44,8 +44,8 @@ MAX_SELECT=${MAX_SELECT:-}      # --max-select for the 4M chat (empty: tau alone
 KV_BUDGET=${KV_BUDGET:-0.125}   # the 4M chat's key store (g64c16: same bytes, with carried unrotated codebooks)
 FAR=${FAR:-on}                   # the 4M chat's --far-positions: on (one distance) or grouped (its
                                 # codebooks: the plain calibration's, carried when models/ has them)
-CUDA_GRAPHS=${CUDA_GRAPHS:-}    # non-empty: the 4M chat with --cuda-graphs (whole tokens need MINIRUN_VALUE_SUM=gpu
-                                # and no --length-scale: its factor moves every token; else the pieces)
+CUDA_GRAPHS=${CUDA_GRAPHS:-}    # non-empty: the 4M chat with --cuda-graphs (whole tokens need MINIRUN_VALUE_SUM=gpu;
+                                # with the host's value sum, the pieces around each attention)
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"

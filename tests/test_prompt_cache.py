@@ -135,6 +135,11 @@ def test_a_failed_write_leaves_no_file_and_an_old_one_intact(tiny_model_dir, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.kv"]
     monkeypatch.setattr(pc, "_write_tensor", real)
     eng.save_prompt_cache(tmp_path / "q.kv")
+    monkeypatch.setattr(pc.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100, 100, 1000))
+    with pytest.raises(OSError, match="needed, 1000 B free"):   # (checked before writing)
+        eng.save_prompt_cache(tmp_path / "big.kv")
+    assert not (tmp_path / "big.kv.tmp").exists()
+    monkeypatch.undo()
     eng.reset()
     with pytest.raises(ValueError, match="middle of a prefill"):   # (an anchor prefill's chunks in flight)
         eng.cache.begin_prefill("anchor")
