@@ -120,36 +120,44 @@ def _mismatch(want: dict, have: dict, what: str) -> str | None:
     return None
 
 
+def _unreadable(path, e: Exception) -> MiniRunError:
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return MiniRunError(f"prompt cache {path} is unreadable ({first})")
+
+
 def load(eng, path, tokens: list[int] | None = None) -> int:
     """Make the engine's cache what the file holds. tokens: the prompt the file must hold exactly
     (None: any). -> tokens loaded. PromptCacheMismatch: another model, setting or prompt (the reason
-    in one line); MiniRunError: not a readable prompt cache."""
+    in one line; the cache untouched); MiniRunError: not a readable prompt cache."""
     from safetensors import SafetensorError, safe_open
     path = Path(path)
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
         meta = json.loads((f.metadata() or {}).get("minirun", "null"))
+        saved = f.get_tensor("tokens").tolist() if isinstance(meta, dict) and meta.get("format") == FORMAT else None
     except (SafetensorError, OSError, ValueError) as e:
-        raise MiniRunError(f"prompt cache {path} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _unreadable(path, e) from None
+    if saved is None:
         raise MiniRunError(f"{path} is not a minirun prompt cache")
     if meta.get("version") != VERSION:
-        raise PromptCacheMismatch(f"prompt cache {path} has format version {meta.get('version')}, this minirun reads {VERSION}")
+        raise PromptCacheMismatch(f"prompt cache {path} has format version {meta.get('version')}, "
+                                  f"this minirun reads {VERSION}")
     want = _meta(eng)
-    why = (_mismatch(want["model"], meta.get("model", {}), "model") or _mismatch(want["settings"], meta.get("settings", {}), "setting")
+    why = (_mismatch(want["model"], meta.get("model", {}), "model")
+           or _mismatch(want["settings"], meta.get("settings", {}), "setting")
            or _mismatch({"device": want["device"]}, {"device": meta.get("device")}, "the")
            or _mismatch(want["cache"], meta.get("cache", {}), "cache"))
     if why:
         raise PromptCacheMismatch(f"prompt cache {path} was made for another setup ({why})")
+    if tokens is not None and saved != list(tokens):
+        at = next((i for i, (a, b) in enumerate(zip(saved, tokens)) if a != b), min(len(saved), len(tokens)))
+        raise PromptCacheMismatch(f"prompt cache {path} holds another prompt ({len(saved)} tokens against "
+                                  f"{len(tokens)} here, from token {at} on)")
     try:
-        saved = f.get_tensor("tokens").tolist()
-        if tokens is not None and saved != list(tokens):
-            raise PromptCacheMismatch(f"prompt cache {path} holds another prompt ({len(saved)} tokens, "
-                                      f"{len(tokens)} here)")
         eng.reset()
         state.import_state(eng.cache, meta["scalars"], f.get_tensor)
     except (SafetensorError, KeyError, RuntimeError, ValueError) as e:
         eng.reset()
-        raise MiniRunError(f"prompt cache {path} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise _unreadable(path, e) from None
     eng._cached_ids = saved
     return len(saved)
