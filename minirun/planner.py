@@ -159,6 +159,24 @@ def hca_setting_of(args: ModelArgs, cfg: EngineConfig):
     return f"g{g}c{c}"
 
 
+def prompt_cache_bytes(args: ModelArgs, cfg: EngineConfig) -> int:
+    """A prompt-cache file of a context filled to cfg.ctx (minirun/prompt_cache.py, kv/state.py),
+    less its header: dense K+V, or sinks + ring (no spare row), key store, value pool and the
+    codebooks as the cache keeps them (the CPU: the fitted or calibrated ones; the GPU: their
+    product form for nibble pairs), plus 8 B per token id and ring slot."""
+    tiers = plan(args, cfg).tiers
+    if cfg.kv == "dense":
+        return tiers["dense K+V"][0] + 8 * cfg.ctx
+    from .kv.hca_layout import on_cpu, resolve_layout
+    lay = resolve_layout(args, cfg)
+    L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
+    n_exact = cfg.sinks + cfg.window
+    G, C, ds = lay.codebook_geometry if on_cpu(cfg) else (lay.groups, lay.centroids, lay.sub_dim)
+    codebooks = 0 if lay.exact_keys else L * Hkv * G * C * ds * 4
+    return (2 * L * Hkv * n_exact * hd * ELEM[cfg.dtype] + tiers["key store"][0] + tiers["value pool"][0]
+            + codebooks + 8 * (cfg.ctx + n_exact))
+
+
 def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | None = None) -> dict:
     """The plan as a dict (what `minirun plan -o json` prints).
 
@@ -169,7 +187,7 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
     is host), dense_bytes_per_token (dense K+V in this dtype, for comparison), available
     {host, device} (bytes free now; device: --gpu-mem, the GPU's free memory, or None),
     fits (bool, or None when there is no GPU figure to check against: see note), host_fits,
-    largest_ctx (when fits is known), note.
+    largest_ctx (when fits is known), prompt_cache_bytes (prompt_cache_bytes), note.
     """
     p = plan(args, cfg)
     n_store = max(0, cfg.ctx - cfg.sinks - cfg.window)
@@ -194,6 +212,7 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
               "dtype": cfg.dtype, "device": device, "params": param_count(args), "tiers": tiers,
               "device_bytes": p.bytes_on("device") if device == "cuda" else 0, "host_bytes": host_bytes,
               "dense_bytes_per_token": dense_tok, "available": avail, "host_fits": host_bytes <= avail["host"],
+              "prompt_cache_bytes": prompt_cache_bytes(args, cfg),
               "note": None}
     if device == "cuda" and avail["device"] is None:
         report["fits"] = None
@@ -226,6 +245,7 @@ def format_plan(r: dict) -> str:
     if r["device"] == "cuda":
         lines.append(f"GPU total: {r['device_bytes']} B ({format_bytes(r['device_bytes'])})")
     lines.append(f"host total: {r['host_bytes']} B ({format_bytes(r['host_bytes'])})")
+    lines.append(f"a prompt-cache file of a full context (chat --prompt-cache): ~{format_bytes(r['prompt_cache_bytes'])} on disk")
     av = r["available"]
     if r["fits"] is None:
         lines.append(r["note"])

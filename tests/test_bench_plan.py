@@ -284,3 +284,18 @@ def test_plan_takes_explicit_codebooks(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", str(cfg), "--kv-budget", "g64"])
     assert e.value.code == 1 and "bad HCA setting 'g64'" in capsys.readouterr().err
+
+
+def test_plan_prompt_cache_bytes_match_a_file_of_a_full_context(tiny_model_dir, tmp_path):
+    """plan_report's prompt_cache_bytes against the prompt-cache file of a context filled to --ctx
+    (the difference: the file's header, slot positions, the GPU's spare ring row in the plan)."""
+    from minirun.planner import plan_report
+    d = tiny_model_dir("gqa-untied")
+    ids = torch.randint(4, 300, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    for kw in (dict(kv="dense"), dict(kv="hca", kv_budget=0.125, centroids=32, window=32, sinks=4),
+               dict(kv="hca", groups=4, centroids=16, window=32, sinks=4), dict(kv="hca", kv_budget=0.5, window=32, sinks=4)):
+        eng = Engine.load(d, device="cpu", ctx=600, **kw)
+        eng.prefill(ids)
+        size = eng.save_prompt_cache(tmp_path / "full.kv")
+        want = plan_report(eng.args, eng.config, "cpu")["prompt_cache_bytes"]
+        assert 0 <= size - want <= 16 * KiB, (kw, size, want)
