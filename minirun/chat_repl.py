@@ -161,13 +161,44 @@ def prefill_document(eng, prefix: list[int], prompt_cache: Path | None = None) -
     click.echo(f"[document: {len(prefix)} tokens in context, prefilled in {r['seconds']:.1f}s "
                f"({r['tps']:.0f} tok/s, mode {r['mode']})]", err=True)
     if prompt_cache is not None:
-        t0 = time.perf_counter()
+        write_prompt_cache(eng, prompt_cache)
+
+
+def write_prompt_cache(eng, path: Path) -> None:
+    t0 = time.perf_counter()
+    try:
+        nbytes = eng.save_prompt_cache(path)
+        click.echo(f"[prompt cache: {format_bytes(nbytes)} written to {path} in {time.perf_counter() - t0:.1f}s]",
+                   err=True)
+    except OSError as e:   # (a full disk, no permission: the answer goes on without the file)
+        click.echo(f"[prompt cache {path} not written: {e.strerror or e}]", err=True)
+
+
+def prefill_prompt_head(eng, ids: list[int], prompt_cache: Path, write: bool = True) -> tuple[int, float]:
+    """`generate --prompt-cache`: make the cache hold all of `ids` but the last token, from the file
+    as far as it holds the same tokens, prefilling the rest, then (write) save that to the file when
+    it held something else. The last token is left to the generation's own prefill, so a later run
+    that loads the file computes exactly what this one did. -> (tokens from the file, seconds)."""
+    from . import prompt_cache as pc
+    head, from_file, held = ids[:-1], 0, -1
+    t0 = time.perf_counter()
+    if prompt_cache.exists():
         try:
-            nbytes = eng.save_prompt_cache(prompt_cache)
-            click.echo(f"[prompt cache: {format_bytes(nbytes)} written to {prompt_cache} in "
-                       f"{time.perf_counter() - t0:.1f}s]", err=True)
-        except OSError as e:   # (a full disk, no permission: the chat goes on without the file)
-            click.echo(f"[prompt cache {prompt_cache} not written: {e.strerror or e}]", err=True)
+            held, shared = pc.load_prefix(eng, prompt_cache, head)
+            if shared:
+                eng.rewind(shared)         # (what the file holds past the shared tokens: dropped)
+            from_file = len(eng._cached_ids)
+            why = ("" if held == from_file else f" (it holds {held}, {shared} alike)" if from_file == shared else
+                   f" (it holds {held}, {shared} alike: more than the cache can rewind)")
+            click.echo(f"[prompt cache: {from_file} of {len(ids)} prompt tokens from {prompt_cache}{why}]", err=True)
+        except MiniRunError as e:
+            click.echo(f"[{e}: prefilling the prompt]", err=True)
+    if from_file < len(head):
+        eng.prefill(head, progress=_progress_bar("prefill") if len(head) - from_file > 4096 else None)
+    seconds = time.perf_counter() - t0
+    if write and not held == from_file == len(head):
+        write_prompt_cache(eng, prompt_cache)
+    return from_file, seconds
 
 
 def kv_report_line(eng) -> str:

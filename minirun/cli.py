@@ -44,23 +44,42 @@ def chat(model, system, file_, kv_report, prompt_cache, max_tokens, **kw):
 
 @cli.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("-p", "--prompt", required=True, help="prompt text (use --chat to apply the chat template)")
+@click.option("-p", "--prompt", default=None, help="prompt text (use --chat to apply the chat template)")
+@click.option("-f", "--file", "file_", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="read the prompt from a file instead")
 @click.option("--chat/--raw", "as_chat", default=False, help="wrap the prompt as one user message")
+@click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="a file for the KV cache of the prompt: when the prompt starts with what it holds, only the "
+                   "rest is prefilled; written after the prefill (same model and cache settings)")
+@click.option("--prompt-cache-ro", is_flag=True, help="read the --prompt-cache file, never write it")
 @click.option("--stats/--no-stats", default=True, help="print tokens/s to stderr")
 @engine_options
 @sampling_options(temperature=0.0, max_tokens=128)
-def generate(model, prompt, as_chat, stats, max_tokens, **kw):
+def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats, max_tokens, **kw):
     """Complete one prompt, streaming the text to stdout."""
+    from .chat_repl import read_document
+    if (prompt is None) == (file_ is None):
+        raise MiniRunError("give the prompt as -p TEXT or -f FILE (one of them)")
+    if prompt_cache_ro and prompt_cache is None:
+        raise MiniRunError("--prompt-cache-ro reads the file of --prompt-cache: give it")
+    if file_ is not None:
+        prompt = read_document(file_)
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
-    ids = eng.chat_prompt([{"role": "user", "content": prompt}]) if as_chat else prompt
+    ids = eng.chat_prompt([{"role": "user", "content": prompt}]) if as_chat else eng._ids(prompt)
+    from_file = head_s = None
+    if prompt_cache is not None and len(ids) > 1:
+        from .chat_repl import prefill_prompt_head
+        from_file, head_s = prefill_prompt_head(eng, ids, prompt_cache, write=not prompt_cache_ro)
     for piece in eng.stream(ids, max_new_tokens=max_tokens, **sampling):
         click.echo(piece, nl=False)
     click.echo()
     r = eng.last_result
     if stats:
-        click.echo(f"[prompt {r.prompt_tokens} tok, {r.prefill_tps:.1f} tok/s | generated {len(r.tokens)} tok, "
-                   f"{r.decode_tps:.1f} tok/s]", err=True)
+        prompt_part = (f"prompt {r.prompt_tokens} tok, {r.prefill_tps:.1f} tok/s" if from_file is None else
+                       f"prompt {r.prompt_tokens} tok ({from_file} from {prompt_cache.name}), prefill "
+                       f"{head_s + r.prefill_s:.1f}s")
+        click.echo(f"[{prompt_part} | generated {len(r.tokens)} tok, {r.decode_tps:.1f} tok/s]", err=True)
 
 
 @cli.command()

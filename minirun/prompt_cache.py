@@ -125,12 +125,9 @@ def _unreadable(path, e: Exception) -> MiniRunError:
     return MiniRunError(f"prompt cache {path} is unreadable ({first})")
 
 
-def load(eng, path, tokens: list[int] | None = None) -> int:
-    """Make the engine's cache what the file holds. tokens: the prompt the file must hold exactly
-    (None: any). -> tokens loaded. PromptCacheMismatch: another model, setting or prompt (the reason
-    in one line; the cache untouched); MiniRunError: not a readable prompt cache."""
+def _open(path: Path):
+    """-> (safe_open handle, metadata, saved token ids); MiniRunError when not a readable prompt cache."""
     from safetensors import SafetensorError, safe_open
-    path = Path(path)
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
         meta = json.loads((f.metadata() or {}).get("minirun", "null"))
@@ -139,6 +136,20 @@ def load(eng, path, tokens: list[int] | None = None) -> int:
         raise _unreadable(path, e) from None
     if saved is None:
         raise MiniRunError(f"{path} is not a minirun prompt cache")
+    return f, meta, saved
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def load(eng, path, tokens: list[int] | None = None) -> int:
+    """Make the engine's cache what the file holds. tokens: the prompt the file must hold exactly
+    (None: any). -> tokens loaded. PromptCacheMismatch: another model, setting or prompt (the reason
+    in one line; the cache untouched); MiniRunError: not a readable prompt cache."""
+    from safetensors import SafetensorError
+    path = Path(path)
+    f, meta, saved = _open(path)
     if meta.get("version") != VERSION:
         raise PromptCacheMismatch(f"prompt cache {path} has format version {meta.get('version')}, "
                                   f"this minirun reads {VERSION}")
@@ -150,9 +161,8 @@ def load(eng, path, tokens: list[int] | None = None) -> int:
     if why:
         raise PromptCacheMismatch(f"prompt cache {path} was made for another setup ({why})")
     if tokens is not None and saved != list(tokens):
-        at = next((i for i, (a, b) in enumerate(zip(saved, tokens)) if a != b), min(len(saved), len(tokens)))
         raise PromptCacheMismatch(f"prompt cache {path} holds another prompt ({len(saved)} tokens against "
-                                  f"{len(tokens)} here, from token {at} on)")
+                                  f"{len(tokens)} here, from token {_shared_prefix(saved, tokens)} on)")
     try:
         eng.reset()
         state.import_state(eng.cache, meta["scalars"], f.get_tensor)
@@ -161,3 +171,14 @@ def load(eng, path, tokens: list[int] | None = None) -> int:
         raise _unreadable(path, e) from None
     eng._cached_ids = saved
     return len(saved)
+
+
+def load_prefix(eng, path, ids: list[int]) -> tuple[int, int]:
+    """llama.cpp's --prompt-cache: load the file when the prompt it holds and `ids` start alike, so
+    the next prefill of `ids` computes only the rest (a file that shares nothing is not loaded).
+    -> (tokens in the file, tokens shared with ids). Errors as load()."""
+    _, _, saved = _open(Path(path))
+    shared = _shared_prefix(saved, ids)
+    if shared:
+        eng.load_prompt_cache(path)   # (under inference mode: the cache's buffers are inference tensors)
+    return len(saved), shared

@@ -180,3 +180,62 @@ def test_chat_prefills_once_then_loads(tiny_model_dir, tmp_path):
                        input="", capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].endswith("give one of them")
+
+
+def test_load_prefix_loads_only_a_file_that_starts_like_the_prompt(tiny_model_dir, tmp_path):
+    """The file holds PROMPT: a prompt that goes on from it loads it (and then prefills only the
+    rest); one that starts otherwise leaves the cache as it was."""
+    d = tiny_model_dir("gqa-untied")
+    kw = dict(ctx=512, **CASES["hca-g4c16-pairs"])
+    a, b = (Engine.load(d, device="cpu", **kw) for _ in range(2))
+    a.prefill(PROMPT)
+    f = tmp_path / "p.kv"
+    a.save_prompt_cache(f)
+    b.prefill([7] * 30)
+    assert pc.load_prefix(b, f, [1] + PROMPT) == (len(PROMPT), 0)
+    assert b._cached_ids == [7] * 30                              # not loaded
+    assert pc.load_prefix(b, f, PROMPT + [9, 10]) == (len(PROMPT), len(PROMPT))
+    assert b._cached_ids == PROMPT
+    _, reused = b.prefill(PROMPT + [9, 10])
+    assert reused == len(PROMPT)
+
+
+def _generate(d, cache_file, *args):
+    p = subprocess.run([sys.executable, "-m", "minirun.cli", "generate", str(d), "--ctx", "1024", "-n", "8",
+                        "--ignore-eos", "--kv", "hca", "--window", "32", "--sinks", "4",
+                        "--prompt-cache", str(cache_file), *args], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in p.stderr
+    return p
+
+
+def test_generate_with_a_prompt_cache(tiny_model_dir, tmp_path):
+    """generate --prompt-cache: the first run prefills and writes all of the prompt but its last
+    token; the second loads them and generates the same text; a longer prompt that starts alike
+    loads the file, prefills the rest and rewrites it; --prompt-cache-ro never writes; a file of
+    another prompt is not loaded; wrong option combinations are one-line errors."""
+    d = tiny_model_dir("gqa-untied")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("tokens of a document. " * 20)
+    f = tmp_path / "doc.kv"
+    first = _generate(d, f, "-f", str(doc))
+    assert first.returncode == 0, first.stderr
+    assert "written to" in first.stderr and f.is_file()
+    second = _generate(d, f, "-f", str(doc))
+    n = int(second.stderr.split("prompt cache: ")[1].split(" of ")[0])
+    assert second.returncode == 0 and f"{n} of {n + 1} prompt tokens from" in second.stderr
+    assert "written to" not in second.stderr and second.stdout == first.stdout
+    before = f.read_bytes()
+    longer = _generate(d, f, "-p", doc.read_text() + " and then some more words", "--prompt-cache-ro")
+    loaded = int(longer.stderr.split("prompt cache: ")[1].split(" of ")[0])
+    assert n - 2 <= loaded <= n + 1     # (the text's last tokens may merge with what follows them)
+    assert "written to" not in longer.stderr and f.read_bytes() == before
+    longer = _generate(d, f, "-p", doc.read_text() + " and then some more words")
+    assert "written to" in longer.stderr and f.read_bytes() != before
+    other = _generate(d, f, "-p", "Something else entirely. " * 4)
+    assert "prompt cache: 0 of" in other.stderr and other.returncode == 0
+    for bad in (["-p", "x", "-f", str(doc)], []):
+        p = _generate(d, f, *bad)
+        assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].endswith("(one of them)")
+    p = subprocess.run([sys.executable, "-m", "minirun.cli", "generate", str(d), "-p", "x", "--prompt-cache-ro"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "give it" in p.stderr
