@@ -40,6 +40,8 @@ MODEL=$KEEP/SmolLM2-135M-Instruct
 DEVICE=${DEVICE:-cuda} DEPTHS=${DEPTHS:-8192,32768,131072} PP=${PP:-8192} REPS=${REPS:-3}
 # 59 copies: 4,141,317 tokens on the H100 run (63, the CPU rehearsal's count, were 4,422,081 there: refused)
 CTX=${CTX:-4M} COPIES=${COPIES:-59} KEY_AT=${KEY_AT:-0.5}   # where the pass key goes (fraction of the text)
+# the 4m chat's question (one line; any copy of the book answers a question about the book itself)
+QUESTION=${QUESTION:-What is the pass key mentioned in the text? Answer with the number only.}
 MAX_SELECT=${MAX_SELECT:-}      # --max-select for the 4M chat (empty: tau alone; kv/select_cap.py)
 KV_BUDGET=${KV_BUDGET:-0.125}   # the 4M chat's key store (g64c16: same bytes, with carried unrotated codebooks)
 FAR=${FAR:-on}                   # the 4M chat's --far-positions: on (one distance) or grouped (its
@@ -181,7 +183,7 @@ EOF
     fi
     timer=(); [ -x /usr/bin/time ] && timer=(/usr/bin/time -v)    # peak host memory (max RSS)
     # SIGINT at the limit stops the answer as Ctrl-C does: its tokens and decode speed so far still print
-    printf 'What is the pass key mentioned in the text? Answer with the number only.\n' |
+    printf '%s\n' "$QUESTION" |
         "${timer[@]}" timeout -s INT -k 20 "${CHAT_LIMIT:-560}" $PY -m minirun chat "$MODEL" --ctx "$CTX" --file "$KEEP/book4m.txt" --kv hca \
             --kv-budget "$KV_BUDGET" --far-positions "$FAR" ${MAX_SELECT:+--max-select "$MAX_SELECT"} \
             ${LENGTH_SCALE:+--length-scale "$LENGTH_SCALE"} ${CUDA_GRAPHS:+--cuda-graphs} \
