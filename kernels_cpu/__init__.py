@@ -15,6 +15,8 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * ``threshold_select(z, tau, out_idx=None) -> (idx, counts, m, l_sel)``
 * ``attend_exact(q, K, V, q_to_kv, n) -> (o, m, l)``
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
+* ``selected_scores(q, K, idx, counts, q_to_kv, z)``: the selected tokens' exact scores from
+  host keys, written over z in place (``--rescore``; :mod:`kernels_cpu.rescore`)
 * ``lse_merge(os, ms, ls) -> (o, m, l)``
 * ``encode_keys(K, codebooks, out=None) -> P``
 * ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,
@@ -66,6 +68,7 @@ from .numba_kernels import (
     norm_gemv,
     half_to_float,
     lse_merge,
+    selected_scores,
     threshold_select,
     weighted_value_sum,
 )
@@ -87,6 +90,7 @@ from .reference import (
     turn_rows_ref,
     norm_gemv_ref,
     lse_merge_ref,
+    selected_scores_ref,
     threshold_select_ref,
     weighted_value_sum_ref,
 )

@@ -222,6 +222,22 @@ _WVS_CHUNK = 2048
 _PF_DIST = 16  # rows prefetched ahead in weighted_value_sum
 
 
+@njit(cache=True)
+def chunk_items(counts, chunk):
+    """Parallel work items over per-head selection lists: (first [Hq + 1] int64, item_h [total]
+    int64); head h's list is split into chunks of `chunk` entries, items first[h]..first[h + 1]."""
+    Hq = counts.shape[0]
+    first = np.empty(Hq + 1, dtype=np.int64)
+    first[0] = 0
+    for h in range(Hq):
+        first[h + 1] = first[h] + (counts[h] + chunk - 1) // chunk
+    item_h = np.empty(first[Hq], dtype=np.int64)
+    for h in range(Hq):
+        for it in range(first[h], first[h + 1]):
+            item_h[it] = h
+    return first, item_h
+
+
 @njit(cache=True, parallel=True)
 def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l, compact=False):
     # compact: z[h, t] is the score of token idx[h, t] (packed_select's z_sel), else z[h, idx[h, t]]
@@ -229,16 +245,8 @@ def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l, compact=Fa
     Hkv, ncap, d = V.shape
     Vflat = V.reshape(Hkv * ncap * d)
     pf_step = max(1, 64 // V.itemsize)  # elements per 64-byte cache line
-    # work items: (head, chunk of its selection list)
-    first = np.empty(Hq + 1, dtype=np.int64)
-    first[0] = 0
-    for h in range(Hq):
-        first[h + 1] = first[h] + (counts[h] + chunk - 1) // chunk
+    first, item_h = chunk_items(counts, chunk)
     total = first[Hq]
-    item_h = np.empty(total, dtype=np.int64)
-    for h in range(Hq):
-        for it in range(first[h], first[h + 1]):
-            item_h[it] = h
     po = np.zeros((total, d), dtype=np.float32)
     pm = np.full(total, _NEG_INF, dtype=np.float32)
     pl = np.zeros(total, dtype=np.float64)

@@ -14,6 +14,7 @@ from .hca_step import hca_decode_attend  # noqa: F401
 from .level_select import level_hist, packed_select  # noqa: F401
 from .level_sum import level_value_sum  # noqa: F401
 from .packed import PackedLUT, group_major, lane_map, pack_lut, packed_scores  # noqa: F401
+from .rescore import selected_scores  # noqa: F401
 from .pq import approx_scores, build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
 from .select import threshold_select  # noqa: F401
 
@@ -23,6 +24,7 @@ __all__ = [
     "threshold_select",
     "attend_exact",
     "weighted_value_sum",
+    "selected_scores",
     "lse_merge",
     "encode_keys",
     "codebook_norms",

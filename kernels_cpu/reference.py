@@ -29,6 +29,7 @@ __all__ = [
     "threshold_select_ref",
     "attend_exact_ref",
     "weighted_value_sum_ref",
+    "selected_scores_ref",
     "lse_merge_ref",
     "encode_keys_ref",
     "float_to_bf16_bits_ref",
@@ -260,6 +261,20 @@ def weighted_value_sum_ref(z, idx, counts, V, q_to_kv):
         m[h] = mh
         l[h] = w.sum()
     return o, m, l
+
+
+def selected_scores_ref(q, K, idx, counts, q_to_kv, z, compact=False):
+    """q [Hq, d] f32, K [Hkv, n_cap, d] f32/f16, idx int32 [Hq, >=max(counts)], counts int32 [Hq],
+    q_to_kv int32 [Hq], z f32 [Hq, >=n] -> a copy of z whose selected entries are exact scores:
+    z[h, idx[h, t]] (compact: z[h, t]) = q[h] . K[q_to_kv[h], idx[h, t]] for t < counts[h],
+    accumulated in float64."""
+    z = np.array(z, dtype=np.float32)
+    for h in range(z.shape[0]):
+        c = int(counts[h])
+        sel = np.asarray(idx[h, :c], dtype=np.int64)
+        s = K[q_to_kv[h], sel].astype(np.float64) @ np.asarray(q[h], np.float64)
+        z[h, np.arange(c) if compact else sel] = s
+    return z
 
 
 def lse_merge_ref(os, ms, ls):
