@@ -153,6 +153,7 @@ class EngineConfig:
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (kv/select_cap.py)
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
+    rescore: bool = False             # HCA: exact keys on the host beside the values weight the selected tokens
     threads: int | None = None
     cuda_graphs: bool = False         # decode tokens replayed from CUDA graphs (minirun/cuda_graph.py)
     extra: dict = field(default_factory=dict)

@@ -144,7 +144,7 @@ def format_bytes(n: int) -> str:
         n /= 1024
 
 
-PER_TOKEN_TIERS = ("dense K+V", "key store", "value pool", "scratch")   # tiers that grow with the context
+PER_TOKEN_TIERS = ("dense K+V", "key store", "value pool", "host keys", "scratch")   # tiers that grow with the context
 
 
 def hca_setting_of(args: ModelArgs, cfg: EngineConfig):
@@ -161,8 +161,8 @@ def hca_setting_of(args: ModelArgs, cfg: EngineConfig):
 
 def prompt_cache_bytes(args: ModelArgs, cfg: EngineConfig) -> int:
     """A prompt-cache file of a context filled to cfg.ctx (minirun/prompt_cache.py, kv/state.py),
-    less its header: dense K+V, or sinks + ring (no spare row), key store, value pool and the
-    codebooks as the cache keeps them (the CPU: the fitted or calibrated ones; the GPU: their
+    less its header: dense K+V, or sinks + ring (no spare row), key store, value pool (and host
+    keys with --rescore) and the codebooks as the cache keeps them (the CPU: the fitted or calibrated ones; the GPU: their
     product form for nibble pairs), plus 8 B per token id and ring slot."""
     tiers = plan(args, cfg).tiers
     if cfg.kv == "dense":
@@ -174,7 +174,7 @@ def prompt_cache_bytes(args: ModelArgs, cfg: EngineConfig) -> int:
     G, C, ds = lay.codebook_geometry if on_cpu(cfg) else (lay.groups, lay.centroids, lay.sub_dim)
     codebooks = 0 if lay.exact_keys else L * Hkv * G * C * ds * 4
     return (2 * L * Hkv * n_exact * hd * ELEM[cfg.dtype] + tiers["key store"][0] + tiers["value pool"][0]
-            + codebooks + 8 * (cfg.ctx + n_exact))
+            + tiers.get("host keys", (0,))[0] + codebooks + 8 * (cfg.ctx + n_exact))
 
 
 def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | None = None) -> dict:

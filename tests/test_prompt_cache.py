@@ -24,6 +24,7 @@ CASES = {
     "hca-0.25": dict(HCA, kv_budget=0.25, centroids=32),                 # codebooks fitted from the prompt
     "hca-g4c16-pairs": dict(HCA, groups=4, centroids=16),                # nibble pairs (fast scan)
     "hca-exact-keys": dict(HCA, kv_budget=0.5),
+    "hca-rescore": dict(HCA, kv_budget=0.25, centroids=32, rescore=True),   # host keys beside the values
     "hca-far": dict(HCA, groups=4, centroids=16, far_positions="on"),
     "hca-far-grouped": dict(HCA, groups=4, centroids=16, far_positions="grouped"),
     "hca-short": dict(kv="hca", sinks=4, window=400),                   # the ring not yet full: no store
@@ -49,22 +50,24 @@ def test_saved_then_loaded_cache_decodes_as_the_original(tiny_model_dir, tmp_pat
     assert f.stat().st_size == nbytes
     b.prefill([7] * 30)                                   # (something else in b's cache first)
     assert b.load_prompt_cache(f, PROMPT) == len(PROMPT)
-    tiers = ("tokens", "tokens_exact", "tokens_store", "device_keys_bytes", "device_kv_bytes", "host_values_bytes")
+    tiers = ("tokens", "tokens_exact", "tokens_store", "device_keys_bytes", "device_kv_bytes", "host_values_bytes",
+             "host_keys_bytes")
     assert [b.kv_stats().get(k) for k in tiers] == [a.kv_stats().get(k) for k in tiers]
     assert torch.equal(_continue(b), _continue(a))
     _, reused = b.prefill(PROMPT + list(NEXT) + [11, 12])
     assert reused == len(PROMPT) + len(NEXT)
 
 
-def test_gpu_cache_class_round_trip_on_the_emulator(tiny_model_dir, tmp_path):
-    """HCACacheCUDA (kernels on the CPU emulator): its device key store and pinned value pool saved
-    and loaded, the same logits as the engine that prefilled."""
+@pytest.mark.parametrize("case", ["hca-0.25", "hca-rescore"])
+def test_gpu_cache_class_round_trip_on_the_emulator(tiny_model_dir, tmp_path, case):
+    """HCACacheCUDA (kernels on the CPU emulator): its device key store and pinned value pool (and
+    host keys) saved and loaded, the same logits as the engine that prefilled."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found (CPU kernel emulator)")
     from kernels_cuda import _emu
     from minirun.kv.hca_cuda import HCACacheCUDA
     d = tiny_model_dir("gqa-untied")
-    kw = dict(ctx=512, **CASES["hca-0.25"])
+    kw = dict(ctx=512, **CASES[case])
     with _emu.emulated_hca_cuda():
         a, b = (Engine.load(d, device="cpu", **kw) for _ in range(2))
         assert isinstance(a.cache, HCACacheCUDA)
@@ -87,6 +90,8 @@ def test_a_file_of_another_setting_or_prompt_is_refused_and_the_cache_kept(tiny_
     assert other.cache.offset == 20
     with pytest.raises(PromptCacheMismatch, match="setting kv"):
         Engine.load(d, device="cpu", ctx=512).load_prompt_cache(f)
+    with pytest.raises(PromptCacheMismatch, match="setting rescore"):   # (a file without the host keys)
+        Engine.load(d, device="cpu", ctx=512, **CASES["hca-0.25"], rescore=True).load_prompt_cache(f)
     with pytest.raises(PromptCacheMismatch, match="another prompt"):
         a.load_prompt_cache(f, PROMPT[:-1] + [4])
     with pytest.raises(PromptCacheMismatch, match="model config"):

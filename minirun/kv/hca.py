@@ -40,7 +40,7 @@ class HCACache(OneCallSteps, KVCache):
                  dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
                  fit_min_tokens: int = 4096, anchor_tokens: int = 2048, far_positions: bool = False,
                  far_distance: int | None = None, max_select: int | None = None, length_ctx: int | None = None,
-                 far_group: int = 0):
+                 far_group: int = 0, rescore: bool = False):
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
@@ -65,6 +65,10 @@ class HCACache(OneCallSteps, KVCache):
         store_cap = max(0, capacity - sinks - window)
         vdt = torch.float32 if dtype == torch.float32 else torch.float16
         self.values = GrowingBuffer((L, Hkv), hd, vdt, store_cap)                    # host tier
+        # rescore: the store's keys in full precision on the host too (as the codebooks encoded them),
+        # so that the selected tokens are weighted by exact scores (kernels_cpu.rescore); an
+        # exact-key store has them already
+        self.host_keys = GrowingBuffer((L, Hkv), hd, vdt, store_cap) if rescore and not layout.exact_keys else None
         idx_dt = torch.uint8 if layout.index_bytes == 1 else torch.int16
         # group-major [L, Hkv, g, cap]: the scoring kernel's layout (kernels_cpu.packed)
         self.indices = None if layout.exact_keys else ColumnBuffer((L, Hkv), layout.groups, idx_dt, store_cap)
@@ -134,7 +138,8 @@ class HCACache(OneCallSteps, KVCache):
         length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
         cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
                     fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
-                    far_distance=dist, max_select=config.max_select, length_ctx=length_ctx, far_group=group)
+                    far_distance=dist, max_select=config.max_select, length_ctx=length_ctx, far_group=group,
+                    rescore=config.rescore)
         if length_ctx:
             print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens "
                   f"(--length-scale {config.length_scale})", file=sys.stderr)
@@ -168,7 +173,7 @@ class HCACache(OneCallSteps, KVCache):
         self._staged[layer] = (k, v)
         qs = q.float() * self._q_scale(T)
         if (T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W
-                and not self.max_select):   # (the one-call steps select by tau alone)
+                and not self.max_select and self.host_keys is None):   # (the one-call steps: tau, codebook weights)
             if self.n_encoded == self.n_store > 0:
                 return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
             if self.layout.exact_keys and self.n_store > 0:
@@ -271,6 +276,7 @@ class HCACache(OneCallSteps, KVCache):
         V = self.values.view(layer, self.values.cap_or(n)).numpy()
         P = self.indices.view(layer, self.indices.cap_or(n)).numpy() if ne else None
         Kx = self.exact_keys.view(layer, n - self.exact_base) if n > ne else None   # positions [ne, n)
+        Kh = self.host_keys.view(layer, self.host_keys.cap_or(n)).numpy() if self.host_keys is not None else None
         os_, ms, ls = np.empty((T, self.Hq, self.hd), np.float32), np.empty((T, self.Hq), np.float32), np.empty((T, self.Hq), np.float32)
         if ne and self._fast_scan:   # nibble pairs: levels from the fast-scan tables, as float scores
             F = self._factors()[0][layer]
@@ -279,7 +285,7 @@ class HCACache(OneCallSteps, KVCache):
                 lev, _, _ = fs.fs_levels(lut, P, ne, self.q_to_kv, scratch=(self._levels(ne), self._hist))
                 np.multiply(lev, lut.scale[:, None], out=z[:, :ne])
                 z[:, :ne] += lut.offset[:, None]
-                os_[t], ms[t], ls[t] = self._store_from_scores(qn[t], z, sel, V, Kx, n, ne, T)
+                os_[t], ms[t], ls[t] = self._store_from_scores(qn[t], z, sel, V, Kx, Kh, n, ne, T)
             return torch.from_numpy(os_), torch.from_numpy(ms), torch.from_numpy(ls)
         C = self.codebooks.centroids[layer].numpy() if ne else None
         Ct = self._codebooks_t()[layer] if ne else None
@@ -294,16 +300,19 @@ class HCACache(OneCallSteps, KVCache):
                     cap_selection(idx, counts, zs, self.max_select, compact=True)
                 if self.record_selection is not None and T == 1:
                     self.record_selection.append(counts / n)
+                if Kh is not None:
+                    kc.selected_scores(qn[t], Kh, idx, counts, self.q_to_kv, zs, compact=True)
                 os_[t], ms[t], ls[t] = kc.weighted_value_sum(zs, idx, counts, V, self.q_to_kv, compact=True)
                 continue
             if ne:
                 kc.packed_scores(packed, P, ne, out=z)
-            os_[t], ms[t], ls[t] = self._store_from_scores(qn[t], z, sel, V, Kx, n, ne, T)
+            os_[t], ms[t], ls[t] = self._store_from_scores(qn[t], z, sel, V, Kx, Kh, n, ne, T)
         return torch.from_numpy(os_), torch.from_numpy(ms), torch.from_numpy(ls)
 
-    def _store_from_scores(self, q, z, sel, V, Kx, n, ne, T):
+    def _store_from_scores(self, q, z, sel, V, Kx, Kh, n, ne, T):
         """One query's store partial (o, m, l) from approximate scores z[:, :ne] (and exact ones
-        for the keys not yet encoded, Kx): threshold selection and the weighted value sum."""
+        for the keys not yet encoded, Kx): threshold selection and the weighted value sum, the
+        selected tokens rescored from the host keys Kh first where there are any."""
         if n > ne:   # keys not yet encoded: exact scores
             qt = torch.from_numpy(q).view(self.Hkv, -1, self.hd)
             z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
@@ -312,6 +321,8 @@ class HCACache(OneCallSteps, KVCache):
             cap_selection(idx, counts, z, self.max_select, compact=False)
         if self.record_selection is not None and T == 1:
             self.record_selection.append(counts / n)
+        if Kh is not None:
+            kc.selected_scores(q, Kh, idx, counts, self.q_to_kv, z)
         return kc.weighted_value_sum(z, idx, counts, V, self.q_to_kv)
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
@@ -452,6 +463,9 @@ class HCACache(OneCallSteps, KVCache):
         if self.far:   # positions S + j0.. leave the ring: kept unrotated (codes encoded ahead were of rotated keys)
             K, codes = self.far.unrotate(K, torch.arange(self.S + j0, self.S + j0 + m)), None
         self.values.reserve(j0 + m)
+        if self.host_keys is not None:
+            self.host_keys.reserve(j0 + m)
+            self.host_keys.write_all(j0, K)
         self.z.reserve(j0 + m)
         self.sel.reserve(j0 + m)
         if self.lev is not None:
@@ -532,6 +546,7 @@ class HCACache(OneCallSteps, KVCache):
             "device_ring_sinks_bytes": exact_tier,
             "codebook_bytes": (self.codebooks.nbytes if self.codebooks is not None else 0) + self._codebook_copy_bytes(),
             "host_values_bytes": self.values.nbytes,
+            "host_keys_bytes": self.host_keys.nbytes if self.host_keys is not None else 0,
             "scratch_bytes": self.z.nbytes + self.sel.nbytes + (self.lev.nbytes if self.lev is not None else 0),
             "prefill_keys_bytes": 0 if self.layout.exact_keys else self.exact_keys.nbytes,
             "decode_scratch_bytes": sum(a.nbytes for a in self._decode_scratch()),

@@ -96,8 +96,15 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
         store_cap = max(0, capacity - sinks - window)
         self.value_sum = value_sum_choice(device)
+        if self.host_keys is not None and self.value_sum != "cpu":
+            print(f"note: {VALUE_SUM_ENV}={self.value_sum}: --rescore scores the selected tokens from the host's keys "
+                  "on the CPU; summing values on the CPU", file=sys.stderr)
+            self.value_sum = "cpu"
         self.values = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream,
                                  mapped=self.value_sum != "cpu")
+        if self.host_keys is not None:   # (rescore) page-locked like the values, written by the same copies
+            self.host_keys = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream)
+            self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
         # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut (0 < tau < 1)
         self._grouped_gather = (self.value_sum == "gpu" and 0.0 < self.tau < 1.0
                                 and kcu_decode.grouped_layout(self.q_to_kv, Hq, Hkv))
@@ -286,6 +293,8 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         """Launch scores + selection for one query [Hq, hd] f32; start the copy-back. Returns a handle."""
         zb, idx, n, cap = self._select_on_device(L, ds, layer, q)
         w = min(n, idx.shape[1], self._width)   # (idx: the [Hq, >= n] scratch, or [Hq, cap] when capped)
+        if self.host_keys is not None:   # rescore: the host needs the query too (before the pack: the host waits for that)
+            self._q_host.copy_(q, non_blocking=self._gpu)
         return (self._copy_back(L, ds, zb, idx, n, w, cap), w, zb, idx, n, cap)
 
     def _select_on_device(self, L, ds, layer, q):
@@ -343,6 +352,10 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         idx_h = hn[Hq:Hq + Hq * w].reshape(Hq, w)
         zs_h = hn[Hq + Hq * w:].view(np.float32).reshape(Hq, w)          # zs_h[h, t]: score of idx_h[h, t]
         V = self.values.data[layer].numpy()                       # [Hkv, cap, hd], pinned
+        if self.host_keys is not None:   # rescore: the selected tokens' exact scores replace the codebooks'
+            self.host_keys.wait()
+            kc.selected_scores(self._q_host.numpy(), self.host_keys.data[layer].numpy(), idx_h, cnt, self.q_to_kv,
+                               zs_h, compact=True)
         o, m, l = kc.weighted_value_sum(zs_h, idx_h, cnt, V, self.q_to_kv, compact=True)
         # (the previous H2D from the stage is done: it was queued before the copy-back just waited for)
         st = self._stage_np
@@ -398,6 +411,8 @@ class HCACacheCUDA(CapturedSteps, HCACache):
 
     def reset(self) -> None:
         self.values.wait()
+        if self.host_keys is not None:
+            self.host_keys.wait()
         self._valid_dev = None
         super().reset()
         self.prefill_values.free()

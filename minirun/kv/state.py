@@ -35,7 +35,7 @@ def signature(cache) -> dict:
                 "head_dim": cache.hd, "sinks": cache.S, "window": cache.W,
                 "layout": [lay.exact_keys, lay.groups, lay.centroids, lay.pairs],
                 "exact_tier_dtype": str(cache.ek.dtype), "values_dtype": str(cache.values.dtype),
-                "far": None if far is None else [far.distance, far.group]}
+                "far": None if far is None else [far.distance, far.group], "host_keys": cache.host_keys is not None}
     raise TypeError(f"{type(cache).__name__} cannot be saved")
 
 
@@ -47,9 +47,9 @@ def export_state(cache) -> tuple[dict, dict, list]:
         return sig, {"offset": n}, tensors
     if getattr(cache, "anchor_k", None) is not None or cache.mode != "hca":
         raise ValueError("a cache in the middle of a prefill cannot be saved")
-    wait = getattr(cache.values, "wait", None)
-    if wait is not None:   # (the GPU cache's pool: eviction copies still in flight)
-        wait()
+    for pool in (cache.values, cache.host_keys):   # (the GPU cache's pools: eviction copies still in flight)
+        if hasattr(pool, "wait"):
+            pool.wait()
     n, ne, base = cache.n_store, cache.n_encoded, cache.exact_base
     scalars = {"offset": cache.offset, "n_store": n, "n_encoded": ne, "exact_base": base}
     tensors = [("ek", cache.ek), ("ev", cache.ev), ("slot_pos", cache.slot_pos)]
@@ -60,6 +60,8 @@ def export_state(cache) -> tuple[dict, dict, list]:
     for l in range(cache.n_layers):
         if n:
             tensors.append((f"values.{l}", token_rows(cache.values, l, n)))
+        if n and cache.host_keys is not None:   # (rescore)
+            tensors.append((f"host_keys.{l}", token_rows(cache.host_keys, l, n)))
         if cache.indices is not None and ne:
             tensors.append((f"indices.{l}", token_rows(cache.indices, l, ne)))
         if n > ne:   # full-precision store keys (the exact-key preset, or not encoded yet), from exact_base on
@@ -84,7 +86,7 @@ def import_state(cache, scalars: dict, get) -> None:
         C = get("codebooks").float().to(cache.device)
         cb = Codebooks(C, scalars["codebooks"]["source"])
         cache.codebooks = cb.paired() if scalars["codebooks"]["pair"] else cb
-    for buf in (cache.values, cache.z, cache.sel, cache.lev):   # (the scores' scratch: as _store_append grows it)
+    for buf in (cache.values, cache.host_keys, cache.z, cache.sel, cache.lev):   # (and the scores' scratch, as _store_append grows it)
         if buf is not None and n:
             buf.reserve(n)
     if cache.indices is not None and ne:
@@ -94,6 +96,8 @@ def import_state(cache, scalars: dict, get) -> None:
     for l in range(cache.n_layers):
         if n:
             token_rows(cache.values, l, n).copy_(get(f"values.{l}"))
+        if n and cache.host_keys is not None:
+            token_rows(cache.host_keys, l, n).copy_(get(f"host_keys.{l}"))
         if cache.indices is not None and ne:
             token_rows(cache.indices, l, ne).copy_(get(f"indices.{l}"))
         if n > ne:
