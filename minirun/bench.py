@@ -34,7 +34,9 @@ JSON/CSV fields, one object/row per (mode, test):
   kv_stats (the cache's stats() at the end of the last rep: tokens and bytes per tier; CSV: one
   kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs (--cuda-graphs on a GPU:
   "token" when tg steps were whole tokens replayed from graphs (dense), "piecewise" when the parts
-  between attentions were (HCA); "off" otherwise, a failed capture included).
+  between attentions were (HCA); "off" otherwise, a failed capture included), rescore (HCA with
+  --rescore: the selected tokens weighted by exact scores from keys kept on the host; markdown: "hca
+  rescore").
 """
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ from .planner import format_bytes, param_count, weight_bytes
 
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
           "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected",
-          "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version", "cuda_graphs"]
+          "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version", "cuda_graphs",
+          "rescore"]
 CTX_ROUND = 256
 
 
@@ -91,6 +94,7 @@ class BenchResult:
     date: str = ""
     version: str = __version__
     cuda_graphs: str = "off"
+    rescore: bool = False           # HCA with --rescore (exact weights from host keys)
 
 
 def _reset_peak_host() -> bool:
@@ -292,7 +296,7 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
                 samples=samples, peak_host_bytes=_peak_host(), peak_host_scope=scope,
                 peak_device_bytes=torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0,
                 kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                cuda_graphs=eng.cuda_graphs_mode()))
+                cuda_graphs=eng.cuda_graphs_mode(), rescore=kv == "hca" and eng.config.rescore))
         del eng
         gc.collect()
         if torch.cuda.is_available():
@@ -312,7 +316,7 @@ def kv_split(stats: dict) -> tuple[int, int]:
     """(bytes in the device tiers, bytes in the host tiers) of a cache's stats()."""
     dev = stats.get("device_kv_bytes", 0) + sum(stats.get(k, 0) for k in (
         "device_keys_bytes", "device_ring_sinks_bytes", "codebook_bytes", "scratch_bytes", "decode_scratch_bytes"))
-    host = stats.get("host_values_bytes", 0) + stats.get("prefill_keys_bytes", 0)
+    host = sum(stats.get(k, 0) for k in ("host_values_bytes", "host_keys_bytes", "prefill_keys_bytes"))
     return dev, host
 
 
@@ -328,7 +332,7 @@ def to_markdown(results: list[BenchResult]) -> str:
         dev, host = kv_split(r.kv_stats)
         rows.append("| " + " | ".join([
             r.model, format_bytes(r.model_bytes), _params(r.model_params), r.device, str(r.threads), r.dtype,
-            r.kv + ("" if r.cuda_graphs == "off" else f" ({r.cuda_graphs} graphs)"), "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
+            r.kv + (" rescore" if r.rescore else "") + ("" if r.cuda_graphs == "off" else f" ({r.cuda_graphs} graphs)"), "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
             f"{r.tps_mean:.2f} ± {r.tps_std:.2f}", "-" if r.selected is None else f"{100 * r.selected:.1f}%",
             _size(r.peak_host_bytes) + ("" if r.peak_host_scope == "test" else " (process)"),
             _size(r.peak_device_bytes), _size(dev), _size(host)]) + " |")

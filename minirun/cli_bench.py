@@ -119,6 +119,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
                    "passes the model's trained context)")
 @click.option("--max-select", type=int, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
+@click.option("--rescore", is_flag=True,
+              help="HCA: keep the keys on the host too and weight the selected tokens by exact scores")
 @click.option("--cuda-graphs", is_flag=True,
               help="GPU: replay decode tokens from CUDA graphs (dense: whole tokens; HCA: the layers "
                    "around the attention; see docs/DESIGN.md)")
@@ -129,7 +131,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
 def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
-          far_positions, max_select, cuda_graphs, context, output, plot_path):
+          far_positions, max_select, rescore, cuda_graphs, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
     modes = _modes(kv_modes, budgets)
@@ -141,7 +143,8 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
         b.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
-                          sinks=sinks, far_positions=far_positions, max_select=max_select, cuda_graphs=cuda_graphs,
+                          sinks=sinks, far_positions=far_positions, max_select=max_select, rescore=rescore,
+                          cuda_graphs=cuda_graphs,
                           context=context,
                           log=lambda s: click.echo(s, err=True))
     click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
@@ -168,17 +171,18 @@ available {host, device}, fits (null when no GPU figure is known), host_fits, la
               help="where the device tiers go (cpu: everything is host memory)")
 @click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("--rescore", is_flag=True, help="HCA: the store's keys on the host too (see chat --rescore)")
 @click.option("--gpu-mem", type=SizeType(), default=None,
               help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
-def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, gpu_mem, output):
+def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, rescore, gpu_mem, output):
     """Bytes of every memory tier for a context, before anything is allocated, and whether it fits.
 
     MODEL_OR_CONFIG: a model directory or a bare config.json (no weights needed)."""
     from .config import EngineConfig, ModelArgs
     from .planner import format_plan, plan_report
     args = ModelArgs.from_path(model_or_config)
-    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks,
+    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks, rescore=rescore,
                        **hca_setting(kv_budget))
     report = plan_report(args, cfg, device, gpu_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))

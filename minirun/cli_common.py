@@ -44,6 +44,10 @@ def engine_options(f):
         click.option("--max-select", type=int, default=None,
                      help="HCA: attend to at most this many old tokens per head and step, the top-scoring "
                           "(bounds decode time where attention is diffuse; default: tau alone)"),
+        click.option("--rescore", is_flag=True,
+                     help="HCA: keep the old tokens' keys on the host beside their values and weight the "
+                          "selected tokens by exact scores (codebooks only select): answers closer to dense "
+                          "attention for twice the host memory; see docs/QUALITY.md"),
         click.option("--threads", type=int, default=None, help="CPU threads for torch"),
         click.option("--cuda-graphs", is_flag=True,
                      help="GPU: replay decode tokens from CUDA graphs: a dense token in one launch instead of "
@@ -73,12 +77,12 @@ def sampling_options(temperature: float, max_tokens: int):
 
 
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="auto",
-                max_select=None, length_scale="off", cuda_graphs=False, **extra):
+                max_select=None, length_scale="off", rescore=False, cuda_graphs=False, **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
                       threads=threads, far_positions=far_positions, max_select=max_select, length_scale=length_scale,
-                      cuda_graphs=cuda_graphs, **hca_setting(kv_budget),
+                      rescore=rescore, cuda_graphs=cuda_graphs, **hca_setting(kv_budget),
                       **extra)
     far = getattr(eng.cache, "far", False)
     note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far, hca=kv == "hca")
@@ -102,7 +106,7 @@ def trained_context_note(trained: int | None, ctx: int, far: bool = False, hca: 
 def split_kwargs(kw: dict):
     """Separate engine options from sampling options."""
     engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "far_positions",
-                   "max_select", "length_scale", "threads", "cuda_graphs")
+                   "max_select", "length_scale", "rescore", "threads", "cuda_graphs")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
                     min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),

@@ -99,13 +99,14 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
               help="HCA: logits x log n / log(trained context) past it (docs/QUALITY.md, \"Length scaling\")")
+@click.option("--rescore", is_flag=True, help="HCA: weight the selected tokens by exact scores from host keys")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU threads for torch")
 @click.option("--seed", type=int, default=0, show_default=True, help="passkey keys")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey_lengths, passkey_depths, trials,
              passkey_haystack, passkey_copies, tau, window, sinks, key_store, centroids, far_positions, max_select,
-             length_scale, dtype, threads, seed, output):
+             length_scale, rescore, dtype, threads, seed, output):
     """Dense vs HCA on the same inputs: perplexity, top-1 agreement and KL, passkey accuracy."""
     from .calibrate import read_text
     from .config import ModelArgs
@@ -120,7 +121,7 @@ def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey
                       depths=_floats(passkey_depths, "--passkey-depths"), trials=trials, tau=tau, window=window,
                       sinks=sinks, dtype=dtype, key_store=key_store, centroids=centroids, threads=threads, seed=seed,
                       far_positions=far_positions, max_select=max_select, length_scale=length_scale,
-                      passkey_haystack=passkey_haystack, passkey_copies=passkey_copies,
+                      rescore=rescore, passkey_haystack=passkey_haystack, passkey_copies=passkey_copies,
                       log=lambda s: click.echo(s, err=True))
     report["data"] = source
     click.echo(json.dumps(report, indent=1) if output == "json" else format_markdown(report, data=source))

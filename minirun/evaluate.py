@@ -216,7 +216,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
              depths=(0.1, 0.5, 0.9), trials: int = 2, tau: float = 0.9, window: int = 256, sinks: int = 16,
              dtype: str = "float32", key_store: str = "codebook", centroids: int | None = None, threads=None,
              seed: int = 0, far_positions: str = "off", max_select: int | None = None, length_scale: str = "off",
-             passkey_haystack: str = "filler", passkey_copies: int = 1, log=print) -> dict:
+             rescore: bool = False, passkey_haystack: str = "filler", passkey_copies: int = 1, log=print) -> dict:
     """Dense, then HCA at each budget, on the same token ids; one engine loaded at a time.
 
     ids: the evaluation text's tokens (perplexity on ids[:ppl_tokens]; agreement after the prompt
@@ -234,7 +234,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
     modes = [None] + list(budgets)
     settings = {"model": str(model), "tau": tau, "window": window, "sinks": sinks, "dtype": dtype,
                 "key_store": key_store, "centroids": centroids, "far_positions": far_positions,
-                "max_select": max_select, "length_scale": length_scale, "ppl_tokens": ppl_tokens,
+                "max_select": max_select, "length_scale": length_scale, "rescore": rescore, "ppl_tokens": ppl_tokens,
                 "prompt_tokens": prompt_tokens,
                 "passkey_haystack": passkey_haystack, "passkey_copies": passkey_copies,
                 "positions": positions, "lengths": list(lengths), "depths": list(depths), "trials": trials,
@@ -245,7 +245,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
         kw = dict(kv="dense") if budget is None else {**dict(kv="hca", tau=tau, window=window, sinks=sinks,
                                                              key_store=key_store, centroids=centroids,
                                                              far_positions=far_positions, max_select=max_select,
-                                                             length_scale=length_scale),
+                                                             length_scale=length_scale, rescore=rescore),
                                                       **hca_setting(budget)}
         eng = Engine.load(model, device="cpu", dtype=dtype, ctx=ctx, threads=threads, **kw)
         row: dict = {"mode": name, "seconds": {}}
@@ -327,7 +327,8 @@ def format_markdown(report: dict, data: str | None = None) -> str:
              + (f", {s['centroids']} centroids" if s.get("centroids") else "")
              + (f", far positions {s['far_positions']}" if s.get("far_positions", "off") != "off" else "")
              + (f", at most {s['max_select']} tokens per head" if s.get("max_select") else "")
-             + (f", length scaling {s['length_scale']}" if s.get("length_scale", "off") != "off" else "")]
+             + (f", length scaling {s['length_scale']}" if s.get("length_scale", "off") != "off" else "")
+             + (", rescored from host keys" if s.get("rescore") else "")]
     if s.get("ppl_tokens"):
         parts.append(f"ppl over the first {s['ppl_tokens']} tokens")
     if s.get("positions"):

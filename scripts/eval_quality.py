@@ -98,6 +98,7 @@ def main(argv=None):
     ap.add_argument("--sinks", type=int, default=16)
     ap.add_argument("--key-store", default="codebook", choices=["codebook", "exact"])
     ap.add_argument("--centroids", type=int, default=None)
+    ap.add_argument("--rescore", action="store_true", help="HCA: exact weights from host keys (--rescore)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -136,7 +137,8 @@ def main(argv=None):
                 depths=[float(x) for x in a.passkey_depths.split(",") if x.strip()], trials=a.trials,
                 tau=a.tau, window=a.window, sinks=a.sinks, dtype=a.dtype, key_store=a.key_store,
                 centroids=a.centroids, threads=a.threads, seed=a.seed, far_positions=a.far_positions,
-                max_select=a.max_select, length_scale=a.length_scale, passkey_haystack=a.passkey_haystack,
+                max_select=a.max_select, length_scale=a.length_scale, rescore=a.rescore,
+                passkey_haystack=a.passkey_haystack,
                 passkey_copies=a.passkey_copies,
                 log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True))
             r["data"] = source
