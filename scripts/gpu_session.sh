@@ -43,6 +43,8 @@ CTX=${CTX:-4M} COPIES=${COPIES:-59} KEY_AT=${KEY_AT:-0.5}   # where the pass key
 # the 4m chat's question (one line; any copy of the book answers a question about the book itself)
 QUESTION=${QUESTION:-What is the pass key mentioned in the text? Answer with the number only.}
 MAX_SELECT=${MAX_SELECT:-}      # --max-select for the 4M chat (empty: tau alone; kv/select_cap.py)
+RESCORE=${RESCORE:-}            # non-empty: --rescore (exact weights from host keys: 4M needs ~90 GiB of host
+                                # memory for values + keys in bfloat16, the H100 machine has 128)
 KV_BUDGET=${KV_BUDGET:-0.125}   # the 4M chat's key store (g64c16: same bytes, with carried unrotated codebooks)
 FAR=${FAR:-on}                   # the 4M chat's --far-positions: on (one distance) or grouped (its
                                 # codebooks: the plain calibration's, carried when models/ has them)
@@ -88,6 +90,7 @@ torch.cuda.get_device_name(0), '| numba', numba.__version__, '| cupy', cupy.__ve
     timeout 300 $PY -m pytest -q -rs -p no:cacheprovider "${per_test[@]}" -k "not emu and not eager" \
         tests/test_kernels_cuda.py tests/test_kernels_cuda_decode.py tests/test_kernels_cuda_layer.py tests/test_hca_cuda.py \
         tests/test_cuda_compile.py tests/test_bench_plan.py tests/test_cuda_graph.py tests/test_kernels_cuda_live.py \
+        tests/test_rescore.py \
         2>&1 | tee "$OUT/tests.log"
     # speed and memory figures without the real weights (same shapes; kept for stage 2 if wanted)
     $PY -c "import json; print(json.dumps(dict(model_type='llama', hidden_size=576, intermediate_size=1536,
@@ -136,7 +139,7 @@ bench)
     pp=$PP
     for d in ${DEPTHS//,/ }; do
         timeout "${DEPTH_LIMIT:-170}" $PY -m minirun bench "$MODEL" -p "$pp" -n 32 -d "$d" --kv dense,hca \
-            --kv-budget 0.125 ${MAX_SELECT:+--max-select "$MAX_SELECT"} --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
+            --kv-budget 0.125 ${MAX_SELECT:+--max-select "$MAX_SELECT"} ${RESCORE:+--rescore} --dtype bfloat16 --device "$DEVICE" -r "$REPS" --context "$KEEP/book.txt" -o json \
             >"$OUT/bench-d$d.json" 2> >(tee -a "$OUT/bench.log" >&2)
         pp=""
     done
@@ -186,7 +189,7 @@ EOF
     printf '%s\n' "$QUESTION" |
         "${timer[@]}" timeout -s INT -k 20 "${CHAT_LIMIT:-560}" $PY -m minirun chat "$MODEL" --ctx "$CTX" --file "$KEEP/book4m.txt" --kv hca \
             --kv-budget "$KV_BUDGET" --far-positions "$FAR" ${MAX_SELECT:+--max-select "$MAX_SELECT"} \
-            ${LENGTH_SCALE:+--length-scale "$LENGTH_SCALE"} ${CUDA_GRAPHS:+--cuda-graphs} \
+            ${LENGTH_SCALE:+--length-scale "$LENGTH_SCALE"} ${CUDA_GRAPHS:+--cuda-graphs} ${RESCORE:+--rescore} \
             --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 2>&1 | tr '\r' '\n' | tee "$OUT/4m.log"
     if [ -n "$smi" ]; then
         kill "$smi"

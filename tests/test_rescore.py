@@ -6,6 +6,9 @@ a codebook cache that rescores IS dense attention (1e-4, float32), on every CPU 
 selection, the fast scan of nibble pairs, keys not yet encoded) and on the GPU class (kernels on
 the emulator without a GPU); below tau = 1 it differs from the codebook weights; the planner,
 kv_stats, prompt-cache files and the command line all know the host-keys tier."""
+import contextlib
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -83,7 +86,6 @@ def test_tau1_rescore_equals_dense(tiny_model_dir, store):
         steps[name] = torch.stack([eng.step(t).reshape(-1) for t in (5, 9, 11)])
     assert hca.cache.n_encoded == hca.cache.n_store > 200     # (a prefill's end encodes every store key)
     err = {k: (steps[k] - steps["dense"]).abs().max().item() for k in ("rescore", "plain")}
-    print(store, err)
     assert err["rescore"] <= 1e-4
     assert err["plain"] > 20 * err["rescore"]           # (the codebook weights: what rescoring corrects)
 
@@ -108,7 +110,6 @@ def test_rescore_below_tau_one_changes_the_weights(tiny_model_dir):
                                   np.stack(eng.cache.record_selection), eng.cache.host_keys)
     assert np.array_equal(outs["plain", "codebook"][1], outs["rescore", "codebook"][1])   # same selection sizes
     err = {k: (outs[k, "codebook"][0] - want).abs().mean().item() for k in ("plain", "rescore")}
-    print(err, (outs["plain", "codebook"][0] - outs["rescore", "codebook"][0]).abs().max().item())
     assert (outs["plain", "codebook"][0] - outs["rescore", "codebook"][0]).abs().max().item() > 1e-5
     assert err["rescore"] < err["plain"]
     assert outs["rescore", "exact"][2] is None
@@ -137,7 +138,6 @@ def test_gpu_cache_class_rescores_on_the_host(tiny_model_dir, monkeypatch, backe
     attention, through the host sum's copy-back (the query copied back with the selection); the
     GPU value sum is not taken (the note says why)."""
     from kernels_cuda import _emu
-    import contextlib
     monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(200, seed=5)
@@ -148,7 +148,7 @@ def test_gpu_cache_class_rescores_on_the_host(tiny_model_dir, monkeypatch, backe
     emulated = _emu.emulated_hca_cuda if backend == "emu" else contextlib.nullcontext
     with emulated():
         eng = Engine.load(d, device="cpu" if backend == "emu" else "cuda", **kw)
-        assert isinstance(eng.cache, HCACacheCUDA) and eng.cache.value_sum == "cpu"
+        assert isinstance(eng.cache, HCACacheCUDA) and eng.cache.value_sum == "cpu" and eng.cache.host_keys is not None
         eng.prefill(ids[:150])
         got = torch.cat([eng.prefill(ids[:150 + i + 1])[0][-1:].cpu() for i in range(50)])
     assert eng.cache.n_encoded == eng.cache.n_store > 100
@@ -178,7 +178,6 @@ def test_cli_rescore_reaches_the_cache_and_the_plan(tiny_model_dir, capsys):
     finally:
         me.Engine.__init__ = real
     assert seen == [True, True]
-    import json
     out = capsys.readouterr().out
     rows = json.loads(out[out.index("["):])
     assert rows[0]["rescore"] is True and rows[0]["kv_stats"]["host_keys_bytes"] > 0
