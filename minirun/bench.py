@@ -296,7 +296,8 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
                 samples=samples, peak_host_bytes=_peak_host(), peak_host_scope=scope,
                 peak_device_bytes=torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0,
                 kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                cuda_graphs=eng.cuda_graphs_mode(), rescore=kv == "hca" and eng.config.rescore))
+                cuda_graphs=eng.cuda_graphs_mode(),
+                rescore=getattr(eng.cache, "host_keys", None) is not None))
         del eng
         gc.collect()
         if torch.cuda.is_available():

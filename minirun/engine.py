@@ -66,8 +66,10 @@ class Engine:
         if cuda_graph.supports(self.cache):
             return cuda_graph.GraphedDecode(self.model, self.cache)
         if getattr(self.cache, "value_sum", None) == "cpu":
+            whole = ("--rescore sums them there" if getattr(self.cache, "host_keys", None) is not None
+                     else "MINIRUN_VALUE_SUM=gpu captures it whole")
             print("note: --cuda-graphs: with the values summed on the CPU an HCA token is captured in pieces around "
-                  "its attention; MINIRUN_VALUE_SUM=gpu captures it whole", file=sys.stderr)
+                  f"its attention; {whole}", file=sys.stderr)
         return cuda_graph.PiecewiseDecode(self.model, self.cache)
 
     @classmethod

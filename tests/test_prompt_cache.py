@@ -14,6 +14,7 @@ import torch
 from minirun import Engine
 from minirun import prompt_cache as pc
 from minirun.errors import MiniRunError
+from minirun.kv import state
 from minirun.prompt_cache import PromptCacheMismatch
 
 PROMPT = list(range(5, 205))          # 200 tokens: past sinks + window below, so the store holds 150
@@ -90,8 +91,16 @@ def test_a_file_of_another_setting_or_prompt_is_refused_and_the_cache_kept(tiny_
     assert other.cache.offset == 20
     with pytest.raises(PromptCacheMismatch, match="setting kv"):
         Engine.load(d, device="cpu", ctx=512).load_prompt_cache(f)
-    with pytest.raises(PromptCacheMismatch, match="setting rescore"):   # (a file without the host keys)
+    # a cache without host keys writes what files did before --rescore existed: those still load
+    assert "host_keys" not in state.signature(a.cache) and "rescore" not in pc.STATE_SETTINGS
+    with pytest.raises(PromptCacheMismatch, match="cache host_keys: None in the file, True here"):   # (--rescore)
         Engine.load(d, device="cpu", ctx=512, **CASES["hca-0.25"], rescore=True).load_prompt_cache(f)
+    # --rescore with an exact-key store keeps no host keys: the same state, the same file
+    exact = dict(CASES["hca-exact-keys"], ctx=512)
+    e = Engine.load(d, device="cpu", **exact)
+    e.prefill(PROMPT)
+    e.save_prompt_cache(tmp_path / "e.kv")
+    assert Engine.load(d, device="cpu", **exact, rescore=True).load_prompt_cache(tmp_path / "e.kv") == len(PROMPT)
     with pytest.raises(PromptCacheMismatch, match="another prompt"):
         a.load_prompt_cache(f, PROMPT[:-1] + [4])
     with pytest.raises(PromptCacheMismatch, match="model config"):

@@ -35,7 +35,10 @@ def signature(cache) -> dict:
                 "head_dim": cache.hd, "sinks": cache.S, "window": cache.W,
                 "layout": [lay.exact_keys, lay.groups, lay.centroids, lay.pairs],
                 "exact_tier_dtype": str(cache.ek.dtype), "values_dtype": str(cache.values.dtype),
-                "far": None if far is None else [far.distance, far.group], "host_keys": cache.host_keys is not None}
+                "far": None if far is None else [far.distance, far.group],
+                # (--rescore; only where there are host keys, so that the files of a cache without them,
+                # older ones included, keep their signature)
+                **({"host_keys": True} if cache.host_keys is not None else {})}
     raise TypeError(f"{type(cache).__name__} cannot be saved")
 
 
