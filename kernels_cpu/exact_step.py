@@ -142,7 +142,7 @@ def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv
         _k_float_cuts(hist, ref, smax, nt, n_store, tau, zcut, mref)
     # the value sum over the selection, and sinks + ring exactly, in one parallel region
     _k_level_value_sum(z, n_store, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref, lanes, V,
-                       nt, os[2], ms[2], ls[2], counts, q, EK, EV, n_exact, valid, os[0], ms[0], ls[0])
+                       nt, os[2], ms[2], ls[2], counts, q, EK, EV, n_exact, valid, os[0], ms[0], ls[0], V, False)
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
     out[:] = 0.0

@@ -42,7 +42,7 @@ def _step_partials(q, k, v, q_to_kv):
 
 @njit(cache=True)
 def _k_hca_decode(q, k, v, EK, EV, n_exact, valid, cbt, PT, n_store, V, tau, q_to_kv, lanes, lut, tables, scale,
-                  offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, cnorm, codes):
+                  offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, cnorm, codes, K, rescore):
     Hq, d = q.shape
     os, ms, ls = _step_partials(q, k, v, q_to_kv)                     # 2. the new token itself
     lcut = np.empty(Hq, np.int64)                                     # (not read when n_store = 0)
@@ -55,17 +55,18 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, valid, cbt, PT, n_store, V, tau, q_t
         _k_packed_levels(tables, lanes, top, shift, PT, n_store, lev, hist, nt)
         _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref)
     _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
-                   os, ms, ls, out)
+                   os, ms, ls, out, K, rescore)
 
 
 @njit(inline="always")
 def _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
-                   os, ms, ls, out):
+                   os, ms, ls, out, K, rescore):
     """The step's tail after the level cuts: the value sum over the selection (none when n_store
-    = 0) and the exact tier (sinks + ring) as tasks of one parallel region, into parts 2 and 0 of
-    os / ms / ls, then the log-sum-exp merge of the three parts into out [Hq, d]."""
+    = 0; rescore: weighted by exact scores over the host keys K) and the exact tier (sinks + ring)
+    as tasks of one parallel region, into parts 2 and 0 of os / ms / ls, then the log-sum-exp
+    merge of the three parts into out [Hq, d]."""
     _k_level_value_sum(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, os[2], ms[2], ls[2], counts,
-                       q, EK, EV, n_exact, valid, os[0], ms[0], ls[0])
+                       q, EK, EV, n_exact, valid, os[0], ms[0], ls[0], K, rescore)
     Hq = q.shape[0]
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
@@ -74,7 +75,7 @@ def _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts
 
 
 def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau, q_to_kv, packed,
-                      lut, z, idx, counts=None, encode=None, levels=None, exact_valid=None):
+                      lut, z, idx, counts=None, encode=None, levels=None, exact_valid=None, host_keys=None):
     """Attention of one decode token over sinks + ring (exact), itself, and the store (HCA).
 
     q [Hq, d] f32 (pre-scaled by 1/sqrt(d)); k, v [Hkv, d] (the token's own key and value);
@@ -93,8 +94,11 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     encodes it here because the codebooks were just read for the LUT). Needs n_store > 0.
     exact_valid: optional uint8 [>= n_exact], 0 where an exact-tier slot holds no token (a ring
     not yet refilled after a truncate): that slot is not attended.
+    host_keys: optional [Hkv, >=n_store, d] of V's type (--rescore): the selected store tokens are
+    weighted by their exact scores over these keys instead of the codebook scores.
     """
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
+    K, rescore = _host_keys(host_keys, V, n_store)
     if encode is None:
         slot, cnorm, codes = -1, _NO_CNORM, _NO_CODES[PT.dtype.itemsize]
     else:
@@ -103,8 +107,22 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                   _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv,
                   packed.lanes, lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist,
-                  nt, z, idx, counts, out, int(slot), cnorm, codes)
+                  nt, z, idx, counts, out, int(slot), cnorm, codes, K, rescore)
     return out
+
+
+def _host_keys(host_keys, V, n_store):
+    """(K, rescore) as the steps take them: the host key pool in V's pool type, or V itself
+    (unread) without rescoring, so both cases share one compiled kernel."""
+    V = _as_pool(V)
+    if host_keys is None:
+        return V, False
+    K = _as_pool(host_keys)
+    if K.dtype != V.dtype or K.ndim != 3 or K.shape[0] != V.shape[0] or K.shape[2] != V.shape[2] \
+            or K.shape[1] < n_store or not K.flags.c_contiguous:
+        raise ValueError(f"host_keys must be C-contiguous [Hkv, >={n_store}, d] of the value pool's type, "
+                         f"got {K.dtype} {K.shape}")
+    return K, True
 
 
 def _step_scratch(q, n_store, counts=None, levels=None):

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
+from ._common import _FASTMATH, _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
 from .attention import _ALL_VALID, _exact_chunk, _merge_partials
 from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, _top_bucket, level_hist
 from .packed import LANES, PackedLUT, _check_indices
@@ -57,14 +57,43 @@ def _lane_weights(Le, nj, c, s, o, We):
         We[u] = x if Le[u] >= c else np.float32(0.0)
 
 
+@njit(cache=True, fastmath=_FASTMATH)
+def _exact_lane_weights(q, Kkv, ul, nu, fl, j0, h0, h1, h2, h3, mref, W):
+    """--rescore: W[e, t] = exp(q[h_e] . Kkv[ul[t]] - mref[h_e]) where lane e selected token ul[t]
+    (bit e of its flags), else 0: the union's weights from exact scores over host keys Kkv [n, d]
+    instead of from levels, each key row read once for the four lanes (kernels_cpu.rescore
+    says why). mref stays the levels' reference point: an exact score may pass it by the
+    codebooks' error (a few logits), far inside float32's exp range; the argument is capped at
+    80 all the same, so no weight is inf."""
+    d = q.shape[1]
+    q0, q1, q2, q3 = q[h0], q[h1], q[h2], q[h3]
+    r0, r1, r2, r3 = mref[h0], mref[h1], mref[h2], mref[h3]
+    cap = np.float32(80.0)
+    for t in range(nu):
+        Kj = Kkv[ul[t]]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for i in range(d):
+            x = _ld(Kj[i])
+            a0 += q0[i] * x
+            a1 += q1[i] * x
+            a2 += q2[i] * x
+            a3 += q3[i] * x
+        f = fl[ul[t] - j0]
+        W[0, t] = _exp32(min(a0 - r0, cap)) if f & 1 else np.float32(0.0)
+        W[1, t] = _exp32(min(a1 - r1, cap)) if f & 2 else np.float32(0.0)
+        W[2, t] = _exp32(min(a2 - r2, cap)) if f & 4 else np.float32(0.0)
+        W[3, t] = _exp32(min(a3 - r3, cap)) if f & 8 else np.float32(0.0)
+
+
 @njit(cache=True)
-def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, W, acc, lsum, cnt):
+def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, W, acc, lsum, cnt, q, K, rescore):
     # Table row r's heads over tokens [j0, j1): adds into acc [LANES, d] f32, lsum [LANES] f64,
     # cnt [LANES] int64 (lane order). lev: uint16 levels with int64 cuts lcut, or float32 scores
     # with float32 cuts (kernels_cpu.exact_step: scale 1, offset 0); a head selects where
     # lev >= its cut. Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects the token), ul
     # int64 [>= j1 - j0] (the union's tokens), G [LANES, >= j1 - j0] of lev's dtype (their levels),
-    # W f32 [LANES, >= j1 - j0] (their weights).
+    # W f32 [LANES, >= j1 - j0] (their weights). rescore: the weights from exact scores of the
+    # queries q [Hq, d] over host keys K [Hkv, >= j1, d] (of V's type) instead of the levels.
     d = V.shape[2]
     kv = r // (lanes.shape[0] // V.shape[0])
     h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
@@ -104,6 +133,8 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
     _lane_weights(G1, nu, c1, scale[h1], offset[h1] - mref[h1], W1)
     _lane_weights(G2, nu, c2, scale[h2], offset[h2] - mref[h2], W2)
     _lane_weights(G3, nu, c3, scale[h3], offset[h3] - mref[h3], W3)   # (all 0 for an empty lane)
+    if rescore:
+        _exact_lane_weights(q, K[kv], ul, nu, fl, j0, h0, h1, h2, h3, mref, W)
     a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
     Vkv = V[kv]
     Vflat = V.reshape(V.size)
@@ -160,12 +191,13 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
 
 @njit(cache=True, parallel=True)
 def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l, counts,
-                       q, EK, EV, n_exact, valid, eo, em, el):
+                       q, EK, EV, n_exact, valid, eo, em, el, K, rescore):
     # lev / lcut: see _range_task. o [Hq, d] f32, m / l [Hq] f32, counts [Hq] int32 out. Tasks:
     # with n_exact > 0, first one per table row over the exact tier EK / EV [Hkv, >=n_exact, d]
     # (attention._exact_chunk, into eo / em / el: the fused decode step's sinks + ring in the same
     # parallel region; valid: its slot mask, see _exact_chunk), then (table row, token range),
-    # row-interleaved; slot sl of nt does tasks sl, sl + nt, ... into its own sums.
+    # row-interleaved; slot sl of nt does tasks sl, sl + nt, ... into its own sums. rescore: the
+    # store's weights from q's exact scores over host keys K (of V's type; unread otherwise).
     Hq, d = o.shape
     R = lanes.shape[0]
     nr = (n + _RANGE - 1) // _RANGE
@@ -194,7 +226,7 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
             lsum[:] = 0.0
             cnt[:] = 0
             _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, min(n, j0 + _RANGE), fl, ul, G, W,
-                        acc, lsum, cnt)
+                        acc, lsum, cnt, q, K, rescore)
             for e in range(LANES):
                 pl[sl, r, e] += lsum[e]
                 pc[sl, r, e] += cnt[e]
@@ -260,7 +292,7 @@ def level_value_sum(packed: PackedLUT, PT, n: int, tau: float, V, scratch=None):
         _k_level_cuts(lev, n, float(tau), packed.scale, packed.offset, packed.top, packed.shift, hist, nt,
                       fb_idx, fb_z, lcut, mref)
         _k_level_value_sum(lev, n, lcut, packed.scale, packed.offset, mref, packed.lanes, V, nt, o, m, l, counts,
-                           _NO_Q, V, V, 0, _ALL_VALID, o, m, l)
+                           _NO_Q, V, V, 0, _ALL_VALID, o, m, l, V, False)
     return o, m, l, counts
 
 

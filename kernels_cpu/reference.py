@@ -400,17 +400,22 @@ def dense_attend_ref(q, K, V, n, scale=1.0):
     return (np.einsum("hn,hnd->hd", w, Vf) / w.sum(1, keepdims=True)).astype(np.float32)
 
 
-def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv):
+def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv, host_keys=None):
     """One decode token's HCA attention (see kernels_cpu.hca_step): the exact lse_merge of
     attend_exact over EK/EV[:, :n_exact], the token's own k, v, and weighted_value_sum over
     packed_select(pack_lut(build_lut(q))). codebooks [Hkv, g, c, ds],
-    P [Hkv, >=n_store, g] (token-major here; the kernel reads it group-major) -> o [Hq, d] f32."""
+    P [Hkv, >=n_store, g] (token-major here; the kernel reads it group-major) -> o [Hq, d] f32.
+    host_keys [Hkv, >=n_store, d] (--rescore): the selection's scores made exact first
+    (selected_scores_ref)."""
     q = np.asarray(q, dtype=np.float32)
     store = None
     if n_store:
         T = build_lut_ref(q, codebooks, q_to_kv)
         idx, counts, _, _, _ = packed_select_ref(T, P, q_to_kv, n_store, tau)
-        store = weighted_value_sum_ref(packed_scores_ref(T, P, q_to_kv, n_store), idx, counts, V, q_to_kv)
+        z = packed_scores_ref(T, P, q_to_kv, n_store)
+        if host_keys is not None:
+            z = selected_scores_ref(q, host_keys, idx, counts, q_to_kv, z)
+        store = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
     return _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store)
 
 
@@ -439,9 +444,10 @@ def fs_levels_ref(Q, PT, q_to_kv, n):
     return out
 
 
-def hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_kv):
+def hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_kv, host_keys=None):
     """hca_decode_attend_ref for nibble-pair codes (kernels_cpu.fastscan): F [Hkv, G, ds, 16]
-    transposed factor codebooks, PT [Hkv, G/2, >=n_store] uint8 group-major -> o [Hq, d] f32."""
+    transposed factor codebooks, PT [Hkv, G/2, >=n_store] uint8 group-major -> o [Hq, d] f32
+    (host_keys: as hca_decode_attend_ref's)."""
     q = np.asarray(q, dtype=np.float32)
     store = None
     if n_store:
@@ -449,6 +455,8 @@ def hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q
         levels = fs_levels_ref(Q, PT, q_to_kv, n_store)
         idx, counts, _, _, _ = levels_select_ref(levels, Q.max(axis=2).sum(axis=1), scale, offset, tau)
         z = levels.astype(np.float32) * scale[:, None] + offset[:, None]
+        if host_keys is not None:
+            z = selected_scores_ref(q, host_keys, idx, counts, q_to_kv, z)
         store = weighted_value_sum_ref(z, idx, counts, V, q_to_kv)
     return _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store)
 

@@ -22,7 +22,7 @@ def setup(rng, n_exact, n_store, g, c, pool_dtype):
     return q, k, v, EK, EV, C, P, V, cap
 
 
-def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap):
+def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=None):
     g, c = C.shape[1], C.shape[2]
     lanes = kc.lane_map(Q2K, HKV)
     packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(HQ, np.float32),
@@ -32,7 +32,7 @@ def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap):
     idx = np.zeros((HQ, cap), np.int32)
     counts = np.zeros(HQ, np.int32)
     o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), kc.group_major(P), n_store, V,
-                             tau, Q2K, packed, lut, z, idx, counts)
+                             tau, Q2K, packed, lut, z, idx, counts, host_keys=host_keys)
     return o, counts
 
 

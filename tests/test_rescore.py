@@ -62,6 +62,56 @@ def test_selected_scores_writes_through_a_row_view():
         kc.selected_scores(q, K, idx, counts, Q2K, buf.astype(np.float64))
 
 
+ONE_CALL_CASES = [(272, 5000, 0.9), (272, 5000, 1.0), (16, 1, 0.9), (272, 0, 0.9), (0, 3000, 0.5)]
+
+
+@pytest.mark.parametrize("pool_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n_exact,n_store,tau", ONE_CALL_CASES)
+def test_one_call_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, tau):
+    """kernels_cpu.hca_decode_attend with host keys: the level selection, then exact weights over
+    the keys (level_sum's lanes), against hca_decode_attend_ref with selected_scores_ref."""
+    from test_hca_step_kernel import run_fused, setup
+    rng = np.random.default_rng([n_exact, n_store, int(tau * 10), 1])
+    q, k, v, EK, EV, C, P, V, cap = setup(rng, n_exact, n_store, 16, 1024, pool_dtype)
+    K = rng.standard_normal(V.shape).astype(pool_dtype)
+    o, counts = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=K)
+    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K, host_keys=K)
+    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
+    if n_store:   # (the codebook weights give another answer)
+        plain = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
+        assert np.abs(plain - want).max() > 1e-2
+
+
+@pytest.mark.parametrize("pool_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n_exact,n_store,tau", ONE_CALL_CASES)
+def test_fast_scan_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, tau):
+    from kernels_cpu import fastscan as fs
+    from kernels_cpu.reference import hca_decode_attend_fs_ref
+    from test_fastscan import factors
+    if not fs.available():
+        pytest.skip("no AVX2: the fast scan is not built for this CPU")
+    rng = np.random.default_rng([n_exact, n_store, int(tau * 10), 2])
+    cap = n_store + 13
+    q = (rng.standard_normal((HQ, D)) / np.sqrt(D) * 3).astype(np.float32)
+    k, v = rng.standard_normal((2, HKV, D)).astype(np.float32)
+    EK, EV = rng.standard_normal((2, HKV, n_exact + 5, D)).astype(pool_dtype)
+    V, K = rng.standard_normal((2, HKV, cap, D)).astype(pool_dtype)
+    F = factors(rng, HKV, D, 1)
+    PT = rng.integers(0, 256, (HKV, D // 2, cap), dtype=np.uint8)
+    lut = fs.FastScanLUT(HQ, D, kc.lane_map(Q2K, HKV))
+    z, idx = np.full((HQ, cap), np.nan, np.float32), np.zeros((HQ, cap), np.int32)
+    o = fs.hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, Q2K, lut, z, idx, host_keys=K)
+    want = hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, Q2K, host_keys=K)
+    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_call_step_checks_the_host_keys():
+    from test_hca_step_kernel import run_fused, setup
+    q, k, v, EK, EV, C, P, V, cap = setup(np.random.default_rng(0), 16, 100, 16, 1024, np.float32)
+    with pytest.raises(ValueError, match="host_keys must be"):
+        run_fused(q, k, v, EK, EV, 16, C, P, 100, V, 0.9, cap, host_keys=V[:, :50].astype(np.float16))
+
+
 STORES = {   # codebook stores on the CPU cache's paths (tau = 1 selects every token)
     "packed": dict(groups=8, centroids=32, fit_min_tokens=48),               # packed levels, compact scores
     "pairs": dict(groups=8, centroids=16, fit_min_tokens=48),                # nibble pairs (the fast scan on AVX2)

@@ -173,7 +173,7 @@ class HCACache(OneCallSteps, KVCache):
         self._staged[layer] = (k, v)
         qs = q.float() * self._q_scale(T)
         if (T == 1 and self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W
-                and not self.max_select and self.host_keys is None):   # (the one-call steps: tau, codebook weights)
+                and not self.max_select):   # (the one-call steps select by tau alone)
             if self.n_encoded == self.n_store > 0:
                 return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
             if self.layout.exact_keys and self.n_store > 0:

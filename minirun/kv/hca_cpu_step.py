@@ -34,7 +34,8 @@ class OneCallSteps:
         q, kn, EK = self._step_inputs(layer, qs, k)
         o = kc.hca_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, cbt, PT, n,
                                  V, self.tau, self.q_to_kv, self._packed, self._lut, z, sel, self._counts,
-                                 encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid())
+                                 encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid(),
+                                 host_keys=self._host_keys_view(layer))
         return self._step_done(layer, o, encode is not None)
 
     def _attend_fast_scan_step(self, layer, qs, k, v):
@@ -47,8 +48,12 @@ class OneCallSteps:
         o = fs.hca_decode_attend_fs(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, F[layer],
                                     PT, self.n_store, V, self.tau, self.q_to_kv, self._fs_lut, z, sel, self._counts,
                                     fnorm=fnorm[layer], encode=encode, levels=(lev, self._hist),
-                                    exact_valid=self._exact_valid())
+                                    exact_valid=self._exact_valid(), host_keys=self._host_keys_view(layer))
         return self._step_done(layer, o, encode is not None)
+
+    def _host_keys_view(self, layer: int):
+        """--rescore: the host keys [Hkv, cap, hd] of `layer` (numpy, full capacity: contiguous); else None."""
+        return None if self.host_keys is None else self.host_keys.view(layer, self.host_keys.cap).numpy()
 
     def _encode_ahead_slot(self) -> int | None:
         """The slot of the ring token that leaves the ring next, whose codes the decode steps encode
