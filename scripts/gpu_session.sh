@@ -44,7 +44,8 @@ CTX=${CTX:-4M} COPIES=${COPIES:-59} KEY_AT=${KEY_AT:-0.5}   # where the pass key
 QUESTION=${QUESTION:-What is the pass key mentioned in the text? Answer with the number only.}
 MAX_SELECT=${MAX_SELECT:-}      # --max-select for the 4M chat (empty: tau alone; kv/select_cap.py)
 RESCORE=${RESCORE:-}            # non-empty: --rescore (exact weights from host keys: 4M needs ~90 GiB of host
-                                # memory for values + keys in bfloat16, the H100 machine has 128)
+                                # memory for values + keys in bfloat16, the H100 machine has 128; with far
+                                # positions it read no better on the CPU: docs/QUALITY.md)
 KV_BUDGET=${KV_BUDGET:-0.125}   # the 4M chat's key store (g64c16: same bytes, with carried unrotated codebooks)
 FAR=${FAR:-on}                   # the 4M chat's --far-positions: on (one distance) or grouped (its
                                 # codebooks: the plain calibration's, carried when models/ has them)
