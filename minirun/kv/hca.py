@@ -149,6 +149,9 @@ class HCACache(OneCallSteps, KVCache):
             how = (f"at their distances divided by {group} (grouped)" if group else f"at distance {dist}")
             print(f"minirun: far positions: tokens older than the {config.window}-token window are attended "
                   f"{how} ({why})", file=sys.stderr)
+        if far and config.rescore and not layout.exact_keys:
+            print("minirun: note: --rescore with far positions: on SmolLM2 past its trained context it read no "
+                  "better than the codebook weights (docs/QUALITY.md, \"Exact weights from host keys\")", file=sys.stderr)
         if not layout.exact_keys and codebooks is None:
             print(f"minirun: no {codebook_filename(*geometry[:2], unrotated=unrotated)} in the model directory: "
                   f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate"
