@@ -34,21 +34,27 @@ def _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, r0, r1, r2):
     bmax[0], bmax[1], bmax[2] = m0, m1, m2
 
 
+@njit(inline="always", fastmath=_FASTMATH)
+def dot4(q0, q1, q2, q3, Kj):
+    """(q0 . Kj, q1 . Kj, q2 . Kj, q3 . Kj) in float32, Kj f32 or half bits: the key row's loads
+    shared by the four dot products."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for i in range(q0.shape[0]):
+        x = _ld(Kj[i])
+        a0 += q0[i] * x
+        a1 += q1[i] * x
+        a2 += q2[i] * x
+        a3 += q3[i] * x
+    return a0, a1, a2, a3
+
+
 @njit(cache=True, fastmath=_FASTMATH)
 def _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, r0, r1, r2, r3):
     """_dots3 for four heads; bmax [4]."""
-    d = q.shape[1]
     q0, q1, q2, q3 = q[h0], q[h1], q[h2], q[h3]
     m0 = m1 = m2 = m3 = _NEG_INF
     for j in range(j0, j1):
-        Kj = K[kv, j]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for i in range(d):
-            x = _ld(Kj[i])
-            a0 += q0[i] * x
-            a1 += q1[i] * x
-            a2 += q2[i] * x
-            a3 += q3[i] * x
+        a0, a1, a2, a3 = dot4(q0, q1, q2, q3, K[kv, j])
         z[r0, j - zoff], z[r1, j - zoff], z[r2, j - zoff], z[r3, j - zoff] = a0, a1, a2, a3
         m0, m1, m2, m3 = max(m0, a0), max(m1, a1), max(m2, a2), max(m3, a3)
     bmax[0], bmax[1], bmax[2], bmax[3] = m0, m1, m2, m3

@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._common import _FASTMATH, _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
-from .attention import _ALL_VALID, _exact_chunk, _merge_partials
+from .attention import _ALL_VALID, _exact_chunk, _merge_partials, dot4
 from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, _top_bucket, level_hist
 from .packed import LANES, PackedLUT, _check_indices
 
@@ -65,19 +65,11 @@ def _exact_lane_weights(q, Kkv, ul, nu, fl, j0, h0, h1, h2, h3, mref, W):
     says why). mref stays the levels' reference point: an exact score may pass it by the
     codebooks' error (a few logits), far inside float32's exp range; the argument is capped at
     80 all the same, so no weight is inf."""
-    d = q.shape[1]
     q0, q1, q2, q3 = q[h0], q[h1], q[h2], q[h3]
     r0, r1, r2, r3 = mref[h0], mref[h1], mref[h2], mref[h3]
     cap = np.float32(80.0)
     for t in range(nu):
-        Kj = Kkv[ul[t]]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for i in range(d):
-            x = _ld(Kj[i])
-            a0 += q0[i] * x
-            a1 += q1[i] * x
-            a2 += q2[i] * x
-            a3 += q3[i] * x
+        a0, a1, a2, a3 = dot4(q0, q1, q2, q3, Kkv[ul[t]])
         f = fl[ul[t] - j0]
         W[0, t] = _exp32(min(a0 - r0, cap)) if f & 1 else np.float32(0.0)
         W[1, t] = _exp32(min(a1 - r1, cap)) if f & 2 else np.float32(0.0)
