@@ -30,12 +30,12 @@ class OneCallSteps:
         cnorm = None if self.layout.pairs else self._codebook_norms()[layer]   # (also makes self._pending)
         slot = None if self.layout.pairs or self.far else self._encode_ahead_slot()
         encode = None if slot is None else (slot, cnorm, self._pending[layer])
-        PT, V, z, sel, lev = self._decode_views(layer)
+        PT, V, z, sel, lev, Kh = self._decode_views(layer)
         q, kn, EK = self._step_inputs(layer, qs, k)
         o = kc.hca_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, cbt, PT, n,
                                  V, self.tau, self.q_to_kv, self._packed, self._lut, z, sel, self._counts,
                                  encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid(),
-                                 host_keys=self._host_keys_view(layer))
+                                 host_keys=Kh)
         return self._step_done(layer, o, encode is not None)
 
     def _attend_fast_scan_step(self, layer, qs, k, v):
@@ -43,17 +43,13 @@ class OneCallSteps:
         F, fnorm = self._factors()
         slot = None if self.far else self._encode_ahead_slot()
         encode = None if slot is None else (slot, self._pending[layer])
-        PT, V, z, sel, lev = self._decode_views(layer)
+        PT, V, z, sel, lev, Kh = self._decode_views(layer)
         q, kn, EK = self._step_inputs(layer, qs, k)
         o = fs.hca_decode_attend_fs(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, F[layer],
                                     PT, self.n_store, V, self.tau, self.q_to_kv, self._fs_lut, z, sel, self._counts,
                                     fnorm=fnorm[layer], encode=encode, levels=(lev, self._hist),
-                                    exact_valid=self._exact_valid(), host_keys=self._host_keys_view(layer))
+                                    exact_valid=self._exact_valid(), host_keys=Kh)
         return self._step_done(layer, o, encode is not None)
-
-    def _host_keys_view(self, layer: int):
-        """--rescore: the host keys [Hkv, cap, hd] of `layer` (numpy, full capacity: contiguous); else None."""
-        return None if self.host_keys is None else self.host_keys.view(layer, self.host_keys.cap).numpy()
 
     def _encode_ahead_slot(self) -> int | None:
         """The slot of the ring token that leaves the ring next, whose codes the decode steps encode
@@ -98,15 +94,19 @@ class OneCallSteps:
 
     def _decode_views(self, layer: int) -> tuple:
         """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
-        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap]. Made again only when a buffer
-        was reallocated (grown), not five times per layer and step."""
-        bufs = (self.indices, self.values, self.z, self.sel, self.lev)
+        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap], and --rescore's host keys
+        Kh [Hkv, cap, hd] (else None). Made again only when a buffer was reallocated (grown), not
+        six times per layer and step."""
+        bufs = [self.indices, self.values, self.z, self.sel, self.lev]
+        if self.host_keys is not None:
+            bufs.append(self.host_keys)
         key = tuple(b.data.data_ptr() for b in bufs)
         hit = self._views.get(layer)
         if hit is not None and hit[0] == key:
             return hit[1]
         cap = self.values.cap
         views = (self.indices.view(layer, cap).numpy(), self.values.view(layer, cap).numpy(),
-                 self.z.data[..., 0].numpy(), self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16))
+                 self.z.data[..., 0].numpy(), self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16),
+                 None if self.host_keys is None else self.host_keys.view(layer, self.host_keys.cap).numpy())
         self._views[layer] = (key, views)
         return views
