@@ -78,13 +78,13 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     n_store = max(0, ctx - n_exact)
     key_bytes = hd * EXACT_KEY_ELEM if lay.exact_keys else lay.groups * lay.index_bytes
     # (on a GPU the exact tier has one spare row per layer and kv-head: the decode step's own token)
+    pool = L * Hkv * n_store * hd * value_elem_bytes(cfg.dtype)     # host rows of the store, values or keys
     tiers = {
         "sinks+ring K+V": (2 * L * Hkv * (n_exact + (0 if on_cpu(cfg) else 1)) * hd * e, "device"),
         "key store": (L * Hkv * n_store * key_bytes, "device"),
-        "value pool": (L * Hkv * n_store * hd * value_elem_bytes(cfg.dtype), "host"),
+        "value pool": (pool, "host"),
         # --rescore: the store's keys beside the values, in the same type (an exact-key store has them)
-        **({"host keys": (L * Hkv * n_store * hd * value_elem_bytes(cfg.dtype), "host")}
-           if cfg.rescore and not lay.exact_keys else {}),
+        **({"host keys": (pool, "host")} if cfg.rescore and not lay.exact_keys else {}),
         # per-step scratch: approximate scores [Hq, n] f32 and selected indices [Hq, n] int32, and
         # on the CPU the integer score levels [Hq, n] uint16 (kernels_cpu.level_select)
         "scratch": (Hq * n_store * (8 + 2 * on_cpu(cfg)), "device"),
