@@ -61,7 +61,7 @@ from .planner import format_bytes, param_count, weight_bytes
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
           "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected",
           "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version", "cuda_graphs",
-          "rescore"]
+          "rescore", "device_name", "value_sum", "max_select"]
 CTX_ROUND = 256
 
 
@@ -95,6 +95,46 @@ class BenchResult:
     version: str = __version__
     cuda_graphs: str = "off"
     rescore: bool = False           # HCA with --rescore (exact weights from host keys)
+    device_name: str = ""           # the GPU's or CPU's model name (device_name)
+    value_sum: str | None = None    # HCA on a GPU: where the selected values are summed ("cpu" | "gpu" | ...)
+    max_select: int | None = None   # HCA: the selection's cap per head and step (None: tau alone)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (torch), or the CPU's model name (/proc/cpuinfo), for the rows' device_name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def result(eng, model, kv: str, budget, name: str, kind: str, n: int, depth: int, context: str, samples: list,
+           **fields) -> BenchResult:
+    """One row: the engine's setting and the test's samples (tokens/s of each timed rep); fields:
+    any other BenchResult field (selected, peak_host_bytes, peak_host_scope, kv_stats, ...)."""
+    cache = eng.cache
+    fields.setdefault("peak_device_bytes",
+                      torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0)
+    return BenchResult(
+        model=str(model).rstrip("/").split("/")[-1], model_bytes=weight_bytes(eng.args, eng.config.dtype),
+        model_params=param_count(eng.args), device=str(eng.device), dtype=eng.config.dtype,
+        threads=torch.get_num_threads(), ctx=eng.config.ctx, kv=kv,
+        kv_budget=budget if kv == "hca" else None, codebooks=fields.pop("codebooks", None) or codebook_source(eng),
+        test=name,
+        n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0, depth=depth,
+        context=context, reps=len(samples), tps_mean=statistics.mean(samples),
+        tps_std=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples=list(samples),
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), cuda_graphs=eng.cuda_graphs_mode(),
+        rescore=getattr(cache, "host_keys", None) is not None, device_name=device_name(eng.device),
+        value_sum=getattr(cache, "value_sum", None) if kv == "hca" else None,
+        max_select=getattr(cache, "max_select", None) if kv == "hca" else None, **fields)
 
 
 def _reset_peak_host() -> bool:
@@ -285,19 +325,9 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
                     tps, stats, selected = measure_tg(eng, n, depth, seed=0, context=source, probe=r == reps)
                 if r:
                     samples.append(tps)
-            results.append(BenchResult(
-                model=str(model).rstrip("/").split("/")[-1], model_bytes=weight_bytes(eng.args, dtype),
-                model_params=param_count(eng.args), device=str(eng.device), dtype=dtype,
-                threads=torch.get_num_threads(), ctx=eng.config.ctx, kv=kv,
-                kv_budget=budget if kv == "hca" else None, codebooks=codebooks, test=name,
-                n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0, depth=depth,
-                context=source.name, reps=reps, tps_mean=statistics.mean(samples),
-                tps_std=statistics.stdev(samples) if len(samples) > 1 else 0.0, selected=selected,
-                samples=samples, peak_host_bytes=_peak_host(), peak_host_scope=scope,
-                peak_device_bytes=torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0,
-                kv_stats=stats, date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                cuda_graphs=eng.cuda_graphs_mode(),
-                rescore=getattr(eng.cache, "host_keys", None) is not None))
+            results.append(result(eng, model, kv, budget, name, kind, n, depth, source.name, samples,
+                                  selected=selected, peak_host_bytes=_peak_host(), peak_host_scope=scope,
+                                  kv_stats=stats, codebooks=codebooks))
         del eng
         gc.collect()
         if torch.cuda.is_available():

@@ -90,6 +90,21 @@ class Engine:
         weights = load_weights(path, args, DTYPES[config.dtype], dev)
         return cls(path, args, config, Model(args, weights, dev, DTYPES[config.dtype]), tokenizer)
 
+    @classmethod
+    def with_random_weights(cls, path, device: str = "auto", dtype: str = "float32", ctx=8192, kv: str = "dense",
+                            seed: int = 0, **kwargs) -> "Engine":
+        """An engine over random weights made on the device (random_checkpoint.random_weights) for the
+        config.json and tokenizer in `path`: speed and memory figures of a model too large to write
+        to disk first (an 8B shape is 16 GB). kwargs: any EngineConfig field."""
+        from .random_checkpoint import random_weights
+        path = Path(path)
+        config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)
+        args = ModelArgs.from_path(path)
+        dev = resolve_device(config.device)
+        check_fits(args, config, dev)
+        weights = random_weights(args, DTYPES[config.dtype], dev, seed)
+        return cls(path, args, config, Model(args, weights, dev, DTYPES[config.dtype]), Tokenizer(path))
+
     # ---- text <-> ids -------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos)
@@ -284,6 +299,12 @@ class Engine:
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> GenerationResult:
         """messages: [{"role": "system"|"user"|"assistant", "content": str}]. Returns the reply."""
         return self.generate(self.chat_prompt(messages), max_new_tokens=max_new_tokens, **kwargs)
+
+    def set_cuda_graphs(self, on: bool) -> None:
+        """Turn CUDA-graph decode on or off; on makes fresh graphs for the cache as it is configured
+        now (after its value sum or selection cap changed, say). A note and no graphs on a CPU."""
+        self.config.cuda_graphs = on
+        self.graphed = self._graphed_decode() if on else None
 
     def cuda_graphs_mode(self) -> str:
         """What the decode steps replay from CUDA graphs: "token" (whole tokens), "piecewise" (the

@@ -140,6 +140,19 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         self.ek, self.ev = self._ekx[:, :, :SW], self._evx[:, :, :SW]
         self._numpy_exact_tier, self._ek_np, self._ev_np = False, None, None   # (the CPU class's one-call steps)
 
+    def set_value_sum(self, choice: str) -> None:
+        """Switch where later decode steps sum the selected values (VALUE_SUMS) on a filled cache, so
+        one prefill serves an A/B of both. The GPU sums need the pool mapped (built with a GPU value
+        sum, or on the emulator) and no host keys."""
+        if choice not in VALUE_SUMS:
+            raise MiniRunError(f"value sum {choice!r}: expected one of {', '.join(VALUE_SUMS)}")
+        if choice != "cpu" and (not self.values.mapped or self.host_keys is not None):
+            raise MiniRunError(f"value sum {choice!r}: the value pool is not mapped for the GPU"
+                               + (" (--rescore sums on the CPU)" if self.host_keys is not None else ""))
+        self.value_sum = choice
+        self._grouped_gather = (choice == "gpu" and 0.0 < self.tau < 1.0
+                                and kcu_decode.grouped_layout(self.q_to_kv, self.Hq, self.Hkv))
+
     @staticmethod
     def exact_tier_dtype(dtype, device):
         """The compute dtype: the CUDA kernels read bfloat16 (and the emulator runs them as they are)."""
