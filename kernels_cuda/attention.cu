@@ -104,10 +104,20 @@ __device__ __forceinline__ void attend_partial_impl(
         l_run = l_run * scale + ls;
         if (!dead) m_run = m_new;
         // 4. probability-weighted values
-        float a = 0.f;
-        if (active)
-            for (int i = grp; i < cnt; i += ngroups) a = fmaf(ps[i], Tag::cvt(Vh[(t0 + i) * v_s1 + e]), a);
-        acc = acc * scale + a;
+        //    (four independent rows in flight per thread: one dependent load per row was the
+        //    kernel's critical path)
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        if (active) {
+            int i = grp;
+            for (; i + 3 * ngroups < cnt; i += 4 * ngroups) {
+                a0 = fmaf(ps[i], Tag::cvt(Vh[(t0 + i) * v_s1 + e]), a0);
+                a1 = fmaf(ps[i + ngroups], Tag::cvt(Vh[(t0 + i + ngroups) * v_s1 + e]), a1);
+                a2 = fmaf(ps[i + 2 * ngroups], Tag::cvt(Vh[(t0 + i + 2 * ngroups) * v_s1 + e]), a2);
+                a3 = fmaf(ps[i + 3 * ngroups], Tag::cvt(Vh[(t0 + i + 3 * ngroups) * v_s1 + e]), a3);
+            }
+            for (; i < cnt; i += ngroups) a0 = fmaf(ps[i], Tag::cvt(Vh[(t0 + i) * v_s1 + e]), a0);
+        }
+        acc = acc * scale + ((a0 + a1) + (a2 + a3));
         __syncthreads();  // ps is overwritten by the next tile
     }
     if (active) red[grp * d + e] = acc;

@@ -44,9 +44,9 @@ if [ -n "$TESTS" ]; then
     per=(); $PY -c "import pytest_timeout" 2>/dev/null && per=(--timeout 90)
     echo "== tests (limit $TEST_LIMIT s)"
     # shellcheck disable=SC2086
-    timeout -k 5 "$TEST_LIMIT" $PY -m pytest -q -rfEs -p no:cacheprovider "${par[@]}" "${per[@]}" -k "not emu" $TESTS \
+    timeout -k 5 "$TEST_LIMIT" $PY -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark "${par[@]}" "${per[@]}" -k "not emu" $TESTS \
         >"$OUT_DIR/tests.log" 2>&1
-    echo "   tests: exit $? ($(tail -1 "$OUT_DIR/tests.log"))" | tee -a "$OUT_DIR/env.txt"
+    echo "   tests: exit $? ($(grep -c PASSED "$OUT_DIR/tests.log") passed; $(grep -E "(FAILED|ERROR) " "$OUT_DIR/tests.log" | sed "s/.*\(FAILED\|ERROR\) //" | sort -u | head -8 | tr "\n" " "))" | tee -a "$OUT_DIR/env.txt"
 fi
 
 left=$(( BUDGET - ($(date +%s) - start) ))

@@ -32,6 +32,19 @@ class DenseCache(KVCache):
             self._scale = 1.0 / math.sqrt(head_dim)
         else:
             self._k_np = self._v_np = None
+        self._gpu_attn = None     # kernels_cuda's split-K decode attention, made on the first GPU step
+
+    def _gpu_decode(self, q):
+        """The GPU's one-query attention (kernels_cuda.dense_decode), or None (CPU, or no cupy)."""
+        if self._gpu_attn is None and self.k.is_cuda:
+            import kernels_cuda
+            if not kernels_cuda.available():
+                self._gpu_attn = False
+            else:
+                from kernels_cuda.dense_decode import DenseDecodeAttention
+                L, Hkv, cap, hd = self.k.shape
+                self._gpu_attn = DenseDecodeAttention(self.k.device, q.shape[1], Hkv, hd, cap, q.dtype)
+        return self._gpu_attn or None
 
     def attend(self, layer, q, k, v):
         T, pos0 = q.shape[0], self.offset
@@ -45,6 +58,8 @@ class DenseCache(KVCache):
             return from_numpy_bits(o)[None]
         self.k[layer, :, pos0:end] = k.transpose(0, 1)
         self.v[layer, :, pos0:end] = v.transpose(0, 1)
+        if T == 1 and self._gpu_decode(q) is not None:
+            return self._gpu_attn(q[0], self.k[layer], self.v[layer], end)[None]
         return dense_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], pos0)
 
     # ---- the capture protocol of minirun/cuda_graph.GraphedDecode (kv/hca_graph.py has the HCA one) ----
@@ -79,6 +94,8 @@ class DenseCache(KVCache):
         K, V = self.k[layer], self.v[layer]                                       # [Hkv, capacity, hd]
         K.index_copy_(1, pos, k.transpose(0, 1).to(K.dtype))
         V.index_copy_(1, pos, v.transpose(0, 1).to(V.dtype))
+        if self._gpu_decode(q) is not None:
+            return self._gpu_attn(q[0], K, V, n_keys, pos)[None]
         live = (torch.arange(n_keys, device=pos.device) <= pos).view(1, 1, 1, n_keys)   # bool
         _, Hq, hd = q.shape
         qg = q.view(1, K.shape[0], Hq // K.shape[0], hd)
