@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from .decode import _OUT_SUFFIX, _launch_merge
-from .launch import _attend_split, _backend, _torch, launch_attend_partial
+from .launch import _attend_split, _attend_split_max, _backend, _torch, launch_attend_partial
 
 
 class DenseDecodeAttention:
@@ -28,7 +28,7 @@ class DenseDecodeAttention:
             raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
         self.device, self.Hq, self.d = device, Hq, d
         self.num_sms, _ = _backend().device_info(device)
-        p_max = _attend_split(max(capacity, 1), Hq, self.num_sms)[1]
+        p_max = _attend_split_max(capacity, Hq, self.num_sms)
         f32 = torch.float32
         self.qs = torch.zeros(Hq, d, dtype=f32, device=device)
         self.os = torch.zeros(p_max, Hq, d, dtype=f32, device=device)
@@ -53,6 +53,8 @@ class DenseDecodeAttention:
             torch.le(self.positions[:n], pos, out=self.live[:n])
             mask, has_mask = self.live.view(torch.uint8), 1
         tps, nsplit = _attend_split(n, self.Hq, self.num_sms)
+        if nsplit > self.os.shape[0] or n > self.positions.numel():
+            raise ValueError(f"{n} keys: more than the capacity of {self.positions.numel()}")
         with _backend().session(self.device) as L:
             launch_attend_partial(L, self.qs, K, V, self.q2k, mask, has_mask, n, tps, nsplit, self.os, self.ms,
                                   self.ls)

@@ -224,6 +224,12 @@ def _attend_split(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
     return tps, _cdiv(n, tps)
 
 
+def _attend_split_max(capacity: int, Hq: int, num_sms: int) -> int:
+    """The most splits _attend_split gives for any n <= capacity (the partial buffers' size): one per
+    tile while the tiles are fewer than the blocks wanted, never more than that number after."""
+    return max(1, min(_cdiv(max(capacity, 1), _ATT_TILE), _cdiv(2 * num_sms, Hq)))
+
+
 def _score_blocks(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
     """(tokens per block, nblk) of the (nblk, Hq) grids over n scores (scores, stats, selection)."""
     tpb = _tokens_per_block(n, Hq, num_sms, lo=2048)

@@ -62,6 +62,17 @@ def test_emu_dense_decode_attention(order, n, cap, dtype):
 
 
 @emu_only
+def test_emu_dense_decode_attention_many_splits():
+    """A GPU's SM count (132): fewer keys than the capacity can take more splits than the capacity
+    does (partial buffers sized by the capacity overflowed at 5000 of 8192 keys)."""
+    check_attention(Env("emu", order="random", num_sms=132), 5000, 8192, torch.float32, masked=False)
+    from kernels_cuda.launch import _attend_split, _attend_split_max
+    for cap in (1, 300, 8192, 131072, 1 << 20):
+        worst = max(_attend_split(n, 9, 132)[1] for n in range(1, cap + 1, max(1, cap // 5000)))
+        assert worst <= _attend_split_max(cap, 9, 132)
+
+
+@emu_only
 @pytest.mark.parametrize("seed", [0, 1])
 def test_emu_dense_decode_attention_masked(seed):
     check_attention(Env("emu", order="random"), 1200, 1500, torch.bfloat16, masked=True, seed=seed)
