@@ -32,11 +32,11 @@ JSON/CSV fields, one object/row per (mode, test):
   was reset before the test, "process" when /proc/self/clear_refs refused and it is the process
   peak so far), peak_device_bytes (torch.cuda.max_memory_allocated during the test; 0 on CPU),
   kv_stats (the cache's stats() at the end of the last rep: tokens and bytes per tier; CSV: one
-  kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs (--cuda-graphs on a GPU:
-  "token" when tg steps were whole tokens replayed from graphs (dense), "piecewise" when the parts
-  between attentions were (HCA); "off" otherwise, a failed capture included), rescore (HCA with
+  kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs ("token" when tg steps
+  were whole tokens replayed from CUDA graphs, "off" when they ran eagerly), rescore (HCA with
   --rescore: the selected tokens weighted by exact scores from keys kept on the host; markdown: "hca
-  rescore").
+  rescore"), device_name (the GPU's or the CPU's model name), value_sum (HCA on a GPU: "gpu" or
+  "host", where the selected values were summed), max_select (the selection's cap, or None).
 """
 from __future__ import annotations
 

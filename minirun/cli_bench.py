@@ -121,9 +121,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @click.option("--rescore", is_flag=True,
               help="HCA: keep the keys on the host too and weight the selected tokens by exact scores")
-@click.option("--cuda-graphs", is_flag=True,
-              help="GPU: replay decode tokens from CUDA graphs (dense: whole tokens; HCA: the layers "
-                   "around the attention; see docs/DESIGN.md)")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="GPU: replay decode tokens from CUDA graphs where the cache allows it (see docs/DESIGN.md)")
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
                    "stdlib's pydoc topics: natural text, offline) or a text file (./text for one named text)")

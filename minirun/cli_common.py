@@ -49,9 +49,9 @@ def engine_options(f):
                           "selected tokens by exact scores (codebooks only select): answers closer to dense "
                           "attention for twice the host memory; see docs/QUALITY.md"),
         click.option("--threads", type=int, default=None, help="CPU threads for torch"),
-        click.option("--cuda-graphs", is_flag=True,
-                     help="GPU: replay decode tokens from CUDA graphs: a dense token in one launch instead of "
-                          "hundreds, an HCA token's layers around its attention (see docs/DESIGN.md)"),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                     help="GPU: replay each decode token from a CUDA graph where the cache allows it (dense; "
+                          "HCA summing values on the GPU): one launch instead of hundreds"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -77,7 +77,7 @@ def sampling_options(temperature: float, max_tokens: int):
 
 
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="auto",
-                max_select=None, length_scale="off", rescore=False, cuda_graphs=False, **extra):
+                max_select=None, length_scale="off", rescore=False, cuda_graphs=True, **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,

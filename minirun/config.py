@@ -155,7 +155,11 @@ class EngineConfig:
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     rescore: bool = False             # HCA: exact keys on the host beside the values weight the selected tokens
     threads: int | None = None
-    cuda_graphs: bool = False         # decode tokens replayed from CUDA graphs (minirun/cuda_graph.py)
+    cuda_graphs: bool = True          # GPU: decode tokens replayed from CUDA graphs where the cache can be
+                                      # captured (dense; HCA with the GPU value sum): minirun/cuda_graph.py
+    value_sum: str = "auto"           # HCA on a GPU: where the selected values are summed: "gpu" (a kernel
+                                      # reads them from the mapped host pool), "host" (Numba), "auto" (gpu
+                                      # where the device can read host memory and no rescore asks for host)
     extra: dict = field(default_factory=dict)
 
     def chunk_for(self, device_type: str) -> int:
@@ -179,6 +183,8 @@ class EngineConfig:
             raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on, grouped or off")
         if self.length_scale not in ("auto", "on", "off"):
             raise MiniRunError(f"unknown length_scale {self.length_scale!r}: use auto, on or off")
+        if self.value_sum not in ("auto", "gpu", "host"):
+            raise MiniRunError(f"unknown value_sum {self.value_sum!r}: use auto, gpu or host")
         if self.max_select is not None and self.max_select < 1:
             raise MiniRunError(f"max_select must be at least 1, got {self.max_select}")
         if not 0.0 < self.tau <= 1.0:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -51,12 +50,13 @@ TINY = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_att
 TINY_BIG = dict(TINY, num_hidden_layers=3, hidden_size=384, num_attention_heads=6, num_key_value_heads=2)
 
 # depths, tokens per timed rep (each rep also stops after rep_s seconds, after 2 tokens at least),
-# timed reps, the selection cap, HCA's exact tiers and when fitted codebooks are made
+# timed reps, the selection cap, the HCA settings (value_sum gpu: a mapped pool, so that one prefill
+# serves both value sums; tiny: small exact tiers, codebooks fitted early)
 SCALES = {
     "full": dict(small=SMOLLM2, big=LLAMA3_8B, short=8192, long=131072, deep=1 << 20, n=32, reps=2, rep_s=3.0,
-                 cap=2048, dtype="bfloat16", hca=dict()),
+                 cap=2048, dtype="bfloat16", hca=dict(value_sum="gpu")),
     "tiny": dict(small=TINY, big=TINY_BIG, short=256, long=1024, deep=2048, n=4, reps=1, rep_s=5.0,
-                 cap=64, dtype="bfloat16", hca=dict(window=64, sinks=4, fit_min_tokens=128, anchor_tokens=256,
+                 cap=64, dtype="bfloat16", hca=dict(value_sum="gpu", window=64, sinks=4, fit_min_tokens=128, anchor_tokens=256,
                                                      exact_prefill_max=1024, prefill_chunk=512)),
 }
 # (name, time limit in s at full scale): in the order they run, the most wanted first
@@ -139,8 +139,8 @@ def configure(eng, value_sum: str | None, graphs: bool, cap: int | None) -> bool
     cache = eng.cache
     if value_sum is not None:
         if not hasattr(cache, "set_value_sum"):
-            return value_sum == "cpu"    # (the CPU cache sums on the host: its only variant)
-        if value_sum != "cpu" and not cache.values.mapped:
+            return value_sum == "host"   # (the CPU cache sums on the host: its only variant)
+        if value_sum == "gpu" and not cache.values.mapped:
             return False
         cache.set_value_sum(value_sum)
     if hasattr(cache, "max_select"):
@@ -211,7 +211,7 @@ def ids_for(eng, n):
     return mb.random_ids(n, eng.args.vocab_size, seed=0)
 
 
-HCA_VARIANTS = [("gpu", True, None), ("cpu", True, None), ("cpu", False, None)]
+HCA_VARIANTS = [("gpu", True, None), ("gpu", False, None), ("host", False, None)]
 
 
 def step_dense(a, sc, rows):
@@ -258,7 +258,7 @@ def step_deep(a, sc, rows, budget, big=False):
     prefill_row(eng, rows, d, "hca", budget, ids)
     log("kv_stats: " + json.dumps(eng.kv_stats()))
     cap = sc["cap"]
-    variants = [("gpu", True, cap), ("cpu", True, cap), ("gpu", True, None), ("cpu", False, None)]
+    variants = [("gpu", True, cap), ("host", False, cap), ("gpu", True, None), ("host", False, None)]
     tg_variants(eng, rows, d, "hca", budget, ids, sc, variants[:3] if big else variants, sc["deep"], prof=True)
 
 
@@ -275,7 +275,6 @@ STEP_RUN = {
 def run_step(a):
     sc = SCALES[a.scale]
     rows = Rows(a.out / f"{a.step}.json")
-    os.environ.setdefault("MINIRUN_VALUE_SUM", "gpu")     # a mapped pool: both value sums on one prefill
     ctx = contextlib.nullcontext()
     if a.emulate:
         from kernels_cuda._emu import emulated_hca_cuda

@@ -35,8 +35,8 @@ def test_bench_gpu_rehearsal(tmp_path):
     tests = [r["test"] for r in deep]
     assert tests[0] == "pp2048" and all(t == "tg4 @ d2048" for t in tests[1:])
     # both value sums and the cap on one prefill, each row saying which
-    assert {(r["value_sum"], r["max_select"]) for r in deep[1:]} == {("gpu", 64), ("cpu", 64), ("gpu", None),
-                                                                      ("cpu", None)}
+    assert {(r["value_sum"], r["max_select"]) for r in deep[1:]} == {("gpu", 64), ("host", 64), ("gpu", None),
+                                                                      ("host", None)}
     assert all(r["tps_mean"] > 0 and r["device_name"] and r["kv_stats"]["tokens_store"] > 0 for r in deep)
     big = json.loads((out / "llama8b.json").read_text())
     assert big[0]["model"] == "random-llama3-8b" and len(big) == 4

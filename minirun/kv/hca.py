@@ -118,6 +118,11 @@ class HCACache(OneCallSteps, KVCache):
         65504 (keys and values live well inside), like the host value pool of bfloat16 runs."""
         return torch.float16 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
 
+    @staticmethod
+    def backend_options(config) -> dict:
+        """The EngineConfig fields a backend's cache takes beyond the common ones (none here)."""
+        return {}
+
     @classmethod
     def create(cls, args, config, device, dtype, capacity, model_dir=None) -> "HCACache":
         layout = resolve_layout(args, config)
@@ -139,7 +144,7 @@ class HCACache(OneCallSteps, KVCache):
         cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
                     fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
                     far_distance=dist, max_select=config.max_select, length_ctx=length_ctx, far_group=group,
-                    rescore=config.rescore)
+                    rescore=config.rescore, **cls.backend_options(config))
         if length_ctx:
             print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens "
                   f"(--length-scale {config.length_scale})", file=sys.stderr)
