@@ -370,6 +370,21 @@ def to_markdown(results: list[BenchResult]) -> str:
     return "\n".join(rows)
 
 
+def to_markdown_compact(rows: list[dict]) -> str:
+    """A narrower table of bench rows (dicts, as to_json writes them) for one model on one device:
+    one line per decode variant (where the values were summed, graphs, the cap) with memory per tier."""
+    lines = ["| model | kv | budget | test | value sum | graphs | cap | t/s | selected | peak GPU | kv GPU | kv host |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        dev, host = kv_split(r.get("kv_stats") or {})
+        sel = "-" if r.get("selected") is None else f"{100 * r['selected']:.2f}%"
+        lines.append("| " + " | ".join(str(x) for x in [
+            r["model"], r["kv"], r["kv_budget"] or "-", r["test"], r.get("value_sum") or "-", r["cuda_graphs"],
+            r.get("max_select") or "-", f"{r['tps_mean']:.1f}", sel, _size(r["peak_device_bytes"]), _size(dev),
+            _size(host)]) + " |")
+    return "\n".join(lines)
+
+
 def to_json(results: list[BenchResult]) -> str:
     return json.dumps([asdict(r) for r in results], indent=2)
 

@@ -323,15 +323,9 @@ def summary(out: Path) -> str:
         p = out / f"{name}.json"
         if p.is_file():
             rows += [dict(r, step=name) for r in json.loads(p.read_text())]
-    lines = ["| step | model | kv | budget | test | value sum | graphs | cap | t/s | selected | peak GPU | kv GPU | kv host |",
-             "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        dev, host = mb.kv_split(r.get("kv_stats") or {})
-        lines.append("| " + " | ".join(str(x) for x in [
-            r["step"], r["model"], r["kv"], r["kv_budget"] or "-", r["test"], r.get("value_sum") or "-",
-            r["cuda_graphs"], r.get("max_select") or "-", f"{r['tps_mean']:.1f}",
-            "-" if r.get("selected") is None else f"{100 * r['selected']:.2f}%",
-            mb._size(r["peak_device_bytes"]), mb._size(dev), mb._size(host)]) + " |")
+    table = mb.to_markdown_compact(rows).splitlines()
+    lines = [table[0].replace("| model |", "| step | model |"), "|---" + table[1]]
+    lines += [f"| {r['step']} " + line for r, line in zip(rows, table[2:])]
     dev_names = sorted({r.get("device_name", "") for r in rows} - {""})
     text = "\n".join([f"# bench_gpu: {', '.join(dev_names) or 'no rows'}", "", *lines, "",
                       "steps: " + "; ".join(f"{k} {v}" for k, v in status.items()), "", targets(rows)])
