@@ -95,7 +95,7 @@ def run(backend, store, tau, truncate=0, seed=0, **kw):
         assert cache.truncate(n)
         cache.record_selection = []
         q, k, v = qkv(g, 1, dev)
-        outs = [cache.attend(layer, q, k, v)[0].float().cpu() for layer in range(L)]
+        outs = [cache.attend(layer, q, k, v)[0].float().cpu().clone() for layer in range(L)]   # (GPU: a reused buffer)
         cache.advance(1)
     K = torch.stack([torch.cat(Ks[layer])[:n] for layer in range(L)]).transpose(1, 2)   # [L, Hkv, n, hd]
     V = torch.stack([torch.cat(Vs[layer])[:n] for layer in range(L)]).transpose(1, 2)
