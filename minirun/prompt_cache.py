@@ -3,7 +3,7 @@ document's prefill, saved once and loaded by later chats instead of prefilling a
 
 Why: a long document's prefill is the slow part of a chat over it (minutes on a CPU at 64K tokens,
 6.5 minutes on an H100 at 4M) and is the same every time. llama.cpp's --prompt-cache does this
-for its cache; here the file holds whatever the cache holds (kv/state.py): dense K and V, or the
+for its cache; here the file holds whatever the cache holds (its state_dict): dense K and V, or the
 HCA tiers (sinks and ring, key codes, host values, codebooks).
 
 Format: a safetensors file (one tensor per name, little-endian, readable by any safetensors
@@ -29,7 +29,6 @@ import torch
 
 from .errors import MiniRunError
 from .planner import format_bytes
-from .kv import state
 
 FORMAT, VERSION = "minirun-prompt-cache", 1
 # engine settings that shape the saved state (tau, max_select, length scaling and the like only
@@ -61,7 +60,7 @@ def _meta(eng) -> dict:
     cfg = eng.config
     return {"format": FORMAT, "version": VERSION, "model": model_fingerprint(eng.path),
             "settings": {k: getattr(cfg, k) for k in STATE_SETTINGS}, "device": eng.device.type,
-            "cache": state.signature(eng.cache)}
+            "cache": eng.cache.state_signature()}
 
 
 def _write_tensor(f, t: torch.Tensor) -> None:
@@ -85,7 +84,8 @@ def _write_tensor(f, t: torch.Tensor) -> None:
 def save(eng, path) -> int:
     """Write the engine's cache and its token ids to path (atomically). -> bytes written."""
     path = Path(path)
-    sig, scalars, tensors = state.export_state(eng.cache)
+    sig = eng.cache.state_signature()
+    scalars, tensors = eng.cache.state_dict()
     tensors = [("tokens", torch.tensor(eng._cached_ids, dtype=torch.int64))] + tensors
     meta = {**_meta(eng), "cache": sig, "scalars": scalars}
     header, off = {}, 0
@@ -165,7 +165,7 @@ def load(eng, path, tokens: list[int] | None = None) -> int:
                                   f"{len(tokens)} here, from token {_shared_prefix(saved, tokens)} on)")
     try:
         eng.reset()
-        state.import_state(eng.cache, meta["scalars"], f.get_tensor)
+        eng.cache.load_state_dict(meta["scalars"], f.get_tensor)
     except (SafetensorError, KeyError, RuntimeError, ValueError) as e:
         eng.reset()
         raise _unreadable(path, e) from None

@@ -1,4 +1,4 @@
-"""Prompt-cache files (minirun/prompt_cache.py, kv/state.py): a cache saved after a prefill and
+"""Prompt-cache files (minirun/prompt_cache.py, the caches' state_dict): a cache saved after a prefill and
 loaded into another engine decodes exactly as the first one goes on decoding; files of another
 model, setting or prompt are refused with the reason; unreadable ones are one-line errors; a
 failed write leaves no file; `minirun chat --prompt-cache` prefills once and loads afterwards."""
@@ -14,7 +14,6 @@ import torch
 from minirun import Engine
 from minirun import prompt_cache as pc
 from minirun.errors import MiniRunError
-from minirun.kv import state
 from minirun.prompt_cache import PromptCacheMismatch
 
 PROMPT = list(range(5, 205))          # 200 tokens: past sinks + window below, so the store holds 150
@@ -92,7 +91,7 @@ def test_a_file_of_another_setting_or_prompt_is_refused_and_the_cache_kept(tiny_
     with pytest.raises(PromptCacheMismatch, match="setting kv"):
         Engine.load(d, device="cpu", ctx=512).load_prompt_cache(f)
     # a cache without host keys writes what files did before --rescore existed: those still load
-    assert "host_keys" not in state.signature(a.cache) and "rescore" not in pc.STATE_SETTINGS
+    assert "host_keys" not in a.cache.state_signature() and "rescore" not in pc.STATE_SETTINGS
     with pytest.raises(PromptCacheMismatch, match="cache host_keys: None in the file, True here"):   # (--rescore)
         Engine.load(d, device="cpu", ctx=512, **CASES["hca-0.25"], rescore=True).load_prompt_cache(f)
     # --rescore with an exact-key store keeps no host keys: the same state, the same file

@@ -166,14 +166,6 @@ def test_rescore_below_tau_one_changes_the_weights(tiny_model_dir):
     assert torch.equal(outs["plain", "exact"][0], outs["rescore", "exact"][0])
 
 
-def test_far_positions_with_rescore_say_what_was_measured(tiny_model_dir, capsys):
-    d = tiny_model_dir("gqa-untied")
-    Engine.load(d, device="cpu", ctx=512, kv="hca", groups=8, centroids=32, far_positions="on", rescore=True)
-    assert "--rescore with far positions" in capsys.readouterr().err
-    Engine.load(d, device="cpu", ctx=512, kv="hca", groups=8, centroids=32, rescore=True)
-    assert "--rescore with far positions" not in capsys.readouterr().err
-
-
 def test_host_keys_in_kv_stats_and_the_plan(tiny_model_dir):
     d = tiny_model_dir("gqa-untied")
     ctx = 600

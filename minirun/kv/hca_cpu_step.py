@@ -2,7 +2,7 @@
 
 A decode step with the ring full and the store encoded runs in one kernel call on the CPU
 (kernels_cpu.hca_decode_attend, fastscan.hca_decode_attend_fs, hca_exact_decode_attend): sinks +
-ring exactly, the new token, the selected store tokens, merged by log-sum-exp. HCACache.attend
+ring exactly, the new token, the selected store tokens, merged by log-sum-exp. HCACache._decode_step
 decides when; these methods gather the call's numpy inputs and record what it did. They read the
 cache's state (kv/hca.py documents the tiers) and add none of their own.
 """
@@ -16,7 +16,7 @@ from kernels_cpu import fastscan as fs
 
 
 class OneCallSteps:
-    """HCACache's one-call CPU decode steps (chosen in HCACache.attend)."""
+    """HCACache's one-call CPU decode steps (chosen in HCACache._decode_step)."""
 
     def _attend_decode_step(self, layer, qs, k, v):
         """The common decode step (full ring, encoded store) in one kernel call: sinks + ring

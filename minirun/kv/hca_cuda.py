@@ -56,9 +56,8 @@ import kernels_cuda as kcu
 import kernels_cuda.decode as kcu_decode
 
 from ..errors import MiniRunError
-from .attention import merge, partial_attention
 from .codebooks import Codebooks
-from .hca import HCACache
+from .hca_base import HCABase
 from .hca_graph import CapturedSteps
 from .pinned import PinnedPool
 from .store import GrowingBuffer
@@ -81,35 +80,24 @@ def value_sum_choice(want: str, device: torch.device, rescore: bool) -> str:
     return "host" if why else "gpu"
 
 
-class HCACacheCUDA(CapturedSteps, HCACache):
-    """HCACache with the GPU pipeline above; same tiers, modes and semantics as the CPU class. With
-    the GPU value sum a whole decode token can run inside a CUDA graph (hca_graph.CapturedSteps)."""
-    uses_levels = False   # the GPU selects on float scores (kernels_cuda.threshold_select)
+class HCACacheCUDA(CapturedSteps, HCABase):
+    """The HCA cache with its device tier on a GPU; with the GPU value sum a whole decode token can
+    run inside a CUDA graph (hca_graph.CapturedSteps)."""
 
     def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None,
-                 value_sum: str = "auto", **kw):
-        super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, **kw)
-        L, Hkv, Hq, hd = self.n_layers, self.Hkv, self.Hq, self.hd
+                 value_sum: str = "auto", rescore: bool = False, **kw):
         self._gpu = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
-        store_cap = max(0, capacity - sinks - window)
-        self.value_sum = value_sum_choice(value_sum, device, self.host_keys is not None)
-        self.values = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream,
-                                 mapped=self.value_sum == "gpu")
-        if self.host_keys is not None:   # (rescore) page-locked like the values, written by the same copies
-            self.host_keys = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream)
+        self.value_sum = value_sum_choice(value_sum, device, rescore and not layout.exact_keys)
+        super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, rescore=rescore, **kw)
+        Hq, hd = self.Hq, self.hd
+        if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
         # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut (0 < tau < 1)
-        self._grouped_gather = self._groups_gather("gpu")
-        if self.indices is not None:   # at capacity: doubling a 11 GiB store held old + new + the allocator's
-            # cache (a 4M prompt peaked at 26.9 GB of GPU memory for 11.2 GiB of indices on an H100)
-            self.indices = GrowingBuffer((L, Hkv), layout.groups, self.indices.dtype, store_cap, device=device,
-                                         at_capacity=True)
-        self.exact_keys = GrowingBuffer((L, Hkv), hd, torch.float32, store_cap, device=device)
-        self.z = GrowingBuffer((Hq,), 1, torch.float32, store_cap, device=device)
-        self.sel = GrowingBuffer((Hq,), 1, torch.int32, store_cap, device=device)
-        self.prefill_values = GrowingBuffer((L, Hkv), hd, dtype, store_cap, device=device)   # exact prefill
-        self.anchor_v = None
+        self._grouped_gather = self._groups_gather(self.value_sum)
+        store_cap = max(0, capacity - sinks - window)
+        self.prefill_values = GrowingBuffer((self.n_layers, self.Hkv), hd, dtype, store_cap, device=device)
+        self.anchor_v = None      # the anchor block's values on the device, during an anchor prefill
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
         if codebooks is not None:   # moved to the device once
             self.codebooks = Codebooks(codebooks.centroids.float().to(device).contiguous(), codebooks.source)
@@ -125,13 +113,32 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         self._cs_host = self._host_empty((hd,), torch.float32)   # far turn [cos | sin] of position _cs_pos
         self._cs_pos = None
         self._cs_event = torch.cuda.Event() if self._gpu else None
-        # the exact tier with one spare row per layer and kv-head: a decode step's own token goes
-        # there (decode_prep), so one attend launch covers sinks + ring + the token
-        SW = self.ek.shape[2]
-        self._ekx = torch.zeros(L, Hkv, SW + 1, hd, dtype=self.ek.dtype, device=device)
+
+    def _make_exact_tier(self, shape, dtype) -> tuple:
+        """Sinks + ring with one spare row per layer and kv-head: a decode step's own token goes
+        there (decode_prep), so one attend launch covers sinks + ring + the token."""
+        L, Hkv, SW, hd = shape
+        self._ekx = torch.zeros(L, Hkv, SW + 1, hd, dtype=dtype, device=self.device)
         self._evx = torch.zeros_like(self._ekx)
-        self.ek, self.ev = self._ekx[:, :, :SW], self._evx[:, :, :SW]
-        self._numpy_exact_tier, self._ek_np, self._ev_np = False, None, None   # (the CPU class's one-call steps)
+        return self._ekx[:, :, :SW], self._evx[:, :, :SW]
+
+    def _make_store(self, store_cap: int, host_keys: bool) -> tuple:
+        """Values (and --rescore's keys) in page-locked host pools, allocated once at capacity
+        (kv/pinned.py), mapped for the GPU's value sum; indices at capacity on the device (doubling
+        an 11 GiB store held old + new + the allocator's cache: a 4M prompt peaked at 26.9 GB)."""
+        L, Hkv, hd, dev, vdt = self.n_layers, self.Hkv, self.hd, self.device, self.values_dtype
+        idx_dt = torch.uint8 if self.layout.index_bytes == 1 else torch.int16
+        return (PinnedPool((L, Hkv), hd, vdt, store_cap, dev, self._copy_stream, mapped=self.value_sum == "gpu"),
+                PinnedPool((L, Hkv), hd, vdt, store_cap, dev, self._copy_stream) if host_keys else None,
+                None if self.layout.exact_keys else GrowingBuffer((L, Hkv), self.layout.groups, idx_dt, store_cap,
+                                                                  device=dev, at_capacity=True),
+                GrowingBuffer((L, Hkv), hd, torch.float32, store_cap, device=dev),
+                GrowingBuffer((self.Hq,), 1, torch.float32, store_cap, device=dev),
+                GrowingBuffer((self.Hq,), 1, torch.int32, store_cap, device=dev))
+
+    def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
+        """Exact prefill: the device copy of the store's values; anchor: the anchor block's."""
+        return self.prefill_values.view(layer, n) if self.mode == "exact" else self.anchor_v[layer, :, :n]
 
     @staticmethod
     def backend_options(config) -> dict:
@@ -154,11 +161,6 @@ class HCACacheCUDA(CapturedSteps, HCACache):
                                + (" (--rescore sums on the host)" if self.host_keys is not None else ""))
         self.value_sum = choice
         self._grouped_gather = self._groups_gather(choice)
-
-    @staticmethod
-    def exact_tier_dtype(dtype, device):
-        """The compute dtype: the CUDA kernels read bfloat16 (and the emulator runs them as they are)."""
-        return dtype
 
     def _host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=self._gpu)
@@ -184,30 +186,11 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         return {"kernels_cuda": k, "torch": t, "memcpy": 2 if value_sum == "host" else 0}
 
     # ---- attention ----------------------------------------------------------------------------
-    def attend(self, layer, q, k, v):
-        """q [T, Hq, hd], k, v [T, Hkv, hd] at positions offset.. -> [T, Hq, hd]. Stages k, v."""
-        T = q.shape[0]
-        self._staged[layer] = (k, v)
-        if T == 1 and self.mode == "hca" and self.n_store > 0:   # (a short ring: its dead slots masked)
-            return self._decode_step(layer, q, k, v)
-        qs = q.float() * self._q_scale(T)
-        qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
-        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)   # torch, on the device
-        n = self.n_store
-        if n == 0:
-            return o1.to(q.dtype)
-        if self.mode == "exact":
-            o2, m2, l2 = partial_attention(qf, self.exact_keys.view(layer, n), self.prefill_values.view(layer, n))
-        elif self.mode == "anchor":
-            na = min(self.anchor_k.shape[2], n)
-            o2, m2, l2 = partial_attention(qf, self.anchor_k[layer, :, :na], self.anchor_v[layer, :, :na])
-        else:
-            o2, m2, l2 = self._attend_store_hca(layer, qf)
-        o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
-        return o.to(q.dtype)
-
     def _decode_step(self, layer, q, k, v):
-        """One token: q [1, Hq, hd], k, v [1, Hkv, hd] (model dtype) -> [1, Hq, hd] (model dtype)."""
+        """One token in hca mode with a store (a short ring: its dead slots masked): q [1, Hq, hd],
+        k, v [1, Hkv, hd] (model dtype) -> [1, Hq, hd] (model dtype); None otherwise."""
+        if self.mode != "hca" or self.n_store == 0:
+            return None
         ds = self._decode_kernels()
         S, W = self.S, self.W
         far = self.far is not None
@@ -280,7 +263,7 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         return ds.attend(L, qf, ek, ev, self.q2k_dev, S, None if valid is None else valid[:S], P) if S else P
 
     def _exact_valid_dev(self):
-        """The live sinks + ring slots (HCACache._exact_valid) plus the new token's spare row as a
+        """The live sinks + ring slots (HCABase._exact_valid) plus the new token's spare row as a
         device uint8 [S + W + 1] mask while the ring is short after a truncate (one small
         host->device copy per step, shared by the layers), else None: the launches read every row."""
         valid = self._exact_valid()
