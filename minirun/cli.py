@@ -117,8 +117,10 @@ def main(argv=None):
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:   # (a bad option value: one line, not click's usage block)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see {ctx.command_path} -h)" if isinstance(e, click.UsageError) and ctx else ""
+        click.echo(f"error: {e.format_message().rstrip('.')}{hint}", err=True)
         sys.exit(e.exit_code)
     except MiniRunError as e:
         click.echo(f"error: {e}", err=True)

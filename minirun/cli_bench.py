@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import CTX
+from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU
 from .config import KV_BUDGET_PRESETS, hca_setting
 from .errors import MiniRunError
 
@@ -98,26 +98,26 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-p", "--n-prompt", default="512", show_default=True,
               help="pp tests: comma-separated prompt lengths (\"\" for none)")
-@click.option("-n", "--n-gen", type=int, default=32, show_default=True,
+@click.option("-n", "--n-gen", type=AT_LEAST_0, default=32, show_default=True,
               help="tokens decoded in each tg test (0: no tg tests)")
 @click.option("-d", "--depth", default="0", show_default=True, help="tg tests: comma-separated context depths")
 @click.option("--kv", "kv_modes", default="dense,hca", show_default=True, help="KV modes: dense and/or hca")
 @click.option("--kv-budget", "budgets", default="0.125", show_default=True,
               help="HCA budgets, comma-separated: 0.5, 0.25, 0.125, or gGcC codebooks such as g64c16 "
                    "(one engine each)")
-@click.option("-r", "--reps", type=int, default=3, show_default=True, help="timed repetitions (after one warm-up)")
+@click.option("-r", "--reps", type=AT_LEAST_1, default=3, show_default=True, help="timed repetitions (after one warm-up)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
 @click.option("--ctx", type=AutoCtxType(), default="auto", show_default=True,
               help="cache size of every engine (K/M suffixes); auto: the largest test, rounded up to 256")
-@click.option("--threads", type=int, default=None, help="CPU threads for torch")
-@click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head")
-@click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
-@click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
+@click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: attention mass kept per head")
+@click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
+@click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
 @click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="off", show_default=True,
               help="HCA: old tokens at one distance, or grouped: compressed distances (auto: on when the ctx "
                    "passes the model's trained context)")
-@click.option("--max-select", type=int, default=None,
+@click.option("--max-select", type=AT_LEAST_1, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @click.option("--rescore", is_flag=True,
               help="HCA: keep the keys on the host too and weight the selected tokens by exact scores")
@@ -135,10 +135,6 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
     modes = _modes(kv_modes, budgets)
-    if reps < 1:
-        raise MiniRunError("--reps must be at least 1")
-    if n_gen < 0:
-        raise MiniRunError("-n must not be negative")
     if plot_path:
         b.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
@@ -169,8 +165,8 @@ available {host, device}, fits (null when no GPU figure is known), host_fits, la
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
               help="where the device tiers go (cpu: everything is host memory)")
-@click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
-@click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
+@click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
 @click.option("--rescore", is_flag=True, help="HCA: the store's keys on the host too (see chat --rescore)")
 @click.option("--gpu-mem", type=SizeType(), default=None,
               help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
