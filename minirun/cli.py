@@ -95,7 +95,10 @@ def pull(name, models_dir):
 @click.argument("gguf_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--overwrite", is_flag=True)
+@click.option("--overwrite", is_flag=True,
+              help="convert into a directory that is not empty: replaces the model files a conversion writes "
+                   "(config, weights, tokenizer; calibrated codebooks, made for the old weights, are removed) "
+                   "and leaves every other file")
 def convert(gguf_file, out_dir, dtype, overwrite):
     """Convert a Llama-architecture GGUF file into a Hugging Face-format directory."""
     from .convert import convert_gguf

@@ -6,14 +6,18 @@ writes `config.json`, `model.safetensors` (shards plus `model.safetensors.index.
 larger than `shard_bytes`), `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
 Quantized tensors are dequantized with `gguf.quants`; llama.cpp's row permutation of the Q and K
 projections is undone, so the result is laid out exactly like a `transformers` Llama checkpoint.
-The directory appears atomically: it is built next to `out_dir` and renamed into place at the end.
+The files are written into a temporary directory next to `out_dir` and moved into place at the end; with
+`overwrite`, only the files a conversion writes (and calibrated codebooks) are replaced in an existing
+directory, never anything else in it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +32,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
                   "half": "float16", "float": "float32"}
 DEFAULT_SHARD_BYTES = 4 * 2**30
+# what a conversion writes (and shards model-0000i-of-0000n.safetensors): all that `overwrite` replaces
+CONVERSION_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "model.safetensors", "model.safetensors.index.json")
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -61,6 +68,25 @@ def _supported_types() -> set:
 # reading
 
 
+class _Truncated(Exception):
+    def __init__(self, size: int, needed: int):
+        self.size, self.needed = size, needed
+
+
+def _checked_reader():
+    """gguf.GGUFReader whose reads past the end of the file raise _Truncated (the reader slices its
+    memmap, so a short file otherwise fails later as a reshape of too few bytes)."""
+    from gguf import GGUFReader
+
+    class CheckedReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise _Truncated(len(self.data), end)
+            return super()._get(offset, dtype, count, override_order)
+    return CheckedReader
+
+
 def open_gguf(gguf_path: str | os.PathLike):
     """A `gguf.GGUFReader` for `gguf_path`, or a one-line CheckpointError if it is not a GGUF."""
     path = Path(gguf_path)
@@ -70,11 +96,12 @@ def open_gguf(gguf_path: str | os.PathLike):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise CheckpointError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-    from gguf import GGUFReader
-
     try:
-        return GGUFReader(path, "r")
-    except Exception as e:  # truncated or corrupt files raise all sorts of things
+        return _checked_reader()(path, "r")
+    except _Truncated as e:
+        raise CheckpointError(f"GGUF file {path} is truncated: {e.size} bytes, its header describes at least "
+                              f"{e.needed} (an incomplete download or copy?)") from None
+    except Exception as e:  # corrupt files raise all sorts of things
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"cannot read GGUF file {path}: {msg}") from None
 
@@ -285,23 +312,62 @@ def _write_json(path: Path, obj: Any) -> None:
         f.write("\n")
 
 
-def _prepare_target(out: Path, overwrite: bool) -> None:
+def is_conversion_file(name: str) -> bool:
+    """Whether a file in a model directory is one a conversion writes or one derived from its weights
+    (calibrated codebooks): what `overwrite` replaces. Anything else in the directory is left alone."""
+    return (name in CONVERSION_FILES or name.startswith("codebooks-") and name.endswith(".safetensors")
+            or bool(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name)))
+
+
+def _prepare_target(out: Path, source: Path, overwrite: bool) -> None:
+    """Refuse (one line) what would lose something: a file where the directory goes, a directory
+    holding files without `overwrite`, a source the conversion would replace."""
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"output path {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"output directory {out} is not empty (pass overwrite=True to replace it)")
+        raise CheckpointError(f"output directory {out} is not empty: --overwrite replaces the model files in it "
+                              f"(config, weights, tokenizer, codebooks) and leaves every other file")
+    if os.path.realpath(source.parent) == os.path.realpath(out) and is_conversion_file(source.name):
+        raise CheckpointError(f"{source} would be replaced by the conversion's own {source.name}: "
+                              f"convert into another directory")
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
+def _move(src: Path, dst: Path) -> None:
+    try:
+        os.replace(src, dst)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        shutil.move(str(src), str(dst))       # (a directory that is a mount point of its own)
+
+
 def _install(tmp: Path, out: Path) -> None:
-    """Move the finished temp directory to `out`, replacing what was there."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "x")
-    os.replace(tmp, out)
-    if old is not None:
+    """Move the finished files of `tmp` into `out`. A new directory is renamed into place whole; into
+    an existing one (overwrite, or an empty one such as `.`) the model files it held move aside, the
+    new ones move in, and the old ones are deleted last: on a failure they are put back."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    moved_out, moved_in = [], []
+    try:
+        for f in sorted(out.iterdir()):
+            if f.is_file() and is_conversion_file(f.name):
+                _move(f, old / f.name)
+                moved_out.append(f.name)
+        for f in sorted(tmp.iterdir()):
+            _move(f, out / f.name)
+            moved_in.append(f.name)
+    except BaseException:
+        for name in moved_in:
+            (out / name).unlink(missing_ok=True)
+        for name in moved_out:
+            _move(old / name, out / name)
         shutil.rmtree(old, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    tmp.rmdir()
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32",
@@ -318,7 +384,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     path = Path(gguf_path)
-    out = Path(out_dir)
+    out = Path(os.path.abspath(out_dir))     # ("." has no name, and no parent to build beside it in)
     reader = open_gguf(path)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
@@ -360,8 +426,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         raise CheckpointError(f"{path}: cannot build the tokenizer: {str(e).splitlines()[0] if str(e) else e!r}") from None
     tok_config = build_tokenizer_config(meta, config["max_position_embeddings"])
 
-    _prepare_target(out, overwrite)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _prepare_target(out, path, overwrite)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise CheckpointError(f"cannot write beside {out} (in {out.parent}): {e.strerror}") from None
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -377,4 +446,4 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+    return Path(out_dir)
