@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import click
@@ -134,6 +135,8 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
           far_positions, max_select, rescore, cuda_graphs, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
+    from .pull import find_model
+    model = find_model(model)
     modes = _modes(kv_modes, budgets)
     if plot_path:
         b.check_plot()
@@ -152,19 +155,34 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
 PLAN_EPILOG = """\b
 JSON fields: ctx, kv, kv_budget (a number, or "gGcC" for explicit codebooks), dtype, device, params,
 tiers [{tier, where, bytes, bytes_per_token, transient}], device_bytes, host_bytes, dense_bytes_per_token,
-available {host, device}, fits (null when no GPU figure is known), host_fits, largest_ctx, note.
+available {host, device}, fits (null when no GPU figure is known), host_fits, largest_ctx (null when no
+GPU figure is known), prompt_cache_bytes, trained_ctx (config.json's max_position_embeddings),
+ctx_note (when --ctx passes it), note.
+
+\b
+Exit status: 0 when it fits (or no GPU figure is known and the host side fits), 1 when it does not.
 """
+
+
+def plan_device(device: str, gpu_mem: int | None) -> str:
+    """--device auto as chat and generate resolve it (cuda when torch sees a GPU, else cpu), and cuda
+    when --gpu-mem names a GPU to plan for."""
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if gpu_mem is not None or torch.cuda.is_available() else "cpu"
 
 
 @click.command(epilog=PLAN_EPILOG)
 @click.argument("model_or_config", type=click.Path(path_type=Path))
 @click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size (K/M suffixes: 4M = 4194304)")
-@click.option("--kv", type=click.Choice(["dense", "hca"]), default="hca", show_default=True)
-@click.option("--kv-budget", default="0.125", show_default=True,
+@click.option("--kv", type=click.Choice(["dense", "hca"]), default="dense", show_default=True)
+@click.option("--kv-budget", default="0.25", show_default=True,
               help="HCA key store: a budget (0.5, 0.25, 0.125) or gGcC codebooks such as g64c16")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
-              help="where the device tiers go (cpu: everything is host memory)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="where the device tiers go (cpu: everything is host memory; auto: cuda when torch sees a GPU "
+                   "or --gpu-mem is given, else cpu)")
 @click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
 @click.option("--rescore", is_flag=True, help="HCA: the store's keys on the host too (see chat --rescore)")
@@ -172,13 +190,18 @@ available {host, device}, fits (null when no GPU figure is known), host_fits, la
               help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, rescore, gpu_mem, output):
-    """Bytes of every memory tier for a context, before anything is allocated, and whether it fits.
+    """Bytes of every memory tier for a context, before anything is allocated, and whether it fits
+    (the defaults are those of chat and generate).
 
     MODEL_OR_CONFIG: a model directory or a bare config.json (no weights needed)."""
     from .config import EngineConfig, ModelArgs
     from .planner import format_plan, plan_report
-    args = ModelArgs.from_path(model_or_config)
+    from .pull import find_model
+    args = ModelArgs.from_path(find_model(model_or_config))
+    device = plan_device(device, gpu_mem)
     cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks, rescore=rescore,
                        **hca_setting(kv_budget))
     report = plan_report(args, cfg, device, gpu_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))
+    if report["fits"] is False or (report["fits"] is None and not report["host_fits"]):
+        sys.exit(1)

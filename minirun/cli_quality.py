@@ -58,6 +58,8 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
     """Fit key codebooks on text and write codebooks-g{G}-c{C}[-unrotated].safetensors into MODEL."""
     from .calibrate import calibrate as run
     from .config import ModelArgs
+    from .pull import find_model
+    model = find_model(model)
     if threads:
         import torch
         torch.set_num_threads(threads)
@@ -113,6 +115,8 @@ def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey
     from .config import ModelArgs
     from .evaluate import format_markdown, run_grid
     from .tokenizer import Tokenizer
+    from .pull import find_model
+    model = find_model(model)
     ModelArgs.from_path(model)                                   # a bad model dir: one line, before any work
     text, source = read_text(data, part="evaluation")
     ids = Tokenizer(model).encode(text)

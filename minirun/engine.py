@@ -45,6 +45,24 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def not_a_model_dir(path: Path) -> str:
+    """Why `path` cannot be loaded, in one line: a GGUF file is pointed at the command converting it."""
+    if not path.exists():
+        return f"no such model directory: {path}"
+    if path.is_file():
+        from .convert import GGUF_MAGIC
+        with open(path, "rb") as f:
+            if f.read(4) == GGUF_MAGIC:
+                import shlex
+                out = path.with_name(path.name.split(".")[0] or path.stem)
+                out = out if out != path else path.with_name(path.name + "-hf")
+                return (f"{path} is a GGUF file: convert it once with `minirun convert {shlex.quote(str(path))} "
+                        f"{shlex.quote(str(out))}`, then give {out}")
+        if path.name == "config.json":
+            return f"{path} is a config.json: give the model directory holding it, {path.parent}"
+    return f"{path} is not a model directory (a Hugging Face-format directory with config.json)"
+
+
 class Engine:
     """One model, one tokenizer, one sequence's cache. Not thread-safe."""
 
@@ -77,9 +95,9 @@ class Engine:
              **kwargs) -> "Engine":
         """Load a Hugging Face-format Llama directory. kwargs: any EngineConfig field."""
         path = Path(path)
+        config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)   # (bad settings first)
         if not path.is_dir():
-            raise CheckpointError(f"no such model directory: {path}")
-        config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)
+            raise CheckpointError(not_a_model_dir(path))
         if config.threads:
             torch.set_num_threads(config.threads)
             kernels_cpu.set_num_threads(config.threads)
