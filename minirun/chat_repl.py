@@ -75,19 +75,20 @@ def stop_on_sigint():
         signal.signal(signal.SIGINT, previous)
 
 
-def fit_conversation(eng, messages: list[dict], keep: int, room: int) -> tuple[list[int], int]:
+def fit_conversation(eng, messages: list[dict], keep: int, room: int,
+                     kept: str = "the system prompt") -> tuple[list[int], int]:
     """llama.cpp's context shift, a turn at a time: the prompt of `messages` with the oldest turns
     (user + assistant pairs after the first `keep` messages: the system prompt with the document)
     left out until `room` tokens for the answer remain in the context; the newest message is always
     kept. -> (prompt ids, messages left out). ContextError when even the newest message with the
-    kept ones leaves no room for an answer."""
+    kept ones (`kept` names them in the message) leaves no room for one answer token."""
     ctx, drop = eng.config.ctx, 0
     ids = eng.chat_prompt(messages)
     while len(ids) + room > ctx and keep + drop + 1 < len(messages):
         drop = min(drop + 2, len(messages) - 1 - keep)
         ids = eng.chat_prompt(messages[:keep] + messages[keep + drop:])
     if len(ids) >= ctx:
-        what = "the system prompt and the document" if keep else "the chat template"
+        what = kept if keep else "the chat template"
         raise ContextError(f"this message does not fit: {len(ids)} tokens with {what}, the context holds {ctx} "
                            f"(--ctx) even with every earlier turn dropped: send a shorter one, or restart with a "
                            f"larger --ctx")
@@ -150,13 +151,14 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
             continue
         messages.append({"role": "user", "content": line})
         try:
-            ids, dropped = fit_conversation(eng, messages, len(base), room=max(1, min(max_tokens, eng.config.ctx // 4)))
+            kept = "the system prompt and the document" if file else "the system prompt"
+            ids, dropped = fit_conversation(eng, messages, len(base), room=max(1, min(max_tokens, eng.config.ctx // 4)),
+                                            kept=kept)
             if dropped:
                 del messages[len(base):len(base) + dropped]
                 turns = (dropped + 1) // 2
                 what = "the oldest turn" if turns == 1 else f"the {turns} oldest turns"
-                kept = f" ({'the document' if file else 'the system prompt'} kept)" if base else ""
-                click.echo(f"[context full: {what} left out to make room{kept}]", err=True)
+                click.echo(f"[context full: {what} left out to make room{f' ({kept} kept)' if base else ''}]", err=True)
             text, interrupted, raised = "", False, False
             try:
                 with stop_on_sigint() as stopped:

@@ -99,8 +99,7 @@ def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, th
                 max_select=None, length_scale="off", rescore=False, cuda_graphs=False, **extra):
     from .engine import Engine
     from .config import hca_setting
-    from .pull import find_model
-    eng = Engine.load(find_model(model), device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
+    eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
                       threads=threads, far_positions=far_positions, max_select=max_select, length_scale=length_scale,
                       rescore=rescore, cuda_graphs=cuda_graphs, **hca_setting(kv_budget),
                       **extra)

@@ -93,8 +93,10 @@ class Engine:
     @classmethod
     def load(cls, path, device: str = "auto", dtype: str = "float32", ctx=8192, kv: str = "dense",
              **kwargs) -> "Engine":
-        """Load a Hugging Face-format Llama directory. kwargs: any EngineConfig field."""
-        path = Path(path)
+        """Load a Hugging Face-format Llama directory (or one named in the models directory: pull.find_model).
+        kwargs: any EngineConfig field."""
+        from .pull import find_model
+        path = find_model(path)          # (a name in the models directory: "smollm2")
         config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)   # (bad settings first)
         if not path.is_dir():
             raise CheckpointError(not_a_model_dir(path))

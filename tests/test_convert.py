@@ -333,11 +333,6 @@ def test_pull_errors(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir():
-    return pull_mod.pull("smollm2", REPO / "models", progress=False)
-
-
-@pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory):
     return pull_mod.fetch_gguf("smollm2", tmp_path_factory.mktemp("gguf"), progress=False)
 
