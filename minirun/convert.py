@@ -13,11 +13,9 @@ directory, never anything else in it.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,15 +24,13 @@ from typing import Any
 import numpy as np
 
 from .errors import CheckpointError
+from .model_files import install, prepare_target
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
                   "half": "float16", "float": "float32"}
 DEFAULT_SHARD_BYTES = 4 * 2**30
-# what a conversion writes (and shards model-0000i-of-0000n.safetensors): all that `overwrite` replaces
-CONVERSION_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                    "model.safetensors", "model.safetensors.index.json")
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -312,64 +308,6 @@ def _write_json(path: Path, obj: Any) -> None:
         f.write("\n")
 
 
-def is_conversion_file(name: str) -> bool:
-    """Whether a file in a model directory is one a conversion writes or one derived from its weights
-    (calibrated codebooks): what `overwrite` replaces. Anything else in the directory is left alone."""
-    return (name in CONVERSION_FILES or name.startswith("codebooks-") and name.endswith(".safetensors")
-            or bool(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name)))
-
-
-def _prepare_target(out: Path, source: Path, overwrite: bool) -> None:
-    """Refuse (one line) what would lose something: a file where the directory goes, a directory
-    holding files without `overwrite`, a source the conversion would replace."""
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"output path {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"output directory {out} is not empty: --overwrite replaces the model files in it "
-                              f"(config, weights, tokenizer, codebooks) and leaves every other file")
-    if os.path.realpath(source.parent) == os.path.realpath(out) and is_conversion_file(source.name):
-        raise CheckpointError(f"{source} would be replaced by the conversion's own {source.name}: "
-                              f"convert into another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _move(src: Path, dst: Path) -> None:
-    try:
-        os.replace(src, dst)
-    except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        shutil.move(str(src), str(dst))       # (a directory that is a mount point of its own)
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Move the finished files of `tmp` into `out`. A new directory is renamed into place whole; into
-    an existing one (overwrite, or an empty one such as `.`) the model files it held move aside, the
-    new ones move in, and the old ones are deleted last: on a failure they are put back."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    moved_out, moved_in = [], []
-    try:
-        for f in sorted(out.iterdir()):
-            if f.is_file() and is_conversion_file(f.name):
-                _move(f, old / f.name)
-                moved_out.append(f.name)
-        for f in sorted(tmp.iterdir()):
-            _move(f, out / f.name)
-            moved_in.append(f.name)
-    except BaseException:
-        for name in moved_in:
-            (out / name).unlink(missing_ok=True)
-        for name in moved_out:
-            _move(old / name, out / name)
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    tmp.rmdir()
-
-
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32",
                  progress: bool = True, overwrite: bool = False,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
@@ -426,7 +364,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         raise CheckpointError(f"{path}: cannot build the tokenizer: {str(e).splitlines()[0] if str(e) else e!r}") from None
     tok_config = build_tokenizer_config(meta, config["max_position_embeddings"])
 
-    _prepare_target(out, path, overwrite)
+    prepare_target(out, path, overwrite)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as e:
@@ -442,7 +380,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         _write_weights(items, tmp, dtype, meta, shard_bytes, progress)
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600 files
-        _install(tmp, out)
+        install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from minirun.cli import main
-from minirun.convert import convert_gguf, is_conversion_file
+from minirun.convert import convert_gguf
+from minirun.model_files import is_conversion_file
 from minirun.errors import CheckpointError
 from test_convert import bpe_vocab, tiny_weights, train_bpe, write_gguf
 
@@ -118,3 +119,29 @@ def test_truncated_gguf_is_named_truncated(tmp_path, gguf_bytes, capsys, keep):
     code, _, err = cli(["convert", str(tmp_path / "cut.gguf"), str(tmp_path / "out")], capsys)
     assert code == 1 and "is truncated" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_install_puts_the_old_model_back(tmp_path, gguf_bytes, monkeypatch):
+    """Interrupted while the new files move in: the model files that were there are back, unchanged,
+    the unrelated ones untouched, and no temporary directory is left."""
+    from minirun import model_files
+    src = tmp_path / "m.gguf"
+    src.write_bytes(gguf_bytes)
+    out = tmp_path / "model"
+    convert_gguf(src, out, progress=False)
+    put(out, UNRELATED)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    n_model = sum(model_files.is_conversion_file(name) for name in before)
+    real, calls = model_files._move, []
+
+    def failing(a, b):
+        calls.append(a)
+        if len(calls) == n_model + 3:                            # all old model files moved aside, two new ones in
+            raise KeyboardInterrupt
+        return real(a, b)
+    monkeypatch.setattr(model_files, "_move", failing)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(src, out, progress=False, overwrite=True, dtype="float16")
+    monkeypatch.setattr(model_files, "_move", real)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "model"]
