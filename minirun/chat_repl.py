@@ -159,6 +159,10 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
                 turns = (dropped + 1) // 2
                 what = "the oldest turn" if turns == 1 else f"the {turns} oldest turns"
                 click.echo(f"[context full: {what} left out to make room{f' ({kept} kept)' if base else ''}]", err=True)
+                if prefix:     # as /reset: the document stays where the cache can drop what followed it
+                    eng.rewind(len(prefix))
+                    if eng.cache.offset < len(prefix) and prompt_cache:
+                        prefill_document(eng, prefix, prompt_cache)
             text, interrupted, raised = "", False, False
             try:
                 with stop_on_sigint() as stopped:

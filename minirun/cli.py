@@ -132,6 +132,9 @@ def main(argv=None):
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:   # (a bad option value: one line, not click's usage block)
+        if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):   # (`minirun` alone: the help)
+            e.show()
+            sys.exit(e.exit_code)
         ctx = getattr(e, "ctx", None)
         hint = f" (see {ctx.command_path} -h)" if isinstance(e, click.UsageError) and ctx else ""
         click.echo(f"error: {e.format_message().rstrip('.')}{hint}", err=True)

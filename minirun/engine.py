@@ -48,6 +48,9 @@ def resolve_device(device: str) -> torch.device:
 def not_a_model_dir(path: Path) -> str:
     """Why `path` cannot be loaded, in one line: a GGUF file is pointed at the command converting it."""
     if not path.exists():
+        if len(path.parts) == 1:
+            from .pull import default_models_dir
+            return f"no such model directory: {path} (nor a model of that name in {default_models_dir()})"
         return f"no such model directory: {path}"
     if path.is_file():
         from .convert import GGUF_MAGIC

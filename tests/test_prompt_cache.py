@@ -172,11 +172,11 @@ def test_a_damaged_file_is_prefilled_again_and_rewritten(tiny_model_dir, tmp_pat
     doc = tmp_path / "doc.txt"
     doc.write_text("tokens of a document. " * 20)
     f = tmp_path / "doc.kv"
-    first = _generate(d, f, "-f", str(doc))
+    first = _generate(d, f, "-f", str(doc), "--kv", "dense")
     bad = bytearray(f.read_bytes())
     bad[-20:-10] = bytes(10)
     f.write_bytes(bad)
-    again = _generate(d, f, "-f", str(doc))
+    again = _generate(d, f, "-f", str(doc), "--kv", "dense")
     assert again.returncode == 0 and again.stdout == first.stdout
     assert "is damaged: its data does not match its checksum: prefilling the prompt]" in again.stderr
     assert "written to" in again.stderr                     # rewritten: the next run loads it
