@@ -48,14 +48,14 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
 TINY = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True, rope_theta=10000.0,
             rms_norm_eps=1e-5, max_position_embeddings=2048)
-TINY_BIG = dict(TINY, num_hidden_layers=3, hidden_size=512, num_attention_heads=8)
+TINY_BIG = dict(TINY, num_hidden_layers=3, hidden_size=384, num_attention_heads=6, num_key_value_heads=2)
 
 # depths, tokens per timed rep (each rep also stops after rep_s seconds, after 2 tokens at least),
 # timed reps, the selection cap, HCA's exact tiers and when fitted codebooks are made
 SCALES = {
     "full": dict(small=SMOLLM2, big=LLAMA3_8B, short=8192, long=131072, deep=1 << 20, n=32, reps=2, rep_s=3.0,
                  cap=2048, dtype="bfloat16", hca=dict()),
-    "tiny": dict(small=TINY, big=TINY_BIG, short=256, long=1024, deep=3072, n=4, reps=1, rep_s=5.0,
+    "tiny": dict(small=TINY, big=TINY_BIG, short=256, long=1024, deep=2048, n=4, reps=1, rep_s=5.0,
                  cap=64, dtype="bfloat16", hca=dict(window=64, sinks=4, fit_min_tokens=128, anchor_tokens=256,
                                                      exact_prefill_max=1024, prefill_chunk=512)),
 }
