@@ -67,7 +67,8 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
     if prompt_cache_ro and prompt_cache is None:
         raise MiniRunError("--prompt-cache-ro reads the file of --prompt-cache: give it")
     if prompt_cache_ro and not prompt_cache.is_file():
-        raise MiniRunError(f"--prompt-cache-ro: no such file {prompt_cache} (without --prompt-cache-ro, the first run writes it)")
+        raise MiniRunError(f"--prompt-cache-ro: no such file {prompt_cache} (without --prompt-cache-ro, the first "
+                           f"run writes it)")
     if file_ is not None:
         prompt = read_document(file_)
     eng_kw, sampling = split_kwargs(kw)

@@ -105,10 +105,10 @@ class ModelArgs:
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
+            if self.hidden_size < self.num_attention_heads:
                 raise CheckpointError(
-                    f"config.json: hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
-                    f"{self.num_attention_heads}, and no head_dim is given")
+                    f"config.json: num_attention_heads={self.num_attention_heads} is more than hidden_size="
+                    f"{self.hidden_size}, and no head_dim is given")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_dim % 2:
             raise CheckpointError(f"config.json: head_dim={self.head_dim} is odd (rotary embeddings turn pairs)")
