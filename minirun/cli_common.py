@@ -1,6 +1,8 @@
 """Pieces shared by the click commands (kept apart from cli.py so `python -m minirun.cli` works)."""
 from __future__ import annotations
 
+import math
+
 import click
 
 from .config import parse_ctx
@@ -21,6 +23,23 @@ class CtxType(click.ParamType):
 CTX = CtxType()
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (nan compares false with every bound)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
+# numeric options' ranges, checked where click parses them: before any model is loaded
+AT_LEAST_1 = click.IntRange(min=1)
+AT_LEAST_0 = click.IntRange(min=0)
+SEED = click.IntRange(min=0, max=2**64 - 1)          # (torch.Generator.manual_seed's range)
+TAU = FiniteFloatRange(0.0, 1.0, min_open=True)
+
+
 def engine_options(f):
     """Options shared by every command that loads a model."""
     opts = [
@@ -31,9 +50,9 @@ def engine_options(f):
         click.option("--kv-budget", default="0.25", show_default=True,
                      help="HCA key store: a device-memory preset relative to dense (0.5, 0.25, 0.125) or "
                           "gGcC codebooks (g64c16: 4-bit codes, fast on CPUs with AVX2)"),
-        click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
-        click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
-        click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
+        click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
+        click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact"),
+        click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact"),
         click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="auto", show_default=True,
                      help="HCA: attend to tokens older than the window at one distance (1024), or grouped: at "
                           "their distances compressed to fit the model's trained context, for contexts past it "
@@ -41,14 +60,14 @@ def engine_options(f):
         click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
                      help="HCA: scale attention logits by log(n) / log(trained context) past the trained "
                           "context (auto: on when --ctx passes it); see docs/QUALITY.md"),
-        click.option("--max-select", type=int, default=None,
+        click.option("--max-select", type=AT_LEAST_1, default=None,
                      help="HCA: attend to at most this many old tokens per head and step, the top-scoring "
                           "(bounds decode time where attention is diffuse; default: tau alone)"),
         click.option("--rescore", is_flag=True,
                      help="HCA: keep the old tokens' keys on the host beside their values and weight the "
                           "selected tokens by exact scores (codebooks only select): answers closer to dense "
                           "attention for twice the host memory; see docs/QUALITY.md"),
-        click.option("--threads", type=int, default=None, help="CPU threads for torch"),
+        click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch"),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="GPU: replay each decode token from a CUDA graph where the cache allows it (dense; "
                           "HCA summing values on the GPU): one launch instead of hundreds"),
@@ -61,13 +80,13 @@ def engine_options(f):
 def sampling_options(temperature: float, max_tokens: int):
     def deco(f):
         opts = [
-            click.option("-n", "--max-tokens", type=int, default=max_tokens, show_default=True),
-            click.option("--temperature", "--temp", type=float, default=temperature, show_default=True),
-            click.option("--top-k", type=int, default=0, show_default=True),
-            click.option("--top-p", type=float, default=1.0 if temperature == 0 else 0.9, show_default=True),
-            click.option("--min-p", type=float, default=0.0, show_default=True),
-            click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
-            click.option("--seed", type=int, default=None),
+            click.option("-n", "--max-tokens", type=AT_LEAST_0, default=max_tokens, show_default=True),
+            click.option("--temperature", "--temp", type=FiniteFloatRange(min=0.0), default=temperature, show_default=True),
+            click.option("--top-k", type=AT_LEAST_0, default=0, show_default=True),
+            click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=1.0 if temperature == 0 else 0.9, show_default=True),
+            click.option("--min-p", type=FiniteFloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True),
+            click.option("--repetition-penalty", type=FiniteFloatRange(min=0.0, min_open=True), default=1.0, show_default=True),
+            click.option("--seed", type=SEED, default=None),
             click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-sequence tokens"),
         ]
         for o in reversed(opts):

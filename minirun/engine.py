@@ -43,6 +43,27 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def not_a_model_dir(path: Path) -> str:
+    """Why `path` cannot be loaded, in one line: a GGUF file is pointed at the command converting it."""
+    if not path.exists():
+        if len(path.parts) == 1:
+            from .pull import default_models_dir
+            return f"no such model directory: {path} (nor a model of that name in {default_models_dir()})"
+        return f"no such model directory: {path}"
+    if path.is_file():
+        from .convert import GGUF_MAGIC
+        with open(path, "rb") as f:
+            if f.read(4) == GGUF_MAGIC:
+                import shlex
+                out = path.with_name(path.name.split(".")[0] or path.stem)
+                out = out if out != path else path.with_name(path.name + "-hf")
+                return (f"{path} is a GGUF file: convert it once with `minirun convert {shlex.quote(str(path))} "
+                        f"{shlex.quote(str(out))}`, then give {out}")
+        if path.name == "config.json":
+            return f"{path} is a config.json: give the model directory holding it, {path.parent}"
+    return f"{path} is not a model directory (a Hugging Face-format directory with config.json)"
+
+
 class Engine:
     """One model, one tokenizer, one sequence's cache. Not thread-safe."""
 
@@ -64,11 +85,13 @@ class Engine:
     @classmethod
     def load(cls, path, device: str = "auto", dtype: str = "float32", ctx=8192, kv: str = "dense",
              **kwargs) -> "Engine":
-        """Load a Hugging Face-format Llama directory. kwargs: any EngineConfig field."""
-        path = Path(path)
+        """Load a Hugging Face-format Llama directory (or one named in the models directory: pull.find_model).
+        kwargs: any EngineConfig field."""
+        from .pull import find_model
+        path = find_model(path)          # (a name in the models directory: "smollm2")
+        config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)   # (bad settings first)
         if not path.is_dir():
-            raise CheckpointError(f"no such model directory: {path}")
-        config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)
+            raise CheckpointError(not_a_model_dir(path))
         if config.threads:
             torch.set_num_threads(config.threads)
             kernels_cpu.set_num_threads(config.threads)

@@ -231,7 +231,7 @@ def test_cli_rescore_reaches_the_cache_and_the_plan(tiny_model_dir, capsys):
     rows = json.loads(out[out.index("["):])
     assert rows[0]["rescore"] is True and rows[0]["kv_stats"]["host_keys_bytes"] > 0
     try:
-        main(["plan", d, "--ctx", "4K", "--kv-budget", "0.125", "--device", "cpu", "--rescore"])
+        main(["plan", d, "--ctx", "4K", "--kv", "hca", "--kv-budget", "0.125", "--device", "cpu", "--rescore"])
     except SystemExit as e:
         assert e.code in (0, None)
     assert "| host keys | host |" in capsys.readouterr().out
