@@ -34,7 +34,7 @@ JSON/CSV fields, one object/row per (mode, test):
   kv_stats (the cache's stats() at the end of the last rep: tokens and bytes per tier; CSV: one
   kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs ("token" when tg steps
   were whole tokens replayed from CUDA graphs, "off" when they ran eagerly), rescore (HCA with
-  --rescore: the selected tokens weighted by exact scores from keys kept on the host; markdown: "hca
+  rescore: the selected tokens weighted by exact scores from keys kept on the host; markdown: "hca
   rescore"), device_name (the GPU's or the CPU's model name), value_sum (HCA on a GPU: "gpu" or
   "host", where the selected values were summed), max_select (the selection's cap, or None).
 """
@@ -94,7 +94,7 @@ class BenchResult:
     date: str = ""
     version: str = __version__
     cuda_graphs: str = "off"
-    rescore: bool = False           # HCA with --rescore (exact weights from host keys)
+    rescore: bool = False           # HCA with rescore (exact weights from host keys)
     device_name: str = ""           # the GPU's or CPU's model name (device_name)
     value_sum: str | None = None    # HCA on a GPU: where the selected values are summed ("cpu" | "gpu" | ...)
     max_select: int | None = None   # HCA: the selection's cap per head and step (None: tau alone)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU
+from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU, hca_opt_option
 from .config import KV_BUDGET_PRESETS, hca_setting
 from .errors import MiniRunError
 
@@ -103,7 +103,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
               help="tokens decoded in each tg test (0: no tg tests)")
 @click.option("-d", "--depth", default="0", show_default=True, help="tg tests: comma-separated context depths")
 @click.option("--kv", "kv_modes", default="dense,hca", show_default=True, help="KV modes: dense and/or hca")
-@click.option("--kv-budget", "budgets", default="0.125", show_default=True,
+@click.option("--kv-budget", "budgets", default="0.25", show_default=True,
               help="HCA budgets, comma-separated: 0.5, 0.25, 0.125, or gGcC codebooks such as g64c16 "
                    "(one engine each)")
 @click.option("-r", "--reps", type=AT_LEAST_1, default=3, show_default=True, help="timed repetitions (after one warm-up)")
@@ -115,15 +115,9 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: attention mass kept per head")
 @click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
-@click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="off", show_default=True,
-              help="HCA: old tokens at one distance, or grouped: compressed distances (auto: on when the ctx "
-                   "passes the model's trained context)")
 @click.option("--max-select", type=AT_LEAST_1, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
-@click.option("--rescore", is_flag=True,
-              help="HCA: keep the keys on the host too and weight the selected tokens by exact scores")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="GPU: replay decode tokens from CUDA graphs where the cache allows it (see docs/DESIGN.md)")
+@hca_opt_option()
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
                    "stdlib's pydoc topics: natural text, offline) or a text file (./text for one named text)")
@@ -131,7 +125,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
 def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
-          far_positions, max_select, rescore, cuda_graphs, context, output, plot_path):
+          max_select, hca_opts, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
     from .pull import find_model
@@ -141,9 +135,7 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
         b.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
-                          sinks=sinks, far_positions=far_positions, max_select=max_select, rescore=rescore,
-                          cuda_graphs=cuda_graphs,
-                          context=context,
+                          sinks=sinks, max_select=max_select, context=context, **hca_opts,
                           log=lambda s: click.echo(s, err=True))
     click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
     if plot_path:
@@ -184,11 +176,11 @@ def plan_device(device: str, gpu_mem: int | None) -> str:
                    "or --gpu-mem is given, else cpu)")
 @click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
-@click.option("--rescore", is_flag=True, help="HCA: the store's keys on the host too (see chat --rescore)")
+@hca_opt_option()
 @click.option("--gpu-mem", type=SizeType(), default=None,
               help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
-def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, rescore, gpu_mem, output):
+def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, hca_opts, gpu_mem, output):
     """Bytes of every memory tier for a context, before anything is allocated, and whether it fits
     (the defaults are those of chat and generate).
 
@@ -198,8 +190,8 @@ def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, 
     from .pull import find_model
     args = ModelArgs.from_path(find_model(model_or_config))
     device = plan_device(device, gpu_mem)
-    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks, rescore=rescore,
-                       **hca_setting(kv_budget))
+    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks,
+                       **hca_setting(kv_budget), **hca_opts)
     report = plan_report(args, cfg, device, gpu_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))
     if report["fits"] is False or (report["fits"] is None and not report["host_fits"]):

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import click
 
-from .cli_common import AT_LEAST_0, AT_LEAST_1, SEED, TAU
+from .cli_common import AT_LEAST_0, AT_LEAST_1, SEED, TAU, hca_opt_option
 from .calibrate import DEFAULT_ITERS, DEFAULT_TOKENS, DEFAULT_WINDOWS
 from .errors import MiniRunError
+
+EVAL_OPTS = ("key_store", "far_positions", "length_scale", "rescore")   # the --hca-opt keys eval takes
 
 
 def _floats(value: str, what: str) -> list[float]:
@@ -51,7 +53,7 @@ def _ints(value: str, what: str) -> list[int]:
               help="mini-batch k-means steps (4096 samples each)")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--unrotated", is_flag=True,
-              help="keys without their RoPE rotation: the codebooks --far-positions on / auto runs load "
+              help="keys without their RoPE rotation: the codebooks far_positions on / auto runs load "
                    "(grouped ones load the plain, rotated ones)")
 @click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
 def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, unrotated, threads):
@@ -92,24 +94,17 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
 @click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: softmax mass kept per head")
 @click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
-@click.option("--key-store", type=click.Choice(["codebook", "exact"]), default="codebook", show_default=True,
-              help="HCA keys: codebook indices, or exact (isolates the selection's effect)")
 @click.option("--centroids", type=click.IntRange(2, 32768), default=None, help="HCA codebook size (default: the preset's 1024)")
-@click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="off", show_default=True,
-              help="HCA: old tokens at one distance, or grouped: compressed distances (docs/QUALITY.md, "
-                   "\"Beyond the trained context\")")
 @click.option("--max-select", type=AT_LEAST_1, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
-@click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
-              help="HCA: logits x log n / log(trained context) past it (docs/QUALITY.md, \"Length scaling\")")
-@click.option("--rescore", is_flag=True, help="HCA: weight the selected tokens by exact scores from host keys")
+@hca_opt_option("an advanced setting, KEY=VALUE (repeatable): " + ", ".join(EVAL_OPTS) + " (README: options)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="passkey keys")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey_lengths, passkey_depths, trials,
-             passkey_haystack, passkey_copies, tau, window, sinks, key_store, centroids, far_positions, max_select,
-             length_scale, rescore, dtype, threads, seed, output):
+             passkey_haystack, passkey_copies, tau, window, sinks, centroids, max_select, hca_opts, dtype, threads,
+             seed, output):
     """Dense vs HCA on the same inputs: perplexity, top-1 agreement and KL, passkey accuracy."""
     from .calibrate import read_text
     from .config import ModelArgs
@@ -117,6 +112,10 @@ def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey
     from .tokenizer import Tokenizer
     from .pull import find_model
     model = find_model(model)
+    opts = hca_opts
+    other = sorted(set(opts) - set(EVAL_OPTS))
+    if other:
+        raise MiniRunError(f"--hca-opt {', '.join(other)}: not an eval setting (eval takes {', '.join(EVAL_OPTS)})")
     ModelArgs.from_path(model)                                   # a bad model dir: one line, before any work
     text, source = read_text(data, part="evaluation")
     ids = Tokenizer(model).encode(text)
@@ -124,9 +123,8 @@ def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey
                       prompt_tokens=prompt_tokens, positions=positions,
                       lengths=_ints(passkey_lengths, "--passkey-lengths"),
                       depths=_floats(passkey_depths, "--passkey-depths"), trials=trials, tau=tau, window=window,
-                      sinks=sinks, dtype=dtype, key_store=key_store, centroids=centroids, threads=threads, seed=seed,
-                      far_positions=far_positions, max_select=max_select, length_scale=length_scale,
-                      rescore=rescore, passkey_haystack=passkey_haystack, passkey_copies=passkey_copies,
+                      sinks=sinks, dtype=dtype, centroids=centroids, threads=threads, seed=seed, max_select=max_select,
+                      passkey_haystack=passkey_haystack, passkey_copies=passkey_copies, **opts,
                       log=lambda s: click.echo(s, err=True))
     report["data"] = source
     click.echo(json.dumps(report, indent=1) if output == "json" else format_markdown(report, data=source))

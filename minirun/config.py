@@ -223,7 +223,7 @@ class EngineConfig:
     prefill_mode: str = "auto"        # "auto" | "exact" | "anchor" | "hca": how an HCA prompt attends to old tokens
     exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens, anchor beyond
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
-    far_positions: str = "off"        # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
+    far_positions: str = "auto"       # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (kv/select_cap.py)
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N

@@ -162,7 +162,7 @@ def hca_setting_of(args: ModelArgs, cfg: EngineConfig):
 def prompt_cache_bytes(args: ModelArgs, cfg: EngineConfig) -> int:
     """A prompt-cache file of a context filled to cfg.ctx (minirun/prompt_cache.py, kv/state.py),
     less its header: dense K+V, or sinks + ring (no spare row), key store, value pool (and host
-    keys with --rescore) and the codebooks as the cache keeps them (the CPU: the fitted or calibrated ones; the GPU: their
+    keys with rescore) and the codebooks as the cache keeps them (the CPU: the fitted or calibrated ones; the GPU: their
     product form for nibble pairs), plus 8 B per token id and ring slot."""
     tiers = plan(args, cfg).tiers
     if cfg.kv == "dense":
@@ -229,7 +229,7 @@ def trained_ctx_note(args: ModelArgs, cfg: EngineConfig) -> str | None:
     trained = args.max_position_embeddings
     if trained is None or cfg.ctx <= trained:
         return None
-    how = ("chat and generate attend past it at far positions: --far-positions auto, their default" if cfg.kv == "hca"
+    how = ("chat and generate attend past it at far positions: far_positions auto, the default" if cfg.kv == "hca"
            else "--kv hca attends past it at far positions")
     return (f"--ctx {cfg.ctx} is past the {trained} tokens this model was trained on (max_position_embeddings): "
             f"answers degrade once a conversation is longer than that ({how}; docs/QUALITY.md)")

@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--context", default="random", help="random (token ids), text (the stdlib's pydoc topics) or a "
                                                         "text file")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--far-positions", default="off", choices=["auto", "on", "grouped", "off"],
+    ap.add_argument("--far-positions", default="auto", choices=["auto", "on", "grouped", "off"],
                     help="HCA: far positions (auto: on past the model's trained context)")
     ap.add_argument("-o", "--output", choices=["text", "json"], default="text",
                     help="json: the figures as one JSON object on stdout (the rounds go to stderr)")

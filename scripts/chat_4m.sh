@@ -12,7 +12,7 @@
 #                      keeps what call 1 left only while it stays warm, 30 s)
 # The rehearsal on the CPU (tests/test_bench_gpu.py): a model directory and a short text instead:
 #   DEVICE=cpu MODEL=DIR BOOK=text.txt COPIES=2 CTX=8K bash scripts/chat_4m.sh run OUT_DIR
-# SmolLM2 is trained to 8K: the chat runs with --far-positions on past it (docs/QUALITY.md).
+# SmolLM2 is trained to 8K: the chat runs with far positions on past it (docs/QUALITY.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:?usage: chat_4m.sh prep|receive|run [OUT_DIR]}
@@ -78,7 +78,7 @@ EOF
     start=$(date +%s)
     printf '%s\n' "$QUESTION" |
         "${timer[@]}" timeout -s INT -k 20 "$CHAT_LIMIT" $PY -m minirun chat "$MODEL" --ctx "$CTX" \
-            --file "$OUT_DIR/book4m.txt" --kv hca --kv-budget "$KV_BUDGET" --far-positions "$FAR" \
+            --file "$OUT_DIR/book4m.txt" --kv hca --kv-budget "$KV_BUDGET" --hca-opt far_positions="$FAR" \
             ${MAX_SELECT:+--max-select "$MAX_SELECT"} --dtype bfloat16 --device "$DEVICE" --kv-report -n 24 \
             2>&1 | tr '\r' '\n' | grep -v -E '^(prefill|prompt):' | tee "$OUT_DIR/chat_4m.log"
     rc=${PIPESTATUS[1]}

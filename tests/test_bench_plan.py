@@ -136,7 +136,8 @@ def run(args, capsys):
     return capsys.readouterr()
 
 
-BENCH = ["-p", "16", "-n", "4", "-d", "0,64", "--kv", "dense,hca", "-r", "2", "--window", "16", "--sinks", "4"]
+BENCH = ["-p", "16", "-n", "4", "-d", "0,64", "--kv", "dense,hca", "--kv-budget", "0.125", "-r", "2", "--window", "16",
+         "--sinks", "4"]
 
 
 def test_bench_json_csv_markdown(tiny_model_dir, capsys):

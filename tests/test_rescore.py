@@ -217,9 +217,9 @@ def test_cli_rescore_reaches_the_cache_and_the_plan(tiny_model_dir, capsys):
     me.Engine.__init__ = init
     try:
         for args in (["generate", d, "-p", "hello there " * 20, "-n", "2", "--kv", "hca", "--kv-budget", "g8c32",
-                      "--window", "8", "--sinks", "2", "--ctx", "256", "--rescore"],
+                      "--window", "8", "--sinks", "2", "--ctx", "256", "--hca-opt", "rescore=true"],
                      ["bench", d, "-p", "", "-n", "2", "-d", "64", "--kv", "hca", "--kv-budget", "g8c32", "-r", "1", "--window", "8",
-                      "--rescore", "-o", "json"]):
+                      "--hca-opt", "rescore=true", "-o", "json"]):
             try:
                 main(args)
             except SystemExit as e:
@@ -231,7 +231,7 @@ def test_cli_rescore_reaches_the_cache_and_the_plan(tiny_model_dir, capsys):
     rows = json.loads(out[out.index("["):])
     assert rows[0]["rescore"] is True and rows[0]["kv_stats"]["host_keys_bytes"] > 0
     try:
-        main(["plan", d, "--ctx", "4K", "--kv", "hca", "--kv-budget", "0.125", "--device", "cpu", "--rescore"])
+        main(["plan", d, "--ctx", "4K", "--kv", "hca", "--kv-budget", "0.125", "--device", "cpu", "--hca-opt", "rescore=true"])
     except SystemExit as e:
         assert e.code in (0, None)
     assert "| host keys | host |" in capsys.readouterr().out

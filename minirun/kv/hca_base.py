@@ -58,7 +58,7 @@ class HCABase(KVCache):
         self._live_slots = None   # uint8 mask of the live exact-tier slots while the ring is short
         store_cap = max(0, capacity - sinks - window)
         self.values_dtype = torch.float32 if dtype == torch.float32 else torch.float16
-        # values (host pool), --rescore's host keys (the store's keys as the codebooks encoded them,
+        # values (host pool), rescore's host keys (the store's keys as the codebooks encoded them,
         # so the selected tokens are weighted by exact scores; an exact-key store has them already),
         # the key store (codebook indices), full-precision keys (permanent with exact_keys, else only
         # while codebooks are missing or an exact prefill runs: positions [exact_base, n_store)),
@@ -391,7 +391,7 @@ class HCABase(KVCache):
                 "layout": [lay.exact_keys, lay.groups, lay.centroids, lay.pairs],
                 "exact_tier_dtype": str(self.ek.dtype), "values_dtype": str(self.values.dtype),
                 "far": None if far is None else [far.distance, far.group],
-                # (--rescore: only where there are host keys, so that the files of a cache without them
+                # (rescore: only where there are host keys, so that the files of a cache without them
                 # keep their signature)
                 **({"host_keys": True} if self.host_keys is not None else {})}
 

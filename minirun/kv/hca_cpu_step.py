@@ -94,7 +94,7 @@ class OneCallSteps:
 
     def _decode_views(self, layer: int) -> tuple:
         """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
-        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap], and --rescore's host keys
+        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap], and rescore's host keys
         Kh [Hkv, cap, hd] (else None). Made again only when a buffer was reallocated (grown), not
         six times per layer and step."""
         bufs = [self.indices, self.values, self.z, self.sel, self.lev]

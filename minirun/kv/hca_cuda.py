@@ -39,7 +39,7 @@ page-locked *and mapped*, so a kernel reads it at its host address over the bus 
 lse_merge_staged merges with an empty stage. No copy-back, no host sum, no host wait: the host
 only queues launches, and a whole token is captured in one CUDA graph (kv/hca_graph.py). On an
 H100 this decoded 1.7-2x faster than the host sum at 8K-1M of context (docs/BENCHMARKS.md); the
-host sum stays for --rescore (it scores the selected tokens from host keys) and for devices that
+host sum stays for rescore (it scores the selected tokens from host keys) and for devices that
 cannot map host memory.
 
 Kernel launches per decode token: see `decode_launches` (the emulator test checks the count).
@@ -67,12 +67,12 @@ VALUE_SUMS = ("host", "gpu")
 
 
 def value_sum_choice(want: str, device: torch.device, rescore: bool) -> str:
-    """EngineConfig.value_sum -> "host" | "gpu": auto is gpu unless --rescore (its exact scores come
+    """EngineConfig.value_sum -> "host" | "gpu": auto is gpu unless rescore (its exact scores come
     from host keys) or the device cannot read page-locked host memory at its address; gpu asked
     for where it cannot be: host, with a note."""
     if want == "host":
         return "host"
-    why = ("--rescore scores the selected tokens from the host's keys" if rescore else
+    why = ("rescore scores the selected tokens from the host's keys" if rescore else
            "this device cannot read page-locked host memory at its address"
            if device.type == "cuda" and not kcu_decode.host_pool_readable(device) else None)
     if why and want == "gpu":
@@ -123,7 +123,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return self._ekx[:, :, :SW], self._evx[:, :, :SW]
 
     def _make_store(self, store_cap: int, host_keys: bool) -> tuple:
-        """Values (and --rescore's keys) in page-locked host pools, allocated once at capacity
+        """Values (and rescore's keys) in page-locked host pools, allocated once at capacity
         (kv/pinned.py), mapped for the GPU's value sum; indices at capacity on the device (doubling
         an 11 GiB store held old + new + the allocator's cache: a 4M prompt peaked at 26.9 GB)."""
         L, Hkv, hd, dev, vdt = self.n_layers, self.Hkv, self.hd, self.device, self.values_dtype
@@ -158,7 +158,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             raise MiniRunError(f"value sum {choice!r}: expected one of {', '.join(VALUE_SUMS)}")
         if choice == "gpu" and (not self.values.mapped or self.host_keys is not None):
             raise MiniRunError("value sum gpu: the value pool is not mapped for the GPU"
-                               + (" (--rescore sums on the host)" if self.host_keys is not None else ""))
+                               + (" (rescore sums on the host)" if self.host_keys is not None else ""))
         self.value_sum = choice
         self._grouped_gather = self._groups_gather(choice)
 
