@@ -104,8 +104,9 @@ def _k_exact_scores(q, K, n, lanes, z, hist, ref, smax, nt):
 
 
 @njit(cache=True, parallel=True)
-def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref):
-    # Per head: the float cut zcut [Hq] f32 (select z >= zcut) and the exact max score mref [Hq] f32.
+def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref, cap):
+    # Per head: the float cut zcut [Hq] f32 (select z >= zcut; cap > 0: at most cap tokens, whole
+    # buckets from the top) and the exact max score mref [Hq] f32.
     # Re-numbers the threads' counts in hist (scratch) onto the highest reference bucket.
     for h in prange(zcut.shape[0]):
         R = _NO_REF
@@ -117,20 +118,20 @@ def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref):
         if n == 0 or tau <= 0.0 or R == _NO_REF:
             zcut[h] = np.inf
             continue
-        if tau >= 1.0:
+        if tau >= 1.0 and (cap <= 0 or cap >= n):
             zcut[h] = _NEG_INF
             continue
         for sl in range(nt):                           # every thread's counts from bucket R
             if ref[sl, h] != _NO_REF and ref[sl, h] < R:
                 _raise_ref(hist[sl, h], min(R - ref[sl, h], NB))
         H = _merged_counts(hist, h, nt)
-        bstar = _bucket_cut(H, 0, 1.0 / _PER_LOGIT, tau)   # (bucket 0 holds the max score)
+        bstar = _bucket_cut(H, 0, 1.0 / _PER_LOGIT, tau, cap)   # (bucket 0 holds the max score)
         zcut[h] = _NEG_INF if bstar == NB - 1 else np.float32((R - bstar) / _PER_LOGIT)
 
 
 @njit(cache=True)
 def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv, lanes, z, hist, nt, counts,
-                    out):
+                    out, cap):
     Hq = q.shape[0]
     os, ms, ls = _step_partials(q, k, v, q_to_kv)        # the new token itself
     zcut = np.full(Hq, np.inf, np.float32)
@@ -139,7 +140,7 @@ def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv
         ref = np.empty((nt, Hq), np.int64)
         smax = np.empty((nt, Hq), np.float32)
         _k_exact_scores(q, K, n_store, lanes, z, hist, ref, smax, nt)
-        _k_float_cuts(hist, ref, smax, nt, n_store, tau, zcut, mref)
+        _k_float_cuts(hist, ref, smax, nt, n_store, tau, zcut, mref, cap)
     # the value sum over the selection, and sinks + ring exactly, in one parallel region
     _k_level_value_sum(z, n_store, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref, lanes, V,
                        nt, os[2], ms[2], ls[2], counts, q, EK, EV, n_exact, valid, os[0], ms[0], ls[0], V, False)
@@ -150,7 +151,7 @@ def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv
 
 
 def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes, z, hist,
-                            counts=None, exact_valid=None):
+                            counts=None, exact_valid=None, cap=0):
     """Attention of one decode token over sinks + ring (exact), itself, and a store of exact keys
     with threshold selection (module docstring).
 
@@ -159,7 +160,7 @@ def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_k
     keys; V [Hkv, >=n_store, d] f32/f16 its values (all C-contiguous); lanes int32 [R, 4]
     (lane_map(q_to_kv, Hkv)); scratch: z f32 [Hq, >=n_store] (holds the scores afterwards),
     hist level_hist(Hq); counts int32 [Hq] optional (the selection size per head afterwards);
-    exact_valid as hca_decode_attend's. -> o [Hq, d] f32.
+    exact_valid and cap as hca_decode_attend's. -> o [Hq, d] f32.
     """
     Hq = q.shape[0]
     K = _as_f32(K)
@@ -174,5 +175,5 @@ def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_k
     nt = min(numba.get_num_threads(), hist.shape[0])
     _k_exact_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                     _valid_mask(exact_valid, n_exact), K,
-                    int(n_store), _as_pool(V), float(tau), q_to_kv, lanes, zr, hist, nt, counts, out)
+                    int(n_store), _as_pool(V), float(tau), q_to_kv, lanes, zr, hist, nt, counts, out, int(cap or 0))
     return out

@@ -230,7 +230,7 @@ def _k_encode_pairs(K, F, fnorm, out):
 
 @njit(cache=True)
 def _k_hca_decode_fs(q, k, v, EK, EV, n_exact, valid, F, fnorm, nh, PT, n_store, V, tau, lanes, T, tabs, scale,
-                     offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, codes, K, rescore):
+                     offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, codes, K, rescore, cap):
     # kernels_cpu.hca_step._k_hca_decode with the fast-scan LUT and levels (and the ring key's
     # encode into nibble pairs) in place of the packed uint64 tables.
     Hq, d = q.shape
@@ -244,7 +244,7 @@ def _k_hca_decode_fs(q, k, v, EK, EV, n_exact, valid, F, fnorm, nh, PT, n_store,
             for kv in range(EK.shape[0]):
                 _encode_pair_key(EK[kv, enc_slot], F, fnorm, kv, codes[kv, 0], dist)
         _k_fs_levels(PT, n_store, tabs, nh, top, shift, lev, hist, nt)
-        _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref)
+        _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref, cap)
     _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
                    os, ms, ls, out, K, rescore)
 
@@ -322,11 +322,12 @@ def encode_pairs(K, F, fnorm=None) -> np.ndarray:
 
 
 def hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_kv, lut: FastScanLUT, z, idx,
-                         counts=None, fnorm=None, encode=None, levels=None, exact_valid=None, host_keys=None):
+                         counts=None, fnorm=None, encode=None, levels=None, exact_valid=None, host_keys=None,
+                         cap=0):
     """kernels_cpu.hca_step.hca_decode_attend for nibble-pair codes: F [Hkv, G, ds, 16] transposed
     factor codebooks (fnorm: factor_norms(F)), PT [Hkv, G/2, >=n_store] uint8, lut the FastScanLUT
     scratch; encode (slot, codes uint8 [Hkv, 1, G/2]) writes the nibble pairs of EK[:, slot].
-    The rest (host_keys: --rescore) as hca_decode_attend. -> o [Hq, d] f32. Needs available()."""
+    The rest (host_keys: rescore; cap) as hca_decode_attend. -> o [Hq, d] f32. Needs available()."""
     K, rescore = _host_keys(host_keys, V, n_store)
     nh = heads_per_kv(q_to_kv)
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
@@ -337,7 +338,7 @@ def hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_
     _k_hca_decode_fs(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                      _valid_mask(exact_valid, n_exact), F, fnorm, nh, PT, int(n_store), _as_pool(V), float(tau),
                      lut.lanes, lut.T, lut.tabs, lut.scale, lut.offset, lut.top, lut.shift, lev, hist, nt, z, idx,
-                     counts, out, int(slot), codes, K, rescore)
+                     counts, out, int(slot), codes, K, rescore, int(cap or 0))
     return out
 
 

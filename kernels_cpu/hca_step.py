@@ -42,7 +42,7 @@ def _step_partials(q, k, v, q_to_kv):
 
 @njit(cache=True)
 def _k_hca_decode(q, k, v, EK, EV, n_exact, valid, cbt, PT, n_store, V, tau, q_to_kv, lanes, lut, tables, scale,
-                  offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, cnorm, codes, K, rescore):
+                  offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, cnorm, codes, K, rescore, cap):
     Hq, d = q.shape
     os, ms, ls = _step_partials(q, k, v, q_to_kv)                     # 2. the new token itself
     lcut = np.empty(Hq, np.int64)                                     # (not read when n_store = 0)
@@ -53,7 +53,7 @@ def _k_hca_decode(q, k, v, EK, EV, n_exact, valid, cbt, PT, n_store, V, tau, q_t
         _k_lut_pack(q, cbt, lanes, lut, tables, scale, offset, top, shift, enc_slot >= 0, EK[:, max(enc_slot, 0)],
                     cnorm, codes)
         _k_packed_levels(tables, lanes, top, shift, PT, n_store, lev, hist, nt)
-        _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref)
+        _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref, cap)
     _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
                    os, ms, ls, out, K, rescore)
 
@@ -75,7 +75,7 @@ def _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts
 
 
 def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau, q_to_kv, packed,
-                      lut, z, idx, counts=None, encode=None, levels=None, exact_valid=None, host_keys=None):
+                      lut, z, idx, counts=None, encode=None, levels=None, exact_valid=None, host_keys=None, cap=0):
     """Attention of one decode token over sinks + ring (exact), itself, and the store (HCA).
 
     q [Hq, d] f32 (pre-scaled by 1/sqrt(d)); k, v [Hkv, d] (the token's own key and value);
@@ -94,8 +94,10 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     encodes it here because the codebooks were just read for the LUT). Needs n_store > 0.
     exact_valid: optional uint8 [>= n_exact], 0 where an exact-tier slot holds no token (a ring
     not yet refilled after a truncate): that slot is not attended.
-    host_keys: optional [Hkv, >=n_store, d] of V's type (--rescore): the selected store tokens are
+    host_keys: optional [Hkv, >=n_store, d] of V's type (rescore): the selected store tokens are
     weighted by their exact scores over these keys instead of the codebook scores.
+    cap: > 0, at most that many store tokens per head (whole level buckets from the top: the
+    selection's cap, level_select._bucket_cut).
     """
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
     K, rescore = _host_keys(host_keys, V, n_store)
@@ -107,7 +109,7 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                   _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv,
                   packed.lanes, lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist,
-                  nt, z, idx, counts, out, int(slot), cnorm, codes, K, rescore)
+                  nt, z, idx, counts, out, int(slot), cnorm, codes, K, rescore, int(cap or 0))
     return out
 
 

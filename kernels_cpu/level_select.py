@@ -111,53 +111,72 @@ def _top_bucket(H):
 
 
 @njit(cache=True)
-def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row):
+def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row, cap=0):
     """One head's cut: the selection is every token with level >= the returned lcut (lcut > 65535:
     none). lh uint16 [>=n] its levels, H int64 [NB] its bucket counts, s / o / tp / sh its scale,
-    offset, top and shift; idx_row / z_row [>=n]: scratch of the exact float fallback."""
+    offset, top and shift; cap > 0: at most that many tokens, in whole buckets from the top
+    (_bucket_cut; the exact fallback: the cap highest levels); idx_row / z_row [>=n]: scratch of
+    the exact float fallback."""
     if n == 0 or tau <= 0.0:
         return np.int64(1 << 17)                         # above every level: nothing selected
-    if tau >= 1.0:
+    if tau >= 1.0 and (cap <= 0 or cap >= n):
         return np.int64(0)
     bt = _top_bucket(H)
     w = np.float64(s) * (1 << sh)
-    if H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:     # top is too loose: exact float selection
+    if tau < 1.0 and H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:   # top too loose: exact float selection
         # threshold_select keeps every token whose score reaches its cut, and the scores grow with
         # the level, so its set is every level >= the least selected one
         for j in range(n):
             z_row[j] = np.float32(lh[j]) * s + o
         cnt, _, _ = _select_head(z_row, n, tau, idx_row)
+        if 0 < cap < cnt:                                # the cap highest of them
+            lv = np.empty(cnt, np.int64)
+            for k in range(cnt):
+                lv[k] = lh[idx_row[k]]
+            lv.sort()
+            return lv[cnt - cap]
         lmin = np.int64(1 << 17)
         for k in range(cnt):
             lmin = min(lmin, np.int64(lh[idx_row[k]]))
         return lmin
-    bstar = _bucket_cut(H, bt, w, tau)
+    bstar = _bucket_cut(H, bt, w, tau, cap)
     return np.int64(0) if bstar == NB - 1 else tp - ((np.int64(bstar) + 1) << sh) + 1
 
 
 @njit(inline="always")
-def _bucket_cut(H, bt, w, tau):
+def _bucket_cut(H, bt, w, tau, cap=0):
     """The cut bucket b*: the first from the top bucket bt (buckets w logits wide, b counting down
     from the highest scores) at which the cumulative mass, estimated as count_b * exp(-w (b - bt)),
-    reaches tau times the estimated total. H int64 [NB] the counts, some non-empty."""
+    reaches tau times the estimated total (tau >= 1: the last non-empty bucket); then, with a cap
+    > 0, no further than the buckets from bt whose tokens number at most cap (bt itself always:
+    the cap keeps whole buckets). H int64 [NB] the counts, some non-empty."""
     bl = NB - 1                                          # the last non-empty bucket
     while H[bl] == 0:
         bl -= 1
-    r = np.exp(-w)
-    S = 0.0
-    e = 1.0
-    for b in range(bt, bl + 1):
-        S += H[b] * e
-        e *= r
-    target = tau * S
-    cum = 0.0
-    e = 1.0
-    for b in range(bt, bl + 1):
-        cum += H[b] * e
-        if cum >= target:
-            return b
-        e *= r
-    return bl
+    b = bl
+    if tau < 1.0:
+        r = np.exp(-w)
+        S = 0.0
+        e = 1.0
+        for k in range(bt, bl + 1):
+            S += H[k] * e
+            e *= r
+        target = tau * S
+        cum = 0.0
+        e = 1.0
+        for k in range(bt, bl + 1):
+            cum += H[k] * e
+            if cum >= target:
+                b = k
+                break
+            e *= r
+    if cap > 0:
+        c = 0
+        for k in range(bt, b + 1):
+            c += H[k]
+            if c > cap:
+                return max(bt, k - 1)
+    return b
 
 
 @njit(inline="always")

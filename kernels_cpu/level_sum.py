@@ -32,12 +32,12 @@ _PF_DIST = 16       # value rows prefetched ahead
 
 
 @njit(cache=True, parallel=True)
-def _k_level_cuts(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zs, lcut, mref):
-    # Per head: sum the threads' bucket counts, the cut level and the reference score m.
-    # idx / zs [Hq, >=n]: scratch of _level_cut's exact fallback.
+def _k_level_cuts(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zs, lcut, mref, cap):
+    # Per head: sum the threads' bucket counts, the cut level (cap > 0: at most cap tokens, whole
+    # buckets) and the reference score m. idx / zs [Hq, >=n]: scratch of _level_cut's exact fallback.
     for h in prange(lev.shape[0]):
         H = _merged_counts(hist, h, nt)
-        lcut[h] = _level_cut(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H, idx[h], zs[h])
+        lcut[h] = _level_cut(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H, idx[h], zs[h], cap)
         bt = _top_bucket(H)
         if bt < NB - 1:
             lhi = max(top[h] - (np.int64(bt) << shift[h]), 0)
@@ -282,7 +282,7 @@ def level_value_sum(packed: PackedLUT, PT, n: int, tau: float, V, scratch=None):
         mref = np.empty(Hq, np.float32)
         fb_idx, fb_z = np.empty((Hq, n), np.int32), np.empty((Hq, n), np.float32)
         _k_level_cuts(lev, n, float(tau), packed.scale, packed.offset, packed.top, packed.shift, hist, nt,
-                      fb_idx, fb_z, lcut, mref)
+                      fb_idx, fb_z, lcut, mref, 0)
         _k_level_value_sum(lev, n, lcut, packed.scale, packed.offset, mref, packed.lanes, V, nt, o, m, l, counts,
                            _NO_Q, V, V, 0, _ALL_VALID, o, m, l, V, False)
     return o, m, l, counts

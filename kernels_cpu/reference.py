@@ -104,7 +104,7 @@ def packed_scores_ref(T, P, q_to_kv, n):
     return z
 
 
-def packed_select_ref(T, P, q_to_kv, n, tau):
+def packed_select_ref(T, P, q_to_kv, n, tau, cap=0):
     """The selection of kernels_cpu.level_select on the levels of pack_lut_ref's tables.
 
     T [Hq, g, c] f32, P [Hkv, n_cap, g] (token-major) -> (idx int32 [Hq, n], counts, m f32, l_sel f32,
@@ -113,12 +113,14 @@ def packed_select_ref(T, P, q_to_kv, n, tau):
     g = Q.shape[1]
     levels = np.stack([Q[h, np.arange(g)[None, :], P[q_to_kv[h], :n].astype(np.int64)].sum(axis=1)
                        for h in range(Q.shape[0])]) if n else np.zeros((Q.shape[0], 0), np.int64)
-    return levels_select_ref(levels, Q.max(axis=2).sum(axis=1), scale, offset, tau)
+    return levels_select_ref(levels, Q.max(axis=2).sum(axis=1), scale, offset, tau, cap)
 
 
-def levels_select_ref(levels, top, scale, offset, tau):
+def levels_select_ref(levels, top, scale, offset, tau, cap=0):
     """The level selection of kernels_cpu.level_select: levels int64 [Hq, n] (z = scale * L + offset),
-    top int64 [Hq] (the sum of the tables' row maxima) -> packed_select_ref's tuple."""
+    top int64 [Hq] (the sum of the tables' row maxima) -> packed_select_ref's tuple. cap > 0: at
+    most cap tokens per head, whole buckets from the top (the exact fallback: the cap highest
+    levels, ties at the last one included)."""
     from .level_select import _COVER, NB
     from .packed import _BUCKET_LOGITS
     Hq, n = levels.shape
@@ -136,15 +138,18 @@ def levels_select_ref(levels, top, scale, offset, tau):
         w = np.float64(scale[h]) * 2 ** sh
         H = np.bincount(np.minimum((top_h - L) >> sh, NB - 1), minlength=NB)
         bt = int(np.flatnonzero(H)[0])
-        if tau >= 1:
+        if tau >= 1 and not 0 < cap < n:
             sel = np.arange(n)
         elif tau <= 0:
             sel = np.arange(0)
-        elif H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:                  # the exact fallback
+        elif tau < 1 and H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:      # the exact fallback
             ridx, rcnt, _, _ = threshold_select_ref(z[None], tau)
             sel = ridx[0, :rcnt[0]]
+            if 0 < cap < sel.size:
+                lmin = np.sort(L[sel])[sel.size - cap]
+                sel = np.flatnonzero(L >= lmin)
         else:
-            bstar = _bucket_cut_ref(H, bt, w, tau)
+            bstar = _bucket_cut_ref(H, bt, w, tau, cap)
             sel = np.arange(n) if bstar == NB - 1 else np.flatnonzero(((top_h - L) >> sh) <= bstar)
         counts[h] = sel.size
         idx[h, :sel.size] = sel
@@ -154,12 +159,22 @@ def levels_select_ref(levels, top, scale, offset, tau):
     return idx, counts, m, l_sel, zsel
 
 
-def _bucket_cut_ref(H, bt, w, tau):
+def _bucket_cut_ref(H, bt, w, tau, cap=0):
     """The cut bucket of kernels_cpu.level_select._bucket_cut: the first from bt at which the
-    cumulative count_b * exp(-w (b - bt)) reaches tau times its total. H [NB] counts."""
-    e = np.concatenate([[1.0], np.cumprod(np.full(len(H) - bt - 1, np.exp(-w)))])   # e_k = e_{k-1} r
-    cum = np.cumsum(H[bt:] * e)                                                    # in bucket order
-    return bt + int(np.argmax(cum >= tau * cum[-1]))
+    cumulative count_b * exp(-w (b - bt)) reaches tau times its total (tau >= 1: the last
+    non-empty); with cap > 0 no further than the buckets from bt holding at most cap tokens (bt
+    always). H [NB] counts."""
+    if tau >= 1:
+        b = int(np.flatnonzero(H)[-1])
+    else:
+        e = np.concatenate([[1.0], np.cumprod(np.full(len(H) - bt - 1, np.exp(-w)))])   # e_k = e_{k-1} r
+        cum = np.cumsum(H[bt:] * e)                                                    # in bucket order
+        b = bt + int(np.argmax(cum >= tau * cum[-1]))
+    if cap > 0:
+        over = np.flatnonzero(np.cumsum(H[bt:b + 1]) > cap)
+        if over.size:
+            b = max(bt, bt + int(over[0]) - 1)
+    return b
 
 
 def threshold_select_ref(z, tau):
@@ -397,18 +412,18 @@ def dense_attend_ref(q, K, V, n, scale=1.0):
     return (np.einsum("hn,hnd->hd", w, Vf) / w.sum(1, keepdims=True)).astype(np.float32)
 
 
-def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv, host_keys=None):
+def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv, host_keys=None, cap=0):
     """One decode token's HCA attention (see kernels_cpu.hca_step): the exact lse_merge of
     attend_exact over EK/EV[:, :n_exact], the token's own k, v, and weighted_value_sum over
     packed_select(pack_lut(build_lut(q))). codebooks [Hkv, g, c, ds],
     P [Hkv, >=n_store, g] (token-major here; the kernel reads it group-major) -> o [Hq, d] f32.
-    host_keys [Hkv, >=n_store, d] (--rescore): the selection's scores made exact first
-    (selected_scores_ref)."""
+    host_keys [Hkv, >=n_store, d] (rescore): the selection's scores made exact first
+    (selected_scores_ref). cap: the selection's cap (levels_select_ref)."""
     q = np.asarray(q, dtype=np.float32)
     store = None
     if n_store:
         T = build_lut_ref(q, codebooks, q_to_kv)
-        idx, counts, _, _, _ = packed_select_ref(T, P, q_to_kv, n_store, tau)
+        idx, counts, _, _, _ = packed_select_ref(T, P, q_to_kv, n_store, tau, cap)
         z = packed_scores_ref(T, P, q_to_kv, n_store)
         if host_keys is not None:
             z = selected_scores_ref(q, host_keys, idx, counts, q_to_kv, z)
@@ -441,16 +456,16 @@ def fs_levels_ref(Q, PT, q_to_kv, n):
     return out
 
 
-def hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_kv, host_keys=None):
+def hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_kv, host_keys=None, cap=0):
     """hca_decode_attend_ref for nibble-pair codes (kernels_cpu.fastscan): F [Hkv, G, ds, 16]
     transposed factor codebooks, PT [Hkv, G/2, >=n_store] uint8 group-major -> o [Hq, d] f32
-    (host_keys: as hca_decode_attend_ref's)."""
+    (host_keys, cap: as hca_decode_attend_ref's)."""
     q = np.asarray(q, dtype=np.float32)
     store = None
     if n_store:
         Q, scale, offset = fs_lut_ref(q, F, q_to_kv)
         levels = fs_levels_ref(Q, PT, q_to_kv, n_store)
-        idx, counts, _, _, _ = levels_select_ref(levels, Q.max(axis=2).sum(axis=1), scale, offset, tau)
+        idx, counts, _, _, _ = levels_select_ref(levels, Q.max(axis=2).sum(axis=1), scale, offset, tau, cap)
         z = levels.astype(np.float32) * scale[:, None] + offset[:, None]
         if host_keys is not None:
             z = selected_scores_ref(q, host_keys, idx, counts, q_to_kv, z)
@@ -473,28 +488,29 @@ def _decode_step_ref(q, k, v, EK, EV, n_exact, q_to_kv, store):
     return o
 
 
-def exact_select_ref(z, tau):
+def exact_select_ref(z, tau, cap=0):
     """The selection of kernels_cpu.exact_step on float scores: buckets B = floor(32 z), counted
     down from the highest (the last, NB - 1, takes the rest); the cut bucket b* is the first whose
     cumulative mass, estimated as count_b * exp(-b / 32), reaches tau times the estimated total.
-    z [Hq, n] f32 -> sel bool [Hq, n] (z >= (R - b*) / 32, R the top bucket)."""
+    z [Hq, n] f32 -> sel bool [Hq, n] (z >= (R - b*) / 32, R the top bucket). cap > 0: at most cap
+    per head, whole buckets from the top (_bucket_cut_ref)."""
     from .level_select import NB
     Hq, n = z.shape
     sel = np.zeros((Hq, n), bool)
     if n == 0 or tau <= 0:
         return sel
-    if tau >= 1:
+    if tau >= 1 and not 0 < cap < n:
         return np.ones((Hq, n), bool)
     for h in range(Hq):
         B = np.floor(z[h].astype(np.float32) * np.float32(32)).astype(np.int64)
         R = B.max()
         H = np.bincount(np.minimum(R - B, NB - 1), minlength=NB)
-        bstar = _bucket_cut_ref(H, 0, 1.0 / 32, tau)
+        bstar = _bucket_cut_ref(H, 0, 1.0 / 32, tau, cap)
         sel[h] = True if bstar == NB - 1 else z[h] >= np.float32((R - bstar) / 32)
     return sel
 
 
-def hca_exact_decode_attend_ref(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, z=None):
+def hca_exact_decode_attend_ref(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, z=None, cap=0):
     """One decode token's attention over a store of exact keys (see kernels_cpu.exact_step): the
     lse_merge of attend_exact over EK/EV[:, :n_exact], the token's own k, v, and
     weighted_value_sum over exact_select_ref of z = q . K (float64 products; z [Hq, n_store]:
@@ -507,7 +523,7 @@ def hca_exact_decode_attend_ref(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_
         if z is None:
             Kh = np.asarray(K, np.float64)[q_to_kv, :n_store]                      # [Hq, n, d]
             z = np.einsum("hd,hnd->hn", q.astype(np.float64), Kh).astype(np.float32)
-        sel = exact_select_ref(z, tau)
+        sel = exact_select_ref(z, tau, cap)
         counts = sel.sum(1).astype(np.int32)
         idx = np.zeros((Hq, n_store), np.int32)
         for h in range(Hq):

@@ -149,3 +149,23 @@ def test_exact_valid_mask_skips_slots():
     with pytest.raises(ValueError, match="exact_valid"):
         kc.hca_exact_decode_attend(q, k, v, EK, EV, ne, K, n, V, 0.9, q2k, kc.lane_map(q2k, 3), z,
                                    kc.level_hist(9), exact_valid=valid[:10])
+
+
+@pytest.mark.parametrize("tau,cap", [(1.0, 6), (0.9, 20), (0.5, 1), (1.0, 10 ** 6)])
+def test_hca_exact_decode_attend_capped(tau, cap):
+    """The cap inside the exact-key step: at most cap tokens per head in whole 1/32-logit buckets
+    from the top (exact_select_ref with the cap), the output the reference's over that set."""
+    rng = np.random.default_rng([3, int(tau * 10), cap])
+    q2k, q, K, V, EK, EV, k, v = case(rng, 9, 3, 3000, 40)
+    z = np.full((9, 3003), np.nan, np.float32)
+    counts = np.zeros(9, np.int32)
+    o = kc.hca_exact_decode_attend(q, k, v, EK, EV, 40, K, 3000, V, tau, q2k, kc.lane_map(q2k, 3), z,
+                                   kc.level_hist(9), counts, cap=cap)
+    sel = ref.exact_select_ref(z[:, :3000], tau, cap)
+    np.testing.assert_array_equal(counts, sel.sum(1))
+    want = ref.hca_exact_decode_attend_ref(q, k, v, EK, EV, 40, K, 3000, V, tau, q2k, z=z[:, :3000], cap=cap)
+    np.testing.assert_allclose(o, want, rtol=2e-5, atol=2e-6)
+    assert (counts >= 1).all() and ((counts <= cap).all() or cap == 1)
+    if cap < 3000:
+        for h in range(9):                                 # a top set: nothing left out scores higher
+            assert z[h, :3000][sel[h]].min() >= z[h, :3000][~sel[h]].max()

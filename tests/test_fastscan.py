@@ -68,9 +68,10 @@ def test_nibble_pairs_index_the_product_codebook():
 
 
 @pytest.mark.parametrize("pool_dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("n_exact,n_store,tau", [(272, 5000, 0.9), (272, 5000, 1.0), (16, 1, 0.9), (272, 0, 0.9),
-                                                 (0, 3000, 0.5), (272, 16383, 0.9)])
-def test_fused_step_matches_reference(pool_dtype, n_exact, n_store, tau):
+@pytest.mark.parametrize("n_exact,n_store,tau,sel_cap", [(272, 5000, 0.9, 0), (272, 5000, 1.0, 0), (16, 1, 0.9, 0),
+                                                         (272, 0, 0.9, 0), (0, 3000, 0.5, 0), (272, 16383, 0.9, 0),
+                                                         (272, 5000, 0.9, 30), (272, 5000, 1.0, 8)])
+def test_fused_step_matches_reference(pool_dtype, n_exact, n_store, tau, sel_cap):
     rng = np.random.default_rng([n_exact, n_store, int(tau * 10)])
     Hq, Hkv, D = 9, 3, 64
     q2k = (np.arange(Hq) // 3).astype(np.int32)
@@ -87,14 +88,15 @@ def test_fused_step_matches_reference(pool_dtype, n_exact, n_store, tau):
     codes = np.zeros((Hkv, 1, D // 2), np.uint8)
     enc = (n_exact - 1, codes) if n_exact and n_store else None
     o = fs.hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q2k, lut, z, idx, counts,
-                                encode=enc)
-    want = hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q2k)
+                                encode=enc, cap=sel_cap)
+    want = hca_decode_attend_fs_ref(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q2k, cap=sel_cap)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
     if n_store:
         Q, scale, offset = fs_lut_ref(q, F, q2k)
         _, cnt, _, _, _ = levels_select_ref(fs_levels_ref(Q, PT, q2k, n_store), Q.max(axis=2).sum(axis=1),
-                                            scale, offset, tau)
+                                            scale, offset, tau, sel_cap)
         np.testing.assert_array_equal(counts, cnt)
+        assert sel_cap == 0 or (counts <= sel_cap).all()
     if enc is not None:
         ek = EK[:, n_exact - 1:n_exact]
         np.testing.assert_array_equal(codes, fs.encode_pairs(ek, F))

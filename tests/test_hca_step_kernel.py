@@ -85,3 +85,26 @@ def test_hca_decode_attend_other_shapes(hq, hkv, d, n_exact, n_store):
     got, ref = kc.attend_exact(q, EK, EV, q2k, n_exact), kc.attend_exact_ref(q, EK, EV, q2k, n_exact)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tau,sel_cap", [(0.9, 40), (1.0, 7), (0.5, 1), (0.9, 100000)])
+def test_hca_decode_attend_capped(tau, sel_cap):
+    """The cap inside the fused step: at most sel_cap tokens per head, whole level buckets from the
+    top, as the reference's levels_select_ref cuts them (a cap above the selection changes nothing)."""
+    rng = np.random.default_rng([7, int(tau * 10), sel_cap])
+    q, k, v, EK, EV, C, P, V, cap = setup(rng, 272, 5000, 16, 1024, np.float32)
+    g, c = C.shape[1], C.shape[2]
+    lanes = kc.lane_map(Q2K, HKV)
+    packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(HQ, np.float32),
+                          np.empty(HQ, np.float32))
+    counts = np.zeros(HQ, np.int32)
+    o = kc.hca_decode_attend(q, k, v, EK, EV, 272, kc.transpose_codebooks(C), kc.group_major(P), 5000, V, tau, Q2K,
+                             packed, np.empty((HQ, g, c), np.float32), np.zeros((HQ, cap), np.float32),
+                             np.zeros((HQ, cap), np.int32), counts, cap=sel_cap)
+    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, 5000, V, tau, Q2K, cap=sel_cap)
+    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
+    _, rcounts, _, _, _ = kc.packed_select_ref(kc.build_lut_ref(q, C, Q2K), P, Q2K, 5000, tau, sel_cap)
+    np.testing.assert_array_equal(counts, rcounts)
+    assert (counts >= 1).all() and ((counts <= sel_cap).all() or sel_cap == 1)   # (a top bucket stays whole)
+    free = run_fused(q, k, v, EK, EV, 272, C, P, 5000, V, tau, cap)[1]
+    assert (counts <= free).all() and (sel_cap >= free.max() or (counts < free).any())

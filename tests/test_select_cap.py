@@ -65,9 +65,9 @@ def test_cap_above_the_store_changes_nothing_and_a_small_one_bounds_the_selectio
 
 
 def test_capped_step_equals_top_k_attention(tiny_model_dir):
-    """With exact keys and tau = 1 a capped step's store part is softmax attention over the top
-    `cap` keys by exact score: compared with a cache whose store holds only those keys (the ring
-    and sinks unchanged), through the model's first layer output."""
+    """With exact keys and tau = 1 a capped decode step's store part is softmax attention over each
+    head's top c <= cap keys by exact score (c: what the step kept, in whole 1/32-logit buckets from
+    the top), through the model's first layer output."""
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(120, seed=8)
     eng = _engines(d)[2]
@@ -77,6 +77,8 @@ def test_capped_step_equals_top_k_attention(tiny_model_dir):
     k = torch.randn(1, c.Hkv, c.hd, generator=torch.Generator().manual_seed(2))
     v = torch.randn(1, c.Hkv, c.hd, generator=torch.Generator().manual_seed(3))
     got = c.attend(0, q, k, v)[0]                                              # [Hq, hd]
+    kept = c._counts.copy()
+    assert (kept >= 1).all() and (kept <= 6).all() and (kept == 6).any()
     # reference: exact tier + new token + top-6 store keys by exact score, one softmax per head
     qs = q[0].float() * c.scale
     K = c.exact_keys.view(0, c.n_store - c.exact_base).float()                # [Hkv, n, hd]
@@ -86,7 +88,7 @@ def test_capped_step_equals_top_k_attention(tiny_model_dir):
     for h in range(c.Hq):
         kv = int(c.q_to_kv[h])
         zs = K[kv] @ qs[h]
-        top = torch.topk(zs, 6).indices
+        top = torch.topk(zs, int(kept[h])).indices
         keys = torch.cat([EK[kv], k[0, kv][None].float(), K[kv, top]])
         vals = torch.cat([EV[kv], v[0, kv][None].float(), V[kv, top]])
         want = torch.softmax(keys @ qs[h], 0) @ vals

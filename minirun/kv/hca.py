@@ -2,10 +2,10 @@
 
 The tiers and their bookkeeping are hca_base.HCABase's. Here: the buffers (host memory; the key
 store column-major for the scoring kernels: kv/store.ColumnBuffer), the encoder, and attention to
-the store: a decode step with the ring full and the store encoded runs in one kernel call
-(kv/hca_cpu_step.py: sinks + ring, the new token, the selected store tokens, merged); other steps
-(a cap on the selection, a ring short after a truncate, several queries in hca mode) score, select
-and sum here, one query at a time.
+the store: a decode step runs in one kernel call (kv/hca_cpu_step.py: sinks + ring, the new token,
+the selected store tokens -- scored by the key store's kernel, cut by tau and the cap -- merged);
+several queries in hca mode (and a step whose store is not all encoded yet) score, select and sum
+here, one query at a time.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class HCACache(OneCallSteps, HCABase):
     def _decode_step(self, layer, q, k, v):
         """The one-call steps (kv/hca_cpu_step.py) with the ring full and the store encoded (or exact)."""
         if not (self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W
-                and not self.max_select and self.n_store > 0):   # (the one-call steps select by tau alone)
+                and self.n_store > 0):
             return None
         qs = q.float() * self._q_scale(1)
         if self.n_encoded == self.n_store:

@@ -35,7 +35,7 @@ class OneCallSteps:
         o = kc.hca_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, cbt, PT, n,
                                  V, self.tau, self.q_to_kv, self._packed, self._lut, z, sel, self._counts,
                                  encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid(),
-                                 host_keys=Kh)
+                                 host_keys=Kh, cap=self.max_select or 0)
         return self._step_done(layer, o, encode is not None)
 
     def _attend_fast_scan_step(self, layer, qs, k, v):
@@ -48,7 +48,7 @@ class OneCallSteps:
         o = fs.hca_decode_attend_fs(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, F[layer],
                                     PT, self.n_store, V, self.tau, self.q_to_kv, self._fs_lut, z, sel, self._counts,
                                     fnorm=fnorm[layer], encode=encode, levels=(lev, self._hist),
-                                    exact_valid=self._exact_valid(), host_keys=Kh)
+                                    exact_valid=self._exact_valid(), host_keys=Kh, cap=self.max_select or 0)
         return self._step_done(layer, o, encode is not None)
 
     def _encode_ahead_slot(self) -> int | None:
@@ -82,7 +82,7 @@ class OneCallSteps:
         q, kn, EK = self._step_inputs(layer, qs, k)
         o = kc.hca_exact_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, K, n,
                                        V, self.tau, self.q_to_kv, self._lanes, z, self._hist, self._counts,
-                                       exact_valid=self._exact_valid())
+                                       exact_valid=self._exact_valid(), cap=self.max_select or 0)
         return self._step_done(layer, o, False)
 
     def _step_inputs(self, layer, qs, k):
