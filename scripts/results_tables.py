@@ -7,9 +7,11 @@ A results file is one JSON object: title, command, machine, date (what produced 
 when), kind, and the tool's own output: "bench" (rows of `minirun bench -o json` or of
 scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval" (the report of
 `minirun eval -o json`), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" (rows pairing a
-`llama-bench -o json` figure with a `minirun bench` one on the same weights). A document shows a
-file's table between `<!-- results: NAME -->` and `<!-- /results -->` (NAME: the file's name
-without .json), headed by its title and followed by its command, machine and date.
+`llama-bench -o json` figure with a `minirun bench` one on the same weights), "plan" (`minirun
+plan -o json`). A document shows a
+file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
+name without .json; VIEW "summary": an eval report without its per-cell table), headed by its
+title and followed by its command, machine and date.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ sys.path.insert(0, str(REPO))
 
 from minirun.bench import BenchResult, to_markdown, to_markdown_compact  # noqa: E402
 from minirun.evaluate import format_markdown  # noqa: E402
+from minirun.planner import format_plan  # noqa: E402
 
 RESULTS, DOCS = REPO / "docs" / "results", REPO / "docs"
-BLOCK = re.compile(r"(<!-- results: ([\w.-]+) -->\n)(.*?)(<!-- /results -->)", re.S)
+BLOCK = re.compile(r"(<!-- results: ([\w.-]+)(?: (\w+))? -->\n)(.*?)(<!-- /results -->)", re.S)
 
 
 def paired_table(d: dict) -> str:
@@ -48,7 +51,9 @@ def vs_llamacpp_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def render(d: dict) -> str:
+def render(d: dict, view: str | None = None) -> str:
+    """A results file as markdown: its title, its table, its command, machine and date. view
+    "summary": an eval report's main table only (no per-cell pass keys)."""
     kind = d["kind"]
     if kind == "bench":
         rows = d["rows"]
@@ -57,10 +62,14 @@ def render(d: dict) -> str:
                          for r in rows])
     elif kind == "eval":
         body = format_markdown(d["report"], data=d["report"].get("data"))
+        if view == "summary":
+            body = body.split("\n\nPasskey accuracy per cell")[0]
     elif kind == "paired":
         body = paired_table(d["report"])
     elif kind == "vs-llamacpp":
         body = vs_llamacpp_table(d["rows"])
+    elif kind == "plan":
+        body = "```\n" + format_plan(d["report"]) + "\n```"
     else:
         raise SystemExit(f"results_tables: unknown kind {kind!r}")
     return (f"**{d['title']}**\n\n{body}\n\n"
@@ -73,7 +82,7 @@ def regenerate(doc: str) -> str:
         path = RESULTS / f"{m.group(2)}.json"
         if not path.is_file():
             raise SystemExit(f"results_tables: {path} (named in a document) does not exist")
-        return m.group(1) + render(json.loads(path.read_text())) + m.group(4)
+        return m.group(1) + render(json.loads(path.read_text()), m.group(3)) + m.group(5)
     return BLOCK.sub(sub, doc)
 
 

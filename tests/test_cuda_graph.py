@@ -241,7 +241,7 @@ def test_cli_generate_with_the_flag(tiny_model_dir):
 
     from minirun.cli import cli
     r = CliRunner().invoke(cli, ["generate", str(tiny_model_dir("gqa-untied")), "-p", "hello", "-n", "3",
-                                 "--device", "cpu", "--no-cuda-graphs"])
+                                 "--device", "cpu", "--hca-opt", "cuda_graphs=false"])
     assert r.exit_code == 0, r.output
 
 

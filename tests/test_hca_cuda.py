@@ -362,7 +362,7 @@ def test_value_sum_choice(capsys):
     cpu = torch.device("cpu")
     assert value_sum_choice("auto", cpu, False) == "gpu" and value_sum_choice("host", cpu, False) == "host"
     assert value_sum_choice("auto", cpu, True) == "host" and capsys.readouterr().err == ""
-    assert value_sum_choice("gpu", cpu, True) == "host" and "--rescore" in capsys.readouterr().err
+    assert value_sum_choice("gpu", cpu, True) == "host" and "rescore" in capsys.readouterr().err
     with pytest.raises(MiniRunError, match="use auto, gpu or host"):
         EngineConfig(value_sum="tpu")
 

@@ -1,0 +1,55 @@
+"""The README cannot drift from the CLI: every `minirun ...` line in its code blocks parses (the
+command exists, each flag is one of its options, each value converts), and every `--hca-opt` key
+its options table names is one the CLI takes."""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import click
+import pytest
+
+from minirun.cli import cli
+from minirun.cli_common import ADVANCED
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def command_lines() -> list[str]:
+    """The `minirun ...` lines of the README's code blocks, comments cut, continuations joined."""
+    lines = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line.startswith("minirun "):
+                lines.append(line)
+    return lines
+
+
+def test_readme_has_commands():
+    cmds = {line.split()[1] for line in command_lines()}
+    assert {"pull", "chat", "generate", "serve", "bench", "plan", "calibrate", "eval", "convert"} <= cmds
+
+
+@pytest.mark.parametrize("line", command_lines())
+def test_readme_command_parses(line):
+    name, *args = shlex.split(line)[1:]
+    cmd = cli.commands.get(name)
+    assert cmd is not None, f"README: `{line}`: no command {name}"
+    try:
+        cmd.make_context(name, args)
+    except click.UsageError as e:
+        pytest.fail(f"README: `{line}`: {e.format_message()}")
+
+
+def test_readme_flags_and_hca_opts_exist():
+    """Every flag in the options table is a chat option; every --hca-opt key is a real one."""
+    chat = cli.commands["chat"]
+    names = {o for p in chat.params for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])}
+    table = README[README.index("## Options"):README.index("## Performance")]
+    flags = set(re.findall(r"`(--[a-z-]+)", table))
+    assert flags and flags <= names, flags - names
+    keys = set(re.findall(r"^\| `([a-z_]+)`", table, re.M)) | set(re.findall(r"`([a-z_]+)`,", table))
+    keys = {k for k in keys if "_" in k or k in ADVANCED}
+    assert {"far_positions", "rescore", "value_sum", "cuda_graphs"} <= keys and keys <= set(ADVANCED), keys - set(ADVANCED)
