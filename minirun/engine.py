@@ -158,7 +158,8 @@ class Engine:
     def prefill(self, ids: list[int], progress=None, should_stop=None) -> tuple[torch.Tensor, int]:
         """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache).
 
-        A prefix shared with what the cache already holds is reused when the cache can truncate to it.
+        A prefix shared with what the cache already holds is reused when the cache can truncate to it
+        (an HCA cache: within its ring, or within the ring it had at the end of the last prompt).
         progress: optional callable(n_done, n_total) called after each chunk. should_stop: optional
         callable checked after each chunk; when it returns True the cache keeps the chunks done so far
         (a prefix of `ids`, reused by the next call) and the logits are those of the last chunk done.
@@ -193,6 +194,8 @@ class Engine:
             if should_stop is not None and done < todo.numel() and should_stop():
                 break
         self.cache.end_prefill()
+        if done == todo.numel():   # a point to come back to: the next prompt may share this one, not its answer
+            self.cache.checkpoint()
         dt = time.perf_counter() - t0
         self.last_prefill = {"tokens": done, "seconds": dt, "tps": done / max(dt, 1e-9), "mode": mode}
         self._cached_ids = list(ids[:common + done])

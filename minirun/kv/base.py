@@ -30,6 +30,10 @@ class KVCache:
             return True
         return False
 
+    def checkpoint(self) -> None:
+        """A point a later truncate should be able to go back to: what the cache holds now (the engine
+        calls it after each prompt). Caches that truncate anywhere need nothing."""
+
     def begin_prefill(self, mode: str) -> None:
         """A prompt of several chunks follows; mode "exact" | "hca" | "anchor" (caches may ignore it)."""
 

@@ -27,6 +27,7 @@ from .hca_cpu_step import OneCallSteps
 from .codebooks import Codebooks, codebook_filename
 from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
 from .hca_layout import HCALayout, fast_scan, resolve_layout
+from .ring_checkpoint import RingCheckpoint
 from .select_cap import cap_selection
 from .store import ColumnBuffer, GrowingBuffer
 
@@ -105,6 +106,7 @@ class HCACache(OneCallSteps, KVCache):
         # the selection's integer score levels (uint16 bits; a CPU-only scratch: kernels_cpu.level_select)
         self.lev = GrowingBuffer((self.Hq,), 1, torch.int16, store_cap) if self.uses_levels else None
         self._staged: list = [None] * L
+        self.rewind_point = RingCheckpoint()   # truncate past the ring back to the last prompt's end
         self.notes: list[str] = []
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
@@ -517,12 +519,23 @@ class HCACache(OneCallSteps, KVCache):
             self._fit_and_encode()
 
     # ---- bookkeeping ----------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Keep a copy of the sinks + ring (kv/ring_checkpoint.py): a later truncate back to any
+        position the ring holds now works after these tokens left it."""
+        self.rewind_point.take(self)
+
     def truncate(self, n: int) -> bool:
-        """Possible while the dropped tokens are all in the ring (or the sinks of a short context)."""
+        """Possible while the dropped tokens are all in the ring (or the sinks of a short context),
+        or back into the ring of the last checkpoint."""
         if n == self.offset:
             return True
-        if n > self.offset or (self.n_store and n < self.S + self.n_store):
+        if n > self.offset:
             return False
+        if self.n_store and n < self.S + self.n_store:
+            if not self.rewind_point.can_restore(self, n):
+                return False
+            self.rewind_point.restore(self)
+        self.rewind_point.truncated(n)
         drop = (self.slot_pos >= n)
         self.slot_pos[drop] = -1
         self._live_slots = None
@@ -537,6 +550,7 @@ class HCACache(OneCallSteps, KVCache):
         self.slot_pos.fill_(-1)
         self.exact_keys.free()
         self.mode = "hca"
+        self.rewind_point.drop()
 
     def stats(self) -> dict:
         exact_tier = 2 * self.ek.numel() * self.ek.element_size()
@@ -553,6 +567,7 @@ class HCACache(OneCallSteps, KVCache):
             "scratch_bytes": self.z.nbytes + self.sel.nbytes + (self.lev.nbytes if self.lev is not None else 0),
             "prefill_keys_bytes": 0 if self.layout.exact_keys else self.exact_keys.nbytes,
             "decode_scratch_bytes": sum(a.nbytes for a in self._decode_scratch()),
+            "ring_copy_bytes": self.rewind_point.nbytes,
         }
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
         return s
