@@ -267,12 +267,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_server_api_key_and_sigterm(model_dir):
-    """`minirun serve` as a process: the key is required, SIGTERM mid-answer stops it cleanly."""
+def test_cli_server_api_key_prompt_cache_and_sigterm(model_dir, tmp_path):
+    """`minirun serve` as a process: the key is required, --prompt-cache is loaded at start (a
+    prompt that starts with its tokens prefills only the rest), SIGTERM mid-answer stops it cleanly."""
+    story = "Once upon a time, in a land far away, "
+    eng = Engine.load(model_dir, device="cpu", ctx=1024, far_positions="auto")   # (the CLI's setting)
+    eng.prefill(eng.tokenize(story))
+    eng.save_prompt_cache(tmp_path / "story.kv")
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "minirun", "serve", str(model_dir), "--port", str(port),
-                             "--ctx", "1024", "--api-key", "sesame"], env=env, stderr=subprocess.PIPE, text=True)
+                             "--ctx", "1024", "--api-key", "sesame", "--prompt-cache", str(tmp_path / "story.kv")],
+                            env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 90
@@ -288,6 +294,8 @@ def test_cli_server_api_key_and_sigterm(model_dir):
             mk("wrong").models.list()
         status, body, _ = post(url + "/v1/chat/completions", b"{}")
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        r = mk("sesame").completions.create(model="tiny", prompt=story + "there lived", max_tokens=3)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(eng.tokenize(story))
         assert chat(mk("sesame"), "Key works").usage.completion_tokens == 12
         stream = chat(mk("sesame"), "Long answer", stream=True, max_tokens=1000)
         next(iter(stream))                      # the answer has begun

@@ -217,8 +217,9 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     @app.get("/health")
     async def health():
         stopping = worker.stopping.is_set()
-        return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name,
-                             "busy": worker.busy, "queued": worker.queued}, 503 if stopping else 200)
+        return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name, "ctx": ctx,
+                             "kv": eng.config.kv, "busy": worker.busy, "queued": worker.queued},
+                            503 if stopping else 200)
 
     @app.get("/v1/models")
     async def models():
