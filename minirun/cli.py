@@ -97,12 +97,13 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
 @engine_options
 def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, **engine_kw):
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
-    from .serve.server import run
+    from .serve.server import bind, run
+    sock = bind(host, port)          # (before loading: a port in use fails at once)
     eng = load_engine(model, **engine_kw)
     if prompt_cache is not None:
         n = eng.load_prompt_cache(prompt_cache)
         click.echo(f"minirun serve: {n} tokens from {prompt_cache}", err=True)
-    run(eng, model_name or Path(model).resolve().name, host, port, api_key, max_queue)
+    run(eng, model_name or Path(model).resolve().name, sock, api_key, max_queue)
 
 
 @cli.command()

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 import sys
 
 import uvicorn
 
+from ..errors import MiniRunError
 from .app import create_app
 from .worker import EngineWorker
 
@@ -45,15 +47,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def run(engine, model_name: str, host: str, port: int, api_key: str | None, max_queue: int) -> None:
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), or a one-line MiniRunError."""
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise MiniRunError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(engine, model_name: str, sock: socket.socket, api_key: str | None, max_queue: int) -> None:
+    """Serve on `sock` (from bind) until SIGINT or SIGTERM."""
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
     server = make_server(engine, model_name, host, port, api_key, max_queue)
     if not is_loopback(host) and not api_key:
         print(f"minirun serve: note: listening on {host} without --api-key: anyone who can reach this port can "
               "use the model", file=sys.stderr)
-    print(f"minirun serve: {model_name} (ctx {engine.config.ctx}, kv {engine.config.kv}) on http://{host}:{port}/v1 "
+    print(f"minirun serve: {model_name} (ctx {engine.config.ctx}, kv {engine.config.kv}) on http://{where}:{port}/v1 "
           f"(Ctrl-C stops)", file=sys.stderr)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         server.worker.stop(timeout=10)
     print("minirun serve: stopped", file=sys.stderr)
