@@ -61,6 +61,7 @@ class Client:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
         first = usage = None
+        timings = {}
         for line in resp:
             if not line.startswith(b"data: "):
                 continue
@@ -73,12 +74,13 @@ class Client:
             if first is None and any(c["delta"].get("content") or c.get("finish_reason") for c in chunk["choices"]):
                 first = time.perf_counter()
             usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings   # (minirun's server-side seconds, where given)
         end = time.perf_counter()
         conn.close()
         n = usage["completion_tokens"]
         return {"ttft": first - t0, "total": end - t0, "tokens": n, "prompt_tokens": usage["prompt_tokens"],
                 "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-                "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else None}
+                "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else None, "server": timings}
 
 
 def concurrent_phase(client: Client, clients: int, requests: int, max_tokens: int) -> dict:
@@ -138,8 +140,11 @@ def document_phase(client: Client, doc: str, questions: list[str], followups: in
         r = client.chat(f"Read this document:\n\n{doc}\n\nQuestion: {q}", max_tokens)
         r["question"] = q
         rows.append(r)
+        sv = r["server"]
+        inside = (f" (server: tokenize {sv['tokenize_s']:.2f} s, first text {sv['first_text_s']:.2f} s wall, "
+                  f"{sv['first_text_cpu_s']:.2f} s CPU)" if "first_text_cpu_s" in sv else "")
         print(f"  {'first' if i == 0 else f'follow-up {i}'}: prompt {r['prompt_tokens']} tok, cached "
-              f"{r['cached_tokens']}, first token {r['ttft']:.2f} s, {r['tokens']} tok at "
+              f"{r['cached_tokens']}, first token {r['ttft']:.2f} s{inside}, {r['tokens']} tok at "
               f"{r['decode_tps'] or 0:.1f} tok/s", file=sys.stderr)
     return rows
 

@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API over one EngineWorker (FastAPI).
 
+Answers carry OpenAI's fields plus `timings` (as llama.cpp's server does): seconds spent
+tokenizing, queued, to the first text (wall and the process's CPU time), in the prefill, and the
+decode tokens/s; streams put it in the chunk with the finish_reason.
+
 GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions. Prompts are
 tokenized here, off the event loop (the tokenizer is thread-safe; the engine is not and stays in
 the worker), so an over-long prompt is refused before it waits in the queue. Bodies are parsed by
@@ -90,25 +94,26 @@ class Answer:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, timings=None) -> dict:
         if self.chat:
             delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return {**self._head(True), "choices": [choice], **({"usage": None} if self.include_usage else {})}
+        return {**self._head(True), "choices": [choice], **({"usage": None} if self.include_usage else {}),
+                **({"timings": timings} if timings else {})}
 
     def usage_chunk(self, res) -> dict:
         return {**self._head(True), "choices": [], "usage": usage_of(res)}
 
-    def full(self, res) -> dict:
+    def full(self, res, timings: dict) -> dict:
         finish = FINISH[res.finish_reason]
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
                       "finish_reason": finish}
         else:
             choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": finish}
-        return {**self._head(False), "choices": [choice], "usage": usage_of(res)}
+        return {**self._head(False), "choices": [choice], "usage": usage_of(res), "timings": timings}
 
 
 async def stream(job: Job, ans: Answer):
@@ -122,7 +127,7 @@ async def stream(job: Job, ans: Answer):
             if kind == "text":
                 yield sse(ans.chunk(value))
             elif kind == "done":
-                yield sse(ans.chunk(None, FINISH[value.finish_reason]))
+                yield sse(ans.chunk(None, FINISH[value.finish_reason], timings=job.timings))
                 if ans.include_usage:
                     yield sse(ans.usage_chunk(value))
                 break
@@ -198,9 +203,10 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
             raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than the context of {ctx} tokens (--ctx)",
                            param, "context_length_exceeded")
 
-    async def answer(request: Request, body, ids: list[int], chat: bool):
+    async def answer(request: Request, body, ids: list[int], chat: bool, tokenize_s: float):
         max_new = body.max_new_tokens or max(1, ctx - len(ids))
         job = Job(ids, max_new, body.sampling(), asyncio.get_running_loop())
+        job.timings["tokenize_s"] = tokenize_s
         try:
             worker.submit(job)
         except (QueueFull, ShuttingDown) as e:
@@ -212,7 +218,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         res = await collect(job, request)
         if res is None:   # the client left: nobody reads this
             return JSONResponse(ApiError(499, "client closed the request").body(), 499)
-        return JSONResponse(ans.full(res))
+        return JSONResponse(ans.full(res, job.timings))
 
     @app.get("/health")
     async def health():
@@ -229,17 +235,19 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatRequest)
+        t0 = time.perf_counter()
         try:
             ids = await run_in_threadpool(eng.chat_prompt, body.chat_messages())
         except MiniRunError as e:   # the template refused the conversation (its raise_exception)
             raise ApiError(400, str(e), "messages") from None
         check_prompt(ids, "messages")
-        return await answer(request, body, ids, chat=True)
+        return await answer(request, body, ids, True, time.perf_counter() - t0)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
         prompt = body.prompt_input()
+        t0 = time.perf_counter()
         if isinstance(prompt, str):
             ids = await run_in_threadpool(eng.tokenize, prompt) if prompt else []
         else:
@@ -249,6 +257,6 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{eng.args.vocab_size - 1})",
                                "prompt")
         check_prompt(ids, "prompt")
-        return await answer(request, body, ids, chat=False)
+        return await answer(request, body, ids, False, time.perf_counter() - t0)
 
     return app

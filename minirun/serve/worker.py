@@ -40,9 +40,6 @@ class InternalError(Exception):
     """An unexpected failure inside the engine (a bug): the request fails, the server goes on."""
 
 
-FINAL = ("done", "error")
-
-
 @dataclass
 class Job:
     """One request for the engine. ids: the prompt's token ids; params: Engine.stream's keywords."""
@@ -52,6 +49,10 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    # seconds, filled by the worker: queued, to the first text (wall and the process's CPU time,
+    # which does not depend on what else the machine runs), prefill, and the decode tokens/s
+    timings: dict = field(default_factory=dict)
 
     def put(self, kind: str, value=None) -> None:
         """From the worker thread: one event into the request's queue, through its event loop."""
@@ -127,14 +128,19 @@ class EngineWorker:
         if self.stopping.is_set():
             job.put("error", ShuttingDown("the server is shutting down"))
             return
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         self.busy = True
         eng = self.engine
+        tm = job.timings
+        tm["queued_s"] = t0 - job.submitted
         try:
             stop = lambda: job.cancel.is_set() or self.stopping.is_set()   # noqa: E731
             for piece in eng.stream(job.ids, max_new_tokens=job.max_new_tokens, should_stop=stop, **job.params):
+                if "first_text_s" not in tm:
+                    tm["first_text_s"], tm["first_text_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
                 job.put("text", piece)
             res = eng.last_result
+            tm["prefill_s"], tm["decode_tps"] = res.prefill_s, res.decode_tps
             if res.finish_reason == "cancelled" and self.stopping.is_set() and not job.cancel.is_set():
                 job.put("error", ShuttingDown("the server is shutting down"))
             else:
