@@ -72,8 +72,38 @@ def test_without_the_copy_the_document_is_prefilled_again(tiny_model_dir):
     doc = random_ids(150, 0)
     eng = hca_engine(d)
     eng.generate(doc + random_ids(6, 1), max_new_tokens=40, ignore_eos=True)
-    eng.cache.rewind_point.drop()
+    for copy in eng.cache.rewind_points.values():
+        copy.drop()
     assert eng.generate(doc + random_ids(5, 2), max_new_tokens=2).reused_tokens == 0
+
+
+def test_long_questions_come_back_to_where_the_last_prompt_left_the_document(tiny_model_dir):
+    """Questions longer than the 16-token ring: the copy at the end of a prompt does not reach back
+    to the document, the one where a prompt left the cached tokens (the document's end) does."""
+    d = tiny_model_dir("gqa-untied")
+    doc, q1, q2, q3 = random_ids(150, 0), random_ids(6, 1), random_ids(30, 2), random_ids(30, 3)
+    eng = hca_engine(d)
+    eng.generate(doc + q1, max_new_tokens=20, ignore_eos=True)     # a short question first
+    assert eng.generate(doc + q2, max_new_tokens=20, ignore_eos=True).reused_tokens == len(doc)
+    la, reused = eng.prefill(doc + q3)                               # back past q2 + its answer
+    assert reused == len(doc)
+    ref = hca_engine(d)
+    ref.generate(doc + q1, max_new_tokens=0)
+    lb, reused_b = ref.prefill(doc + q3)                             # (q1 still in the ring)
+    assert reused_b == len(doc) and torch.equal(la, lb)
+
+    eng = hca_engine(d)
+    eng.generate(doc + q2, max_new_tokens=20, ignore_eos=True)      # a long question first
+    again = eng.generate(doc + q3, max_new_tokens=20, ignore_eos=True)
+    assert again.reused_tokens == 0                                  # the document is prefilled again, once
+    la, reused = eng.prefill(doc + q1)
+    assert reused == len(doc)
+    ref = hca_engine(d)
+    ref.generate(doc + q2, max_new_tokens=0)                         # (the same codebooks: fitted on doc + q2)
+    ref.reset()
+    ref.prefill(doc)
+    lb, _ = ref.prefill(doc + q1)
+    assert torch.equal(la, lb)
 
 
 def test_codebooks_fitted_after_the_copy_refuse_it(tiny_model_dir):

@@ -19,6 +19,7 @@ from .base import KVCache, causal_mask
 class DenseCache(KVCache):
     """k, v [L, Hkv, capacity, hd] preallocated in the compute dtype on the compute device (on huge
     pages on the CPU: minirun.hugepages)."""
+    truncates_anywhere = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):

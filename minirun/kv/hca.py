@@ -106,7 +106,9 @@ class HCACache(OneCallSteps, KVCache):
         # the selection's integer score levels (uint16 bits; a CPU-only scratch: kernels_cpu.level_select)
         self.lev = GrowingBuffer((self.Hq,), 1, torch.int16, store_cap) if self.uses_levels else None
         self._staged: list = [None] * L
-        self.rewind_point = RingCheckpoint()   # truncate past the ring back to the last prompt's end
+        # copies of sinks + ring by name ("prompt", "shared": Engine.prefill), so that truncate can go
+        # back past the ring (kv/ring_checkpoint.py)
+        self.rewind_points = {"prompt": RingCheckpoint(), "shared": RingCheckpoint()}
         self.notes: list[str] = []
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
@@ -519,10 +521,10 @@ class HCACache(OneCallSteps, KVCache):
             self._fit_and_encode()
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def checkpoint(self) -> None:
-        """Keep a copy of the sinks + ring (kv/ring_checkpoint.py): a later truncate back to any
-        position the ring holds now works after these tokens left it."""
-        self.rewind_point.take(self)
+    def checkpoint(self, name: str = "prompt") -> None:
+        """Keep a copy of the sinks + ring under `name` (kv/ring_checkpoint.py): a later truncate
+        back to any position the ring holds now works after these tokens left it."""
+        self.rewind_points[name].take(self)
 
     def truncate(self, n: int) -> bool:
         """Possible while the dropped tokens are all in the ring (or the sinks of a short context),
@@ -532,10 +534,12 @@ class HCACache(OneCallSteps, KVCache):
         if n > self.offset:
             return False
         if self.n_store and n < self.S + self.n_store:
-            if not self.rewind_point.can_restore(self, n):
+            copy = next((c for c in self.rewind_points.values() if c.can_restore(self, n)), None)
+            if copy is None:
                 return False
-            self.rewind_point.restore(self)
-        self.rewind_point.truncated(n)
+            copy.restore(self)
+        for c in self.rewind_points.values():
+            c.truncated(n)
         drop = (self.slot_pos >= n)
         self.slot_pos[drop] = -1
         self._live_slots = None
@@ -550,7 +554,8 @@ class HCACache(OneCallSteps, KVCache):
         self.slot_pos.fill_(-1)
         self.exact_keys.free()
         self.mode = "hca"
-        self.rewind_point.drop()
+        for c in self.rewind_points.values():
+            c.drop()
 
     def stats(self) -> dict:
         exact_tier = 2 * self.ek.numel() * self.ek.element_size()
@@ -567,7 +572,7 @@ class HCACache(OneCallSteps, KVCache):
             "scratch_bytes": self.z.nbytes + self.sel.nbytes + (self.lev.nbytes if self.lev is not None else 0),
             "prefill_keys_bytes": 0 if self.layout.exact_keys else self.exact_keys.nbytes,
             "decode_scratch_bytes": sum(a.nbytes for a in self._decode_scratch()),
-            "ring_copy_bytes": self.rewind_point.nbytes,
+            "ring_copy_bytes": sum(c.nbytes for c in self.rewind_points.values()),
         }
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
         return s
