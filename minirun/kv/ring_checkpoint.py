@@ -5,12 +5,14 @@ older tokens leave it for the key store as codes. A server whose requests share 
 not their questions and answers needs more: after doc + question 1 + a 300-token answer, the next
 request (doc + question 2) must go back to the end of the document, which left the ring long ago.
 
-How: after a prompt's prefill the engine calls `HCACache.checkpoint()`, which copies the exact tier
-(sinks + ring, [L, Hkv, S + W, hd] keys and values: 12 MB for SmolLM2 in float32) and the store's
-counters. The store only appends, so its first n_store rows stay as they were; truncating back to
-any position p the ring held then (S + n_store <= p <= offset at the copy) restores the copied
-tier, sets the store's length back and drops the ring tokens from p on. One copy per prompt, no
-store rows copied.
+How: `HCACache.checkpoint(name)` copies the exact tier (sinks + ring, [L, Hkv, S + W, hd] keys and
+values: 12 MB for SmolLM2 in float32) and the store's counters. The store only appends, so its
+first n_store rows stay as they were; truncating back to any position p the ring held then
+(S + n_store <= p <= offset at the copy) restores the copied tier, sets the store's length back
+and drops the ring tokens from p on. No store rows are copied. The engine keeps two copies: at the
+end of each prompt ("prompt": the next question, up to W tokens long, comes back to the document
+through it) and where a prompt left the cached tokens ("shared": the document's end, for longer
+questions).
 
 Validity: a position p of the copy is still the cache's own token while nothing since has rewritten
 it. Tokens are only rewritten after a truncate below them, so every truncate lowers `valid_to`, the
