@@ -2,7 +2,9 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN      = $(VENV)/bin
-MODEL   ?= models/SmolLM2-135M-Instruct
+# the per-user models directory, as minirun finds it ($MINIRUN_MODELS, else ~/.cache/minirun/models)
+MODELS  ?= $(or $(MINIRUN_MODELS),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/minirun/models)
+MODEL   ?= $(MODELS)/SmolLM2-135M-Instruct
 ARGS    ?=
 
 .PHONY: setup pull chat test test-fast check-cuda bench clean
@@ -20,7 +22,7 @@ $(BIN)/minirun: pyproject.toml
 setup: $(BIN)/minirun
 
 $(MODEL)/config.json: | setup
-	$(BIN)/minirun pull smollm2
+	$(BIN)/minirun pull smollm2 --models-dir $(MODELS)
 
 pull: $(MODEL)/config.json
 

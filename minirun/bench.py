@@ -32,11 +32,11 @@ JSON/CSV fields, one object/row per (mode, test):
   was reset before the test, "process" when /proc/self/clear_refs refused and it is the process
   peak so far), peak_device_bytes (torch.cuda.max_memory_allocated during the test; 0 on CPU),
   kv_stats (the cache's stats() at the end of the last rep: tokens and bytes per tier; CSV: one
-  kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs (--cuda-graphs on a GPU:
-  "token" when tg steps were whole tokens replayed from graphs (dense), "piecewise" when the parts
-  between attentions were (HCA); "off" otherwise, a failed capture included), rescore (HCA with
-  --rescore: the selected tokens weighted by exact scores from keys kept on the host; markdown: "hca
-  rescore").
+  kv_<key> column per key), date (UTC), version (minirun's), cuda_graphs ("token" when tg steps
+  were whole tokens replayed from CUDA graphs, "off" when they ran eagerly), rescore (HCA with
+  rescore: the selected tokens weighted by exact scores from keys kept on the host; markdown: "hca
+  rescore"), device_name (the GPU's or the CPU's model name), value_sum (HCA on a GPU: "gpu" or
+  "host", where the selected values were summed), max_select (the selection's cap, or None).
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class BenchResult:
     date: str = ""
     version: str = __version__
     cuda_graphs: str = "off"
-    rescore: bool = False           # HCA with --rescore (exact weights from host keys)
+    rescore: bool = False           # HCA with rescore (exact weights from host keys)
     device_name: str = ""           # the GPU's or CPU's model name (device_name)
     value_sum: str | None = None    # HCA on a GPU: where the selected values are summed ("cpu" | "gpu" | ...)
     max_select: int | None = None   # HCA: the selection's cap per head and step (None: tau alone)
@@ -368,6 +368,21 @@ def to_markdown(results: list[BenchResult]) -> str:
             _size(r.peak_host_bytes) + ("" if r.peak_host_scope == "test" else " (process)"),
             _size(r.peak_device_bytes), _size(dev), _size(host)]) + " |")
     return "\n".join(rows)
+
+
+def to_markdown_compact(rows: list[dict]) -> str:
+    """A narrower table of bench rows (dicts, as to_json writes them) for one model on one device:
+    one line per decode variant (where the values were summed, graphs, the cap) with memory per tier."""
+    lines = ["| model | kv | budget | test | value sum | graphs | cap | t/s | selected | peak GPU | kv GPU | kv host |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        dev, host = kv_split(r.get("kv_stats") or {})
+        sel = "-" if r.get("selected") is None else f"{100 * r['selected']:.2f}%"
+        lines.append("| " + " | ".join(str(x) for x in [
+            r["model"], r["kv"], r["kv_budget"] or "-", r["test"], r.get("value_sum") or "-", r["cuda_graphs"],
+            r.get("max_select") or "-", f"{r['tps_mean']:.1f}", sel, _size(r["peak_device_bytes"]), _size(dev),
+            _size(host)]) + " |")
+    return "\n".join(lines)
 
 
 def to_json(results: list[BenchResult]) -> str:

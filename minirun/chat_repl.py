@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .errors import MiniRunError
+from .errors import ContextError, MiniRunError
 from .planner import format_bytes
 
 HELP = "commands: /reset (forget the conversation), /exit (quit), /kv (cache report); Ctrl-C stops an answer"
@@ -21,10 +21,22 @@ def format_kv_report(stats: dict) -> str:
 
 
 def read_document(path: Path) -> str:
+    """The text of --file; a binary or non-UTF-8 file is read with replacement characters, and said so
+    in one line (the model would otherwise answer about a document it never saw as written)."""
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise MiniRunError(f"cannot read --file {path}: it is a directory") from None
     except OSError as e:
         raise MiniRunError(f"cannot read --file {path}: {e.strerror}") from None
+    text = data.decode("utf-8", errors="replace")
+    if b"\0" in data[:1 << 20]:
+        click.echo(f"minirun: warning: --file {path} looks binary (it holds NUL bytes): read as text anyway", err=True)
+    elif "\ufffd" in text and "\ufffd".encode() not in data:
+        bad = text.count("\ufffd")
+        click.echo(f"minirun: warning: --file {path} is not UTF-8 text: {bad} undecodable byte sequence"
+                   f"{'s' if bad > 1 else ''} read as \ufffd", err=True)
+    return text
 
 
 def _progress_bar(total_hint: str):
@@ -63,13 +75,36 @@ def stop_on_sigint():
         signal.signal(signal.SIGINT, previous)
 
 
-def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None, prompt_cache=None):
+def fit_conversation(eng, messages: list[dict], keep: int, room: int,
+                     kept: str = "the system prompt") -> tuple[list[int], int]:
+    """llama.cpp's context shift, a turn at a time: the prompt of `messages` with the oldest turns
+    (user + assistant pairs after the first `keep` messages: the system prompt with the document)
+    left out until `room` tokens for the answer remain in the context; the newest message is always
+    kept. -> (prompt ids, messages left out). ContextError when even the newest message with the
+    kept ones (`kept` names them in the message) leaves no room for one answer token."""
+    ctx, drop = eng.config.ctx, 0
+    ids = eng.chat_prompt(messages)
+    while len(ids) + room > ctx and keep + drop + 1 < len(messages):
+        drop = min(drop + 2, len(messages) - 1 - keep)
+        ids = eng.chat_prompt(messages[:keep] + messages[keep + drop:])
+    if len(ids) >= ctx:
+        what = kept if keep else "the chat template"
+        raise ContextError(f"this message does not fit: {len(ids)} tokens with {what}, the context holds {ctx} "
+                           f"(--ctx) even with every earlier turn dropped: send a shorter one, or restart with a "
+                           f"larger --ctx")
+    return ids, drop
+
+
+def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None, prompt_cache=None,
+             document: str | None = None):
+    """The chat loop over stdin. document: the text of `file` when the caller read it already."""
     sampling = sampling or {}
     base: list[dict] = []
     if system or file:
         content = system or "You are a helpful assistant."
         if file:
-            content += "\n\nThe user has shared this document:\n\n" + read_document(file)
+            text = document if document is not None else read_document(file)
+            content += "\n\nThe user has shared this document:\n\n" + text
         base = [{"role": "system", "content": content}]
     elif prompt_cache:
         raise MiniRunError("--prompt-cache holds the prefill of --file (or --system): give one of them")
@@ -116,7 +151,18 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
             continue
         messages.append({"role": "user", "content": line})
         try:
-            ids = eng.chat_prompt(messages)
+            kept = "the system prompt and the document" if file else "the system prompt"
+            ids, dropped = fit_conversation(eng, messages, len(base), room=max(1, min(max_tokens, eng.config.ctx // 4)),
+                                            kept=kept)
+            if dropped:
+                del messages[len(base):len(base) + dropped]
+                turns = (dropped + 1) // 2
+                what = "the oldest turn" if turns == 1 else f"the {turns} oldest turns"
+                click.echo(f"[context full: {what} left out to make room{f' ({kept} kept)' if base else ''}]", err=True)
+                if prefix:     # as /reset: the document stays where the cache can drop what followed it
+                    eng.rewind(len(prefix))
+                    if eng.cache.offset < len(prefix) and prompt_cache:
+                        prefill_document(eng, prefix, prompt_cache)
             text, interrupted, raised = "", False, False
             try:
                 with stop_on_sigint() as stopped:
@@ -127,9 +173,15 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
                 interrupted = eng.last_result.finish_reason == "cancelled"
             except KeyboardInterrupt:          # a second Ctrl-C, or one in a step that never ends
                 interrupted = raised = True
+            full = not raised and eng.last_result.finish_reason == "ctx"
             if interrupted:
                 click.echo(" [interrupted]", nl=False)
+            elif full:
+                click.echo(" [context full]", nl=False)
             click.echo()
+            if full:
+                click.echo(f"[the answer reached the end of the context ({eng.config.ctx} tokens, --ctx): the next "
+                           f"message leaves out the oldest turns; /reset starts over]", err=True)
             messages.append({"role": "assistant", "content": text})
             r = getattr(eng, "last_result", None)
             if r is not None and not raised:   # (a stopped answer too: its speed so far, as llama.cpp prints)

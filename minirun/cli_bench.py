@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import click
 
-from .cli_common import CTX
+from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU, hca_opt_option
 from .config import KV_BUDGET_PRESETS, hca_setting
 from .errors import MiniRunError
 
@@ -98,32 +99,25 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-p", "--n-prompt", default="512", show_default=True,
               help="pp tests: comma-separated prompt lengths (\"\" for none)")
-@click.option("-n", "--n-gen", type=int, default=32, show_default=True,
+@click.option("-n", "--n-gen", type=AT_LEAST_0, default=32, show_default=True,
               help="tokens decoded in each tg test (0: no tg tests)")
 @click.option("-d", "--depth", default="0", show_default=True, help="tg tests: comma-separated context depths")
 @click.option("--kv", "kv_modes", default="dense,hca", show_default=True, help="KV modes: dense and/or hca")
-@click.option("--kv-budget", "budgets", default="0.125", show_default=True,
+@click.option("--kv-budget", "budgets", default="0.25", show_default=True,
               help="HCA budgets, comma-separated: 0.5, 0.25, 0.125, or gGcC codebooks such as g64c16 "
                    "(one engine each)")
-@click.option("-r", "--reps", type=int, default=3, show_default=True, help="timed repetitions (after one warm-up)")
+@click.option("-r", "--reps", type=AT_LEAST_1, default=3, show_default=True, help="timed repetitions (after one warm-up)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
 @click.option("--ctx", type=AutoCtxType(), default="auto", show_default=True,
               help="cache size of every engine (K/M suffixes); auto: the largest test, rounded up to 256")
-@click.option("--threads", type=int, default=None, help="CPU threads for torch")
-@click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head")
-@click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
-@click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
-@click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="off", show_default=True,
-              help="HCA: old tokens at one distance, or grouped: compressed distances (auto: on when the ctx "
-                   "passes the model's trained context)")
-@click.option("--max-select", type=int, default=None,
+@click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
+@click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: attention mass kept per head")
+@click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
+@click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("--max-select", type=AT_LEAST_1, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
-@click.option("--rescore", is_flag=True,
-              help="HCA: keep the keys on the host too and weight the selected tokens by exact scores")
-@click.option("--cuda-graphs", is_flag=True,
-              help="GPU: replay decode tokens from CUDA graphs (dense: whole tokens; HCA: the layers "
-                   "around the attention; see docs/DESIGN.md)")
+@hca_opt_option()
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
                    "stdlib's pydoc topics: natural text, offline) or a text file (./text for one named text)")
@@ -131,21 +125,17 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
 def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
-          far_positions, max_select, rescore, cuda_graphs, context, output, plot_path):
+          max_select, hca_opts, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
+    from .pull import find_model
+    model = find_model(model)
     modes = _modes(kv_modes, budgets)
-    if reps < 1:
-        raise MiniRunError("--reps must be at least 1")
-    if n_gen < 0:
-        raise MiniRunError("-n must not be negative")
     if plot_path:
         b.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
-                          sinks=sinks, far_positions=far_positions, max_select=max_select, rescore=rescore,
-                          cuda_graphs=cuda_graphs,
-                          context=context,
+                          sinks=sinks, max_select=max_select, context=context, **hca_opts,
                           log=lambda s: click.echo(s, err=True))
     click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
     if plot_path:
@@ -156,33 +146,53 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
 PLAN_EPILOG = """\b
 JSON fields: ctx, kv, kv_budget (a number, or "gGcC" for explicit codebooks), dtype, device, params,
 tiers [{tier, where, bytes, bytes_per_token, transient}], device_bytes, host_bytes, dense_bytes_per_token,
-available {host, device}, fits (null when no GPU figure is known), host_fits, largest_ctx, note.
+available {host, device}, fits (null when no GPU figure is known), host_fits, largest_ctx (null when no
+GPU figure is known), prompt_cache_bytes, trained_ctx (config.json's max_position_embeddings),
+ctx_note (when --ctx passes it), note.
+
+\b
+Exit status: 0 when it fits (or no GPU figure is known and the host side fits), 1 when it does not.
 """
+
+
+def plan_device(device: str, gpu_mem: int | None) -> str:
+    """--device auto as chat and generate resolve it (cuda when torch sees a GPU, else cpu), and cuda
+    when --gpu-mem names a GPU to plan for."""
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if gpu_mem is not None or torch.cuda.is_available() else "cpu"
 
 
 @click.command(epilog=PLAN_EPILOG)
 @click.argument("model_or_config", type=click.Path(path_type=Path))
 @click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size (K/M suffixes: 4M = 4194304)")
-@click.option("--kv", type=click.Choice(["dense", "hca"]), default="hca", show_default=True)
-@click.option("--kv-budget", default="0.125", show_default=True,
+@click.option("--kv", type=click.Choice(["dense", "hca"]), default="dense", show_default=True)
+@click.option("--kv-budget", default="0.25", show_default=True,
               help="HCA key store: a budget (0.5, 0.25, 0.125) or gGcC codebooks such as g64c16")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
-              help="where the device tiers go (cpu: everything is host memory)")
-@click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
-@click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
-@click.option("--rescore", is_flag=True, help="HCA: the store's keys on the host too (see chat --rescore)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="where the device tiers go (cpu: everything is host memory; auto: cuda when torch sees a GPU "
+                   "or --gpu-mem is given, else cpu)")
+@click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
+@click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
+@hca_opt_option()
 @click.option("--gpu-mem", type=SizeType(), default=None,
               help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
-def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, rescore, gpu_mem, output):
-    """Bytes of every memory tier for a context, before anything is allocated, and whether it fits.
+def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, hca_opts, gpu_mem, output):
+    """Bytes of every memory tier for a context, before anything is allocated, and whether it fits
+    (the defaults are those of chat and generate).
 
     MODEL_OR_CONFIG: a model directory or a bare config.json (no weights needed)."""
     from .config import EngineConfig, ModelArgs
     from .planner import format_plan, plan_report
-    args = ModelArgs.from_path(model_or_config)
-    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks, rescore=rescore,
-                       **hca_setting(kv_budget))
+    from .pull import find_model
+    args = ModelArgs.from_path(find_model(model_or_config))
+    device = plan_device(device, gpu_mem)
+    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks,
+                       **hca_setting(kv_budget), **hca_opts)
     report = plan_report(args, cfg, device, gpu_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))
+    if report["fits"] is False or (report["fits"] is None and not report["host_fits"]):
+        sys.exit(1)

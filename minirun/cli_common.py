@@ -1,6 +1,8 @@
 """Pieces shared by the click commands (kept apart from cli.py so `python -m minirun.cli` works)."""
 from __future__ import annotations
 
+import math
+
 import click
 
 from .config import parse_ctx
@@ -21,8 +23,98 @@ class CtxType(click.ParamType):
 CTX = CtxType()
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (nan compares false with every bound)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
+# numeric options' ranges, checked where click parses them: before any model is loaded
+AT_LEAST_1 = click.IntRange(min=1)
+AT_LEAST_0 = click.IntRange(min=0)
+SEED = click.IntRange(min=0, max=2**64 - 1)          # (torch.Generator.manual_seed's range)
+TAU = FiniteFloatRange(0.0, 1.0, min_open=True)
+
+
+# EngineConfig fields reached through --hca-opt KEY=VALUE (repeatable): what the product flags do not
+# cover. The README's option table lists these.
+ADVANCED = {
+    "rescore": "true: keep the store's keys on the host too and weight the selected tokens by exact scores "
+               "(codebooks only select; twice the host memory)",
+    "far_positions": "auto | on | grouped | off: tokens older than the window attended at one distance (on) or "
+                     "at compressed distances (grouped); auto: on when --ctx passes the trained context",
+    "far_distance": "that one distance, in tokens (default: the window, at most a quarter of the trained context)",
+    "length_scale": "auto | on | off: attention logits x log(n) / log(trained context) past it",
+    "value_sum": "auto | gpu | host: on a GPU, where the selected values are summed (gpu: a kernel reads the "
+                 "mapped host pool; auto: gpu unless rescore)",
+    "cuda_graphs": "true | false: on a GPU, each decode token replayed from a CUDA graph where the cache allows",
+    "key_store": "codebook | exact: the store's keys as codebook indices or in full precision",
+    "prefill_mode": "auto | exact | anchor | hca: how a prompt attends to old tokens (auto: exact up to "
+                    "exact_prefill_max tokens, anchor beyond)",
+    "exact_prefill_max": "tokens: the longest prompt auto prefills exactly",
+    "anchor_tokens": "tokens: the first tokens every chunk of an anchor prefill attends to exactly",
+    "prefill_chunk": "tokens per prefill forward (default: 512 on a CPU, 4096 on a GPU)",
+    "fit_min_tokens": "without calibrated codebooks: fit them once this many keys are in the store",
+}
+
+
+def parse_hca_opts(items) -> dict:
+    """["rescore=true", "far_positions=on", ...] -> EngineConfig keyword arguments, each value
+    converted to its field's type; an unknown key or a bad value is a one-line MiniRunError."""
+    from dataclasses import fields
+
+    from .config import EngineConfig
+    types = {f.name: str(f.type) for f in fields(EngineConfig)}
+    out = {}
+    for item in items or ():
+        key, eq, raw = str(item).partition("=")
+        key, raw = key.strip().replace("-", "_"), raw.strip()
+        if not eq or key not in ADVANCED:
+            raise MiniRunError(f"--hca-opt {item!r}: expected KEY=VALUE with KEY one of {', '.join(ADVANCED)}")
+        t = types[key]
+        try:
+            if raw.lower() == "none" and "None" in t:
+                out[key] = None
+            elif t.startswith("bool"):
+                if raw.lower() not in ("true", "false", "1", "0", "on", "off", "yes", "no"):
+                    raise ValueError
+                out[key] = raw.lower() in ("true", "1", "on", "yes")
+            elif t.startswith("int"):
+                out[key] = int(raw)
+            else:
+                out[key] = raw
+        except ValueError:
+            raise MiniRunError(f"--hca-opt {key}: {raw!r} is not a valid {t.split(' ')[0]}") from None
+    return out
+
+
+HCA_OPT_HELP = ("an advanced engine setting, KEY=VALUE (repeatable): " + ", ".join(ADVANCED) +
+                " (README: options)")
+
+
+def hca_opts_callback(ctx, param, value) -> dict:
+    """--hca-opt's values -> a dict of EngineConfig settings, each checked as EngineConfig checks it:
+    a bad one is a usage error (exit 2) before any model is loaded."""
+    from .config import EngineConfig
+    try:
+        opts = parse_hca_opts(value)
+        EngineConfig(**opts)
+    except MiniRunError as e:
+        raise click.BadParameter(str(e).removeprefix("--hca-opt "), ctx, param) from None
+    return opts
+
+
+def hca_opt_option(help_text: str = HCA_OPT_HELP):
+    return click.option("--hca-opt", "hca_opts", multiple=True, metavar="KEY=VALUE", callback=hca_opts_callback,
+                        help=help_text)
+
+
 def engine_options(f):
-    """Options shared by every command that loads a model."""
+    """The product flags of every command that loads a model, and --hca-opt for the rest."""
     opts = [
         click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size in tokens (K/M suffixes: 4M = 4194304)"),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto"),
@@ -31,27 +123,14 @@ def engine_options(f):
         click.option("--kv-budget", default="0.25", show_default=True,
                      help="HCA key store: a device-memory preset relative to dense (0.5, 0.25, 0.125) or "
                           "gGcC codebooks (g64c16: 4-bit codes, fast on CPUs with AVX2)"),
-        click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
-        click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact"),
-        click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact"),
-        click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="auto", show_default=True,
-                     help="HCA: attend to tokens older than the window at one distance (1024), or grouped: at "
-                          "their distances compressed to fit the model's trained context, for contexts past it "
-                          "(auto: on when --ctx passes it); see docs/QUALITY.md"),
-        click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
-                     help="HCA: scale attention logits by log(n) / log(trained context) past the trained "
-                          "context (auto: on when --ctx passes it); see docs/QUALITY.md"),
-        click.option("--max-select", type=int, default=None,
+        click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: attention mass kept per head"),
+        click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact"),
+        click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact"),
+        click.option("--max-select", type=AT_LEAST_1, default=None,
                      help="HCA: attend to at most this many old tokens per head and step, the top-scoring "
                           "(bounds decode time where attention is diffuse; default: tau alone)"),
-        click.option("--rescore", is_flag=True,
-                     help="HCA: keep the old tokens' keys on the host beside their values and weight the "
-                          "selected tokens by exact scores (codebooks only select): answers closer to dense "
-                          "attention for twice the host memory; see docs/QUALITY.md"),
-        click.option("--threads", type=int, default=None, help="CPU threads for torch"),
-        click.option("--cuda-graphs", is_flag=True,
-                     help="GPU: replay decode tokens from CUDA graphs: a dense token in one launch instead of "
-                          "hundreds, an HCA token's layers around its attention (see docs/DESIGN.md)"),
+        click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch"),
+        hca_opt_option(),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -61,13 +140,13 @@ def engine_options(f):
 def sampling_options(temperature: float, max_tokens: int):
     def deco(f):
         opts = [
-            click.option("-n", "--max-tokens", type=int, default=max_tokens, show_default=True),
-            click.option("--temperature", "--temp", type=float, default=temperature, show_default=True),
-            click.option("--top-k", type=int, default=0, show_default=True),
-            click.option("--top-p", type=float, default=1.0 if temperature == 0 else 0.9, show_default=True),
-            click.option("--min-p", type=float, default=0.0, show_default=True),
-            click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
-            click.option("--seed", type=int, default=None),
+            click.option("-n", "--max-tokens", type=AT_LEAST_0, default=max_tokens, show_default=True),
+            click.option("--temperature", "--temp", type=FiniteFloatRange(min=0.0), default=temperature, show_default=True),
+            click.option("--top-k", type=AT_LEAST_0, default=0, show_default=True),
+            click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=1.0 if temperature == 0 else 0.9, show_default=True),
+            click.option("--min-p", type=FiniteFloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True),
+            click.option("--repetition-penalty", type=FiniteFloatRange(min=0.0, min_open=True), default=1.0, show_default=True),
+            click.option("--seed", type=SEED, default=None),
             click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-sequence tokens"),
         ]
         for o in reversed(opts):
@@ -76,13 +155,12 @@ def sampling_options(temperature: float, max_tokens: int):
     return deco
 
 
-def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="auto",
-                max_select=None, length_scale="off", rescore=False, cuda_graphs=False, **extra):
+def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, max_select=None,
+                hca_opts=None, **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
-                      threads=threads, far_positions=far_positions, max_select=max_select, length_scale=length_scale,
-                      rescore=rescore, cuda_graphs=cuda_graphs, **hca_setting(kv_budget),
+                      threads=threads, max_select=max_select, **hca_setting(kv_budget), **(hca_opts or {}),
                       **extra)
     far = getattr(eng.cache, "far", False)
     note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far, hca=kv == "hca")
@@ -98,15 +176,15 @@ def trained_context_note(trained: int | None, ctx: int, far: bool = False, hca: 
     docs/QUALITY.md). The HCA cache's far positions (kv/far_positions.py) are that something."""
     if trained is None or ctx <= trained or far:
         return None
-    fix = "--far-positions auto or on may help" if hca else "--kv hca attends past it with far positions"
+    fix = "--hca-opt far_positions=auto or on may help" if hca else "--kv hca attends past it with far positions"
     return (f"minirun: note: --ctx {ctx} is past the {trained} tokens this model was trained on; expect "
             f"answers to degrade once the conversation is longer than that ({fix})")
 
 
 def split_kwargs(kw: dict):
     """Separate engine options from sampling options."""
-    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "far_positions",
-                   "max_select", "length_scale", "rescore", "threads", "cuda_graphs")
+    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "max_select", "threads",
+                   "hca_opts")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
                     min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),

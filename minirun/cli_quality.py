@@ -6,8 +6,11 @@ from pathlib import Path
 
 import click
 
+from .cli_common import AT_LEAST_0, AT_LEAST_1, SEED, TAU, hca_opt_option
 from .calibrate import DEFAULT_ITERS, DEFAULT_TOKENS, DEFAULT_WINDOWS
 from .errors import MiniRunError
+
+EVAL_OPTS = ("key_store", "far_positions", "length_scale", "rescore")   # the --hca-opt keys eval takes
 
 
 def _floats(value: str, what: str) -> list[float]:
@@ -40,23 +43,25 @@ def _ints(value: str, what: str) -> list[int]:
               help="calibration text file (default: the stdlib's pydoc topics, calibration half)")
 @click.option("--kv-budget", type=click.Choice(["0.25", "0.125"]), default="0.25", show_default=True,
               help="preset giving the groups (0.25: head_dim/2, 0.125: head_dim/4)")
-@click.option("--groups", type=int, default=None, help="sub-vectors per key (overrides --kv-budget)")
-@click.option("--centroids", type=int, default=1024, show_default=True, help="centroids per group")
-@click.option("--tokens", type=int, default=DEFAULT_TOKENS, show_default=True,
+@click.option("--groups", type=AT_LEAST_1, default=None, help="sub-vectors per key (overrides --kv-budget)")
+@click.option("--centroids", type=click.IntRange(2, 32768), default=1024, show_default=True, help="centroids per group")
+@click.option("--tokens", type=AT_LEAST_1, default=DEFAULT_TOKENS, show_default=True,
               help="keys per (layer, kv-head) to fit on, sub-sampled across windows and positions")
-@click.option("--windows", type=int, default=DEFAULT_WINDOWS, show_default=True,
+@click.option("--windows", type=AT_LEAST_1, default=DEFAULT_WINDOWS, show_default=True,
               help="2048-token windows of the text to run, spread over it")
-@click.option("--iters", type=int, default=DEFAULT_ITERS, show_default=True,
+@click.option("--iters", type=AT_LEAST_1, default=DEFAULT_ITERS, show_default=True,
               help="mini-batch k-means steps (4096 samples each)")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--unrotated", is_flag=True,
-              help="keys without their RoPE rotation: the codebooks --far-positions on / auto runs load "
+              help="keys without their RoPE rotation: the codebooks far_positions on / auto runs load "
                    "(grouped ones load the plain, rotated ones)")
-@click.option("--threads", type=int, default=None, help="CPU threads for torch")
+@click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
 def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, unrotated, threads):
     """Fit key codebooks on text and write codebooks-g{G}-c{C}[-unrotated].safetensors into MODEL."""
     from .calibrate import calibrate as run
     from .config import ModelArgs
+    from .pull import find_model
+    model = find_model(model)
     if threads:
         import torch
         torch.set_num_threads(threads)
@@ -74,44 +79,43 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
 @click.option("--kv-budget", "budgets", default="0.5,0.25,0.125", show_default=True,
               help="HCA budgets (or gGcC codebooks, e.g. g64c16) to compare with dense (comma-separated; "
                    "empty: dense only)")
-@click.option("--ppl-tokens", type=int, default=4096, show_default=True, help="0 skips perplexity")
-@click.option("--prompt-tokens", type=int, default=3072, show_default=True, help="teacher forcing: prompt length")
-@click.option("--positions", type=int, default=256, show_default=True,
+@click.option("--ppl-tokens", type=AT_LEAST_0, default=4096, show_default=True, help="0 skips perplexity")
+@click.option("--prompt-tokens", type=AT_LEAST_1, default=3072, show_default=True, help="teacher forcing: prompt length")
+@click.option("--positions", type=AT_LEAST_0, default=256, show_default=True,
               help="teacher forcing: positions compared after the prompt (0 skips agreement/KL)")
 @click.option("--passkey-lengths", default="1K,2K,4K,8000", show_default=True,
               help="passkey prompt lengths in tokens (empty skips passkey)")
 @click.option("--passkey-depths", default="0.1,0.5,0.9", show_default=True, help="where the key sits (0..1)")
-@click.option("--trials", type=int, default=2, show_default=True, help="random keys per passkey cell")
+@click.option("--trials", type=AT_LEAST_1, default=2, show_default=True, help="random keys per passkey cell")
 @click.option("--passkey-haystack", type=click.Choice(["filler", "text"]), default="filler", show_default=True,
               help="hide the key in filler sentences, or in the evaluation text's start")
 @click.option("--passkey-copies", type=click.IntRange(min=1), default=1, show_default=True,
               help="with --passkey-haystack text: that text repeated this many times (as a 4M-token book is)")
-@click.option("--tau", type=float, default=0.9, show_default=True, help="HCA: softmax mass kept per head")
-@click.option("--window", type=int, default=256, show_default=True, help="HCA: recent tokens kept exact")
-@click.option("--sinks", type=int, default=16, show_default=True, help="HCA: first tokens kept exact")
-@click.option("--key-store", type=click.Choice(["codebook", "exact"]), default="codebook", show_default=True,
-              help="HCA keys: codebook indices, or exact (isolates the selection's effect)")
-@click.option("--centroids", type=int, default=None, help="HCA codebook size (default: the preset's 1024)")
-@click.option("--far-positions", type=click.Choice(["auto", "on", "grouped", "off"]), default="off", show_default=True,
-              help="HCA: old tokens at one distance, or grouped: compressed distances (docs/QUALITY.md, "
-                   "\"Beyond the trained context\")")
-@click.option("--max-select", type=int, default=None,
+@click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: softmax mass kept per head")
+@click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
+@click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
+@click.option("--centroids", type=click.IntRange(2, 32768), default=None, help="HCA codebook size (default: the preset's 1024)")
+@click.option("--max-select", type=AT_LEAST_1, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
-@click.option("--length-scale", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
-              help="HCA: logits x log n / log(trained context) past it (docs/QUALITY.md, \"Length scaling\")")
-@click.option("--rescore", is_flag=True, help="HCA: weight the selected tokens by exact scores from host keys")
+@hca_opt_option("an advanced setting, KEY=VALUE (repeatable): " + ", ".join(EVAL_OPTS) + " (README: options)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--threads", type=int, default=None, help="CPU threads for torch")
-@click.option("--seed", type=int, default=0, show_default=True, help="passkey keys")
+@click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="passkey keys")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey_lengths, passkey_depths, trials,
-             passkey_haystack, passkey_copies, tau, window, sinks, key_store, centroids, far_positions, max_select,
-             length_scale, rescore, dtype, threads, seed, output):
+             passkey_haystack, passkey_copies, tau, window, sinks, centroids, max_select, hca_opts, dtype, threads,
+             seed, output):
     """Dense vs HCA on the same inputs: perplexity, top-1 agreement and KL, passkey accuracy."""
     from .calibrate import read_text
     from .config import ModelArgs
     from .evaluate import format_markdown, run_grid
     from .tokenizer import Tokenizer
+    from .pull import find_model
+    model = find_model(model)
+    opts = hca_opts
+    other = sorted(set(opts) - set(EVAL_OPTS))
+    if other:
+        raise MiniRunError(f"--hca-opt {', '.join(other)}: not an eval setting (eval takes {', '.join(EVAL_OPTS)})")
     ModelArgs.from_path(model)                                   # a bad model dir: one line, before any work
     text, source = read_text(data, part="evaluation")
     ids = Tokenizer(model).encode(text)
@@ -119,9 +123,8 @@ def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey
                       prompt_tokens=prompt_tokens, positions=positions,
                       lengths=_ints(passkey_lengths, "--passkey-lengths"),
                       depths=_floats(passkey_depths, "--passkey-depths"), trials=trials, tau=tau, window=window,
-                      sinks=sinks, dtype=dtype, key_store=key_store, centroids=centroids, threads=threads, seed=seed,
-                      far_positions=far_positions, max_select=max_select, length_scale=length_scale,
-                      rescore=rescore, passkey_haystack=passkey_haystack, passkey_copies=passkey_copies,
+                      sinks=sinks, dtype=dtype, centroids=centroids, threads=threads, seed=seed, max_select=max_select,
+                      passkey_haystack=passkey_haystack, passkey_copies=passkey_copies, **opts,
                       log=lambda s: click.echo(s, err=True))
     report["data"] = source
     click.echo(json.dumps(report, indent=1) if output == "json" else format_markdown(report, data=source))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,66 @@ from pathlib import Path
 from .errors import CheckpointError, MiniRunError
 
 SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+_REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")    # each >= 1 when given
+_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+def _json_kind(v) -> str:
+    """How a JSON value reads in a message: 'a string ("576")', 'a list', 'null'."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"a boolean ({str(v).lower()})"
+    if isinstance(v, str):
+        return f"a string ({json.dumps(v)[:40]})"
+    kind = {list: "a list", dict: "an object", int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+    return kind if isinstance(v, (list, dict)) else f"{kind} ({v!r})"
+
+
+def _as_int(name: str, v, low: int) -> int:
+    """config.json's integer field `name` (an integral float such as 576.0 is taken), >= low."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise CheckpointError(f"config.json: {name} must be an integer, got {_json_kind(v)}")
+    if v < low:
+        raise CheckpointError(f"config.json: {name} must be at least {low}, got {v}")
+    return v
+
+
+def check_model_fields(a) -> None:
+    """Each ModelArgs field of the type and range the model needs, else one CheckpointError naming it
+    (a string "576", a 0 or a negative head count fail here, not as a TypeError deep in the model)."""
+    def put(name, v):
+        object.__setattr__(a, name, v)
+    for name in _REQUIRED_INTS:
+        put(name, _as_int(name, getattr(a, name), 1))
+    for name in _OPTIONAL_INTS:
+        if getattr(a, name) is not None:
+            put(name, _as_int(name, getattr(a, name), 1))
+    for name in _POSITIVE_FLOATS:
+        v = getattr(a, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise CheckpointError(f"config.json: {name} must be a positive number, got {_json_kind(v)}")
+        put(name, float(v))
+    for name in _BOOLS:
+        if not isinstance(getattr(a, name), bool):
+            raise CheckpointError(f"config.json: {name} must be true or false, got {_json_kind(getattr(a, name))}")
+    if a.rope_scaling is not None and not isinstance(a.rope_scaling, dict):
+        raise CheckpointError(f"config.json: rope_scaling must be an object or null, got {_json_kind(a.rope_scaling)}")
+    if a.bos_token_id is not None:
+        put("bos_token_id", _as_int("bos_token_id", a.bos_token_id, 0))
+    eos = a.eos_token_id
+    if isinstance(eos, list):
+        put("eos_token_id", [_as_int("eos_token_id", e, 0) for e in eos])
+    elif eos is not None:
+        put("eos_token_id", _as_int("eos_token_id", eos, 0))
+    if not isinstance(a.model_type, str):
+        raise CheckpointError(f"config.json: model_type must be a string, got {_json_kind(a.model_type)}")
 
 
 @dataclass(frozen=True)
@@ -39,11 +100,18 @@ class ModelArgs:
     model_type: str = "llama"
 
     def __post_init__(self):
+        check_model_fields(self)
         # frozen dataclass: derived defaults go through object.__setattr__
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
+            if self.hidden_size < self.num_attention_heads:
+                raise CheckpointError(
+                    f"config.json: num_attention_heads={self.num_attention_heads} is more than hidden_size="
+                    f"{self.hidden_size}, and no head_dim is given")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim % 2:
+            raise CheckpointError(f"config.json: head_dim={self.head_dim} is odd (rotary embeddings turn pairs)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(
                 f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -63,14 +131,15 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
+        if not isinstance(d, dict):
+            raise CheckpointError(f"config.json: the top level is {_json_kind(d)}, not an object of settings")
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
                 f"unknown architecture model_type={model_type!r}: minirun supports {', '.join(SUPPORTED_MODEL_TYPES)}")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        missing = [n for n in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads", "vocab_size") if n not in kwargs]
+        missing = [n for n in _REQUIRED_INTS if kwargs.get(n) is None]
         if missing:
             raise CheckpointError(f"config.json lacks {', '.join(missing)}")
         return cls(**kwargs)
@@ -83,9 +152,14 @@ class ModelArgs:
         if not cfg.is_file():
             raise CheckpointError(f"no config.json in {path}" if path.is_dir() else f"no such model: {path}")
         try:
-            return cls.from_dict(json.loads(cfg.read_text()))
+            d = json.loads(cfg.read_bytes().decode("utf-8"))
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{cfg} is not text (not UTF-8): is it a config.json?") from None
+        except OSError as e:
+            raise CheckpointError(f"cannot read {cfg}: {e.strerror}") from None
+        return cls.from_dict(d)
 
 
 _CTX_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
@@ -149,13 +223,17 @@ class EngineConfig:
     prefill_mode: str = "auto"        # "auto" | "exact" | "anchor" | "hca": how an HCA prompt attends to old tokens
     exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens, anchor beyond
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
-    far_positions: str = "off"        # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
+    far_positions: str = "auto"       # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (kv/select_cap.py)
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     rescore: bool = False             # HCA: exact keys on the host beside the values weight the selected tokens
     threads: int | None = None
-    cuda_graphs: bool = False         # decode tokens replayed from CUDA graphs (minirun/cuda_graph.py)
+    cuda_graphs: bool = True          # GPU: decode tokens replayed from CUDA graphs where the cache can be
+                                      # captured (dense; HCA with the GPU value sum): minirun/cuda_graph.py
+    value_sum: str = "auto"           # HCA on a GPU: where the selected values are summed: "gpu" (a kernel
+                                      # reads them from the mapped host pool), "host" (Numba), "auto" (gpu
+                                      # where the device can read host memory and no rescore asks for host)
     extra: dict = field(default_factory=dict)
 
     def chunk_for(self, device_type: str) -> int:
@@ -179,7 +257,29 @@ class EngineConfig:
             raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on, grouped or off")
         if self.length_scale not in ("auto", "on", "off"):
             raise MiniRunError(f"unknown length_scale {self.length_scale!r}: use auto, on or off")
-        if self.max_select is not None and self.max_select < 1:
-            raise MiniRunError(f"max_select must be at least 1, got {self.max_select}")
-        if not 0.0 < self.tau <= 1.0:
-            raise MiniRunError(f"tau must be in (0, 1], got {self.tau}")
+        if self.value_sum not in ("auto", "gpu", "host"):
+            raise MiniRunError(f"unknown value_sum {self.value_sum!r}: use auto, gpu or host")
+        for name, low in _INT_SETTINGS.items():
+            _check_setting(name, getattr(self, name), low)
+        if self.kv_budget is not None and (isinstance(self.kv_budget, bool)
+                                           or not isinstance(self.kv_budget, (int, float))):
+            raise MiniRunError(f"kv_budget must be a number (0.5, 0.25 or 0.125), got {self.kv_budget!r}")
+        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not 0.0 < self.tau <= 1.0:
+            raise MiniRunError(f"tau must be in (0, 1], got {self.tau!r}")
+
+
+# integer settings -> their least value (None: unset, where the field allows it): checked when an
+# EngineConfig is made, so a bad one fails before any model is loaded (a window of 0 divided by zero
+# in the ring; a negative one indexed out of range)
+_INT_SETTINGS = {"window": 1, "sinks": 0, "fit_min_tokens": 1, "exact_prefill_max": 0, "anchor_tokens": 0,
+                 "prefill_chunk": 1, "far_distance": 1, "max_select": 1, "threads": 1, "groups": 1, "centroids": 2}
+_OPTIONAL_SETTINGS = ("prefill_chunk", "far_distance", "max_select", "threads", "groups", "centroids")
+
+
+def _check_setting(name: str, v, low: int) -> None:
+    if v is None and name in _OPTIONAL_SETTINGS:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MiniRunError(f"{name} must be an integer, got {v!r}")
+    if v < low:
+        raise MiniRunError(f"{name} must be at least {low}, got {v}")

@@ -6,7 +6,9 @@ writes `config.json`, `model.safetensors` (shards plus `model.safetensors.index.
 larger than `shard_bytes`), `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
 Quantized tensors are dequantized with `gguf.quants`; llama.cpp's row permutation of the Q and K
 projections is undone, so the result is laid out exactly like a `transformers` Llama checkpoint.
-The directory appears atomically: it is built next to `out_dir` and renamed into place at the end.
+The files are written into a temporary directory next to `out_dir` and moved into place at the end; with
+`overwrite`, only the files a conversion writes (and calibrated codebooks) are replaced in an existing
+directory, never anything else in it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CheckpointError
+from .model_files import install, prepare_target
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -61,6 +64,25 @@ def _supported_types() -> set:
 # reading
 
 
+class _Truncated(Exception):
+    def __init__(self, size: int, needed: int):
+        self.size, self.needed = size, needed
+
+
+def _checked_reader():
+    """gguf.GGUFReader whose reads past the end of the file raise _Truncated (the reader slices its
+    memmap, so a short file otherwise fails later as a reshape of too few bytes)."""
+    from gguf import GGUFReader
+
+    class CheckedReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise _Truncated(len(self.data), end)
+            return super()._get(offset, dtype, count, override_order)
+    return CheckedReader
+
+
 def open_gguf(gguf_path: str | os.PathLike):
     """A `gguf.GGUFReader` for `gguf_path`, or a one-line CheckpointError if it is not a GGUF."""
     path = Path(gguf_path)
@@ -70,11 +92,12 @@ def open_gguf(gguf_path: str | os.PathLike):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise CheckpointError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-    from gguf import GGUFReader
-
     try:
-        return GGUFReader(path, "r")
-    except Exception as e:  # truncated or corrupt files raise all sorts of things
+        return _checked_reader()(path, "r")
+    except _Truncated as e:
+        raise CheckpointError(f"GGUF file {path} is truncated: {e.size} bytes, its header describes at least "
+                              f"{e.needed} (an incomplete download or copy?)") from None
+    except Exception as e:  # corrupt files raise all sorts of things
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"cannot read GGUF file {path}: {msg}") from None
 
@@ -285,25 +308,6 @@ def _write_json(path: Path, obj: Any) -> None:
         f.write("\n")
 
 
-def _prepare_target(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"output path {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"output directory {out} is not empty (pass overwrite=True to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Move the finished temp directory to `out`, replacing what was there."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "x")
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32",
                  progress: bool = True, overwrite: bool = False,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
@@ -318,7 +322,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     path = Path(gguf_path)
-    out = Path(out_dir)
+    out = Path(os.path.abspath(out_dir))     # ("." has no name, and no parent to build beside it in)
     reader = open_gguf(path)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
@@ -360,8 +364,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         raise CheckpointError(f"{path}: cannot build the tokenizer: {str(e).splitlines()[0] if str(e) else e!r}") from None
     tok_config = build_tokenizer_config(meta, config["max_position_embeddings"])
 
-    _prepare_target(out, overwrite)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    prepare_target(out, path, overwrite)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise CheckpointError(f"cannot write beside {out} (in {out.parent}): {e.strerror}") from None
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -373,8 +380,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         _write_weights(items, tmp, dtype, meta, shard_bytes, progress)
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600 files
-        _install(tmp, out)
+        install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+    return Path(out_dir)

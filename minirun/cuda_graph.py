@@ -1,4 +1,4 @@
-"""Whole decode tokens replayed from CUDA graphs (`--cuda-graphs`): one launch per token.
+"""Whole decode tokens replayed from CUDA graphs (EngineConfig.cuda_graphs): one launch per token.
 
 Why: on the lent H100 a decode token of SmolLM2 was bound by the host, not the GPU: dense decode
 ran 41-53 tok/s at 8K-32K and barely slowed with depth (docs/BENCHMARKS.md, twelfth session),
@@ -18,10 +18,8 @@ addresses (the key includes any that could move), so graphs stay valid across tr
 A step the cache cannot capture (graph_key None: an HCA ring refilling after a truncate, say) runs
 eagerly.
 
-Caches that cannot be captured at all (an HCA cache summing values on the host) take
-PiecewiseDecode: what lies between two attentions (a layer's output projection and MLP, the next
-layer's norm, QKV and RoPE: one graph each, L + 1 a token) is captured and the cache's attention
-runs eagerly in between, as vLLM's piecewise graphs do: a layer's ~9 model launches become one.
+A cache that cannot be captured (an HCA cache summing values on the host: its step waits for the
+host) decodes eagerly.
 
 On a CPU (or capture=False) the same steps run eagerly: what the tests compare with Engine.step.
 """
@@ -31,9 +29,6 @@ import sys
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
-
-from .ops import attention_input, attention_output_and_mlp, output_logits, rope_cos_sin_at, rope_table
 
 BUCKET = 4096   # positions per graph: at most this many masked keys read per step
 KEEP = 2        # graphs kept: the current bucket's and the one before (a rewind across a boundary)
@@ -87,37 +82,7 @@ def _abandon_capture(prev, pool, device) -> None:
             pass
 
 
-class _GraphSteps:
-    """What both kinds of graph steps share: the [token, position] device input, the graph pool,
-    the counters, and giving up after a capture that failed."""
-
-    def __init__(self, model, cache, capture: bool | None):
-        self.model, self.cache = model, cache
-        self.capture = model.device.type == "cuda" if capture is None else capture
-        self.io = torch.zeros(2, dtype=torch.int64, device=model.device)    # token | position
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None   # shared by the graphs
-        self.captures = 0
-        self.failed: str | None = None
-
-    def _stage(self, token: int) -> int:
-        """[token, position] into io (pageable: the host may reuse it) -> the position."""
-        pos = self.cache.offset
-        if pos >= self.cache.capacity:
-            raise ValueError(f"position {pos} is past the cache's capacity {self.cache.capacity}")
-        self.io.copy_(torch.tensor([token, pos], dtype=torch.int64))
-        return pos
-
-    def _give_up(self, e: Exception) -> None:
-        """After a capture that failed: one note with its cause (not torch's generic "error during
-        capture"); this and every later step run eagerly."""
-        cause = e.__context__ or e
-        self.failed = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        print(f"note: --cuda-graphs: capturing a decode step failed ({self.failed}); decoding without graphs",
-              file=sys.stderr)
-        self.capture = False
-
-
-class GraphedDecode(_GraphSteps):
+class GraphedDecode:
     """Decode steps of `model` over `cache` (offset = the position of the next token) from CUDA graphs.
 
     step(token) -> logits [1, V] float32 (a fresh tensor) and advances the cache by one, as
@@ -129,7 +94,12 @@ class GraphedDecode(_GraphSteps):
     def __init__(self, model, cache, bucket: int = BUCKET, capture: bool | None = None):
         if not supports(cache):
             raise ValueError(f"{type(cache).__name__} cannot be captured whole (no attend_at, or not in this setting)")
-        super().__init__(model, cache, capture)
+        self.model, self.cache = model, cache
+        self.capture = model.device.type == "cuda" if capture is None else capture
+        self.io = torch.zeros(2, dtype=torch.int64, device=model.device)    # token | position
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None   # shared by the graphs
+        self.captures = 0
+        self.failed: str | None = None
         self.bucket = int(bucket)
         self._graphs: OrderedDict = OrderedDict()   # key -> (graph, its static logits)
         self.eager_steps = 0
@@ -146,6 +116,23 @@ class GraphedDecode(_GraphSteps):
         logits = self._replay(key, nk) if self.capture else self._run(nk)
         self.cache.graph_advance()
         return logits.clone() if self.capture else logits
+
+    def _stage(self, token: int) -> int:
+        """[token, position] into io (pageable: the host may reuse it) -> the position."""
+        pos = self.cache.offset
+        if pos >= self.cache.capacity:
+            raise ValueError(f"position {pos} is past the cache's capacity {self.cache.capacity}")
+        self.io.copy_(torch.tensor([token, pos], dtype=torch.int64))
+        return pos
+
+    def _give_up(self, e: Exception) -> None:
+        """After a capture that failed: one note with its cause (not torch's generic "error during
+        capture"); this and every later step run eagerly."""
+        cause = e.__context__ or e
+        self.failed = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        print(f"note: cuda graphs: capturing a decode step failed ({self.failed}); decoding without graphs",
+              file=sys.stderr)
+        self.capture = False
 
     def _run(self, nk: int) -> torch.Tensor:
         return self.model.decode_at(self.io[:1], self.io[1:], self.cache, nk)
@@ -174,68 +161,3 @@ class GraphedDecode(_GraphSteps):
         while len(self._graphs) > KEEP:
             self._graphs.popitem(last=False)
         return graph, logits
-
-
-class PiecewiseDecode(_GraphSteps):
-    """Decode steps with the model's work between two attentions replayed from CUDA graphs and the
-    cache's attend run eagerly between them: any cache (HCA's included).
-
-    Pieces (captured on the first step, one shared pool, replayed in that order every token): 0 =
-    the embedding, RoPE's angles from the device position and layer 0's attention input; i = 1..L-1
-    = layer i-1's output projection and MLP, then layer i's attention input; L = the last layer's
-    rest and the logits. Static buffers between them: the residual stream x [1, D] and the
-    attention output o [1, Hq, hd] (the cache's output is copied in). step(token) -> logits [1, V]
-    float32 (a fresh tensor), the cache advanced by one. capture / captures / failed: as GraphedDecode.
-    """
-
-    def __init__(self, model, cache, capture: bool | None = None):
-        super().__init__(model, cache, capture)
-        a, dev = model.args, model.device
-        self.x = torch.zeros(1, a.hidden_size, dtype=model.dtype, device=dev)
-        self.o = torch.zeros(1, a.num_attention_heads, a.head_dim, dtype=model.dtype, device=dev)
-        self._rope = None                   # piece 0's (cos, sin, cs), read by the later pieces
-        self._pieces: list = []             # (graph, q, k, v) per piece (the last: (graph, logits))
-
-    def _piece(self, i: int):
-        """Run piece i (see the class docstring) -> (q, k, v) for layer i, or (logits,) for i = L."""
-        m, a = self.model, self.model.args
-        layers = m.w["layers"]
-        if i == 0:
-            cos, sin = rope_cos_sin_at(m.inv_freq64, self.io[1:], m.dtype)
-            self._rope = (cos, sin, rope_table(cos, sin) if m.cuda_decode else None)
-            self.x.copy_(F.embedding(self.io[:1], m.w["embed"]))
-        else:
-            self.x.copy_(attention_output_and_mlp(self.x, self.o, layers[i - 1], a))
-        if i == len(layers):
-            return (output_logits(self.x, m.w, a),)
-        cos, sin, cs = self._rope
-        return attention_input(self.x, layers[i], cos, sin, None, a, cs)
-
-    @torch.inference_mode()
-    def step(self, token: int) -> torch.Tensor:
-        self._stage(token)
-        if self.capture and not self._pieces:
-            try:
-                self._capture_all()
-            except RuntimeError as e:
-                self._give_up(e)
-                self._pieces = []
-        L = len(self.model.w["layers"])
-        for i in range(L + 1):
-            if self.capture:
-                graph, *out = self._pieces[i]
-                graph.replay()
-            else:
-                out = self._piece(i)
-            if i < L:
-                self.o.copy_(self.cache.attend(i, *out))
-        self.cache.advance(1)
-        return out[0].clone() if self.capture else out[0]
-
-    def _capture_all(self):
-        """Capture the L + 1 pieces in order. The warm-ups run the pieces, not the attention, so the
-        cache is not touched (piece i's input x is whatever the previous piece left: fine for shapes)."""
-        for i in range(len(self.model.w["layers"]) + 1):
-            graph, out = _graph_capture(lambda: self._piece(i), self._pool, self.model.device)
-            self._pieces.append((graph, *out))
-            self.captures += 1

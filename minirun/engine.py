@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import sys
-
 import torch
 
 import kernels_cpu
@@ -45,6 +43,27 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def not_a_model_dir(path: Path) -> str:
+    """Why `path` cannot be loaded, in one line: a GGUF file is pointed at the command converting it."""
+    if not path.exists():
+        if len(path.parts) == 1:
+            from .pull import default_models_dir
+            return f"no such model directory: {path} (nor a model of that name in {default_models_dir()})"
+        return f"no such model directory: {path}"
+    if path.is_file():
+        from .convert import GGUF_MAGIC
+        with open(path, "rb") as f:
+            if f.read(4) == GGUF_MAGIC:
+                import shlex
+                out = path.with_name(path.name.split(".")[0] or path.stem)
+                out = out if out != path else path.with_name(path.name + "-hf")
+                return (f"{path} is a GGUF file: convert it once with `minirun convert {shlex.quote(str(path))} "
+                        f"{shlex.quote(str(out))}`, then give {out}")
+        if path.name == "config.json":
+            return f"{path} is a config.json: give the model directory holding it, {path.parent}"
+    return f"{path} is not a model directory (a Hugging Face-format directory with config.json)"
+
+
 class Engine:
     """One model, one tokenizer, one sequence's cache. Not thread-safe."""
 
@@ -54,32 +73,25 @@ class Engine:
         with torch.inference_mode():   # cache tensors are updated in place inside inference mode only
             self.cache = make_cache(args, config, self.device, self.dtype, config.ctx, model_dir=path)
         self._cached_ids: list[int] = []   # the tokens whose K/V the cache holds, in order
-        self.graphed = self._graphed_decode() if config.cuda_graphs else None
+        self.graphed = self._graphed_decode()
 
     def _graphed_decode(self):
-        """The CUDA-graph decode steps (config.cuda_graphs): whole tokens where the cache can be
-        captured (dense; HCA with the GPU value sum), else the pieces between attentions; None, with
-        a note, on a CPU."""
-        if self.device.type != "cuda":
-            print("note: --cuda-graphs: they need a CUDA device; decoding without graphs", file=sys.stderr)
+        """The CUDA-graph decode steps (config.cuda_graphs, on a GPU) where the cache can be captured
+        whole (dense; HCA with the GPU value sum), else None: eager steps."""
+        if self.device.type != "cuda" or not self.config.cuda_graphs or not cuda_graph.supports(self.cache):
             return None
-        if cuda_graph.supports(self.cache):
-            return cuda_graph.GraphedDecode(self.model, self.cache)
-        if getattr(self.cache, "value_sum", None) == "cpu":
-            whole = ("--rescore sums them there" if getattr(self.cache, "host_keys", None) is not None
-                     else "MINIRUN_VALUE_SUM=gpu captures it whole")
-            print("note: --cuda-graphs: with the values summed on the CPU an HCA token is captured in pieces around "
-                  f"its attention; {whole}", file=sys.stderr)
-        return cuda_graph.PiecewiseDecode(self.model, self.cache)
+        return cuda_graph.GraphedDecode(self.model, self.cache)
 
     @classmethod
     def load(cls, path, device: str = "auto", dtype: str = "float32", ctx=8192, kv: str = "dense",
              **kwargs) -> "Engine":
-        """Load a Hugging Face-format Llama directory. kwargs: any EngineConfig field."""
-        path = Path(path)
+        """Load a Hugging Face-format Llama directory (or one named in the models directory: pull.find_model).
+        kwargs: any EngineConfig field."""
+        from .pull import find_model
+        path = find_model(path)          # (a name in the models directory: "smollm2")
+        config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)   # (bad settings first)
         if not path.is_dir():
-            raise CheckpointError(f"no such model directory: {path}")
-        config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)
+            raise CheckpointError(not_a_model_dir(path))
         if config.threads:
             torch.set_num_threads(config.threads)
             kernels_cpu.set_num_threads(config.threads)
@@ -328,17 +340,15 @@ class Engine:
 
     def set_cuda_graphs(self, on: bool) -> None:
         """Turn CUDA-graph decode on or off; on makes fresh graphs for the cache as it is configured
-        now (after its value sum or selection cap changed, say). A note and no graphs on a CPU."""
+        now (after its value sum or selection cap changed, say)."""
         self.config.cuda_graphs = on
         self.graphed = self._graphed_decode() if on else None
 
     def cuda_graphs_mode(self) -> str:
-        """What the decode steps replay from CUDA graphs: "token" (whole tokens), "piecewise" (the
-        model's work around the attention) or "off" (no --cuda-graphs, a CPU, or a failed capture)."""
+        """"token" when decode tokens are replayed from CUDA graphs, "off" when they run eagerly (a
+        CPU, cuda_graphs off, a cache that cannot be captured, or a failed capture)."""
         g = self.graphed
-        if g is None or g.failed:
-            return "off"
-        return "token" if isinstance(g, cuda_graph.GraphedDecode) else "piecewise"
+        return "off" if g is None or g.failed else "token"
 
     def save_prompt_cache(self, path) -> int:
         """Write what the cache holds, and its tokens, to a prompt-cache file (minirun/prompt_cache.py)

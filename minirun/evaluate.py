@@ -215,7 +215,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
              prompt_tokens: int = 3072, positions: int = 256, lengths=(1024, 2048, 4096, 8000),
              depths=(0.1, 0.5, 0.9), trials: int = 2, tau: float = 0.9, window: int = 256, sinks: int = 16,
              dtype: str = "float32", key_store: str = "codebook", centroids: int | None = None, threads=None,
-             seed: int = 0, far_positions: str = "off", max_select: int | None = None, length_scale: str = "off",
+             seed: int = 0, far_positions: str = "auto", max_select: int | None = None, length_scale: str = "off",
              rescore: bool = False, passkey_haystack: str = "filler", passkey_copies: int = 1, log=print) -> dict:
     """Dense, then HCA at each budget, on the same token ids; one engine loaded at a time.
 

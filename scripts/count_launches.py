@@ -1,28 +1,22 @@
-"""Launches per decode token on a GPU, counted without one (issue 4: "report launches per token").
+"""Launches per decode token on a GPU, counted without one.
 
-A decode token of SmolLM2 on an H100 is bound by how many ops the host launches (docs/BENCHMARKS.md,
-twelfth session), so this counts them: a model of SmolLM2's shape (random weights; 2 and 4 layers,
+A decode token of a small model on a GPU costs about as much per launch as per byte, so this
+counts them: a model of SmolLM2's shape (random weights; 2 and 4 layers,
 the difference gives the per-layer count) runs its GPU code path on the CPU, kernels_cuda on the
 emulator, and one decode step is recorded at the torch dispatch level. Counted: torch ops that
 launch device work (views, reshapes and allocations are not) and kernels_cuda launches. Dense and
 HCA (g16 c256 codes, tau 0.9), each with the layer kernels (kernels_cuda.layer,
-the default on a GPU) and without (MINIRUN_CUDA_LAYER=0); and with --cuda-graphs (the step a graph
-captures, run eagerly: its kernels, and the launches left per token).
+the default on a GPU) and without; and the step a CUDA graph captures (run eagerly: its kernels, and
+the launches left per token).
 
 Usage: python scripts/count_launches.py [--depth 400]
 """
 import argparse
-import contextlib
-import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import SMOLLM2_HEADS  # noqa: E402
 
 from kernels_cuda import _emu  # noqa: E402
 from kernels_cuda import launch as klaunch  # noqa: E402
@@ -35,7 +29,10 @@ NO_LAUNCH = {"view", "slice", "select", "unsqueeze", "t", "transpose", "alias", 
              "as_strided", "empty", "empty_like", "resolve_conj", "resolve_neg", "lift_fresh", "split", "chunk",
              "reshape", "squeeze", "unbind", "_reshape_alias"}
 HCA = dict(key_store="codebook", tau=0.9, window=64, sinks=4, prefill_mode="exact", fit_min_tokens=64, groups=16,
-           centroids=256)
+           centroids=256, value_sum="gpu")
+SMOLLM2_HEADS = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=512,
+                     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
 
 
 class Record(TorchDispatchMode):
@@ -67,7 +64,7 @@ class Record(TorchDispatchMode):
 
 def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]:
     """(torch ops that launch, kernels_cuda launches) of one decode step after `depth` tokens;
-    graphs: of the step --cuda-graphs captures (minirun/cuda_graph.py, run eagerly), and also the
+    graphs: of the step a CUDA graph captures (minirun/cuda_graph.py, run eagerly), and also the
     torch ops outside it (the copies before a replay) -> (torch, kernels_cuda, outside)."""
     with _emu.emulated_hca_cuda():   # (a dense engine stays dense)
         eng = Engine.load(model, device="cpu", dtype="bfloat16", ctx=max(2048, 2 * depth), kv=kv,
@@ -129,14 +126,13 @@ def main(argv=None) -> dict:
                 r = {"torch_per_layer": per_t, "kernels_cuda_per_layer": per_k, "per_token_once": once,
                      "per_token": a.layers * (per_t + per_k) + once}
                 out[f"{kv}, layer kernels {'on' if lk else 'off'}"] = r
-        # --cuda-graphs (layer kernels on; HCA with the GPU value sum): the graph's kernels, and the
+        # CUDA graphs (layer kernels on; HCA with the GPU value sum): the graph's kernels, and the
         # launches per token: one replay, the copies before it, the logits' clone after it
         for kv in ("dense", "hca"):
-            with _env("MINIRUN_VALUE_SUM", "gpu"):
-                (t2, k2, o2), (t4, k4, o4) = (count_step(models[n], kv, True, a.depth, graphs=True) for n in (2, 4))
+            (t2, k2, o2), (t4, k4, o4) = (count_step(models[n], kv, True, a.depth, graphs=True) for n in (2, 4))
             per_t, per_k = (t4 - t2) / 2, (k4 - k2) / 2
             once = t2 - 2 * per_t + k2 - 2 * per_k
-            out[f"{kv}, --cuda-graphs"] = {"torch_per_layer": per_t, "kernels_cuda_per_layer": per_k,
+            out[f"{kv}, cuda graphs"] = {"torch_per_layer": per_t, "kernels_cuda_per_layer": per_k,
                                            "per_token_once": once, "graph_nodes": a.layers * (per_t + per_k) + once,
                                            "per_token": 1 + o2 + 1}
     print(f"| decode step | torch ops / layer | kernels_cuda / layer | once per token | launches per token ({a.layers} layers) |")
@@ -148,19 +144,6 @@ def main(argv=None) -> dict:
         print(f"| {name} | {r['torch_per_layer']:.0f} | {r['kernels_cuda_per_layer']:.0f} | {r['per_token_once']:.0f} | "
               f"{total} |")
     return out
-
-
-@contextlib.contextmanager
-def _env(name, value):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def main(argv=None):
     ap.add_argument("--botchan", action="store_true", help="evaluate on Botchan (fetched once, see above)")
     ap.add_argument("--sections", default="ppl,agree,passkey")
     ap.add_argument("--budgets", default="0.5,0.25,0.125", help="HCA settings: budgets or gGcC (e.g. g64c16)")
-    ap.add_argument("--far-positions", default="off", choices=["auto", "on", "grouped", "off"],
+    ap.add_argument("--far-positions", default="auto", choices=["auto", "on", "grouped", "off"],
                     help="HCA: far positions (minirun/kv/far_positions.py)")
     ap.add_argument("--max-select", type=int, default=None, help="HCA: top tokens per head and step at most")
     ap.add_argument("--length-scale", default="off", choices=["auto", "on", "off"],

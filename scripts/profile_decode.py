@@ -101,7 +101,7 @@ def main():
                     help="time the cache's one-token attention kernel (hca_decode_attend, "
                          "hca_exact_decode_attend or dense_attend) inside the timed steps: ms per call "
                          "and per step; the rest of the step is the rest")
-    ap.add_argument("--far-positions", default="off", choices=["auto", "on", "grouped", "off"],
+    ap.add_argument("--far-positions", default="auto", choices=["auto", "on", "grouped", "off"],
                     help="HCA: far positions (auto: on past the model's trained context)")
     ap.add_argument("--cold", action="store_true",
                     help="with --breakdown: evict the caches (read 64 MB) before each timed call, as the "

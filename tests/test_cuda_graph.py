@@ -1,10 +1,9 @@
 """minirun/cuda_graph.py: decode tokens whose every input lives on the device (what a CUDA graph
-captures), whole (GraphedDecode, dense) or in pieces between attentions (PiecewiseDecode, any
-cache), against the engine's ordinary decode steps.
+captures: GraphedDecode, dense and HCA with the GPU value sum), against the engine's ordinary
+decode steps.
 
-On the CPU the captured code runs eagerly (capture=False): the same Model.decode_at and
-DenseCache.attend_at, or the same pieces, a graph records, so a wrong position, a missing mask, a
-bucket edge or a piece reading a stale buffer shows here. With a GPU the graphs themselves are
+On the CPU the captured code runs eagerly (capture=False): the same Model.decode_at and the
+caches' attend_at a graph records, so a wrong position, a missing mask or a bucket edge shows here. With a GPU the graphs themselves are
 captured and replayed against the eager GPU steps.
 
 Tolerances: float32 1e-4 absolute on logits (the masked attention over a bucket of slots sums in a
@@ -36,8 +35,9 @@ def _decode(eng, tokens, step):
 
 
 def _pair(d, dtype, device="cpu", ctx=64):
-    ref = Engine.load(d, device=device, dtype=dtype, ctx=ctx)
-    eng = Engine.load(d, device=device, dtype=dtype, ctx=ctx)
+    """Two engines without graphs of their own: a reference and one to drive through GraphedDecode."""
+    ref = Engine.load(d, device=device, dtype=dtype, ctx=ctx, cuda_graphs=False)
+    eng = Engine.load(d, device=device, dtype=dtype, ctx=ctx, cuda_graphs=False)
     return ref, eng
 
 
@@ -102,50 +102,8 @@ def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype):
 
 
 HCA = dict(kv="hca", kv_budget=0.5, window=8, sinks=4)
-
-
-@pytest.mark.parametrize("kw", [{}, HCA, {**HCA, "far_positions": "on"}, {**HCA, "kv_budget": 0.125, "max_select": 4}],
-                         ids=["dense", "hca", "hca-far", "hca-0.125-capped"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_eager_pieces_match_engine_step(tiny_model_dir, kw, dtype):
-    """PiecewiseDecode (eager): the model's pieces around each cache's own attend give the
-    engine's logits; the HCA caches evict into their stores as the ordinary steps do."""
-    d = tiny_model_dir("gqa-untied")
-    ref = Engine.load(d, device="cpu", dtype=dtype, ctx=64, **kw)
-    eng = Engine.load(d, device="cpu", dtype=dtype, ctx=64, **kw)
-    toks = ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
-    la = _decode(ref, toks, ref.step)
-    pd = cuda_graph.PiecewiseDecode(eng.model, eng.cache, capture=False)
-    lb = _decode(eng, toks, pd.step)
-    assert eng.cache.offset == ref.cache.offset == len(IDS) + len(toks)
-    assert (la - lb).abs().max().item() <= TOL[dtype]
-    assert torch.equal(la.argmax(-1), lb.argmax(-1))
-    if kw:
-        assert eng.cache.n_store == ref.cache.n_store > 0
-
-
-@emu_only
-def test_eager_pieces_around_the_gpu_hca_cache(tiny_model_dir, monkeypatch):
-    """The pieces (layer kernels forced, on the emulator) around HCACacheCUDA's decode step with
-    the GPU value sum: the logits of the same engine's ordinary steps."""
-    from kernels_cuda import _emu
-    kw = dict(HCA, tau=0.9, key_store="exact", prefill_mode="exact")
-    with _emu.emulated() as be:
-        ref, eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, kw, ctx=64)
-        for e in (ref, eng):
-            assert ops.prepare_cuda_decode(e.model.w, e.args, e.device, e.model.dtype, force=True)
-            e.model.cuda_decode = True
-        toks = ref.generate(IDS, max_new_tokens=8, ignore_eos=True).tokens
-        la = _decode(ref, toks, ref.step)
-        pd = cuda_graph.PiecewiseDecode(eng.model, eng.cache, capture=False)
-        lb = _decode(eng, toks, pd.step)
-    assert {"rope_f32", "decode_prep_f32"} <= {x[0] for x in be.launches}
-    assert eng.cache.value_sum == "gpu" and eng.cache.n_store > 0
-    assert (la - lb).abs().max().item() <= 1e-4
-    assert torch.equal(la.argmax(-1), lb.argmax(-1))
-
-
-HCA_GPU = dict(kv="hca", groups=4, centroids=16, window=8, sinks=4, tau=0.9, prefill_mode="exact")
+HCA_GPU = dict(kv="hca", groups=4, centroids=16, window=8, sinks=4, tau=0.9, prefill_mode="exact", value_sum="gpu",
+               cuda_graphs=False)
 
 
 def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw, ctx=128):
@@ -153,7 +111,6 @@ def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw, ctx=128):
     with length scaling or grouped far positions the model's trained context is 32 tokens, so the
     factor is > 1 and G > 1 here."""
     from kernels_cuda import _emu
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
     short = kw.get("length_scale") == "on" or kw.get("far_positions") == "grouped"   # (grouped: G = 6)
     d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 32} if short else {}))
     with _emu.hca_cuda_caches():
@@ -217,17 +174,17 @@ def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, 
 
 @emu_only
 def test_whole_hca_tokens_need_the_gpu_value_sum(tiny_model_dir, monkeypatch):
-    """With the host's value sum (or a cap by torch.topk: tau 1) an HCA token is not captured
-    whole: the engine's --cuda-graphs would take the pieces."""
+    """With the host's value sum (or a cap by torch.topk: tau 1) an HCA token cannot be captured:
+    the engine decodes it eagerly."""
     from kernels_cuda import _emu
+    d = tiny_model_dir("gqa-untied")
     with _emu.emulated():
         eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, HCA_GPU)[0]
         assert cuda_graph.supports(eng.cache)
-        monkeypatch.setenv("MINIRUN_VALUE_SUM", "cpu")
-        assert not cuda_graph.supports(Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=128, **HCA_GPU).cache)
-        monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
-        assert not cuda_graph.supports(Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=128,
-                                                   **{**HCA_GPU, "tau": 1.0, "max_select": 4}).cache)
+        with _emu.hca_cuda_caches():
+            assert not cuda_graph.supports(Engine.load(d, device="cpu", ctx=128, **{**HCA_GPU, "value_sum": "host"}).cache)
+            assert not cuda_graph.supports(Engine.load(d, device="cpu", ctx=128,
+                                                       **{**HCA_GPU, "tau": 1.0, "max_select": 4}).cache)
 
 
 def test_rope_at_a_device_position_is_rope_cos_sin(tiny_model_dir):
@@ -239,13 +196,14 @@ def test_rope_at_a_device_position_is_rope_cos_sin(tiny_model_dir):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_engine_flag_without_a_gpu_notes_and_decodes(tiny_model_dir, capsys):
-    """--cuda-graphs on a CPU says so once and decodes as usual; an HCA cache cannot be captured whole."""
+def test_engine_graphs_on_a_cpu_decode_eagerly(tiny_model_dir, capsys):
+    """cuda_graphs (on by default) on a CPU: eager steps, no note; an HCA cache summing values on the
+    host cannot be captured whole."""
     d = tiny_model_dir("gqa-untied")
     eng = Engine.load(d, device="cpu", ctx=64, cuda_graphs=True)
     assert eng.graphed is None and eng.cuda_graphs_mode() == "off"
-    assert "need a CUDA device" in capsys.readouterr().err
-    ref = Engine.load(d, device="cpu", ctx=64)
+    assert "graph" not in capsys.readouterr().err
+    ref = Engine.load(d, device="cpu", ctx=64, cuda_graphs=False)
     assert eng.generate(IDS, max_new_tokens=5, ignore_eos=True).tokens == \
         ref.generate(IDS, max_new_tokens=5, ignore_eos=True).tokens
     assert not cuda_graph.supports(Engine.load(d, device="cpu", ctx=64, kv="hca", kv_budget=0.5).cache)
@@ -253,15 +211,13 @@ def test_engine_flag_without_a_gpu_notes_and_decodes(tiny_model_dir, capsys):
         cuda_graph.GraphedDecode(eng.model, Engine.load(d, device="cpu", ctx=64, kv="hca", kv_budget=0.5).cache)
 
 
-@pytest.mark.parametrize("kind", ["token", "piecewise"])
-def test_a_failed_capture_falls_back_to_eager_steps(tiny_model_dir, capsys, monkeypatch, kind):
+def test_a_failed_capture_falls_back_to_eager_steps(tiny_model_dir, capsys, monkeypatch):
     """A capture that raises (simulated: no GPU here) prints its cause once; that step and the
     engine's later ones decode eagerly, with the ordinary steps' logits."""
     d = tiny_model_dir("gqa-untied")
     ref = Engine.load(d, device="cpu", ctx=64)
     eng = Engine.load(d, device="cpu", ctx=64)
-    cls = cuda_graph.GraphedDecode if kind == "token" else cuda_graph.PiecewiseDecode
-    g = cls(eng.model, eng.cache, capture=False)
+    g = cuda_graph.GraphedDecode(eng.model, eng.cache, capture=False)
     g.capture = True
 
     def broken(*a):
@@ -269,7 +225,7 @@ def test_a_failed_capture_falls_back_to_eager_steps(tiny_model_dir, capsys, monk
             raise RuntimeError("operation not permitted when stream is capturing")
         except RuntimeError:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
-    monkeypatch.setattr(g, "_capture" if kind == "token" else "_capture_all", broken)
+    monkeypatch.setattr(g, "_capture", broken)
     eng.graphed = g
     toks = ref.generate(IDS, max_new_tokens=4, ignore_eos=True).tokens
     la = _decode(ref, toks, ref.step)
@@ -285,7 +241,7 @@ def test_cli_generate_with_the_flag(tiny_model_dir):
 
     from minirun.cli import cli
     r = CliRunner().invoke(cli, ["generate", str(tiny_model_dir("gqa-untied")), "-p", "hello", "-n", "3",
-                                 "--device", "cpu", "--cuda-graphs"])
+                                 "--device", "cpu", "--no-cuda-graphs"])
     assert r.exit_code == 0, r.output
 
 
@@ -313,7 +269,7 @@ def test_gpu_engine_uses_graphs(tiny_model_dir):
     (float32: the eager steps' unmasked attention kernel differs from the graph's masked one)."""
     d = tiny_model_dir("gqa-untied")
     eng = Engine.load(d, device="cuda", ctx=64, cuda_graphs=True)
-    ref = Engine.load(d, device="cuda", ctx=64)
+    ref = Engine.load(d, device="cuda", ctx=64, cuda_graphs=False)
     a = eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
     assert eng.graphed is not None and eng.graphed.captures >= 1 and eng.graphed.failed is None
     assert eng.cuda_graphs_mode() == "token"
@@ -323,34 +279,14 @@ def test_gpu_engine_uses_graphs(tiny_model_dir):
 
 
 @gpu_only
-@pytest.mark.parametrize("kv", ["dense", "hca"])
-def test_gpu_piecewise_replay_matches_ordinary_steps(tiny_model_dir, kv):
-    """On a GPU: the pieces replayed from graphs (L + 1 captures on the first step) around the
-    cache's eager attention, against the engine's eager steps."""
-    kw = {} if kv == "dense" else HCA
+def test_gpu_engine_hca_host_value_sum_decodes_eagerly(tiny_model_dir):
+    """With the host's value sum an HCA token cannot be captured: no graphs, the same tokens."""
     d = tiny_model_dir("gqa-untied")
-    ref = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64, **kw)
-    eng = Engine.load(d, device="cuda", dtype="bfloat16", ctx=64, **kw)
-    toks = ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
-    la = _decode(ref, toks, ref.step)
-    pd = cuda_graph.PiecewiseDecode(eng.model, eng.cache)
-    lb = _decode(eng, toks, pd.step)
-    assert pd.failed is None and pd.captures == eng.args.num_hidden_layers + 1
-    assert (la - lb).abs().max().item() <= TOL["bfloat16"]
-    assert torch.equal(la.argmax(-1), lb.argmax(-1))
-
-
-@gpu_only
-def test_gpu_engine_hca_uses_piecewise_graphs(tiny_model_dir, monkeypatch):
-    """With the host's value sum an HCA token is captured in pieces."""
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "cpu")
-    d = tiny_model_dir("gqa-untied")
-    eng = Engine.load(d, device="cuda", ctx=64, cuda_graphs=True, **HCA)
-    ref = Engine.load(d, device="cuda", ctx=64, **HCA)
-    a = eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
-    assert isinstance(eng.graphed, cuda_graph.PiecewiseDecode) and eng.graphed.failed is None
-    assert eng.cuda_graphs_mode() == "piecewise"
-    assert a == ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
+    eng = Engine.load(d, device="cuda", ctx=64, value_sum="host", **HCA)
+    ref = Engine.load(d, device="cuda", ctx=64, value_sum="host", cuda_graphs=False, **HCA)
+    assert eng.graphed is None and eng.cuda_graphs_mode() == "off"
+    assert eng.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens == \
+        ref.generate(IDS, max_new_tokens=12, ignore_eos=True).tokens
 
 
 @gpu_only
@@ -359,7 +295,6 @@ def test_gpu_whole_hca_tokens_replayed(tiny_model_dir, monkeypatch, kw):
     """On a GPU, the GPU value sum: whole HCA tokens captured (buckets of 16: several graphs) and
     replayed, against the eager steps of an engine without graphs; the pool rows the graphs wrote
     (store_rows into mapped host memory) against the eager copies."""
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
     d = tiny_model_dir("gqa-untied")
     kw = {**HCA_GPU, **kw}
     ref = Engine.load(d, device="cuda", ctx=128, **kw)

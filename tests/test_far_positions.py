@@ -163,10 +163,10 @@ def test_generate_and_codebooks_follow_the_reference(tiny_model_dir, monkeypatch
     assert (lg - rl).abs().max().item() <= 0.05 * rl.abs().max().item()
 
 
-def test_auto_turns_on_past_the_trained_context_off_by_default(tiny_model_dir, capsys):
+def test_auto_by_default_turns_on_past_the_trained_context(tiny_model_dir, capsys):
     d = tiny_model_dir("gqa-untied", max_position_embeddings=64)
     kw = dict(device="cpu", kv="hca", key_store="exact", window=W, sinks=S)
-    assert not Engine.load(d, ctx=128, **kw).cache.far                          # off unless asked
+    assert Engine.load(d, ctx=128, **kw).cache.far                              # auto, the default
     kw["far_positions"] = "auto"
     assert Engine.load(d, ctx=128, **kw).cache.far
     assert "far positions: tokens older than the 8-token window are attended at distance 32" in capsys.readouterr().err
@@ -260,12 +260,12 @@ def test_cli_length_scale(tiny_model_dir, capsys):
     from minirun.cli import main
     d = str(tiny_model_dir("gqa-untied", max_position_embeddings=64))
     args = ["generate", d, "-p", "hello there " * 20, "-n", "3", "--kv", "hca", "--kv-budget", "0.5", "--window",
-            "8", "--sinks", "2", "--ctx", "256", "--far-positions", "on"]
+            "8", "--sinks", "2", "--ctx", "256", "--hca-opt", "far_positions=on"]
     try:
-        main(args + ["--length-scale", "on"])
+        main(args + ["--hca-opt", "length_scale=on"])
     except SystemExit as e:
         assert e.code in (0, None)
     assert "length scaling: attention logits x log(n) / log(64)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        main(args + ["--length-scale", "maybe"])
+        main(args + ["--hca-opt", "length_scale=maybe"])
     assert e.value.code == 2 and "Traceback" not in capsys.readouterr().err

@@ -97,7 +97,8 @@ def test_tau1_exact_keys_equals_dense(tiny_model_dir, gpu_engine, monkeypatch, c
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(100)
     dense = Engine.load(d, device="cpu", ctx=256).logits(ids)
-    eng = load(d, ctx=256, kv="hca", key_store="exact", tau=1.0, window=16, sinks=4, prefill_chunk=chunk)
+    eng = load(d, ctx=256, kv="hca", key_store="exact", tau=1.0, window=16, sinks=4, prefill_chunk=chunk,
+               value_sum="host")
     with ctx():
         out = eng.logits(ids)   # chunk 1: every position through the decode step; 7: several queries
     assert isinstance(eng.last_logits_cache, HCACacheCUDA)
@@ -318,11 +319,11 @@ GATHER_CASES = {
 
 @pytest.mark.parametrize("case", list(GATHER_CASES))
 def test_value_sum_on_gpu_matches_host_sum(tiny_model_dir, gpu_engine, monkeypatch, case):
-    """MINIRUN_VALUE_SUM=gpu and gpu-per-head (kernels_cuda.decode's gathers read the mapped host
-    pool, no copy-back; gpu reads a row once per kv group after a histogram cut) against the host's
-    Numba sum in the same cache class: the same selection on the device, so the same tokens and
-    logits up to float32 summation order. Generate 8 tokens (ring
-    wrap-around, eviction every step), a prefill that truncates (the ring short), 3 steps."""
+    """value_sum "gpu" (kernels_cuda.decode's gathers read the mapped host pool, no copy-back; a
+    row read once per kv group after a histogram cut) against the host's Numba sum in the same
+    cache class: the same selection on the device, so the same tokens and logits up to float32
+    summation order. Generate 8 tokens (ring wrap-around, eviction every step), a prefill that
+    truncates (the ring short), 3 steps."""
     import kernels_cuda.decode as kd
     load, ctx = gpu_engine
     d = tiny_model_dir("gqa-untied")
@@ -333,10 +334,9 @@ def test_value_sum_on_gpu_matches_host_sum(tiny_model_dir, gpu_engine, monkeypat
     monkeypatch.setattr(kd.DecodeStep, "gather",
                         lambda self, *a, **k: gathers.append(k.get("grouped", False)) or real(self, *a, **k))
     outs = {}
-    for vs in ("cpu", "gpu", "gpu-per-head"):
-        monkeypatch.setenv("MINIRUN_VALUE_SUM", vs)
+    for vs in ("host", "gpu"):
         gathers.clear()
-        eng = load(d, **kw)
+        eng = load(d, value_sum=vs, **kw)
         with ctx():
             gen = eng.generate(ids, max_new_tokens=8, ignore_eos=True).tokens
             assert eng.cache.value_sum == vs == eng.kv_stats()["value_sum"] and eng.cache.n_store > 80
@@ -344,42 +344,40 @@ def test_value_sum_on_gpu_matches_host_sum(tiny_model_dir, gpu_engine, monkeypat
             lg += [eng.step(t).reshape(1, -1) for t in gen[5:]]
         outs[vs] = (gen, torch.cat(lg).cpu(), eng.cache.second_copies, list(gathers))
     L = 2   # the tiny model's layers: 7 decode steps of generate, 3 steps, and (maybe) the prefill's last token
-    assert outs["cpu"][3] == [] and outs["gpu"][2] == outs["gpu-per-head"][2] == 0
+    assert outs["host"][3] == [] and outs["gpu"][2] == 0
     histogram_cut = 0.0 < GATHER_CASES[case]["tau"] < 1.0      # the grouped gather's precondition
     assert len(outs["gpu"][3]) >= 10 * L and set(outs["gpu"][3]) == {histogram_cut}
-    assert len(outs["gpu-per-head"][3]) >= 10 * L and set(outs["gpu-per-head"][3]) == {False}
-    for vs in ("gpu", "gpu-per-head"):
-        assert outs["cpu"][0] == outs[vs][0]
-        diff = (outs["cpu"][1] - outs[vs][1]).abs().max().item()
-        print(f"{case}: max |logit diff| {vs} vs host value sum {diff:.2e}")
-        assert diff <= 1e-4
+    assert outs["host"][0] == outs["gpu"][0]
+    diff = (outs["host"][1] - outs["gpu"][1]).abs().max().item()
+    print(f"{case}: max |logit diff| gpu vs host value sum {diff:.2e}")
+    assert diff <= 1e-4
 
 
-def test_value_sum_env_is_checked(monkeypatch):
+def test_value_sum_choice(capsys):
+    """auto is the GPU's sum unless --rescore asks for the host's; gpu asked for with --rescore
+    says why it sums on the host; an unknown choice is refused where the config is made."""
+    from minirun.config import EngineConfig
     from minirun.errors import MiniRunError
     from minirun.kv.hca_cuda import value_sum_choice
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "GPU ")
-    assert value_sum_choice(torch.device("cpu")) == "gpu"
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "")
-    assert value_sum_choice(torch.device("cpu")) == "cpu"
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu-per-head")
-    assert value_sum_choice(torch.device("cpu")) == "gpu-per-head"
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "tpu")
-    with pytest.raises(MiniRunError, match="expected one of cpu, gpu, gpu-per-head"):
-        value_sum_choice(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert value_sum_choice("auto", cpu, False) == "gpu" and value_sum_choice("host", cpu, False) == "host"
+    assert value_sum_choice("auto", cpu, True) == "host" and capsys.readouterr().err == ""
+    assert value_sum_choice("gpu", cpu, True) == "host" and "--rescore" in capsys.readouterr().err
+    with pytest.raises(MiniRunError, match="use auto, gpu or host"):
+        EngineConfig(value_sum="tpu")
 
 
 @pytest.mark.skipif(HAVE_GPU or not HAVE_GXX, reason="emulator launch log (CPU only)")
-@pytest.mark.parametrize("value_sum", ["cpu", "gpu"])
+@pytest.mark.parametrize("value_sum", ["host", "gpu"])
 def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path, monkeypatch, value_sum):
     """kernels_cuda launches of one decode step per layer == HCACacheCUDA.decode_launches; also
     prints the aten ops of the step (torch-side launch upper bound, in kernels_cuda/README.md)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", value_sum)
     load, emulated = gpu_engine
     ids = random_ids(60, seed=4)
     d = with_codebooks(tiny_model_dir, tmp_path, 8, 32, ids)
-    eng = load(d, ctx=128, kv="hca", groups=8, centroids=32, tau=0.9, window=16, sinks=4, prefill_mode="exact")
+    eng = load(d, ctx=128, kv="hca", groups=8, centroids=32, tau=0.9, window=16, sinks=4, prefill_mode="exact",
+               value_sum=value_sum)
     aten = []
 
     class Count(TorchDispatchMode):
@@ -401,7 +399,7 @@ def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path, monkeypatch, 
     names = [x[0] for x in be.launches]
     want = HCACacheCUDA.decode_launches(0.9, dtype=torch.float32, value_sum=value_sum)
     assert len(names) == want["kernels_cuda"], names
-    assert any(x.startswith("pack_selection" if value_sum == "cpu" else "gather_value_sum") for x in names), names
+    assert any(x.startswith("pack_selection" if value_sum == "host" else "gather_value_sum") for x in names), names
     assert names[0].startswith("decode_prep") and names[-1].startswith("lse_merge_staged"), names
     # no device kernel: views, same-dtype casts, the emulator's own 0xff fills of wrapper outputs,
     # numpy bridges (host side)
@@ -422,37 +420,3 @@ def test_make_cache_picks_backend(tiny_model_dir):
     assert type(eng.cache) is HCACache
     if HAVE_GPU:
         assert type(Engine.load(d, device="cuda", ctx=64, kv="hca").cache) is HCACacheCUDA
-
-
-@pytest.mark.skipif(not HAVE_GXX, reason="the kernel emulator needs g++")
-def test_profile_gpu_decode_script_runs_on_the_emulator(tiny_model_dir, capsys):
-    """scripts/profile_gpu_decode.py (the hidden host time, for a lease) runs end to end on the
-    emulator: both runs decode, the value sum is timed in one and skipped in the other."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).parent.parent / "scripts" / "profile_gpu_decode.py"
-    spec = importlib.util.spec_from_file_location("profile_gpu_decode", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    r = mod.main([str(tiny_model_dir("gqa-untied")), "--depth", "320", "--steps", "3", "--emulate",
-                  "--dtype", "float32", "--context", "random", "--kv-budget", "0.5", "--max-select", "8"])
-    assert r["ms_per_token"] > 0 and r["ms_per_token_without_value_sum"] > 0 and r["value_sum_ms_per_token"] > 0
-    assert len(r["runs"]["as is"]) == 2 and 0 < r["selected"] <= 8 / (320 - 16 - 256)   # the cap, of the store
-    assert "| depth | ms/token |" in capsys.readouterr().out
-
-
-@pytest.mark.skipif(not HAVE_GXX, reason="the kernel emulator needs g++")
-def test_host_overhead_script_runs(capsys):
-    """scripts/host_overhead.py (host time of a layer step, launches stubbed) runs and counts the
-    launches decode_launches says."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).parent.parent / "scripts" / "host_overhead.py"
-    spec = importlib.util.spec_from_file_location("host_overhead", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for far in ("off", "on"):
-        r = mod.main(["--depth", "200", "--steps", "5", "--reps", "2", "--far-positions", far])
-        want = HCACacheCUDA.decode_launches(0.9, far=far == "on", dtype=torch.float32)["kernels_cuda"]
-        assert r["launches_per_layer_step"] == want and r["us_per_layer_step_min"] > 0 and r["store_tokens"] > 0
-    assert "kernels stubbed" in capsys.readouterr().out

@@ -128,7 +128,7 @@ def test_gpu_model_decode_layer_kernels_vs_torch_ops(tiny_model_dir, dtype, monk
 def test_count_launches_script(capsys):
     """scripts/count_launches.py: the layer kernels cut a layer's launches (dense 41 -> 12, HCA
     50 -> 21 when written), and they stay bounded (a new op in the decode path shows up here);
-    with --cuda-graphs a token is a few launches."""
+    with CUDA graphs a token is a few launches."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).parent.parent / "scripts" / "count_launches.py"
@@ -143,6 +143,6 @@ def test_count_launches_script(capsys):
     assert per_layer("hca, layer kernels on") <= 21 < per_layer("hca, layer kernels off")
     assert r["hca, layer kernels on"]["kernels_cuda_per_layer"] == 4 + HCACacheCUDA.decode_launches(0.9)["kernels_cuda"]
     assert "| hca, layer kernels on |" in capsys.readouterr().out
-    # --cuda-graphs: a token is one replay, the copies of its inputs and the logits' clone
-    assert r["dense, --cuda-graphs"]["per_token"] == 3 and r["hca, --cuda-graphs"]["per_token"] == 4
-    assert r["hca, --cuda-graphs"]["kernels_cuda_per_layer"] == r["hca, layer kernels on"]["kernels_cuda_per_layer"]
+    # CUDA graphs: a token is one replay, the copies of its inputs and the logits' clone
+    assert r["dense, cuda graphs"]["per_token"] == 3 and r["hca, cuda graphs"]["per_token"] == 4
+    assert r["hca, cuda graphs"]["kernels_cuda_per_layer"] == r["hca, layer kernels on"]["kernels_cuda_per_layer"]

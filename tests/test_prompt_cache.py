@@ -1,10 +1,12 @@
-"""Prompt-cache files (minirun/prompt_cache.py, kv/state.py): a cache saved after a prefill and
+"""Prompt-cache files (minirun/prompt_cache.py, the caches' state_dict): a cache saved after a prefill and
 loaded into another engine decodes exactly as the first one goes on decoding; files of another
 model, setting or prompt are refused with the reason; unreadable ones are one-line errors; a
 failed write leaves no file; `minirun chat --prompt-cache` prefills once and loads afterwards."""
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -14,7 +16,6 @@ import torch
 from minirun import Engine
 from minirun import prompt_cache as pc
 from minirun.errors import MiniRunError
-from minirun.kv import state
 from minirun.prompt_cache import PromptCacheMismatch
 
 PROMPT = list(range(5, 205))          # 200 tokens: past sinks + window below, so the store holds 150
@@ -92,7 +93,7 @@ def test_a_file_of_another_setting_or_prompt_is_refused_and_the_cache_kept(tiny_
     with pytest.raises(PromptCacheMismatch, match="setting kv"):
         Engine.load(d, device="cpu", ctx=512).load_prompt_cache(f)
     # a cache without host keys writes what files did before --rescore existed: those still load
-    assert "host_keys" not in state.signature(a.cache) and "rescore" not in pc.STATE_SETTINGS
+    assert "host_keys" not in a.cache.state_signature() and "rescore" not in pc.STATE_SETTINGS
     with pytest.raises(PromptCacheMismatch, match="cache host_keys: None in the file, True here"):   # (--rescore)
         Engine.load(d, device="cpu", ctx=512, **CASES["hca-0.25"], rescore=True).load_prompt_cache(f)
     # --rescore with an exact-key store keeps no host keys: the same state, the same file
@@ -125,6 +126,61 @@ def test_unreadable_files_are_one_line_errors(tiny_model_dir, tmp_path):
         with pytest.raises(MiniRunError, match=msg) as e:
             eng.load_prompt_cache(f)
         assert "\n" not in str(e.value)
+
+
+def _with_meta(data: bytes, edit) -> bytes:
+    """A prompt-cache file's bytes with its minirun metadata changed by edit(meta) (the data kept)."""
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    meta = json.loads(header["__metadata__"]["minirun"])
+    edit(meta)
+    header["__metadata__"]["minirun"] = json.dumps(meta)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+
+
+def test_a_file_with_flipped_bytes_is_refused(tiny_model_dir, tmp_path):
+    """The data's CRC-32 is in the header: bytes changed on disk are refused in one line and the cache
+    is left as it was (they loaded before, and decoded garbage); a file without a checksum (written
+    before there was one) still loads."""
+    d = tiny_model_dir("gqa-untied")
+    eng = Engine.load(d, device="cpu", ctx=512, **CASES["hca-0.25"])
+    eng.prefill(PROMPT)
+    good = tmp_path / "p.kv"
+    eng.save_prompt_cache(good)
+    data = good.read_bytes()
+    meta = json.loads(json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])["__metadata__"]["minirun"])
+    assert meta["checksum"] == pc.data_checksum(good) and meta["checksum"].startswith("crc32:")
+    other = Engine.load(d, device="cpu", ctx=512, **CASES["hca-0.25"])
+    for at in (len(data) // 2, len(data) - 9):               # a value row; the last bytes written
+        bad = bytearray(data)
+        bad[at:at + 4] = bytes(b ^ 0x5A for b in bad[at:at + 4])
+        (tmp_path / "bad.kv").write_bytes(bad)
+        other.prefill([9] * 20)
+        with pytest.raises(MiniRunError, match="is damaged: its data does not match its checksum") as e:
+            other.load_prompt_cache(tmp_path / "bad.kv", PROMPT)
+        assert "\n" not in str(e.value) and other.cache.offset == 20 and other._cached_ids == [9] * 20
+    (tmp_path / "old.kv").write_bytes(_with_meta(data, lambda m: m.pop("checksum")))
+    assert other.load_prompt_cache(tmp_path / "old.kv", PROMPT) == len(PROMPT)
+    assert torch.equal(_continue(other), _continue(eng))
+
+
+def test_a_damaged_file_is_prefilled_again_and_rewritten(tiny_model_dir, tmp_path):
+    d = tiny_model_dir("gqa-untied")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("tokens of a document. " * 20)
+    f = tmp_path / "doc.kv"
+    first = _generate(d, f, "-f", str(doc), "--kv", "dense")
+    bad = bytearray(f.read_bytes())
+    bad[-20:-10] = bytes(10)
+    f.write_bytes(bad)
+    again = _generate(d, f, "-f", str(doc), "--kv", "dense")
+    assert again.returncode == 0 and again.stdout == first.stdout
+    assert "is damaged: its data does not match its checksum: prefilling the prompt]" in again.stderr
+    assert "written to" in again.stderr                     # rewritten: the next run loads it
+    assert pc.data_checksum(f) == json.loads(json.loads(f.read_bytes()[8:8 + struct.unpack("<Q", f.read_bytes()[:8])[0]])
+                                             ["__metadata__"]["minirun"])["checksum"]
 
 
 def test_a_failed_write_leaves_no_file_and_an_old_one_intact(tiny_model_dir, tmp_path, monkeypatch):

@@ -201,7 +201,7 @@ def test_eval_command_far_positions(tiny_model_dir, capsys):
     rows = {}
     for far in ("off", "on"):
         main(["eval", d, "--ppl-tokens", "700", "--positions", "0", "--passkey-lengths", "", "--window", "16",
-              "--sinks", "2", "--kv-budget", "0.5", "--far-positions", far, "-o", "json"])
+              "--sinks", "2", "--kv-budget", "0.5", "--hca-opt", f"far_positions={far}", "-o", "json"])
         r = json.loads(capsys.readouterr().out)
         assert r["settings"]["far_positions"] == far
         rows[far] = r["rows"][1]["ppl"]
@@ -259,7 +259,7 @@ def test_eval_command_length_scale(tiny_model_dir, capsys):
     ppl = {}
     for ls in ("off", "on"):
         main(["eval", d, "--ppl-tokens", "300", "--positions", "0", "--passkey-lengths", "", "--window", "16",
-              "--sinks", "2", "--kv-budget", "0.5", "--far-positions", "on", "--length-scale", ls, "-o", "json"])
+              "--sinks", "2", "--kv-budget", "0.5", "--hca-opt", "far_positions=on", "--hca-opt", f"length_scale={ls}", "-o", "json"])
         r = json.loads(capsys.readouterr().out)
         assert r["settings"]["length_scale"] == ls
         ppl[ls] = r["rows"][1]["ppl"]

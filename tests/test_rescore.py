@@ -166,14 +166,6 @@ def test_rescore_below_tau_one_changes_the_weights(tiny_model_dir):
     assert torch.equal(outs["plain", "exact"][0], outs["rescore", "exact"][0])
 
 
-def test_far_positions_with_rescore_say_what_was_measured(tiny_model_dir, capsys):
-    d = tiny_model_dir("gqa-untied")
-    Engine.load(d, device="cpu", ctx=512, kv="hca", groups=8, centroids=32, far_positions="on", rescore=True)
-    assert "--rescore with far positions" in capsys.readouterr().err
-    Engine.load(d, device="cpu", ctx=512, kv="hca", groups=8, centroids=32, rescore=True)
-    assert "--rescore with far positions" not in capsys.readouterr().err
-
-
 def test_host_keys_in_kv_stats_and_the_plan(tiny_model_dir):
     d = tiny_model_dir("gqa-untied")
     ctx = 600
@@ -196,17 +188,16 @@ def test_gpu_cache_class_rescores_on_the_host(tiny_model_dir, monkeypatch, backe
     attention, through the host sum's copy-back (the query copied back with the selection); the
     GPU value sum is not taken (the note says why)."""
     from kernels_cuda import _emu
-    monkeypatch.setenv("MINIRUN_VALUE_SUM", "gpu")
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(200, seed=5)
     dense = Engine.load(d, device="cpu", ctx=256)
     want = dense.logits(ids)
     kw = dict(ctx=256, kv="hca", tau=1.0, window=16, sinks=4, prefill_chunk=32, groups=8, centroids=32,
-              fit_min_tokens=48, rescore=True)
+              fit_min_tokens=48, rescore=True, value_sum="gpu")
     emulated = _emu.emulated_hca_cuda if backend == "emu" else contextlib.nullcontext
     with emulated():
         eng = Engine.load(d, device="cpu" if backend == "emu" else "cuda", **kw)
-        assert isinstance(eng.cache, HCACacheCUDA) and eng.cache.value_sum == "cpu" and eng.cache.host_keys is not None
+        assert isinstance(eng.cache, HCACacheCUDA) and eng.cache.value_sum == "host" and eng.cache.host_keys is not None
         eng.prefill(ids[:150])
         got = torch.cat([eng.prefill(ids[:150 + i + 1])[0][-1:].cpu() for i in range(50)])
     assert eng.cache.n_encoded == eng.cache.n_store > 100
@@ -226,9 +217,9 @@ def test_cli_rescore_reaches_the_cache_and_the_plan(tiny_model_dir, capsys):
     me.Engine.__init__ = init
     try:
         for args in (["generate", d, "-p", "hello there " * 20, "-n", "2", "--kv", "hca", "--kv-budget", "g8c32",
-                      "--window", "8", "--sinks", "2", "--ctx", "256", "--rescore"],
+                      "--window", "8", "--sinks", "2", "--ctx", "256", "--hca-opt", "rescore=true"],
                      ["bench", d, "-p", "", "-n", "2", "-d", "64", "--kv", "hca", "--kv-budget", "g8c32", "-r", "1", "--window", "8",
-                      "--rescore", "-o", "json"]):
+                      "--hca-opt", "rescore=true", "-o", "json"]):
             try:
                 main(args)
             except SystemExit as e:
@@ -240,7 +231,7 @@ def test_cli_rescore_reaches_the_cache_and_the_plan(tiny_model_dir, capsys):
     rows = json.loads(out[out.index("["):])
     assert rows[0]["rescore"] is True and rows[0]["kv_stats"]["host_keys_bytes"] > 0
     try:
-        main(["plan", d, "--ctx", "4K", "--kv-budget", "0.125", "--device", "cpu", "--rescore"])
+        main(["plan", d, "--ctx", "4K", "--kv", "hca", "--kv-budget", "0.125", "--device", "cpu", "--hca-opt", "rescore=true"])
     except SystemExit as e:
         assert e.code in (0, None)
     assert "| host keys | host |" in capsys.readouterr().out

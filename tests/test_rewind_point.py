@@ -72,8 +72,7 @@ def test_without_the_copy_the_document_is_prefilled_again(tiny_model_dir):
     doc = random_ids(150, 0)
     eng = hca_engine(d)
     eng.generate(doc + random_ids(6, 1), max_new_tokens=40, ignore_eos=True)
-    for copy in eng.cache.rewind_points.values():
-        copy.drop()
+    eng.cache.rewind_points.drop()
     assert eng.generate(doc + random_ids(5, 2), max_new_tokens=2).reused_tokens == 0
 
 
@@ -114,7 +113,7 @@ def test_codebooks_fitted_after_the_copy_refuse_it(tiny_model_dir):
     p1, p2 = random_ids(12, 4), random_ids(12, 4)[:10] + random_ids(4, 5)
     eng = hca_engine(d)
     eng.generate(p1, max_new_tokens=80, ignore_eos=True)
-    assert eng.cache.codebooks is not None and eng.cache.exact_base > 0
+    assert eng.cache.codebooks is not None and eng.cache.rewind_points.copies["prompt"].codebooks is None
     again = eng.generate(p2, max_new_tokens=8, ignore_eos=True)
     assert again.reused_tokens == 0
     assert again.tokens == hca_engine(d).generate(p2, max_new_tokens=8, ignore_eos=True).tokens

@@ -114,7 +114,8 @@ def test_cap_on_codebook_stores(tiny_model_dir, centroids):
 
 
 def test_cli_max_select(tiny_model_dir, capsys, monkeypatch):
-    """--max-select reaches the cache from generate and bench; 0 is one line and exit 1."""
+    """--max-select reaches the cache from generate and bench; 0 is one line and exit 2 (a usage error,
+    before the model loads)."""
     from minirun.cli import main
     import minirun.engine as me
     seen = []
@@ -139,4 +140,4 @@ def test_cli_max_select(tiny_model_dir, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["generate", d, "-p", "hi", *hca, "--max-select", "0"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 1 and len(err) == 1 and "max_select must be at least 1" in err[0]
+    assert e.value.code == 2 and len(err) == 1 and "'--max-select': 0 is not in the range x>=1" in err[0]

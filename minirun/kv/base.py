@@ -50,6 +50,22 @@ class KVCache:
         """Bytes per tier and tokens held (see kv_stats in the engine)."""
         raise NotImplementedError
 
+    # ---- what a prompt-cache file holds (minirun/prompt_cache.py) ----------------------------------------
+    def state_signature(self) -> dict:
+        """What a saved state must match to go into this cache (kind, shapes, dtypes, frames)."""
+        raise TypeError(f"{type(self).__name__} cannot be saved")
+
+    def state_dict(self) -> tuple[dict, list]:
+        """(scalars, [(name, tensor)]): the counters and views of the cache's own buffers (no copies:
+        the writer streams them); per-layer rows token-major [Hkv, n, width]. Derived state (lookup
+        tables, numpy views, encode-ahead codes) is not saved: the caches rebuild it on first use."""
+        raise TypeError(f"{type(self).__name__} cannot be saved")
+
+    def load_state_dict(self, scalars: dict, get) -> None:
+        """Fill this cache (reset, with the saved state's signature) from scalars and get(name) -> a
+        CPU tensor."""
+        raise TypeError(f"{type(self).__name__} cannot be loaded")
+
 
 def causal_mask(pos0: int, T: int, device) -> torch.Tensor | None:
     """Boolean [T, pos0+T] mask (True = attend) for queries at pos0.. over keys 0..pos0+T-1."""

@@ -110,6 +110,21 @@ class DenseCache(KVCache):
         self.offset = min(self.offset, n)
         return True
 
+    def state_signature(self) -> dict:
+        return {"kind": "dense", "capacity": self.capacity, "shape": list(self.k.shape), "dtype": str(self.k.dtype)}
+
+    def state_dict(self) -> tuple[dict, list]:
+        n = self.offset
+        return {"offset": n}, [(f"{kv}.{layer}", t[layer, :, :n]) for layer in range(self.n_layers)
+                               for kv, t in (("k", self.k), ("v", self.v))]
+
+    def load_state_dict(self, scalars: dict, get) -> None:
+        n = scalars["offset"]
+        for layer in range(self.n_layers):
+            self.k[layer, :, :n] = get(f"k.{layer}")
+            self.v[layer, :, :n] = get(f"v.{layer}")
+        self.offset = n
+
     def stats(self) -> dict:
         nbytes = self.k.numel() * self.k.element_size() * 2
         return {"tokens": self.offset, "capacity": self.capacity,

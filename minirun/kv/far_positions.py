@@ -10,7 +10,7 @@ position p scores them rotated by R(D - p), so that <R(D - p) q_p, R(-j) k_j> = 
 for every old j. One rotation per query and layer: the codebook LUT, the selection and the GPU
 kernels take the rotated query unchanged.
 
-Grouped (`--far-positions grouped`; SelfExtend, Jin et al. 2024, "LLM Maybe LongLM"): instead of
+Grouped (`far_positions=grouped`; SelfExtend, Jin et al. 2024, "LLM Maybe LongLM"): instead of
 one distance, an old key j keeps its order, G times compressed: it is held at position j // G
 (R(j // G - j) k_j instead of R(-j) k_j) and read by a query at p turned to p // G + W - W // G, so
 the distance is W - W // G + p // G - j // G: W at the ring's edge, at most W + ctx / G past it,

@@ -2,7 +2,7 @@
 
 A decode step with the ring full and the store encoded runs in one kernel call on the CPU
 (kernels_cpu.hca_decode_attend, fastscan.hca_decode_attend_fs, hca_exact_decode_attend): sinks +
-ring exactly, the new token, the selected store tokens, merged by log-sum-exp. HCACache.attend
+ring exactly, the new token, the selected store tokens, merged by log-sum-exp. HCACache._decode_step
 decides when; these methods gather the call's numpy inputs and record what it did. They read the
 cache's state (kv/hca.py documents the tiers) and add none of their own.
 """
@@ -16,7 +16,7 @@ from kernels_cpu import fastscan as fs
 
 
 class OneCallSteps:
-    """HCACache's one-call CPU decode steps (chosen in HCACache.attend)."""
+    """HCACache's one-call CPU decode steps (chosen in HCACache._decode_step)."""
 
     def _attend_decode_step(self, layer, qs, k, v):
         """The common decode step (full ring, encoded store) in one kernel call: sinks + ring
@@ -94,7 +94,7 @@ class OneCallSteps:
 
     def _decode_views(self, layer: int) -> tuple:
         """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
-        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap], and --rescore's host keys
+        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap], and rescore's host keys
         Kh [Hkv, cap, hd] (else None). Made again only when a buffer was reallocated (grown), not
         six times per layer and step."""
         bufs = [self.indices, self.values, self.z, self.sel, self.lev]

@@ -32,20 +32,20 @@ also waits for it. The width w of the copy-back is a guess (grows to the next po
 1.25 max(counts) when a step selects more; a wider second copy then fixes that step): one D2H
 round trip per layer normally.
 
-With MINIRUN_VALUE_SUM=gpu (`value_sum_choice`) the step has no host part: after the selection
-and the exact tier, gather_value_sum (kernels_cuda/gather.cu) reads the selected rows from the
-value pool itself -- the pool is page-locked *and mapped*, so a kernel reads it at its host address
-over the bus -- and lse_merge_staged merges with an empty stage. No copy-back, no host sum, no host
-wait: the host only queues launches and runs ahead of the GPU. Why it may pay: the cpu path's
-round trip (copy-back, event wait, Numba, copy to the device) sits on the critical path once per
-layer, 30 times a token, while a capped selection (--max-select 4096: at most 9 x 4096 rows of
-128 B, 4.7 MB a layer) is a few hundred microseconds of bus reads at worst. Not yet run on a GPU.
+With the GPU value sum (EngineConfig.value_sum "gpu", the default where the device can read host
+memory) the step has no host part: after the selection and the exact tier, gather_value_sum
+(kernels_cuda/gather.cu) reads the selected rows from the value pool itself -- the pool is
+page-locked *and mapped*, so a kernel reads it at its host address over the bus -- and
+lse_merge_staged merges with an empty stage. No copy-back, no host sum, no host wait: the host
+only queues launches, and a whole token is captured in one CUDA graph (kv/hca_graph.py). On an
+H100 this decoded 1.7-2x faster than the host sum at 8K-1M of context (docs/BENCHMARKS.md); the
+host sum stays for rescore (it scores the selected tokens from host keys) and for devices that
+cannot map host memory.
 
 Kernel launches per decode token: see `decode_launches` (the emulator test checks the count).
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -56,67 +56,48 @@ import kernels_cuda as kcu
 import kernels_cuda.decode as kcu_decode
 
 from ..errors import MiniRunError
-from .attention import merge, partial_attention
 from .codebooks import Codebooks
-from .hca import HCACache
+from .hca_base import HCABase
 from .hca_graph import CapturedSteps
 from .pinned import PinnedPool
 from .store import GrowingBuffer
 
 INITIAL_WIDTH = 1024   # selected tokens per head copied back on the first try
-VALUE_SUM_ENV = "MINIRUN_VALUE_SUM"   # where the selected values are summed: cpu (default) or gpu
-VALUE_SUMS = ("cpu", "gpu", "gpu-per-head")
+VALUE_SUMS = ("host", "gpu")
 
 
-def value_sum_choice(device: torch.device) -> str:
-    """MINIRUN_VALUE_SUM: "cpu" (Numba on the host, the copy-back round trip per layer), "gpu"
-    (kernels_cuda.decode's gather reads the mapped host pool, each row once per kv group where the
-    selection is a histogram cut) or "gpu-per-head" (each query head reads its own rows: the A/B of
-    the grouping). The gpu ones fall back to cpu, with a note, where the device cannot read host
-    memory at its address."""
-    want = os.environ.get(VALUE_SUM_ENV, "cpu").strip().lower() or "cpu"
-    if want not in VALUE_SUMS:
-        raise MiniRunError(f"{VALUE_SUM_ENV}={want!r}: expected one of {', '.join(VALUE_SUMS)}")
-    if want != "cpu" and device.type == "cuda" and not kcu_decode.host_pool_readable(device):
-        print(f"note: {VALUE_SUM_ENV}={want}: this device cannot read page-locked host memory at its address; "
-              "summing values on the CPU", file=sys.stderr)
-        return "cpu"
-    return want
+def value_sum_choice(want: str, device: torch.device, rescore: bool) -> str:
+    """EngineConfig.value_sum -> "host" | "gpu": auto is gpu unless rescore (its exact scores come
+    from host keys) or the device cannot read page-locked host memory at its address; gpu asked
+    for where it cannot be: host, with a note."""
+    if want == "host":
+        return "host"
+    why = ("rescore scores the selected tokens from the host's keys" if rescore else
+           "this device cannot read page-locked host memory at its address"
+           if device.type == "cuda" and not kcu_decode.host_pool_readable(device) else None)
+    if why and want == "gpu":
+        print(f"note: value_sum gpu: {why}; summing values on the host", file=sys.stderr)
+    return "host" if why else "gpu"
 
 
-class HCACacheCUDA(CapturedSteps, HCACache):
-    """HCACache with the GPU pipeline above; same tiers, modes and semantics as the CPU class. With
-    the GPU value sum a whole decode token can run inside a CUDA graph (hca_graph.CapturedSteps)."""
-    uses_levels = False   # the GPU selects on float scores (kernels_cuda.threshold_select)
+class HCACacheCUDA(CapturedSteps, HCABase):
+    """The HCA cache with its device tier on a GPU; with the GPU value sum a whole decode token can
+    run inside a CUDA graph (hca_graph.CapturedSteps)."""
 
-    def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None, **kw):
-        super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, **kw)
-        L, Hkv, Hq, hd = self.n_layers, self.Hkv, self.Hq, self.hd
+    def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None,
+                 value_sum: str = "auto", rescore: bool = False, **kw):
         self._gpu = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
-        store_cap = max(0, capacity - sinks - window)
-        self.value_sum = value_sum_choice(device)
-        if self.host_keys is not None and self.value_sum != "cpu":
-            print(f"note: {VALUE_SUM_ENV}={self.value_sum}: --rescore scores the selected tokens from the host's keys "
-                  "on the CPU; summing values on the CPU", file=sys.stderr)
-            self.value_sum = "cpu"
-        self.values = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream,
-                                 mapped=self.value_sum != "cpu")
-        if self.host_keys is not None:   # (rescore) page-locked like the values, written by the same copies
-            self.host_keys = PinnedPool((L, Hkv), hd, self.values.dtype, store_cap, device, self._copy_stream)
+        self.value_sum = value_sum_choice(value_sum, device, rescore and not layout.exact_keys)
+        super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, rescore=rescore, **kw)
+        Hq, hd = self.Hq, self.hd
+        if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
         # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut (0 < tau < 1)
-        self._grouped_gather = (self.value_sum == "gpu" and 0.0 < self.tau < 1.0
-                                and kcu_decode.grouped_layout(self.q_to_kv, Hq, Hkv))
-        if self.indices is not None:   # at capacity: doubling a 11 GiB store held old + new + the allocator's
-            # cache (a 4M prompt peaked at 26.9 GB of GPU memory for 11.2 GiB of indices on an H100)
-            self.indices = GrowingBuffer((L, Hkv), layout.groups, self.indices.dtype, store_cap, device=device,
-                                         at_capacity=True)
-        self.exact_keys = GrowingBuffer((L, Hkv), hd, torch.float32, store_cap, device=device)
-        self.z = GrowingBuffer((Hq,), 1, torch.float32, store_cap, device=device)
-        self.sel = GrowingBuffer((Hq,), 1, torch.int32, store_cap, device=device)
-        self.prefill_values = GrowingBuffer((L, Hkv), hd, dtype, store_cap, device=device)   # exact prefill
-        self.anchor_v = None
+        self._grouped_gather = self._groups_gather(self.value_sum)
+        store_cap = max(0, capacity - sinks - window)
+        self.prefill_values = GrowingBuffer((self.n_layers, self.Hkv), hd, dtype, store_cap, device=device)
+        self.anchor_v = None      # the anchor block's values on the device, during an anchor prefill
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
         if codebooks is not None:   # moved to the device once
             self.codebooks = Codebooks(codebooks.centroids.float().to(device).contiguous(), codebooks.source)
@@ -132,38 +113,61 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         self._cs_host = self._host_empty((hd,), torch.float32)   # far turn [cos | sin] of position _cs_pos
         self._cs_pos = None
         self._cs_event = torch.cuda.Event() if self._gpu else None
-        # the exact tier with one spare row per layer and kv-head: a decode step's own token goes
-        # there (decode_prep), so one attend launch covers sinks + ring + the token
-        SW = self.ek.shape[2]
-        self._ekx = torch.zeros(L, Hkv, SW + 1, hd, dtype=self.ek.dtype, device=device)
+
+    def _make_exact_tier(self, shape, dtype) -> tuple:
+        """Sinks + ring with one spare row per layer and kv-head: a decode step's own token goes
+        there (decode_prep), so one attend launch covers sinks + ring + the token."""
+        L, Hkv, SW, hd = shape
+        self._ekx = torch.zeros(L, Hkv, SW + 1, hd, dtype=dtype, device=self.device)
         self._evx = torch.zeros_like(self._ekx)
-        self.ek, self.ev = self._ekx[:, :, :SW], self._evx[:, :, :SW]
-        self._numpy_exact_tier, self._ek_np, self._ev_np = False, None, None   # (the CPU class's one-call steps)
+        return self._ekx[:, :, :SW], self._evx[:, :, :SW]
+
+    def _make_store(self, store_cap: int, host_keys: bool) -> tuple:
+        """Values (and rescore's keys) in page-locked host pools, allocated once at capacity
+        (kv/pinned.py), mapped for the GPU's value sum; indices at capacity on the device (doubling
+        an 11 GiB store held old + new + the allocator's cache: a 4M prompt peaked at 26.9 GB)."""
+        L, Hkv, hd, dev, vdt = self.n_layers, self.Hkv, self.hd, self.device, self.values_dtype
+        idx_dt = torch.uint8 if self.layout.index_bytes == 1 else torch.int16
+        return (PinnedPool((L, Hkv), hd, vdt, store_cap, dev, self._copy_stream, mapped=self.value_sum == "gpu"),
+                PinnedPool((L, Hkv), hd, vdt, store_cap, dev, self._copy_stream) if host_keys else None,
+                None if self.layout.exact_keys else GrowingBuffer((L, Hkv), self.layout.groups, idx_dt, store_cap,
+                                                                  device=dev, at_capacity=True),
+                GrowingBuffer((L, Hkv), hd, torch.float32, store_cap, device=dev),
+                GrowingBuffer((self.Hq,), 1, torch.float32, store_cap, device=dev),
+                GrowingBuffer((self.Hq,), 1, torch.int32, store_cap, device=dev))
+
+    def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
+        """Exact prefill: the device copy of the store's values; anchor: the anchor block's."""
+        return self.prefill_values.view(layer, n) if self.mode == "exact" else self.anchor_v[layer, :, :n]
+
+    @staticmethod
+    def backend_options(config) -> dict:
+        return {"value_sum": config.value_sum}
+
+    def _groups_gather(self, value_sum: str) -> bool:
+        """Whether the GPU value sum reads each row once per kv group: a histogram cut (0 < tau < 1)
+        and query head h on kv head h // group; else each query head reads its own rows."""
+        return (value_sum == "gpu" and 0.0 < self.tau < 1.0
+                and kcu_decode.grouped_layout(self.q_to_kv, self.Hq, self.Hkv))
 
     def set_value_sum(self, choice: str) -> None:
         """Switch where later decode steps sum the selected values (VALUE_SUMS) on a filled cache, so
-        one prefill serves an A/B of both. The GPU sums need the pool mapped (built with a GPU value
-        sum, or on the emulator) and no host keys."""
+        one prefill serves an A/B of both (scripts/bench_gpu.py). The GPU sum needs the pool mapped
+        (a cache made with it) and no host keys."""
         if choice not in VALUE_SUMS:
             raise MiniRunError(f"value sum {choice!r}: expected one of {', '.join(VALUE_SUMS)}")
-        if choice != "cpu" and (not self.values.mapped or self.host_keys is not None):
-            raise MiniRunError(f"value sum {choice!r}: the value pool is not mapped for the GPU"
-                               + (" (--rescore sums on the CPU)" if self.host_keys is not None else ""))
+        if choice == "gpu" and (not self.values.mapped or self.host_keys is not None):
+            raise MiniRunError("value sum gpu: the value pool is not mapped for the GPU"
+                               + (" (rescore sums on the host)" if self.host_keys is not None else ""))
         self.value_sum = choice
-        self._grouped_gather = (choice == "gpu" and 0.0 < self.tau < 1.0
-                                and kcu_decode.grouped_layout(self.q_to_kv, self.Hq, self.Hkv))
-
-    @staticmethod
-    def exact_tier_dtype(dtype, device):
-        """The compute dtype: the CUDA kernels read bfloat16 (and the emulator runs them as they are)."""
-        return dtype
+        self._grouped_gather = self._groups_gather(choice)
 
     def _host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=self._gpu)
 
     @staticmethod
     def decode_launches(tau: float, far: bool = False, exact_keys: bool = False, capped: bool = False,
-                        dtype=torch.bfloat16, value_sum: str = "cpu") -> dict:
+                        dtype=torch.bfloat16, value_sum: str = "host") -> dict:
         """Launches per layer of one decode step in HCA mode (times L for a token).
 
         kernels_cuda (checked against the emulator's launch log in tests/test_hca_cuda.py):
@@ -179,33 +183,14 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         k = 1 + (2 if exact_keys else 3) + (3 if 0.0 < tau < 1.0 else 2) + 1 + (2 if far else 1) + 1
         half_cast = dtype not in (torch.float32, torch.bfloat16)
         t = (2 if exact_keys else 0) + (1 if capped and tau >= 1.0 else 0) + (1 if half_cast else 0)
-        return {"kernels_cuda": k, "torch": t, "memcpy": 2 if value_sum == "cpu" else 0}
+        return {"kernels_cuda": k, "torch": t, "memcpy": 2 if value_sum == "host" else 0}
 
     # ---- attention ----------------------------------------------------------------------------
-    def attend(self, layer, q, k, v):
-        """q [T, Hq, hd], k, v [T, Hkv, hd] at positions offset.. -> [T, Hq, hd]. Stages k, v."""
-        T = q.shape[0]
-        self._staged[layer] = (k, v)
-        if T == 1 and self.mode == "hca" and self.n_store > 0:   # (a short ring: its dead slots masked)
-            return self._decode_step(layer, q, k, v)
-        qs = q.float() * self._q_scale(T)
-        qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
-        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)   # torch, on the device
-        n = self.n_store
-        if n == 0:
-            return o1.to(q.dtype)
-        if self.mode == "exact":
-            o2, m2, l2 = partial_attention(qf, self.exact_keys.view(layer, n), self.prefill_values.view(layer, n))
-        elif self.mode == "anchor":
-            na = min(self.anchor_k.shape[2], n)
-            o2, m2, l2 = partial_attention(qf, self.anchor_k[layer, :, :na], self.anchor_v[layer, :, :na])
-        else:
-            o2, m2, l2 = self._attend_store_hca(layer, qf)
-        o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
-        return o.to(q.dtype)
-
     def _decode_step(self, layer, q, k, v):
-        """One token: q [1, Hq, hd], k, v [1, Hkv, hd] (model dtype) -> [1, Hq, hd] (model dtype)."""
+        """One token in hca mode with a store (a short ring: its dead slots masked): q [1, Hq, hd],
+        k, v [1, Hkv, hd] (model dtype) -> [1, Hq, hd] (model dtype); None otherwise."""
+        if self.mode != "hca" or self.n_store == 0:
+            return None
         ds = self._decode_kernels()
         S, W = self.S, self.W
         far = self.far is not None
@@ -214,7 +199,7 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W],
                              self._evx[layer, :, S + W], far, 0.0 < self.tau < 1.0)
-            if self.value_sum != "cpu" and self._pool_mapped():
+            if self.value_sum == "gpu" and self._pool_mapped():
                 return self._gathered_step(L, ds, layer, qs, qf, q.dtype)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
             # queued before the host waits: the GPU runs these while the host sums values
@@ -226,9 +211,9 @@ class HCACacheCUDA(CapturedSteps, HCACache):
     def _pool_mapped(self) -> bool:
         """Whether the GPU can read the pool (registered mapped); if not, value_sum becomes cpu."""
         if not self.values.mapped:
-            print(f"note: {VALUE_SUM_ENV}={self.value_sum}: the value pool could not be mapped for the GPU; summing values "
-                  "on the CPU", file=sys.stderr)
-            self.value_sum = "cpu"
+            print("note: value_sum gpu: the value pool could not be mapped for the GPU; summing values on the host",
+                  file=sys.stderr)
+            self.value_sum = "host"
         return self.values.mapped
 
     def _gathered_step(self, L, ds, layer, qs, qf, dtype):
@@ -278,7 +263,7 @@ class HCACacheCUDA(CapturedSteps, HCACache):
         return ds.attend(L, qf, ek, ev, self.q2k_dev, S, None if valid is None else valid[:S], P) if S else P
 
     def _exact_valid_dev(self):
-        """The live sinks + ring slots (HCACache._exact_valid) plus the new token's spare row as a
+        """The live sinks + ring slots (HCABase._exact_valid) plus the new token's spare row as a
         device uint8 [S + W + 1] mask while the ring is short after a truncate (one small
         host->device copy per step, shared by the layers), else None: the launches read every row."""
         valid = self._exact_valid()

@@ -11,7 +11,7 @@ and) encoded into its row of the index store, its values go into the mapped pool
 the new token's k, v (decode_prep's spare row) into the freed slot. graph_advance then does the
 host bookkeeping the eager advance does, without its copies.
 
-Capturable (graph_capturable, fixed per cache): the GPU's value sum (MINIRUN_VALUE_SUM=gpu: no
+Capturable (graph_capturable, fixed per cache): the GPU's value sum (value_sum "gpu": no
 host part in the step), codebook keys, no --max-select with tau >= 1 (torch.topk over n). Length
 scaling's factor moves every token: it is written with the state and applied to the scaled
 queries on the device (two small multiplies a layer). Per token (graph_key): decode mode, a full ring
@@ -33,7 +33,7 @@ class CapturedSteps:
     graph_snapshot / graph_restore around the capture's warm-ups)."""
 
     def graph_capturable(self) -> bool:
-        return self.value_sum != "cpu" and not self.layout.exact_keys and not (self.max_select and self.tau >= 1.0)
+        return self.value_sum == "gpu" and not self.layout.exact_keys and not (self.max_select and self.tau >= 1.0)
 
     def _graph_state(self):
         """The device state [pos, slot, row, leaving pos] int64 and n_live (the row's int32 low word)."""

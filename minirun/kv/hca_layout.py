@@ -85,7 +85,7 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
         "sinks+ring copies": (4 * L * Hkv * n_exact * hd * e, "device"),
         "key store": (L * Hkv * n_store * key_bytes, "device"),
         "value pool": (pool, "host"),
-        # --rescore: the store's keys beside the values, in the same type (an exact-key store has them)
+        # rescore: the store's keys beside the values, in the same type (an exact-key store has them)
         **({"host keys": (pool, "host")} if cfg.rescore and not lay.exact_keys else {}),
         # per-step scratch: approximate scores [Hq, n] f32 and selected indices [Hq, n] int32, and
         # on the CPU the integer score levels [Hq, n] uint16 (kernels_cpu.level_select)

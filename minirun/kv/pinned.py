@@ -109,6 +109,9 @@ class PinnedPool:
     def view(self, layer: int, n: int) -> torch.Tensor:
         return self.data[layer, :, :n]
 
+    def token_rows(self, layer: int, n: int) -> torch.Tensor:
+        return self.view(layer, n)
+
     def cap_or(self, n: int) -> int:
         return self.cap if self.data is not None else n
 

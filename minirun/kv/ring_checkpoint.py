@@ -70,3 +70,32 @@ class RingCheckpoint:
     @property
     def nbytes(self) -> int:
         return 0 if self.ek is None else 2 * self.ek.numel() * self.ek.element_size()
+
+
+class RewindPoints:
+    """An HCA cache's named copies ("prompt", "shared": Engine.prefill names them)."""
+
+    def __init__(self, names=("prompt", "shared")):
+        self.copies = {name: RingCheckpoint() for name in names}
+
+    def take(self, name: str, cache) -> None:
+        self.copies[name].take(cache)
+
+    def restore(self, cache, n: int) -> bool:
+        """Put back a copy whose ring held position n (the caller then drops from n on); False: none."""
+        copy = next((c for c in self.copies.values() if c.can_restore(cache, n)), None)
+        if copy is not None:
+            copy.restore(cache)
+        return copy is not None
+
+    def truncated(self, n: int) -> None:
+        for c in self.copies.values():
+            c.truncated(n)
+
+    def drop(self) -> None:
+        for c in self.copies.values():
+            c.drop()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.copies.values())

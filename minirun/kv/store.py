@@ -49,6 +49,10 @@ class GrowingBuffer:
         """[Hkv, n, width] of `layer` (a view)."""
         return self.data[layer, :, :n]
 
+    def token_rows(self, layer: int, n: int) -> torch.Tensor:
+        """The first n rows of `layer`, token-major [Hkv, n, width] (a view: also written through)."""
+        return self.view(layer, n)
+
     def cap_or(self, n: int) -> int:
         return self.cap if self.data is not None else n
 
@@ -85,3 +89,6 @@ class ColumnBuffer(GrowingBuffer):
     def view(self, layer: int, n: int) -> torch.Tensor:
         """[Hkv, width, n] of `layer` (a view)."""
         return self.data[layer, ..., :n]
+
+    def token_rows(self, layer: int, n: int) -> torch.Tensor:
+        return self.view(layer, n).transpose(-1, -2)

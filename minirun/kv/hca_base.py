@@ -1,0 +1,458 @@
+"""The HCAttention cache's tiers and their bookkeeping, shared by its two backends.
+
+Tiers and invariants (tests/test_hca_cache.py):
+- every position in [0, offset) lives in exactly one tier: sinks [0, S), store [S, S + n_store),
+  ring [S + n_store, offset) with at most W tokens; keys are stored post-RoPE, so each keeps its
+  position (far positions: sinks and store keys unrotated, kv/far_positions.py);
+- the ring slot of position p >= S is S + (p - S) % W; `slot_pos` records which position each holds;
+- `attend` never mutates: it stages the chunk's k, v; `advance` moves tokens between tiers, all
+  layers at once; the store only appends (its keys encoded by the key store, its values in the
+  host pool), `truncate` only drops ring tokens (after putting back a copied ring, where it goes
+  back past the ring: `checkpoint`, kv/ring_checkpoint.py).
+Each query head selects its own set of store tokens (the smallest holding tau of its softmax mass
+over the key store's scores, then at most max_select of them); values are shared within a kv-head
+group. The exact part (sinks + ring + the chunk) and the store's part merge by log-sum-exp.
+
+A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers
+(_make_exact_tier, _make_store), encodes keys (_encode), and attends: the one-token decode step
+(_decode_step, None where it does not apply) and several queries against the store in hca mode
+(_attend_store_hca). Prefill modes: "exact" (the store's keys kept in full precision until
+end_prefill: exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens,
+paper App. B: linear cost), "hca" (the store through the selection).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import torch
+
+from .attention import merge, partial_attention
+from .base import KVCache
+from .codebooks import Codebooks, codebook_filename
+from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
+from .hca_layout import HCALayout, resolve_layout
+from .ring_checkpoint import RewindPoints
+
+
+class HCABase(KVCache):
+    """See the module docstring; HCACache (CPU) and HCACacheCUDA (GPU) are its backends."""
+
+    def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
+                 dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
+                 fit_min_tokens: int = 4096, anchor_tokens: int = 2048, far_positions: bool = False,
+                 far_distance: int | None = None, max_select: int | None = None, length_ctx: int | None = None,
+                 far_group: int = 0, rescore: bool = False):
+        super().__init__(args.num_hidden_layers, capacity)
+        L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
+        self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
+        self.layout, self.tau, self.dtype, self.device = layout, tau, dtype, device
+        self.max_select = max_select   # top tokens per head and step at most (kv/select_cap.py); None: tau alone
+        self.S, self.W = sinks, window
+        self.scale = 1.0 / math.sqrt(hd)
+        self.length_ctx = length_ctx   # length scaling on: the trained context N (see _q_scale); None: off
+        self.far = FarFrame(args, far_distance or window, far_group, window) if far_positions else None
+        self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
+        # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
+        self.ek, self.ev = self._make_exact_tier((L, Hkv, sinks + window, hd), self.exact_tier_dtype(dtype, device))
+        self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
+        self._live_slots = None   # uint8 mask of the live exact-tier slots while the ring is short
+        store_cap = max(0, capacity - sinks - window)
+        self.values_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+        # values (host pool), rescore's host keys (the store's keys as the codebooks encoded them,
+        # so the selected tokens are weighted by exact scores; an exact-key store has them already),
+        # the key store (codebook indices), full-precision keys (permanent with exact_keys, else only
+        # while codebooks are missing or an exact prefill runs: positions [exact_base, n_store)),
+        # and the scores' scratch (z, sel, and the backend's own)
+        self.values, self.host_keys, self.indices, self.exact_keys, self.z, self.sel = self._make_store(
+            store_cap, rescore and not layout.exact_keys)
+        self.scratch = [self.z, self.sel]
+        self.exact_base = 0
+        self.n_store = 0          # tokens in the store (all layers)
+        self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
+        self.codebooks = codebooks
+        self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
+        self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
+        self.anchor_tokens = anchor_tokens
+        self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32, during an anchor prefill only
+        self._staged: list = [None] * L
+        self.rewind_points = RewindPoints()   # copies of sinks + ring: truncate back past the ring
+        self.notes: list[str] = []
+        # when a list: each one-token step appends, per layer, the fraction of the store each
+        # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
+        self.record_selection: list | None = None
+
+    # ---- what a backend provides ------------------------------------------------------------------------
+    @staticmethod
+    def exact_tier_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        return dtype
+
+    @staticmethod
+    def backend_options(config) -> dict:
+        """The EngineConfig fields a backend's cache takes beyond the common ones."""
+        return {}
+
+    def _make_exact_tier(self, shape, dtype) -> tuple:
+        raise NotImplementedError
+
+    def _make_store(self, store_cap: int, host_keys: bool) -> tuple:
+        """-> (values, host keys or None, indices or None, exact keys, z, sel) buffers."""
+        raise NotImplementedError
+
+    def _encode(self, K: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode_step(self, layer, q, k, v):
+        """The one-token step where the backend has one for the cache's state, else None."""
+        return None
+
+    def _attend_store_hca(self, layer, qs):
+        raise NotImplementedError
+
+    def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
+        """The store's first n values [Hkv, n, hd] on the compute device (exact / anchor prefill)."""
+        return self.values.view(layer, n)
+
+    def _take_pending(self, pos: int):
+        """Codes a decode step encoded ahead for the token at pos leaving the ring, or None."""
+        return None
+
+    # ---- the cache ----------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, args, config, device, dtype, capacity, model_dir=None) -> "HCABase":
+        layout = resolve_layout(args, config)
+        codebooks = None
+        geometry = layout.codebook_geometry
+        far = far_positions_on(config.far_positions, args.max_position_embeddings, capacity)
+        dist = config.far_distance or default_far_distance(config.window, args.max_position_embeddings)
+        group = far_group(capacity, config.window, args.max_position_embeddings) if config.far_positions == "grouped" else 0
+        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys (grouped
+        # ones hold them rotated, at j // G: the ordinary calibration's)
+        unrotated = far and not group
+        if not layout.exact_keys and model_dir is not None:
+            path = model_dir / codebook_filename(*geometry[:2], unrotated=unrotated)
+            if path.is_file():
+                codebooks = Codebooks.load(path, (args.num_hidden_layers, args.num_key_value_heads, *geometry))
+                codebooks = codebooks.paired() if layout.pairs else codebooks
+        trained = args.max_position_embeddings
+        length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
+        cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
+                    fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
+                    far_distance=dist, max_select=config.max_select, length_ctx=length_ctx, far_group=group,
+                    rescore=config.rescore, **cls.backend_options(config))
+        if length_ctx:
+            print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens",
+                  file=sys.stderr)
+        if far:
+            how = f"at their distances divided by {group}" if group else f"at distance {dist}"
+            print(f"minirun: far positions: tokens older than the {config.window}-token window are attended "
+                  f"{how}", file=sys.stderr)
+        if not layout.exact_keys and codebooks is None:
+            print(f"minirun: no {codebook_filename(*geometry[:2], unrotated=unrotated)} in the model directory: "
+                  f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate"
+                  f"{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
+        return cache
+
+    def _q_scale(self, T: int) -> float:
+        """The query scale of a step of T queries: 1/sqrt(hd), and with length scaling on times
+        max(1, log n / log N), n = offset + T the tokens the step's last query sees, N the trained
+        context. As n grows past N, more and more old tokens share one softmax (all of them at one
+        distance with far positions) and it flattens; the factor keeps its entropy near what the
+        model saw in training ("log-n" attention scaling, e.g. Chiang & Cholak 2022, SSMax)."""
+        if not self.length_ctx:
+            return self.scale
+        return self.scale * max(1.0, math.log(self.offset + T) / math.log(self.length_ctx))
+
+    def attend(self, layer, q, k, v):
+        """q [T, Hq, hd], k, v [T, Hkv, hd] at positions offset.. -> [T, Hq, hd]. Stages k, v."""
+        T = q.shape[0]
+        self._staged[layer] = (k, v)
+        if T == 1:
+            o = self._decode_step(layer, q, k, v)
+            if o is not None:
+                return o
+        qs = q.float() * self._q_scale(T)
+        qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
+        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)
+        n = self.n_store
+        if n == 0:
+            return o1.to(q.dtype)
+        if self.mode == "exact":
+            o2, m2, l2 = partial_attention(qf, self.exact_keys.view(layer, n), self._prefill_values(layer, n))
+        elif self.mode == "anchor":
+            na = min(self.anchor_k.shape[2], n)   # the anchor block's tokens now in the store
+            o2, m2, l2 = partial_attention(qf, self.anchor_k[layer, :, :na], self._prefill_values(layer, na))
+        else:
+            o2, m2, l2 = self._attend_store_hca(layer, qf)
+        o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
+        return o.to(q.dtype)
+
+    def _attend_exact_tier(self, layer, qs, k, v, qf):
+        """Sinks + ring (all positions < offset) and the chunk itself (causal). Far positions: the
+        sinks (held unrotated) in a partial of their own with the far queries qf."""
+        T = qs.shape[0]
+        valid = self.slot_pos >= 0                                               # [S+W]
+        sinks = valid[:self.S].clone()
+        if self.far:
+            valid[:self.S] = False
+        K = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1)  # [Hkv, S+W+T, hd]
+        V = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ek.dtype)], 1)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = torch.cat([valid[None, :].expand(T, -1), causal], 1).to(qs.device)
+        part = partial_attention(qs, K, V, mask)
+        if self.far and bool(sinks.any()):
+            smask = sinks[None, :].expand(T, -1).to(qs.device)
+            part = merge(part, partial_attention(qf, self.ek[layer, :, :self.S], self.ev[layer, :, :self.S], smask))
+        return part
+
+    def _ring_full(self) -> bool:
+        """The ring holds W tokens (every position from S + n_store up to offset): the next token
+        in pushes the oldest out to the store. Short after a truncate, until it refills."""
+        return self.offset == self.S + self.W + self.n_store
+
+    def _exact_valid(self) -> np.ndarray | None:
+        """The decode steps read every sinks + ring slot. After a truncate the ring holds fewer than
+        W tokens until it refills, and the dropped tokens' slots keep stale K/V: then a uint8 mask of
+        the live slots (made once per step: advance, truncate and reset clear it), else None."""
+        if self._ring_full():
+            return None
+        if self._live_slots is None:
+            self._live_slots = (self.slot_pos >= 0).numpy().astype(np.uint8)
+        return self._live_slots
+
+    # ---- moving tokens between tiers ----------------------------------------------------------------
+    def advance(self, n: int) -> None:
+        """Commit the staged chunk of n tokens: fill sinks, then the ring; evict the ring's overflow,
+        all layers at once (one gather, one encode, one copy per step)."""
+        if n == 1 and self.W > 0 and self.offset >= self.S:         # decode: one token into the ring
+            self._advance_one(self.offset)
+        else:
+            self._advance_chunk(n)
+
+    def _advance_chunk(self, n: int) -> None:
+        """advance(n), the general path: index arithmetic over the chunk's and the ring's positions."""
+        pos0, end, S, W = self.offset, self.offset + n, self.S, self.W
+        self._live_slots = None
+        ev_lo, ev_hi = S + self.n_store, max(S, end - W)          # positions leaving for the store
+        ev_pos = torch.arange(ev_lo, max(ev_lo, ev_hi))
+        keep = torch.arange(pos0, end)                              # chunk positions that stay exact
+        keep = keep[(keep < S) | (keep >= ev_hi)]
+        Kn = torch.stack([kv[0] for kv in self._staged]).transpose(1, 2).to(self.ek.dtype)   # [L, Hkv, T, hd]
+        Vn = torch.stack([kv[1] for kv in self._staged]).transpose(1, 2).to(self.ek.dtype)
+        if ev_pos.numel():
+            from_ring = ev_pos[ev_pos < pos0]
+            ring_slots = self._ring_slot(from_ring)
+            from_chunk = ev_pos[ev_pos >= pos0] - pos0
+            Ke = torch.cat([self.ek[:, :, ring_slots], Kn[:, :, from_chunk]], 2)            # [L, Hkv, m, hd]
+            Ve = torch.cat([self.ev[:, :, ring_slots], Vn[:, :, from_chunk]], 2)
+            self._store_append(Ke, Ve, self._take_pending(int(ev_pos[0]) if ev_pos.numel() == 1 else -1))
+            self.slot_pos[ring_slots] = -1
+        if keep.numel():
+            slots = torch.where(keep < S, keep, self._ring_slot(keep))
+            Kk = Kn[:, :, keep - pos0]
+            if self.far and bool((keep < S).any()):   # sinks are held unrotated (read at distance D)
+                Kk = torch.where((keep < S)[:, None].to(Kk.device), self.far.unrotate(Kk, keep), Kk)
+            self.ek[:, :, slots] = Kk
+            self.ev[:, :, slots] = Vn[:, :, keep - pos0]
+            self.slot_pos[slots] = keep
+        self._staged = [None] * self.n_layers
+        self.offset = end
+        self._fit_when_due()
+
+    def _advance_one(self, pos: int) -> None:
+        """advance(1) of a token at pos >= S (every decode step): with a full ring, the ring's
+        oldest token leaves for the store and the new one takes its slot; with a ring not yet full
+        (a short context, or after a truncate) the new one takes a dead slot. A few slice copies
+        (the general path's index arithmetic costs ~1.5 ms in torch calls on a 2-core CPU)."""
+        slot = self._ring_slot(pos)                               # = the leaving token's slot, if any
+        if self._ring_full():
+            codes = self._take_pending(pos - self.W)
+            self._store_append(self.ek[:, :, slot:slot + 1], self.ev[:, :, slot:slot + 1], codes)   # (copies)
+            self._live_slots = None
+        elif self._live_slots is not None:
+            self._live_slots[slot] = 1                            # the mask stays valid: one more live slot
+        self.ek[:, :, slot] = torch.stack([kv[0][0] for kv in self._staged])         # [L, Hkv, hd]
+        self.ev[:, :, slot] = torch.stack([kv[1][0] for kv in self._staged])
+        self._ring_took(pos, slot)
+
+    def _ring_slot(self, pos):
+        """The ring slot of the token at pos >= S (an int, or an int64 tensor of positions)."""
+        return self.S + (pos - self.S) % self.W
+
+    def _ring_took(self, pos: int, slot: int) -> None:
+        """The host's bookkeeping once the token at pos is in its ring slot: one step done."""
+        self.slot_pos[slot] = pos
+        self._staged = [None] * self.n_layers
+        self.offset = pos + 1
+        self._fit_when_due()
+
+    def _fit_when_due(self) -> None:
+        """Without codebooks, fit them from the prompt's keys once fit_min_tokens have left the ring."""
+        if self.codebooks is None and self.mode != "exact" and not self.layout.exact_keys \
+                and self.n_store >= self.fit_min_tokens:
+            self._fit_and_encode()
+
+    def _keeps_exact_keys(self) -> bool:
+        return self.layout.exact_keys or self.codebooks is None or self.mode == "exact"
+
+    def _store_append(self, K, V, codes=None):
+        """K, V [L, Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact).
+        codes: their indices [L, Hkv, m, g] when already encoded (by the decode step)."""
+        j0, m = self.n_store, K.shape[2]
+        if self.far:   # positions S + j0.. leave the ring: kept unrotated (codes encoded ahead were of rotated keys)
+            K, codes = self.far.unrotate(K, torch.arange(self.S + j0, self.S + j0 + m)), None
+        self.values.reserve(j0 + m)
+        if self.host_keys is not None:
+            self.host_keys.reserve(j0 + m)
+            self.host_keys.write_all(j0, K)
+        for buf in self.scratch:
+            buf.reserve(j0 + m)
+        self.values.write_all(j0, V)
+        if self.anchor_k is not None and j0 < self.anchor_k.shape[2]:
+            cnt = min(m, self.anchor_k.shape[2] - j0)
+            self.anchor_k[:, :, j0:j0 + cnt] = K[:, :, :cnt].float()
+        if self._keeps_exact_keys():
+            self.exact_keys.reserve(j0 + m - self.exact_base)
+            self.exact_keys.write_all(j0 - self.exact_base, K.float())
+        else:
+            self.indices.reserve(j0 + m)
+            self.indices.write_all(j0, self._encode(K) if codes is None else codes)
+            self.n_encoded = j0 + m
+        self.n_store = j0 + m
+
+    def _fit_and_encode(self):
+        """Fit codebooks on the full-precision store keys (if none), encode them all, drop them."""
+        n = self.n_store
+        keys = self.exact_keys.data[:, :, :n - self.exact_base]                   # [L, Hkv, m, hd]
+        if self.codebooks is None:
+            cb = Codebooks.fit(keys, *self.layout.codebook_geometry[:2], iters=20)
+            self.codebooks = cb.paired() if self.layout.pairs else cb
+            self.notes.append(f"codebooks fitted from {n - self.exact_base} prompt keys")
+        self.indices.reserve(n)
+        self.indices.write_all(self.exact_base, self._encode(keys))
+        self.n_encoded = n
+        self.exact_keys.free()
+
+    def begin_prefill(self, mode: str) -> None:
+        """The coming chunks attend to the store exactly ("exact"), to an anchor block ("anchor") or
+        through the HCA path ("hca"). exact and anchor need the store's keys from the start: an empty cache."""
+        self.mode = mode if (mode in ("exact", "anchor") and self.n_store == 0) else "hca"
+        if self.mode == "anchor":
+            L, Hkv, _, hd = self.ek.shape
+            self.anchor_k = torch.zeros(L, Hkv, max(0, self.anchor_tokens - self.S), hd, device=self.ek.device)
+
+    def end_prefill(self) -> None:
+        """Encode the prompt's store keys (fitting codebooks on them when there are none)."""
+        self.mode = "hca"
+        self.anchor_k = None
+        if not self.layout.exact_keys and self.n_store > self.n_encoded:
+            self._fit_and_encode()
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def checkpoint(self, name: str = "prompt") -> None:
+        """Copy sinks + ring under `name` (kv/ring_checkpoint.py): truncate can go back into them."""
+        self.rewind_points.take(name, self)
+
+    def truncate(self, n: int) -> bool:
+        """Possible while the dropped tokens are all in the ring (or the sinks of a short context),
+        or back into the ring of a checkpoint."""
+        if n == self.offset:
+            return True
+        if n > self.offset or (self.n_store and n < self.S + self.n_store
+                               and not self.rewind_points.restore(self, n)):
+            return False
+        self.rewind_points.truncated(n)
+        self.slot_pos[self.slot_pos >= n] = -1
+        self._live_slots = None
+        self.offset = n
+        return True
+
+    def reset(self) -> None:
+        self.offset = self.n_store = self.n_encoded = self.exact_base = 0
+        self._live_slots = None
+        self.slot_pos.fill_(-1)
+        self.exact_keys.free()
+        self.mode = "hca"
+        self.rewind_points.drop()
+
+    def stats(self) -> dict:
+        exact_tier = 2 * self.ek.numel() * self.ek.element_size()
+        keys = self.indices.nbytes if self.indices is not None else 0
+        s = {
+            "tokens": self.offset,
+            "tokens_exact": int((self.slot_pos >= 0).sum()),
+            "tokens_store": self.n_store,
+            "device_keys_bytes": keys + (self.exact_keys.nbytes if self.layout.exact_keys else 0),
+            "device_ring_sinks_bytes": exact_tier,
+            "codebook_bytes": self.codebooks.nbytes if self.codebooks is not None else 0,
+            "host_values_bytes": self.values.nbytes,
+            "host_keys_bytes": self.host_keys.nbytes if self.host_keys is not None else 0,
+            "scratch_bytes": sum(b.nbytes for b in self.scratch),
+            "prefill_keys_bytes": 0 if self.layout.exact_keys else self.exact_keys.nbytes,
+            "ring_copy_bytes": self.rewind_points.nbytes,
+        }
+        s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
+        return s
+
+    # ---- what a prompt-cache file holds ----------------------------------------------------------------
+    def state_signature(self) -> dict:
+        lay, far = self.layout, self.far
+        return {"kind": "hca", "capacity": self.capacity, "layers": self.n_layers, "kv_heads": self.Hkv,
+                "head_dim": self.hd, "sinks": self.S, "window": self.W,
+                "layout": [lay.exact_keys, lay.groups, lay.centroids, lay.pairs],
+                "exact_tier_dtype": str(self.ek.dtype), "values_dtype": str(self.values.dtype),
+                "far": None if far is None else [far.distance, far.group],
+                # (rescore: only where there are host keys, so that the files of a cache without them
+                # keep their signature)
+                **({"host_keys": True} if self.host_keys is not None else {})}
+
+    def state_dict(self) -> tuple[dict, list]:
+        if self.anchor_k is not None or self.mode != "hca":
+            raise ValueError("a cache in the middle of a prefill cannot be saved")
+        for pool in (self.values, self.host_keys):   # (the GPU's pools: eviction copies still in flight)
+            if hasattr(pool, "wait"):
+                pool.wait()
+        n, ne, base = self.n_store, self.n_encoded, self.exact_base
+        scalars = {"offset": self.offset, "n_store": n, "n_encoded": ne, "exact_base": base}
+        tensors = [("ek", self.ek), ("ev", self.ev), ("slot_pos", self.slot_pos)]
+        cb = self.codebooks
+        if cb is not None:   # (fitted from a prompt: only here; calibrated: the same file's, kept with the state)
+            tensors.append(("codebooks", cb.factors if cb.factors is not None else cb.centroids))
+            scalars["codebooks"] = {"source": cb.source, "pair": cb.factors is not None}
+        for layer in range(self.n_layers):
+            if n:
+                tensors.append((f"values.{layer}", self.values.token_rows(layer, n)))
+            if n and self.host_keys is not None:
+                tensors.append((f"host_keys.{layer}", self.host_keys.token_rows(layer, n)))
+            if self.indices is not None and ne:
+                tensors.append((f"indices.{layer}", self.indices.token_rows(layer, ne)))
+            if n > ne:   # full-precision store keys (exact keys, or not encoded yet), from exact_base on
+                tensors.append((f"exact_keys.{layer}", self.exact_keys.token_rows(layer, n - base)))
+        return scalars, tensors
+
+    def load_state_dict(self, scalars: dict, get) -> None:
+        n, ne, base = scalars["n_store"], scalars["n_encoded"], scalars["exact_base"]
+        self.ek.copy_(get("ek"))
+        self.ev.copy_(get("ev"))
+        self.slot_pos.copy_(get("slot_pos"))
+        if "codebooks" in scalars:
+            cb = Codebooks(get("codebooks").float().to(self.device), scalars["codebooks"]["source"])
+            self.codebooks = cb.paired() if scalars["codebooks"]["pair"] else cb
+        for buf in (self.values, self.host_keys, *self.scratch):   # (the scores' scratch grows with the store)
+            if buf is not None and n:
+                buf.reserve(n)
+        if self.indices is not None and ne:
+            self.indices.reserve(ne)
+        if n > ne:
+            self.exact_keys.reserve(n - base)
+        for layer in range(self.n_layers):
+            if n:
+                self.values.token_rows(layer, n).copy_(get(f"values.{layer}"))
+            if n and self.host_keys is not None:
+                self.host_keys.token_rows(layer, n).copy_(get(f"host_keys.{layer}"))
+            if self.indices is not None and ne:
+                self.indices.token_rows(layer, ne).copy_(get(f"indices.{layer}"))
+            if n > ne:
+                self.exact_keys.token_rows(layer, n - base).copy_(get(f"exact_keys.{layer}"))
+        self.offset, self.n_store, self.n_encoded, self.exact_base = scalars["offset"], n, ne, base

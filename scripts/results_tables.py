@@ -1,0 +1,99 @@
+"""The figures in docs/ from the measurements kept in docs/results/: regenerate, or check, the tables.
+
+    python scripts/results_tables.py          # rewrite every table in docs/*.md from docs/results/
+    python scripts/results_tables.py --check  # exit 1 (and name them) where a table differs
+
+A results file is one JSON object: title, command, machine, date (what produced the figures, where,
+when), kind, and the tool's own output: "bench" (rows of `minirun bench -o json` or of
+scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval" (the report of
+`minirun eval -o json`), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" (rows pairing a
+`llama-bench -o json` figure with a `minirun bench` one on the same weights). A document shows a
+file's table between `<!-- results: NAME -->` and `<!-- /results -->` (NAME: the file's name
+without .json), headed by its title and followed by its command, machine and date.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from minirun.bench import BenchResult, to_markdown, to_markdown_compact  # noqa: E402
+from minirun.evaluate import format_markdown  # noqa: E402
+
+RESULTS, DOCS = REPO / "docs" / "results", REPO / "docs"
+BLOCK = re.compile(r"(<!-- results: ([\w.-]+) -->\n)(.*?)(<!-- /results -->)", re.S)
+
+
+def paired_table(d: dict) -> str:
+    lines = [f"{d['test']}, {d['dtype']}, context {d['context']}, {d['rounds']} rounds, {d['threads']} threads: "
+             f"tokens/s median (min-max), and the per-round ratio to {d['base']}", "",
+             "| mode | tok/s | ratio to " + d["base"] + " | selected |", "|---|---:|---:|---:|"]
+    for r in d["rows"]:
+        sel = "-" if r["selected"] is None else f"{100 * r['selected']:.1f}%"
+        lines.append(f"| {r['mode']} | {r['tps_median']:.2f} ({r['tps_min']:.2f}-{r['tps_max']:.2f}) | "
+                     f"{r['ratio_median']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {sel} |")
+    return "\n".join(lines)
+
+
+def vs_llamacpp_table(rows: list[dict]) -> str:
+    lines = ["| weights | test | llama.cpp t/s | minirun t/s | minirun / llama.cpp |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['weights']} | {r['test']} | {r['llama_cpp_tps']:.1f} | {r['minirun_tps']:.1f} | "
+                     f"{r['minirun_tps'] / r['llama_cpp_tps']:.2f}x |")
+    return "\n".join(lines)
+
+
+def render(d: dict) -> str:
+    kind = d["kind"]
+    if kind == "bench":
+        rows = d["rows"]
+        body = to_markdown_compact(rows) if d.get("table") == "compact" else \
+            to_markdown([BenchResult(**{k: v for k, v in r.items() if k in BenchResult.__dataclass_fields__})
+                         for r in rows])
+    elif kind == "eval":
+        body = format_markdown(d["report"], data=d["report"].get("data"))
+    elif kind == "paired":
+        body = paired_table(d["report"])
+    elif kind == "vs-llamacpp":
+        body = vs_llamacpp_table(d["rows"])
+    else:
+        raise SystemExit(f"results_tables: unknown kind {kind!r}")
+    return (f"**{d['title']}**\n\n{body}\n\n"
+            f"`{d['command']}` -- {d['machine']}, {d['date']}\n")
+
+
+def regenerate(doc: str) -> str:
+    """The document with each results block rendered from its file."""
+    def sub(m):
+        path = RESULTS / f"{m.group(2)}.json"
+        if not path.is_file():
+            raise SystemExit(f"results_tables: {path} (named in a document) does not exist")
+        return m.group(1) + render(json.loads(path.read_text())) + m.group(4)
+    return BLOCK.sub(sub, doc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare only; exit 1 where a table differs")
+    a = ap.parse_args(argv)
+    stale = []
+    for md in sorted(DOCS.glob("*.md")) + [REPO / "README.md"]:
+        text = md.read_text()
+        new = regenerate(text)
+        if new != text:
+            stale.append(md.relative_to(REPO))
+            if not a.check:
+                md.write_text(new)
+    if a.check and stale:
+        print("results_tables: out of date: " + ", ".join(map(str, stale)) + " (run scripts/results_tables.py)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
