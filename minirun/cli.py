@@ -93,6 +93,32 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
 
 
 @cli.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to listen on (0.0.0.0: every interface; then set --api-key)")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--api-key", default=None, help="answer /v1 requests only with the header 'Authorization: Bearer KEY'")
+@click.option("--max-queue", type=click.IntRange(min=1), default=16, show_default=True,
+              help="requests waiting behind the one being answered; more are refused (503, Retry-After)")
+@click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="load a KV cache file at start (made by chat or generate --prompt-cache): requests that start "
+                   "with its tokens prefill only the rest")
+@click.option("--model-name", default=None, help="the model id /v1/models reports (default: the directory's name)")
+@engine_options
+def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, **engine_kw):
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+    MODEL: a model directory, or a name in the models directory (smollm2)."""
+    from .serve.server import bind, run
+    sock = bind(host, port)          # (before loading: a port in use fails at once)
+    eng = load_engine(model, **engine_kw)
+    if prompt_cache is not None:
+        n = eng.load_prompt_cache(prompt_cache)
+        click.echo(f"minirun serve: {n} tokens from {prompt_cache}", err=True)
+    run(eng, model_name or eng.path.name, sock, api_key, max_queue)
+
+
+@cli.command()
 @click.argument("name", default="smollm2")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None,
               help="where models go (default: $MINIRUN_MODELS, else ~/.cache/minirun/models: where `minirun "

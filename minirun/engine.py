@@ -171,44 +171,70 @@ class Engine:
         """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache).
 
         A prefix shared with what the cache already holds is reused when the cache can truncate to it.
+        An HCA cache truncates within its ring, or within a ring it copied (kv/ring_checkpoint.py):
+        the one at the end of the last prompt, and the one where a prompt last left the cached
+        tokens (a new question after a shared document), which is where the next one will likely
+        leave them too. When the cache had to start over, the prompt is prefilled up to that point
+        first, so that the copy is made there.
         progress: optional callable(n_done, n_total) called after each chunk. should_stop: optional
         callable checked after each chunk; when it returns True the cache keeps the chunks done so far
         (a prefix of `ids`, reused by the next call) and the logits are those of the last chunk done.
         """
         if len(self._cached_ids) != self.cache.offset:   # an interrupted forward: trust nothing
             self.reset()
-        common = 0
+        shared = 0
         for a, b in zip(self._cached_ids, ids):
             if a != b:
                 break
-            common += 1
-        common = min(common, len(ids) - 1)          # recompute at least one token to get its logits
+            shared += 1
+        left = 0 < shared < min(len(ids), len(self._cached_ids))    # this prompt leaves the cached tokens
+        common = min(shared, len(ids) - 1)          # recompute at least one token to get its logits
         if not self.cache.truncate(common):
             self.cache.reset()
             common = 0
         self._cached_ids = self._cached_ids[:common]
-        todo = torch.tensor(ids[common:], dtype=torch.long, device=self.device)
+        mark = left and not self.cache.truncates_anywhere
+        split = mark and common < shared and 2 * shared >= len(ids)   # (the shorter part in "hca" mode)
+        if mark and common == shared:
+            self.cache.checkpoint("shared")
+        t0 = time.perf_counter()
+        total = len(ids) - common
+        logits, done, mode = self._prefill_span(ids, common, shared if split else len(ids), progress, should_stop,
+                                                total)
+        if split and common + done == shared:
+            self.cache.checkpoint("shared")
+            if should_stop is None or not should_stop():
+                logits, more, _ = self._prefill_span(ids, shared, len(ids), progress, should_stop, total, done)
+                done += more
+        if done == total:   # a point to come back to: the next prompt may share this one, not its answer
+            self.cache.checkpoint("prompt")
+        dt = time.perf_counter() - t0
+        self.last_prefill = {"tokens": done, "seconds": dt, "tps": done / max(dt, 1e-9), "mode": mode}
+        self._cached_ids = list(ids[:common + done])
+        return logits, common
+
+    def _prefill_span(self, ids: list[int], start: int, end: int, progress, should_stop, total: int,
+                      before: int = 0) -> tuple[torch.Tensor, int, str]:
+        """Forward ids[start:end] after the `start` tokens the cache holds, chunk by chunk, between
+        begin_prefill and end_prefill -> (last logits [1, V], tokens done, prefill mode). progress
+        gets (before + tokens done, total)."""
+        todo = torch.tensor(ids[start:end], dtype=torch.long, device=self.device)
         chunk = self.config.chunk_for(self.device.type)
         mode = self.config.prefill_mode
         if mode == "auto":
-            fresh = common == 0
-            mode = "hca" if not fresh else "exact" if len(ids) <= self.config.exact_prefill_max else "anchor"
+            mode = "hca" if start > 0 else "exact" if end <= self.config.exact_prefill_max else "anchor"
         self.cache.begin_prefill(mode)
-        t0 = time.perf_counter()
         logits = None
         done = 0
         for i in range(0, todo.numel(), chunk):
             logits = self.model.forward(todo[i:i + chunk], self.cache)
             done = min(i + chunk, todo.numel())
             if progress:
-                progress(done, todo.numel())
+                progress(before + done, total)
             if should_stop is not None and done < todo.numel() and should_stop():
                 break
         self.cache.end_prefill()
-        dt = time.perf_counter() - t0
-        self.last_prefill = {"tokens": done, "seconds": dt, "tps": done / max(dt, 1e-9), "mode": mode}
-        self._cached_ids = list(ids[:common + done])
-        return logits, common
+        return logits, done, mode
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ when), kind, and the tool's own output: "bench" (rows of `minirun bench -o json`
 scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval" (the report of
 `minirun eval -o json`), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" (rows pairing a
 `llama-bench -o json` figure with a `minirun bench` one on the same weights), "plan" (`minirun
-plan -o json`). A document shows a
+plan -o json`), "serve" ("runs": scripts/bench_serve.py reports, one per server). A document shows a
 file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
 name without .json; VIEW "summary": an eval report without its per-cell table), headed by its
 title and followed by its command, machine and date.
@@ -51,6 +51,33 @@ def vs_llamacpp_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def serve_table(runs: list[dict]) -> str:
+    """scripts/bench_serve.py reports, one per server: the concurrent requests, then the document's
+    first request against its follow-up questions (first token wall and server CPU seconds)."""
+    c0 = runs[0]["concurrent"]
+    lines = [f"{c0['clients']} clients x {c0['requests_each']} streamed requests x {c0['max_tokens']} tokens "
+             "(answered one at a time: the first token includes the wait in the queue)", "",
+             "| kv | wall s | tok/s in all | first token p50 / p95 s | decode tok/s p50 / p95 (slow tail) |",
+             "|---|---:|---:|---:|---:|"]
+    for r in runs:
+        c = r["concurrent"]
+        lines.append(f"| {r['server']['kv']} | {c['wall_s']:.1f} | {c['aggregate_tps']:.1f} | {c['ttft_p50']:.2f} / "
+                     f"{c['ttft_p95']:.2f} | {c['decode_tps_p50']:.1f} / {c['decode_tps_p95']:.1f} |")
+    doc = runs[0]["document"]
+    lines += ["", f"A {doc['doc_tokens']}-token document and a question, then {len(doc['requests']) - 1} more "
+              f"questions about it, each answered in {doc['answer_tokens']} tokens: first token in seconds, "
+              "wall (server CPU)", "",
+              "| kv | prompt tokens | first request | follow-ups | cached tokens | decode tok/s |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        q = r["document"]["requests"]
+        t = lambda x: f"{x['ttft']:.2f} ({x['server']['first_text_cpu_s']:.2f})"   # noqa: E731
+        tps = [x["decode_tps"] for x in q]
+        lines.append(f"| {r['server']['kv']} | {q[0]['prompt_tokens']} | {t(q[0])} | {', '.join(t(x) for x in q[1:])} | "
+                     f"{', '.join(str(x['cached_tokens']) for x in q)} | {min(tps):.1f}-{max(tps):.1f} |")
+    return "\n".join(lines)
+
+
 def render(d: dict, view: str | None = None) -> str:
     """A results file as markdown: its title, its table, its command, machine and date. view
     "summary": an eval report's main table only (no per-cell pass keys)."""
@@ -70,6 +97,8 @@ def render(d: dict, view: str | None = None) -> str:
         body = vs_llamacpp_table(d["rows"])
     elif kind == "plan":
         body = "```\n" + format_plan(d["report"]) + "\n```"
+    elif kind == "serve":
+        body = serve_table(d["runs"])
     else:
         raise SystemExit(f"results_tables: unknown kind {kind!r}")
     return (f"**{d['title']}**\n\n{body}\n\n"

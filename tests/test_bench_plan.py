@@ -54,7 +54,8 @@ def test_smollm2_bytes_per_tier_at_4m():
     # store tokens until it ends; an anchor prefill (longer prompts) holds 2048 - 16 anchor keys
     assert t[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "host")
     assert t[ANCHOR_BLOCK] == (4 * L * Hkv * d * (2048 - 16), "device")
-    assert len(t) == 8
+    assert t["sinks+ring copies"] == (8 * L * Hkv * d * 272, "device")            # the two rewind points
+    assert len(t) == 9
 
     t25 = plan(a, EngineConfig(kv="hca", kv_budget=0.25, dtype="bfloat16", ctx=M4, device="cuda")).tiers
     assert t25["key store"][0] == 2 * L * Hkv * 32 * n_store                    # g = d/2: 25%
@@ -257,8 +258,8 @@ def test_plan_bare_llama3_config(tmp_path, capsys, monkeypatch):
     assert tiers["value pool"]["bytes"] == 64 * KiB * n_store and tiers["value pool"]["where"] == "host"
     assert tiers["value pool"]["bytes_per_token"] == 64 * KiB and tiers["weights"]["bytes_per_token"] is None
     assert tiers[PREFILL_KEYS]["transient"] and not tiers["key store"]["transient"]
-    dev = (2 * 8_030_261_248 + 16 * KiB * n_store + 32 * 8 * 128 * 4 * 273 + 32 * 8 * 32 * 1024 * 16
-           + 32 * n_store * 8 + 128 * KiB * 2032)
+    dev = (2 * 8_030_261_248 + 16 * KiB * n_store + 32 * 8 * 128 * 4 * 273 + 32 * 8 * 128 * 8 * 272   # (its copies)
+           + 32 * 8 * 32 * 1024 * 16 + 32 * n_store * 8 + 128 * KiB * 2032)
     assert r["device_bytes"] == dev and r["host_bytes"] == 64 * KiB * n_store + 128 * KiB * 65264
     # 4M tokens: 15 GiB weights + 64 GiB keys + 0.5 GiB scratch... > 80 GiB of GPU memory
     assert r["available"]["device"] == 80 * GiB and r["fits"] is False and 0 < r["largest_ctx"] < M4

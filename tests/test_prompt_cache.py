@@ -227,7 +227,8 @@ def _chat(d, doc, cache_file, script, *extra):
 
 def test_chat_prefills_once_then_loads(tiny_model_dir, tmp_path):
     """The first chat prefills the document and writes the file; the second loads it and answers
-    the same; /reset after a conversation longer than the ring reloads it; a damaged file is said
+    the same; /reset after a conversation longer than the ring goes back to the document through the
+    cache's copy of the ring, or reloads the file where no copy reaches it; a damaged file is said
     so in one line, prefilled again and rewritten; --prompt-cache without a document is an error."""
     d = tiny_model_dir("gqa-untied")
     doc = tmp_path / "doc.txt"
@@ -239,8 +240,14 @@ def test_chat_prefills_once_then_loads(tiny_model_dir, tmp_path):
     assert "loaded from" in second.stderr and "prefilled in" not in second.stderr
     answers = [ln for ln in second.stdout.split(">>> ") if ln.strip() and not ln.startswith("[")]
     assert first.stdout.split(">>> ")[1] == answers[0] == answers[2]
-    assert second.stderr.count("loaded from") == 2          # the ring overflowed: /reset reloaded the file
+    # the ring overflowed, but the cache went back to the document through its copy of the ring
+    # where the second prompt left the first answer (kv/ring_checkpoint.py): no reload
+    assert second.stderr.count("loaded from") == 1
     assert "[conversation reset (the document kept)]" in second.stdout
+    # a first message longer than the ring leaves no copy that reaches the document: /reset reloads the file
+    longer = _chat(d, doc, f, "more words " * 8 + "\n/reset\nhello\n")
+    assert longer.stderr.count("loaded from") == 2 and "[conversation reset (the document kept)]" in longer.stdout
+    assert [ln for ln in longer.stdout.split(">>> ") if ln.strip() and not ln.startswith("[")][1] == answers[0]
     f.write_bytes(f.read_bytes()[:1000])
     third = _chat(d, doc, f, "hello\n")
     assert "unreadable" in third.stderr and "prefilling again" in third.stderr and "written to" in third.stderr

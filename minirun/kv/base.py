@@ -30,6 +30,13 @@ class KVCache:
             return True
         return False
 
+    truncates_anywhere = False   # truncate(n) works for every n <= offset (then checkpoints are not needed)
+
+    def checkpoint(self, name: str = "prompt") -> None:
+        """A point a later truncate should be able to go back to: what the cache holds now. The
+        engine names two: "prompt" (after each prompt) and "shared" (where a prompt left the
+        cached tokens); each replaces the last one of its name."""
+
     def begin_prefill(self, mode: str) -> None:
         """A prompt of several chunks follows; mode "exact" | "hca" | "anchor" (caches may ignore it)."""
 

@@ -7,7 +7,8 @@ Tiers and invariants (tests/test_hca_cache.py):
 - the ring slot of position p >= S is S + (p - S) % W; `slot_pos` records which position each holds;
 - `attend` never mutates: it stages the chunk's k, v; `advance` moves tokens between tiers, all
   layers at once; the store only appends (its keys encoded by the key store, its values in the
-  host pool), `truncate` only drops ring tokens.
+  host pool), `truncate` only drops ring tokens (after putting back a copied ring, where it goes
+  back past the ring: `checkpoint`, kv/ring_checkpoint.py).
 Each query head selects its own set of store tokens (the smallest holding tau of its softmax mass
 over the key store's scores, then at most max_select of them); values are shared within a kv-head
 group. The exact part (sinks + ring + the chunk) and the store's part merge by log-sum-exp.
@@ -32,6 +33,7 @@ from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
 from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
 from .hca_layout import HCALayout, resolve_layout
+from .ring_checkpoint import RewindPoints
 
 
 class HCABase(KVCache):
@@ -75,6 +77,7 @@ class HCABase(KVCache):
         self.anchor_tokens = anchor_tokens
         self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32, during an anchor prefill only
         self._staged: list = [None] * L
+        self.rewind_points = RewindPoints()   # copies of sinks + ring: truncate back past the ring
         self.notes: list[str] = []
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
@@ -347,12 +350,19 @@ class HCABase(KVCache):
             self._fit_and_encode()
 
     # ---- bookkeeping ----------------------------------------------------------------------------
+    def checkpoint(self, name: str = "prompt") -> None:
+        """Copy sinks + ring under `name` (kv/ring_checkpoint.py): truncate can go back into them."""
+        self.rewind_points.take(name, self)
+
     def truncate(self, n: int) -> bool:
-        """Possible while the dropped tokens are all in the ring (or the sinks of a short context)."""
+        """Possible while the dropped tokens are all in the ring (or the sinks of a short context),
+        or back into the ring of a checkpoint."""
         if n == self.offset:
             return True
-        if n > self.offset or (self.n_store and n < self.S + self.n_store):
+        if n > self.offset or (self.n_store and n < self.S + self.n_store
+                               and not self.rewind_points.restore(self, n)):
             return False
+        self.rewind_points.truncated(n)
         self.slot_pos[self.slot_pos >= n] = -1
         self._live_slots = None
         self.offset = n
@@ -364,6 +374,7 @@ class HCABase(KVCache):
         self.slot_pos.fill_(-1)
         self.exact_keys.free()
         self.mode = "hca"
+        self.rewind_points.drop()
 
     def stats(self) -> dict:
         exact_tier = 2 * self.ek.numel() * self.ek.element_size()
@@ -379,6 +390,7 @@ class HCABase(KVCache):
             "host_keys_bytes": self.host_keys.nbytes if self.host_keys is not None else 0,
             "scratch_bytes": sum(b.nbytes for b in self.scratch),
             "prefill_keys_bytes": 0 if self.layout.exact_keys else self.exact_keys.nbytes,
+            "ring_copy_bytes": self.rewind_points.nbytes,
         }
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
         return s

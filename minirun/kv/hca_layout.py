@@ -81,6 +81,8 @@ def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     pool = L * Hkv * n_store * hd * value_elem_bytes(cfg.dtype)     # host rows of the store, values or keys
     tiers = {
         "sinks+ring K+V": (2 * L * Hkv * (n_exact + (0 if on_cpu(cfg) else 1)) * hd * e, "device"),
+        # two copies of sinks + ring (kv/ring_checkpoint.py: prefix reuse past the ring)
+        "sinks+ring copies": (4 * L * Hkv * n_exact * hd * e, "device"),
         "key store": (L * Hkv * n_store * key_bytes, "device"),
         "value pool": (pool, "host"),
         # rescore: the store's keys beside the values, in the same type (an exact-key store has them)

@@ -1,0 +1,9 @@
+"""`minirun serve`: an OpenAI-compatible HTTP server over one Engine.
+
+app.py (the endpoints), schemas.py (request bodies), worker.py (the engine's thread and queue),
+server.py (uvicorn, signals).
+"""
+from .app import create_app
+from .worker import EngineWorker, Job
+
+__all__ = ["create_app", "EngineWorker", "Job"]

@@ -1,0 +1,262 @@
+"""The OpenAI-compatible HTTP API over one EngineWorker (FastAPI).
+
+Answers carry OpenAI's fields plus `timings` (as llama.cpp's server does): seconds spent
+tokenizing, queued, to the first text (wall and the process's CPU time), in the prefill, and the
+decode tokens/s; streams put it in the chunk with the finish_reason.
+
+GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions. Prompts are
+tokenized here, off the event loop (the tokenizer is thread-safe; the engine is not and stays in
+the worker), so an over-long prompt is refused before it waits in the queue. Bodies are parsed by
+hand from JSON into the pydantic models of schemas.py, so that every failure, invalid JSON
+included, is answered with OpenAI's error object and status 400.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import MiniRunError
+from .schemas import ApiError, ChatRequest, CompletionRequest
+from .worker import EngineWorker, InternalError, Job, QueueFull, ShuttingDown
+
+FINISH = {"stop": "stop", "length": "length", "ctx": "length", "cancelled": "length"}
+
+
+def error_of(e: Exception) -> ApiError:
+    """The HTTP error for an exception the worker reported or a request raised."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, QueueFull):
+        return ApiError(503, str(e), code="queue_full", type_="server_error", headers={"Retry-After": str(e.retry_after)})
+    if isinstance(e, ShuttingDown):
+        return ApiError(503, str(e), code="shutting_down", type_="server_error")
+    if isinstance(e, InternalError):
+        return ApiError(500, f"internal error: {e}", code="internal_error", type_="server_error")
+    if isinstance(e, MiniRunError):
+        return ApiError(400, str(e))
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error", type_="server_error")
+
+
+def describe(e: ValidationError) -> tuple[str, str | None]:
+    """(message, param) of a pydantic error: the first problem, where it is, how many more."""
+    errs = e.errors()
+    first = errs[0]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or None
+    more = f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
+    return f"{param + ': ' if param else ''}{first['msg']}{more}", param
+
+
+async def parse_body(request: Request, model):
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as e:
+        message, param = describe(e)
+        raise ApiError(400, message, param, "invalid_value") from None
+    body.check()
+    return body
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage_of(res) -> dict:
+    n = len(res.tokens)
+    return {"prompt_tokens": res.prompt_tokens, "completion_tokens": n, "total_tokens": res.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": res.reused_tokens}}
+
+
+class Answer:
+    """The response objects of one request: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False):
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, timings=None) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self._head(True), "choices": [choice], **({"usage": None} if self.include_usage else {}),
+                **({"timings": timings} if timings else {})}
+
+    def usage_chunk(self, res) -> dict:
+        return {**self._head(True), "choices": [], "usage": usage_of(res)}
+
+    def full(self, res, timings: dict) -> dict:
+        finish = FINISH[res.finish_reason]
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": finish}
+        return {**self._head(False), "choices": [choice], "usage": usage_of(res), "timings": timings}
+
+
+async def stream(job: Job, ans: Answer):
+    """Server-sent events of one answer; `[DONE]` last. Leaving early (the client closed the
+    connection: Starlette cancels this generator) cancels the job: the engine stops within a token."""
+    try:
+        if ans.chat:
+            yield sse(ans.chunk(None, role=True))
+        while True:
+            kind, value = await job.next_event()
+            if kind == "text":
+                yield sse(ans.chunk(value))
+            elif kind == "done":
+                yield sse(ans.chunk(None, FINISH[value.finish_reason], timings=job.timings))
+                if ans.include_usage:
+                    yield sse(ans.usage_chunk(value))
+                break
+            else:
+                yield sse(error_of(value).body())
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel.set()
+
+
+async def collect(job: Job, request: Request):
+    """The final result of a job (non-streamed answers); a client that leaves cancels it."""
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(job.next_event(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                return None
+            continue
+        if kind == "done":
+            return value
+        if kind == "error":
+            raise error_of(value)
+
+
+class ApiKeyCheck:
+    """ASGI middleware: /v1 requests need 'Authorization: Bearer KEY' (before the body is read)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The API over `worker` (started by the caller); model_name: the id /v1/models reports."""
+    eng = worker.engine
+    ctx = eng.config.ctx
+    started = int(time.time())
+    app = FastAPI(title="minirun", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyCheck, key=api_key)
+    eng.tokenizer.apply_chat_template([{"role": "user", "content": "."}])   # compile the template once, here
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        err = error_of(e)
+        return JSONResponse(err.body(), err.status)
+
+    def check_prompt(ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param)
+        if len(ids) > ctx:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than the context of {ctx} tokens (--ctx)",
+                           param, "context_length_exceeded")
+
+    async def answer(request: Request, body, ids: list[int], chat: bool, tokenize_s: float):
+        max_new = body.max_new_tokens or max(1, ctx - len(ids))
+        job = Job(ids, max_new, body.sampling(), asyncio.get_running_loop())
+        job.timings["tokenize_s"] = tokenize_s
+        try:
+            worker.submit(job)
+        except (QueueFull, ShuttingDown) as e:
+            raise error_of(e) from None
+        ans = Answer(chat, model_name, body.include_usage)
+        if body.stream:
+            return StreamingResponse(stream(job, ans), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        res = await collect(job, request)
+        if res is None:   # the client left: nobody reads this
+            return JSONResponse(ApiError(499, "client closed the request").body(), 499)
+        return JSONResponse(ans.full(res, job.timings))
+
+    @app.get("/health")
+    async def health():
+        stopping = worker.stopping.is_set()
+        return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name, "ctx": ctx,
+                             "kv": eng.config.kv, "busy": worker.busy, "queued": worker.queued},
+                            503 if stopping else 200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "minirun", "context_length": ctx}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatRequest)
+        t0 = time.perf_counter()
+        try:
+            ids = await run_in_threadpool(eng.chat_prompt, body.chat_messages())
+        except MiniRunError as e:   # the template refused the conversation (its raise_exception)
+            raise ApiError(400, str(e), "messages") from None
+        check_prompt(ids, "messages")
+        return await answer(request, body, ids, True, time.perf_counter() - t0)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        prompt = body.prompt_input()
+        t0 = time.perf_counter()
+        if isinstance(prompt, str):
+            ids = await run_in_threadpool(eng.tokenize, prompt) if prompt else []
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < eng.args.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{eng.args.vocab_size - 1})",
+                               "prompt")
+        check_prompt(ids, "prompt")
+        return await answer(request, body, ids, False, time.perf_counter() - t0)
+
+    return app

@@ -1,0 +1,153 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic), and the checks pydantic cannot express.
+
+Unknown fields are kept (extra="allow") so that `unsupported()` can name them in a 400 instead of
+ignoring them: a client asking for tools or log-probabilities must learn that it did not get them.
+A few OpenAI fields are accepted at their neutral value only (n = 1, logprobs false, penalties 0).
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class Request(BaseModel):
+    """The fields /v1/chat/completions and /v1/completions share."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None                  # one model is served: any name is answered by it
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    user: str | None = None                   # a label for the caller's own records: accepted, unused
+    # the CLI's sampling extensions
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+    # OpenAI fields accepted at their neutral value only
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+
+    NEUTRAL: ClassVar[dict] = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                               "logit_bias": (None, {})}
+
+    def unsupported(self) -> list[str]:
+        """Fields this server does not honour: unknown ones and known ones at a non-neutral value."""
+        bad = list(self.model_extra or {})
+        bad += [f for f, ok in self.NEUTRAL.items() if getattr(self, f) not in ok]
+        return bad
+
+    def check(self) -> None:
+        """ApiError 400 for n != 1 and unsupported fields (naming them)."""
+        if self.n not in (None, 1):
+            raise ApiError(400, f"n = {self.n}: this server answers with one choice per request (n = 1)", "n",
+                           "unsupported_value")
+        bad = self.unsupported()
+        if bad:
+            raise ApiError(400, f"unsupported field{'s' if len(bad) > 1 else ''}: {', '.join(bad)}", bad[0],
+                           "unsupported_parameter")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise ApiError(400, f"stop: at most 4 sequences, got {len(self.stop)}", "stop")
+
+    def sampling(self) -> dict:
+        """Keyword arguments of Engine.stream for the sampler and the stop strings."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[dict], None] = None     # a string, or content parts: text ones only
+    name: str | None = None
+
+    def check(self, where: str) -> None:
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content[{j}]: only text parts are supported (got type "
+                               f"{part.get('type')!r})", f"{where}.content[{j}]", "unsupported_value")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p["text"] for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    NEUTRAL: ClassVar[dict] = {**Request.NEUTRAL, "logprobs": (None, False)}
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        for i, m in enumerate(self.messages):
+            bad += [f"messages[{i}].{f}" for f in (m.model_extra or {})]
+        return bad
+
+    def check(self) -> None:
+        super().check()
+        for i, m in enumerate(self.messages):
+            m.check(f"messages[{i}]")
+
+    def chat_messages(self) -> list[dict]:
+        """The messages as the chat template takes them (developer is the newer name of system)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(Request):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)   # (OpenAI's default for completions)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    NEUTRAL: ClassVar[dict] = {**Request.NEUTRAL, "echo": (False,), "suffix": (None,), "best_of": (None, 1),
+                               "logprobs": (None,)}
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: text or token ids (a list of several prompts is a batch: refused)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError(400, f"prompt: one prompt per request, got {len(p)}", "prompt", "unsupported_value")
+            p = p[0]
+        return p
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
