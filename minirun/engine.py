@@ -21,6 +21,9 @@ from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
 
+HCA_STEPS_MAX = 64     # prompt tokens after cached ones that an HCA cache takes as decode steps
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]               # new ids (stop token excluded)
@@ -223,6 +226,9 @@ class Engine:
         mode = self.config.prefill_mode
         if mode == "auto":
             mode = "hca" if start > 0 else "exact" if end <= self.config.exact_prefill_max else "anchor"
+        if mode == "hca" and self.config.kv == "hca" and todo.numel() <= HCA_STEPS_MAX:
+            chunk = 1   # a question after a document: the fused decode step per token (one store scan
+            #             each either way; several queries at once go through a slower per-query path)
         self.cache.begin_prefill(mode)
         logits = None
         done = 0
