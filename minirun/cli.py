@@ -94,7 +94,9 @@ def pull(name, models_dir):
 @cli.command()
 @click.argument("gguf_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="dequantize every weight to this float type (default: keep Q8_0, Q4_0, Q4_1, Q4_K and Q6_K "
+                   "blocks as they are, other tensors float32)")
 @click.option("--overwrite", is_flag=True)
 def convert(gguf_file, out_dir, dtype, overwrite):
     """Convert a Llama-architecture GGUF file into a Hugging Face-format directory."""

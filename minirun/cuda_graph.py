@@ -31,9 +31,8 @@ import sys
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 
-from .ops import attention_input, attention_output_and_mlp, output_logits, rope_cos_sin_at, rope_table
+from .ops import attention_input, attention_output_and_mlp, embed, output_logits, rope_cos_sin_at, rope_table
 
 BUCKET = 4096   # positions per graph: at most this many masked keys read per step
 KEEP = 2        # graphs kept: the current bucket's and the one before (a rewind across a boundary)
@@ -203,7 +202,7 @@ class PiecewiseDecode(_GraphSteps):
         if i == 0:
             cos, sin = rope_cos_sin_at(m.inv_freq64, self.io[1:], m.dtype)
             self._rope = (cos, sin, rope_table(cos, sin) if m.cuda_decode else None)
-            self.x.copy_(F.embedding(self.io[:1], m.w["embed"]))
+            self.x.copy_(embed(self.io[:1], m.w["embed"]))
         else:
             self.x.copy_(attention_output_and_mlp(self.x, self.o, layers[i - 1], a))
         if i == len(layers):

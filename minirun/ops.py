@@ -12,6 +12,7 @@ import kernels_cpu
 from . import hugepages
 from .config import ModelArgs
 from .errors import CheckpointError
+from .quant import RowStack
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,13 +72,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in]^T (+ b). One-row bfloat16 on the CPU goes through torch.mv, whose
-    kernel is ~2x faster there than addmm's (measured: 68 vs 130 us for a 3072x576 GEMV)."""
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ w[out, in]^T (+ b); w a float tensor or quantized (minirun.quant: its own linear).
+    One-row bfloat16 on the CPU goes through torch.mv, whose kernel is ~2x faster there than
+    addmm's (measured: 68 vs 130 us for a 3072x576 GEMV)."""
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, b)
     if x.shape[0] == 1 and w.dtype == torch.bfloat16 and x.device.type == "cpu":
         y = torch.mv(w, x[0])[None]
         return y if b is None else y + b
     return F.linear(x, w, b)
+
+
+def embed(tokens: torch.Tensor, w) -> torch.Tensor:
+    """tokens [T] int64 -> their rows of the embedding w [V, D] (float, or quantized: dequantized rows)."""
+    return F.embedding(tokens, w) if isinstance(w, torch.Tensor) else w.embedding(tokens)
 
 
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -93,7 +102,9 @@ _FUSED_WEIGHTS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """CPU tensor -> zero-copy numpy array (bfloat16 as uint16 bits)."""
+    """CPU tensor -> zero-copy numpy array (bfloat16 as uint16 bits); a quantized matrix -> its tiles."""
+    if not isinstance(t, torch.Tensor):
+        return t.kernel_view()
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -106,21 +117,29 @@ def from_numpy_bits(a: np.ndarray) -> torch.Tensor:
 def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor, device: torch.device,
                          dtype: torch.dtype) -> bool:
     """Attach numpy views ("np") of the weights where the fused one-token kernels apply: CPU,
-    float32 or bfloat16, no biases. Returns whether they do. Those weights (each step streams all
-    of them) are moved to huge pages first (minirun.hugepages)."""
+    float32 or bfloat16, no biases, and each matrix a float tensor or one quantized matrix (not a
+    minirun.quant.RowStack of formats: that layer's steps go through linear). Returns whether
+    they do. Those weights (each step streams all of them) are moved to huge pages first
+    (minirun.hugepages)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or args.attention_bias:
         return False
     inv = inv_freq.double().numpy()
     for lw in weights["layers"]:
         for k in _FUSED_WEIGHTS:
-            lw[k] = hugepages.clone(lw[k])
-        lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
+            lw[k] = _on_hugepages(lw[k])
+        if not any(isinstance(lw[k], RowStack) for k in _FUSED_WEIGHTS):
+            lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
     tied = weights["lm_head"] is weights["embed"]
-    weights["lm_head"] = hugepages.clone(weights["lm_head"])
+    weights["lm_head"] = _on_hugepages(weights["lm_head"])
     if tied:
         weights["embed"] = weights["lm_head"]
-    weights["np"] = {"norm": as_numpy(weights["norm"]), "lm_head": as_numpy(weights["lm_head"])}
+    if not isinstance(weights["lm_head"], RowStack):
+        weights["np"] = {"norm": as_numpy(weights["norm"]), "lm_head": as_numpy(weights["lm_head"])}
     return True
+
+
+def _on_hugepages(w):
+    return hugepages.clone(w) if isinstance(w, torch.Tensor) else w.on_hugepages()
 
 
 # ---- the same for one GPU token: kernels_cuda.layer (rms_norm, rope, add + rms_norm, silu * up) ------
