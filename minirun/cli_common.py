@@ -27,6 +27,9 @@ def engine_options(f):
         click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size in tokens (K/M suffixes: 4M = 4194304)"),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto"),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True),
+        click.option("--weights", type=click.Choice(["stored", "float", "q8_0", "q4_0"]), default="stored", show_default=True,
+                     help="weight matrices: as the checkpoint stores them (GGUF blocks stay blocks), dequantized "
+                          "to --dtype, or a float checkpoint quantized at load (embedding and LM head Q8_0)"),
         click.option("--kv", type=click.Choice(["dense", "hca"]), default="dense", show_default=True, help="KV cache policy"),
         click.option("--kv-budget", default="0.25", show_default=True,
                      help="HCA key store: a device-memory preset relative to dense (0.5, 0.25, 0.125) or "
@@ -77,12 +80,12 @@ def sampling_options(temperature: float, max_tokens: int):
 
 
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, far_positions="auto",
-                max_select=None, length_scale="off", rescore=False, cuda_graphs=False, **extra):
+                max_select=None, length_scale="off", rescore=False, cuda_graphs=False, weights="stored", **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
                       threads=threads, far_positions=far_positions, max_select=max_select, length_scale=length_scale,
-                      rescore=rescore, cuda_graphs=cuda_graphs, **hca_setting(kv_budget),
+                      rescore=rescore, cuda_graphs=cuda_graphs, weights=weights, **hca_setting(kv_budget),
                       **extra)
     far = getattr(eng.cache, "far", False)
     note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far, hca=kv == "hca")
@@ -105,7 +108,7 @@ def trained_context_note(trained: int | None, ctx: int, far: bool = False, hca: 
 
 def split_kwargs(kw: dict):
     """Separate engine options from sampling options."""
-    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "far_positions",
+    engine_keys = ("ctx", "device", "dtype", "weights", "kv", "kv_budget", "tau", "window", "sinks", "far_positions",
                    "max_select", "length_scale", "rescore", "threads", "cuda_graphs")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),

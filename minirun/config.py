@@ -37,6 +37,7 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     model_type: str = "llama"
+    quantization_config: dict | None = None      # GGUF block formats of the stored weights (minirun/quant)
 
     def __post_init__(self):
         # frozen dataclass: derived defaults go through object.__setattr__
