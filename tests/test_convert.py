@@ -434,11 +434,12 @@ def test_smollm2_tokenizer_config_and_template(smollm2_dir):
                     "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_smollm2_generates_with_transformers(smollm2_dir):
+def test_smollm2_generates_with_transformers(smollm2_gguf, tmp_path):
     """End to end: transformers' own Llama on our converted weights answers sensibly (Q/K unpermuted)."""
     import torch
     from transformers import LlamaForCausalLM
 
+    smollm2_dir = convert_gguf(smollm2_gguf, tmp_path / "f32", dtype="float32", progress=False)
     model = LlamaForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     ids = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n").ids

@@ -165,3 +165,28 @@ def test_cli_weights(tiny_model_dir, tmp_path, capsys):
     main(["plan", str(q), "--kv", "dense", "--ctx", "1K", "--device", "cpu", "-o", "json"])
     report = json.loads(capsys.readouterr().out)
     assert report["weights"] == "Q8_0" and report["tiers"][0]["bytes"] == weight_bytes(ModelArgs.from_path(q), "bfloat16")
+
+
+# ---- the real SmolLM2 -----------------------------------------------------------------------------
+
+def test_smollm2_as_shipped_vs_dequantized(smollm2_quant_dir):
+    """The shipped Q4_1 / Q8_0 blocks against the same weights dequantized to float32: 1e-3."""
+    eng = Engine.load(smollm2_quant_dir, device="cpu", ctx=512)
+    ref = Engine.load(smollm2_quant_dir, device="cpu", ctx=512, weights="float")
+    assert eng.model.w["layers"][0]["wqkv"].fmt.name == "Q4_1" and eng.model.w["embed"].fmt.name == "Q8_0"
+    ids = eng.tokenize("The history of the city begins with a small settlement on the river. " * 4)
+    for got, want in zip(logits_and_steps(eng, ids, 8), logits_and_steps(ref, ids, 8)):
+        assert rel_err(got, want) <= 1e-3
+
+
+def test_smollm2_q8_0_perplexity_within_half_a_percent(smollm2_float_dir):
+    """--weights q8_0 costs < 0.5% perplexity on the pydoc evaluation text (1024 tokens)."""
+    from minirun.calibrate import read_text
+    from minirun.evaluate import perplexity
+    text, _ = read_text(None, "evaluation")
+    f32 = Engine.load(smollm2_float_dir, device="cpu", ctx=1024)
+    ids = f32.tokenize(text)[:1024]
+    base = perplexity(f32, ids)
+    del f32
+    q8 = perplexity(Engine.load(smollm2_float_dir, device="cpu", ctx=1024, weights="q8_0"), ids)
+    assert abs(q8 / base - 1) < 0.005, (q8, base)
