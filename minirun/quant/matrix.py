@@ -37,9 +37,10 @@ class QuantMatrix:
     dtype: what `linear` and `embedding` return (the model's activation dtype).
     """
 
-    def __init__(self, fmt: BlockFormat, tiles, cols: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, fmt: BlockFormat, tiles, cols: int, dtype: torch.dtype, device: torch.device,
+                 rows: int | None = None):
         self.fmt, self.tiles, self.cols, self.dtype, self.device = fmt, tiles, cols, dtype, device
-        self.shape = (tiles.rows, cols)
+        self.shape = (tiles.rows if rows is None else rows, cols)
         self.cuda = None                              # kernels_cuda.quant's view, on a GPU
 
     @classmethod
@@ -57,16 +58,21 @@ class QuantMatrix:
         f = block_format(fmt)
         return cls.from_planes(f, to_planes(f, blocks, cols), cols, dtype, device)
 
-    def to(self, device: torch.device) -> "QuantMatrix":
-        if device.type == "cuda":
+    def to(self, device: torch.device, gpu_kernels: bool | None = None) -> "QuantMatrix":
+        """On a CUDA device (or with gpu_kernels, on any device: the tests' emulator) the tiles move to
+        the device for kernels_cuda.quant and the host copy is dropped."""
+        if gpu_kernels or (gpu_kernels is None and device.type == "cuda"):
             from kernels_cuda import quant as kcq
             self.cuda = kcq.upload(self.tiles, device)
+            self.tiles = None
         self.device = device
         return self
 
     @property
     def nbytes(self) -> int:
         """Bytes the matrix holds (its tiles' parts, padding rows included)."""
+        if self.cuda is not None:
+            return sum(p.numel() * p.element_size() for p in self.cuda.parts)
         return sum(getattr(self.tiles, f).nbytes for f in type(self.tiles)._fields if f != "rows")
 
     def kernel_view(self):
@@ -117,7 +123,10 @@ class QuantMatrix:
         return torch.from_numpy(kq.dequantize_ids(self.tiles, ids.cpu().numpy())).to(self.dtype)
 
     def dequantize(self) -> torch.Tensor:
-        """The whole matrix as float32 [rows, cols] on the CPU."""
+        """The whole matrix as float32 [rows, cols] (on its device)."""
+        if self.cuda is not None:
+            from kernels_cuda import quant as kcq
+            return kcq.rows(self.cuda, torch.arange(self.shape[0], device=self.cuda.parts[0].device))
         return torch.from_numpy(kq.dequantize_rows(self.tiles, 0, self.shape[0]))
 
     def __repr__(self) -> str:
@@ -159,8 +168,16 @@ def cat_rows(mats: list):
     first = mats[0]
     if len({m.fmt.name for m in mats}) > 1:
         return RowStack(mats)
+    if first.cuda is not None:                      # on a GPU: the tiles concatenate when none is padded
+        from kernels_cuda import quant as kcq
+        cat = kcq.cat_rows([m.cuda for m in mats])
+        if cat is None:
+            return RowStack(mats)
+        m = QuantMatrix(first.fmt, None, first.cols, first.dtype, first.device, rows=cat.rows)
+        m.cuda = cat
+        return m
     tiles = kq.cat_rows([m.tiles for m in mats])
-    return QuantMatrix(first.fmt, tiles, first.cols, first.dtype, torch.device("cpu")).to(first.device)
+    return QuantMatrix(first.fmt, tiles, first.cols, first.dtype, first.device)
 
 
 def is_quantized(w) -> bool:
