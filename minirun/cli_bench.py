@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .cli_common import CTX
-from .config import KV_BUDGET_PRESETS, hca_setting
+from .config import KV_BUDGET_PRESETS, WEIGHTS, hca_setting
 from .errors import MiniRunError
 
 
@@ -108,7 +108,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
                    "(one engine each)")
 @click.option("-r", "--reps", type=int, default=3, show_default=True, help="timed repetitions (after one warm-up)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--weights", type=click.Choice(["stored", "float", "q8_0", "q4_0"]), default="stored", show_default=True,
+@click.option("--weights", type=click.Choice(WEIGHTS), default="stored", show_default=True,
               help="weight matrices as stored (GGUF blocks stay blocks), dequantized, or quantized at load")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
 @click.option("--ctx", type=AutoCtxType(), default="auto", show_default=True,
@@ -171,7 +171,7 @@ available {host, device}, fits (null when no GPU figure is known), host_fits, la
 @click.option("--kv-budget", default="0.125", show_default=True,
               help="HCA key store: a budget (0.5, 0.25, 0.125) or gGcC codebooks such as g64c16")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16", show_default=True)
-@click.option("--weights", type=click.Choice(["stored", "float", "q8_0", "q4_0"]), default="stored", show_default=True,
+@click.option("--weights", type=click.Choice(WEIGHTS), default="stored", show_default=True,
               help="weight matrices as stored (GGUF blocks stay blocks), dequantized, or quantized at load")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
               help="where the device tiers go (cpu: everything is host memory)")

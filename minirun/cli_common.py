@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from .config import parse_ctx
+from .config import WEIGHTS, parse_ctx
 from .errors import MiniRunError
 
 
@@ -27,7 +27,7 @@ def engine_options(f):
         click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size in tokens (K/M suffixes: 4M = 4194304)"),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto"),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True),
-        click.option("--weights", type=click.Choice(["stored", "float", "q8_0", "q4_0"]), default="stored", show_default=True,
+        click.option("--weights", type=click.Choice(WEIGHTS), default="stored", show_default=True,
                      help="weight matrices: as the checkpoint stores them (GGUF blocks stay blocks), dequantized "
                           "to --dtype, or a float checkpoint quantized at load (embedding and LM head Q8_0)"),
         click.option("--kv", type=click.Choice(["dense", "hca"]), default="dense", show_default=True, help="KV cache policy"),

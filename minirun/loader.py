@@ -103,7 +103,7 @@ def load_weights(model_dir: str | Path, args: ModelArgs, dtype: torch.dtype, dev
              "layers": [ {attn_norm, wqkv [(Hq+2Hkv)*hd, D], wo, ffn_norm, w_gate_up [2F, D], w_down} ]}.
     Q, K and V (and gate and up) are fused so one GEMM serves each. The matrices are
     minirun.quant.QuantMatrix where the checkpoint stores GGUF blocks or `weights` quantizes
-    ("q8_0", "q4_0"; "float": blocks dequantized to `dtype`; "stored": as the checkpoint holds them).
+    ("q8_0", "q4_0", "q4_1"; "float": blocks dequantized to `dtype`; "stored": as the checkpoint holds them).
     """
     model_dir = Path(model_dir)
     reader = TensorReader(model_dir)

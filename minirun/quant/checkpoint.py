@@ -10,7 +10,7 @@ codes `qs`, scales `d`, ...), each a row-major safetensors tensor [rows, k]; eve
 a float tensor as usual. `format` is the format of most of the weights, for display.
 
 `matrix_reader` is what loader.load_weights asks for a weight matrix: the stored blocks, or the
-float tensor quantized at load (`--weights q8_0|q4_0`), or the blocks dequantized (`--weights float`).
+float tensor quantized at load (`--weights q8_0|q4_0|q4_1`), or the blocks dequantized (`--weights float`).
 """
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from collections import Counter
 import numpy as np
 import torch
 
+from ..config import WEIGHTS
 from ..errors import CheckpointError
 from .formats import FORMATS, block_format, dequantize_blocks, from_planes, quantize, to_planes
 from .matrix import QuantMatrix
 
 QUANT_METHOD = "gguf"
-WEIGHTS = ("stored", "float", "q8_0", "q4_0")
 # --weights FORMAT quantizes the layers' matrices to FORMAT and the embedding / LM head to Q8_0 (the
 # token embedding's rows are read one by one and the LM head decides every token: llama-quantize,
 # too, keeps them at a higher precision than the layers)

@@ -45,7 +45,7 @@ def weight_bytes(args, n_params: int, float_bytes: int, weights: str = "stored")
 def weights_label(args, weights: str, dtype: str) -> str:
     """How the weights are held, for tables: the dtype for float weights, else the block format of
     most of them ("Q4_1")."""
-    if weights in ("q8_0", "q4_0"):
+    if weights not in ("stored", "float"):
         return weights.upper()
     if weights == "float" or not args.quantization_config:
         return dtype
