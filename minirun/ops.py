@@ -89,15 +89,20 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
 
 @functools.cache
 def cpu_bf16_gemm() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), so torch's bfloat16 GEMM
-    is fast. Without it oneDNN converts element by element: a bfloat16 prefill ran at 0.22x
-    llama.cpp's on an AVX2 EPYC, so there a chunk's GEMMs widen to float32 (weights included:
-    ~3% of a 512-token GEMM's time) and round back."""
+    """Whether torch's bfloat16 GEMM is native here: the CPU has AVX-512 BF16 or AMX and neither
+    ATen nor oneDNN is limited below them (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA). Without it
+    oneDNN converts element by element: a bfloat16 prefill ran at 0.22x llama.cpp's on an AVX2
+    EPYC, so there a chunk's GEMMs widen to float32 (weights included: a few % of a 512-token
+    GEMM's time) and round back."""
+    import os
     try:
         caps = torch.cpu.get_capabilities()
+        aten = torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
         return False
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    onednn = isa == "ALL" or "BF16" in isa or "AMX" in isa
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) and aten.startswith("AVX512") and onednn
 
 
 def embed(tokens: torch.Tensor, w) -> torch.Tensor:

@@ -199,3 +199,14 @@ def test_smollm2_q8_0_perplexity_within_half_a_percent(smollm2_float_dir):
     del f32
     q8 = perplexity(Engine.load(smollm2_float_dir, device="cpu", ctx=1024, weights="q8_0"), ids)
     assert abs(q8 / base - 1) < 0.005, (q8, base)
+
+
+def test_bf16_gemm_not_native_when_onednn_is_limited_to_avx2():
+    """ONEDNN_MAX_CPU_ISA=AVX2 (and ATen limited alike) stands for an AVX2-only CPU: widen."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    code = "from minirun.ops import cpu_bf16_gemm; print(cpu_bf16_gemm())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
