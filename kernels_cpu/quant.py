@@ -30,6 +30,7 @@ below). References: kernels_cpu.reference_quant (NumPy), checked against gguf.qu
 """
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 
 import numpy as np
@@ -446,4 +447,4 @@ def cat_rows(ws):
 # decode.py's fused kernels compile these GEMVs into their own cached code: this file is theirs too
 # (a stale copy ran ~1.4x slower here before it was noticed); these kernels hold _common's half loads
 cache_depends_on((decode._k_attn_in, decode._k_attn_out, decode._k_norm_gemv), __file__)
-cache_depends_on((*_GEMV.values(), _k_gemv, _k_dequant_range, _k_dequant_ids), __file__.replace("quant.py", "_common.py"))
+cache_depends_on((*_GEMV.values(), _k_gemv, _k_dequant_range, _k_dequant_ids), os.path.join(os.path.dirname(__file__), "_common.py"))
