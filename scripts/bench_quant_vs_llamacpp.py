@@ -134,6 +134,13 @@ def resident(d: Path, dtype: str, gguf: Path) -> dict:
     return {"held": held, "gguf": file_bytes, "ratio": held / file_bytes}
 
 
+def wait_for_load(limit: float | None, poll: float = 10.0) -> float:
+    """Sleep until the 1-minute load average is below limit (None: at once) -> the load then."""
+    while limit is not None and os.getloadavg()[0] >= limit:
+        time.sleep(poll)
+    return os.getloadavg()[0]
+
+
 def med(xs):
     return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
 
@@ -149,6 +156,8 @@ def main():
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--prepare", action="store_true", help="build and make the models, measure nothing")
     ap.add_argument("--avx2", action="store_true", help="both engines limited to AVX2 (see the docstring)")
+    ap.add_argument("--max-load", type=float, default=None,
+                    help="before each round wait until the 1-minute load average is below this (a shared machine)")
     a = ap.parse_args()
     if REPO in a.work.resolve().parents or a.work.resolve() == REPO:
         sys.exit("--work must be outside the repository")
@@ -163,11 +172,13 @@ def main():
               "p": a.p, "n": a.n, "rounds": a.rounds, "formats": {}}
     for fmt, (gguf, d, dtype) in models.items():
         r = {"llama.cpp": {"pp": [], "tg": []}, "minirun": {"pp": [], "tg": []}}
+        r["load"] = []
         for i in range(a.rounds):
+            r["load"].append(wait_for_load(a.max_load))
             for name, f in (("llama.cpp", lambda: llama_bench(bin_dir, gguf, a)), ("minirun", lambda: minirun_bench(d, dtype, a))):
                 for t, v in f().items():
                     r[name][t].append(v)
-            print(f"{fmt} round {i + 1}: " + ", ".join(f"{t} {r['minirun'][t][-1] / r['llama.cpp'][t][-1]:.2f}x"
+            print(f"{fmt} round {i + 1} (load {r['load'][-1]:.2f}): " + ", ".join(f"{t} {r['minirun'][t][-1] / r['llama.cpp'][t][-1]:.2f}x"
                                                        for t in ("pp", "tg")), file=sys.stderr, flush=True)
         r["ratio"] = {t: [m / l for m, l in zip(r["minirun"][t], r["llama.cpp"][t])] for t in ("pp", "tg")}
         r["resident"] = resident(d, dtype, gguf)
