@@ -134,11 +134,25 @@ def resident(d: Path, dtype: str, gguf: Path) -> dict:
     return {"held": held, "gguf": file_bytes, "ratio": held / file_bytes}
 
 
-def wait_for_load(limit: float | None, poll: float = 10.0) -> float:
-    """Sleep until the 1-minute load average is below limit (None: at once) -> the load then."""
-    while limit is not None and os.getloadavg()[0] >= limit:
+def busy_share(seconds: float = 2.0) -> float:
+    """The share of all CPUs' time spent busy over the next `seconds` (/proc/stat)."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]                   # total, idle + iowait
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_for_quiet(limit: float | None, poll: float = 5.0) -> float:
+    """Wait until busy_share() < limit (None: measure once) -> the share measured last."""
+    share = busy_share()
+    while limit is not None and share >= limit:
         time.sleep(poll)
-    return os.getloadavg()[0]
+        share = busy_share()
+    return share
 
 
 def med(xs):
@@ -156,8 +170,9 @@ def main():
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--prepare", action="store_true", help="build and make the models, measure nothing")
     ap.add_argument("--avx2", action="store_true", help="both engines limited to AVX2 (see the docstring)")
-    ap.add_argument("--max-load", type=float, default=None,
-                    help="before each round wait until the 1-minute load average is below this (a shared machine)")
+    ap.add_argument("--max-busy", type=float, default=None,
+                    help="before each round wait until the CPUs are busy less than this share of 2 s (e.g. 0.1: "
+                         "others' work on a shared machine)")
     a = ap.parse_args()
     if REPO in a.work.resolve().parents or a.work.resolve() == REPO:
         sys.exit("--work must be outside the repository")
@@ -172,13 +187,13 @@ def main():
               "p": a.p, "n": a.n, "rounds": a.rounds, "formats": {}}
     for fmt, (gguf, d, dtype) in models.items():
         r = {"llama.cpp": {"pp": [], "tg": []}, "minirun": {"pp": [], "tg": []}}
-        r["load"] = []
+        r["load"] = []                                  # others' CPU share before each round
         for i in range(a.rounds):
-            r["load"].append(wait_for_load(a.max_load))
+            r["load"].append(wait_for_quiet(a.max_busy))
             for name, f in (("llama.cpp", lambda: llama_bench(bin_dir, gguf, a)), ("minirun", lambda: minirun_bench(d, dtype, a))):
                 for t, v in f().items():
                     r[name][t].append(v)
-            print(f"{fmt} round {i + 1} (load {r['load'][-1]:.2f}): " + ", ".join(f"{t} {r['minirun'][t][-1] / r['llama.cpp'][t][-1]:.2f}x"
+            print(f"{fmt} round {i + 1} (CPUs {100 * r['load'][-1]:.0f}% busy before): " + ", ".join(f"{t} {r['minirun'][t][-1] / r['llama.cpp'][t][-1]:.2f}x"
                                                        for t in ("pp", "tg")), file=sys.stderr, flush=True)
         r["ratio"] = {t: [m / l for m, l in zip(r["minirun"][t], r["llama.cpp"][t])] for t in ("pp", "tg")}
         r["resident"] = resident(d, dtype, gguf)
