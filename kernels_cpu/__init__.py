@@ -29,6 +29,10 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * ``attn_in``, ``attn_out``, ``norm_gemv``: a Llama layer's one-token step around its attention
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
+* :mod:`kernels_cpu.quant`: GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as row
+  tiles; ``gemv``, ``dequantize_rows``, ``dequantize_ids``; the tiles are accepted by
+  ``attn_in``, ``attn_out`` and ``norm_gemv`` in place of a float matrix (references:
+  :mod:`kernels_cpu.reference_quant`)
 * ``dense_attend(q, K, V, n) -> o``: one decode token's exact GQA attention over a dense cache
   (float32 or bfloat16 bits)
 * ``turn_rows(EK, start, cos, sin) -> out``: rows past `start` turned by one rotation (far positions)
@@ -95,6 +99,7 @@ from .reference import (
     weighted_value_sum_ref,
 )
 
+from . import quant  # noqa: F401  (registers the quantized GEMVs with the decode kernels)
 from . import numba_kernels as _numba_kernels
 from . import reference as _reference
 

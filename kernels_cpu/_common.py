@@ -292,6 +292,27 @@ def _prefetch(typingctx, arr, off):
     return sig, codegen
 
 
+def cache_depends_on(dispatchers, *paths) -> bool:
+    """Make the on-disk caches of `dispatchers` (cache=True kernels) stale when any of `paths`
+    changes, not only their own file. Numba keys a cache by its function's source file alone, yet
+    a cached kernel holds the code of the njit functions it calls from other files compiled in: a
+    kernel of decode.py that inlined an older kernels_cpu.quant GEMV was loaded after quant.py
+    changed, and crashed. The stamp Numba compares becomes (own file's hash, those files' hashes).
+    Uses Numba's cache internals; where they differ, nothing is done -> whether it was done."""
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).digest()
+    done = True
+    for d in dispatchers:
+        cache_file = getattr(getattr(d, "_cache", None), "_cache_file", None)
+        if cache_file is None or not hasattr(cache_file, "_source_stamp"):
+            done = False
+            continue
+        cache_file._source_stamp = (cache_file._source_stamp, digest)
+    return done
+
+
 def set_num_threads(n: int) -> None:
     """Threads of the parallel kernels (capped at the pool Numba started with, its core count)."""
     import numba

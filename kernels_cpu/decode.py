@@ -115,6 +115,8 @@ def _gemv_f32_impl(w, x, out):
     No software prefetch: on the Zen 4 VM it cost ~8% with these kernels (it had gained 15-20% on
     the Icelake VM with the former element-indexed kernel, which the hardware prefetcher fed worse).
     """
+    if not isinstance(w, types.Array):
+        return None                            # (quantized tiles: kernels_cpu.quant's overload)
     if isinstance(w.dtype, types.Integer):
         def impl_bf16(w, x, out):
             O, I = w.shape
@@ -124,13 +126,25 @@ def _gemv_f32_impl(w, x, out):
     return lambda w, x, out: _gemv_rows_f32(w, x, out)
 
 
+def _rows(w):  # pragma: no cover - replaced by the overload inside njit code
+    raise NotImplementedError
+
+
+@overload(_rows)
+def _rows_impl(w):
+    """A weight matrix's rows: a float array's first dimension (kernels_cpu.quant: its tiles' rows)."""
+    if isinstance(w, types.Array):
+        return lambda w: w.shape[0]
+    return None
+
+
 @njit(cache=True, fastmath=_FASTMATH)
 def _k_attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out):
     """x [D], w_norm [D], w_qkv [(Hq+2Hkv)*hd, D], inv_freq [hd/2] f64 -> out [(Hq+2Hkv)*hd]."""
     D = x.shape[0]
     xn = np.empty(D, np.float32)
     _rms_norm(x, w_norm, eps, xn)
-    y = np.empty(w_qkv.shape[0], np.float32)
+    y = np.empty(_rows(w_qkv), np.float32)
     _gemv_f32(w_qkv, xn, y)
     half = head_dim // 2
     cos = np.empty(half, np.float32)
@@ -163,7 +177,7 @@ def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out):
         _st(x1, i, _wf(x[i]) + h[i])
     xn = np.empty(D, np.float32)
     _rms_norm(x1, w_norm, eps, xn)
-    F = w_gate_up.shape[0] // 2
+    F = _rows(w_gate_up) // 2
     gu = np.empty(2 * F, np.float32)
     _gemv_f32(w_gate_up, xn, gu)
     a = np.empty(F, np.float32)
@@ -252,15 +266,21 @@ _FLOAT_OR_BF16 = (np.dtype(np.float32), np.dtype(np.uint16))
 
 
 def _check(name, mats, *acts):
-    """mats: the weight matrices [O, I]; acts: vectors that must share their dtype. Runs on every
-    layer of every decode step, so dtypes are compared as the interned objects they are."""
-    w = mats[0]
-    dt = w.dtype
-    if dt not in _FLOAT_OR_BF16 or not all(a.dtype is dt for a in mats + acts):
+    """mats: the weight matrices [O, I], float arrays or quantized tiles (kernels_cpu.quant, any
+    activation dtype); acts: vectors that must share their dtype. Runs on every layer of every
+    decode step, so dtypes are compared as the interned objects they are."""
+    floats = tuple(m for m in mats if not isinstance(m, tuple))
+    dt = acts[0].dtype
+    if dt not in _FLOAT_OR_BF16 or not all(a.dtype is dt for a in floats + acts):
         raise ValueError(f"{name}: weights and activations must all be float32 or all bfloat16 bits (uint16), "
-                         f"got {w.dtype} and {[str(a.dtype) for a in acts]}")
-    if dt is _FLOAT_OR_BF16[1] and any(m.shape[1] % 2 for m in mats):
+                         f"got {[str(m.dtype) for m in floats]} and {[str(a.dtype) for a in acts]}")
+    if dt is _FLOAT_OR_BF16[1] and any(m.shape[1] % 2 for m in floats):
         raise ValueError(f"{name}: bfloat16 weights need an even number of columns (read as pairs)")
+
+
+def _n_out(w) -> int:
+    """Rows of a float matrix or of quantized tiles (their `rows`)."""
+    return w.rows if isinstance(w, tuple) else w.shape[0]
 
 
 def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None):
@@ -272,7 +292,7 @@ def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None):
     """
     _check("attn_in", (w_qkv,), x, w_norm)
     if out is None:
-        out = np.empty(w_qkv.shape[0], w_qkv.dtype)
+        out = np.empty(_n_out(w_qkv), x.dtype)
     _k_attn_in(x, w_norm, np.float32(eps), w_qkv, int(pos), np.ascontiguousarray(inv_freq, np.float64),
                n_rot, head_dim, out)
     return out
@@ -295,7 +315,7 @@ def norm_gemv(x, w_norm, eps, w, out=None):
     """(rms_norm(x) * w_norm) @ w^T as float32 [O]: the final norm and LM head of a decode step."""
     _check("norm_gemv", (w,), x, w_norm)
     if out is None:
-        out = np.empty(w.shape[0], np.float32)
+        out = np.empty(_n_out(w), np.float32)
     _k_norm_gemv(x, w_norm, np.float32(eps), w, out)
     return out
 

@@ -21,6 +21,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "decode.cu": ("-std=c++17",),
     "gather.cu": ("-std=c++17",),
     "layer.cu": ("-std=c++17",),
+    "quant.cu": ("-std=c++17",),
 }
 
 # file -> extern "C" entry points the wrappers launch.
@@ -87,6 +88,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "silu_mul_f32",
         "silu_mul_bf16",
     ),
+    "quant.cu": tuple(f"{k}_{f}" for k in ("qgemv", "qrows") for f in ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")),
 }
 
 HEADERS = ("common.cuh",)

@@ -22,7 +22,8 @@ sample std of tokens/s.
   "-" for dense and for exact-key layouts (budget 0.5).
 
 JSON/CSV fields, one object/row per (mode, test):
-  model (directory name), model_bytes (weights in this dtype), model_params, device, dtype,
+  model (directory name), model_bytes (the weights' bytes as held: float ones in this dtype,
+  quantized ones at their block format's size), model_params, device, dtype,
   threads (torch CPU threads), ctx (cache size), kv ("dense" | "hca"), kv_budget (None for dense),
   codebooks ("calibrated" | "fitted" | "-"), test ("pp512", "tg32 @ d4096"), n_prompt, n_gen,
   depth, context ("random" | "text" | the file's name), reps, tps_mean, tps_std (sample std; 0
@@ -36,7 +37,9 @@ JSON/CSV fields, one object/row per (mode, test):
   were whole tokens replayed from CUDA graphs, "off" when they ran eagerly), rescore (HCA with
   rescore: the selected tokens weighted by exact scores from keys kept on the host; markdown: "hca
   rescore"), device_name (the GPU's or the CPU's model name), value_sum (HCA on a GPU: "gpu" or
-  "host", where the selected values were summed), max_select (the selection's cap, or None).
+  "host", where the selected values were summed), max_select (the selection's cap, or None),
+  weights (how the weight matrices are held: the dtype, or a block format such as "Q4_1"; markdown:
+  the weights column, "Q4_1 (float32)" for quantized weights and float32 activations).
 """
 from __future__ import annotations
 
@@ -57,11 +60,12 @@ from .config import hca_setting
 from .errors import MiniRunError
 from .evaluate import selection_probe
 from .planner import format_bytes, param_count, weight_bytes
+from .quant.sizes import weights_label
 
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
           "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected",
           "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version", "cuda_graphs",
-          "rescore", "device_name", "value_sum", "max_select"]
+          "rescore", "device_name", "value_sum", "max_select", "weights"]
 CTX_ROUND = 256
 
 
@@ -98,6 +102,7 @@ class BenchResult:
     device_name: str = ""           # the GPU's or CPU's model name (device_name)
     value_sum: str | None = None    # HCA on a GPU: where the selected values are summed ("cpu" | "gpu" | ...)
     max_select: int | None = None   # HCA: the selection's cap per head and step (None: tau alone)
+    weights: str = ""               # how the weight matrices are held: the dtype, or a block format ("Q4_1")
 
 
 def device_name(device: torch.device) -> str:
@@ -123,7 +128,9 @@ def result(eng, model, kv: str, budget, name: str, kind: str, n: int, depth: int
     fields.setdefault("peak_device_bytes",
                       torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0)
     return BenchResult(
-        model=str(model).rstrip("/").split("/")[-1], model_bytes=weight_bytes(eng.args, eng.config.dtype),
+        model=str(model).rstrip("/").split("/")[-1],
+        model_bytes=weight_bytes(eng.args, eng.config.dtype, eng.config.weights),
+        weights=weights_label(eng.args, eng.config.weights, eng.config.dtype),
         model_params=param_count(eng.args), device=str(eng.device), dtype=eng.config.dtype,
         threads=torch.get_num_threads(), ctx=eng.config.ctx, kv=kv,
         kv_budget=budget if kv == "hca" else None, codebooks=fields.pop("codebooks", None) or codebook_source(eng),
@@ -351,7 +358,7 @@ def kv_split(stats: dict) -> tuple[int, int]:
     return dev, host
 
 
-MD_HEAD = ["model", "size", "params", "device", "threads", "dtype", "kv", "budget", "codebooks", "context", "test",
+MD_HEAD = ["model", "size", "params", "device", "threads", "weights", "kv", "budget", "codebooks", "context", "test",
            "t/s", "selected", "peak host", "peak device", "kv device", "kv host"]
 
 
@@ -362,7 +369,8 @@ def to_markdown(results: list[BenchResult]) -> str:
     for r in results:
         dev, host = kv_split(r.kv_stats)
         rows.append("| " + " | ".join([
-            r.model, format_bytes(r.model_bytes), _params(r.model_params), r.device, str(r.threads), r.dtype,
+            r.model, format_bytes(r.model_bytes), _params(r.model_params), r.device, str(r.threads),
+            r.dtype if r.weights in ("", r.dtype) else f"{r.weights} ({r.dtype})",
             r.kv + (" rescore" if r.rescore else "") + ("" if r.cuda_graphs == "off" else f" ({r.cuda_graphs} graphs)"), "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
             f"{r.tps_mean:.2f} ± {r.tps_std:.2f}", "-" if r.selected is None else f"{100 * r.selected:.1f}%",
             _size(r.peak_host_bytes) + ("" if r.peak_host_scope == "test" else " (process)"),

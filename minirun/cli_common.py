@@ -5,7 +5,7 @@ import math
 
 import click
 
-from .config import parse_ctx
+from .config import WEIGHTS, parse_ctx
 from .errors import MiniRunError
 
 
@@ -119,6 +119,9 @@ def engine_options(f):
         click.option("--ctx", type=CTX, default="8K", show_default=True, help="context size in tokens (K/M suffixes: 4M = 4194304)"),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto"),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True),
+        click.option("--weights", type=click.Choice(WEIGHTS), default="stored", show_default=True,
+                     help="weight matrices: as the checkpoint stores them (GGUF blocks stay blocks), dequantized "
+                          "to --dtype, or a float checkpoint quantized at load (embedding and LM head Q8_0)"),
         click.option("--kv", type=click.Choice(["dense", "hca"]), default="dense", show_default=True, help="KV cache policy"),
         click.option("--kv-budget", default="0.25", show_default=True,
                      help="HCA key store: a device-memory preset relative to dense (0.5, 0.25, 0.125) or "
@@ -156,11 +159,12 @@ def sampling_options(temperature: float, max_tokens: int):
 
 
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, max_select=None,
-                hca_opts=None, **extra):
+                hca_opts=None, weights="stored", **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
-                      threads=threads, max_select=max_select, **hca_setting(kv_budget), **(hca_opts or {}),
+                      threads=threads, max_select=max_select, weights=weights, **hca_setting(kv_budget),
+                      **(hca_opts or {}),
                       **extra)
     far = getattr(eng.cache, "far", False)
     note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far, hca=kv == "hca")
@@ -183,8 +187,8 @@ def trained_context_note(trained: int | None, ctx: int, far: bool = False, hca: 
 
 def split_kwargs(kw: dict):
     """Separate engine options from sampling options."""
-    engine_keys = ("ctx", "device", "dtype", "kv", "kv_budget", "tau", "window", "sinks", "max_select", "threads",
-                   "hca_opts")
+    engine_keys = ("ctx", "device", "dtype", "weights", "kv", "kv_budget", "tau", "window", "sinks", "max_select",
+                   "threads", "hca_opts")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
                     min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),

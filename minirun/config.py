@@ -98,6 +98,7 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     model_type: str = "llama"
+    quantization_config: dict | None = None      # GGUF block formats of the stored weights (minirun/quant)
 
     def __post_init__(self):
         check_model_fields(self)
@@ -181,6 +182,8 @@ def parse_ctx(value: str | int) -> int:
 
 
 KV_BUDGET_PRESETS = (0.5, 0.25, 0.125)
+# --weights: as the checkpoint stores them, dequantized to --dtype, or a float checkpoint quantized at load
+WEIGHTS = ("stored", "float", "q8_0", "q4_0", "q4_1")
 
 
 def hca_setting(spec: str | float) -> dict:
@@ -209,7 +212,8 @@ class EngineConfig:
 
     ctx: int = 8192
     device: str = "auto"              # "cpu" | "cuda" | "auto"
-    dtype: str = "float32"            # "float32" | "bfloat16" | "float16"
+    dtype: str = "float32"            # "float32" | "bfloat16" | "float16": activations, and float weights
+    weights: str = "stored"           # WEIGHTS: the weight matrices (minirun/quant)
     kv: str = "dense"                 # "dense" | "hca"
     kv_budget: float | None = 0.25    # HCA preset: 0.5, 0.25, 0.125 (overridden by groups/centroids)
     groups: int | None = None         # HCA: key sub-vectors per head (g)
@@ -245,6 +249,8 @@ class EngineConfig:
         self.ctx = parse_ctx(self.ctx)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise MiniRunError(f"unknown dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        if self.weights not in WEIGHTS:
+            raise MiniRunError(f"unknown weights {self.weights!r}: use {', '.join(WEIGHTS)}")
         if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
             raise MiniRunError(f"unknown device {self.device!r}: use cpu, cuda or auto")
         if self.kv not in ("dense", "hca"):

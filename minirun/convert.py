@@ -255,10 +255,10 @@ def build_generation_config(meta: dict) -> dict:
 # writing
 
 
-def _plan_shards(items: list, itemsize: int, shard_bytes: int) -> list[list]:
+def _plan_shards(items: list, nbytes, shard_bytes: int) -> list[list]:
     shards, cur, cur_bytes = [], [], 0
     for item in items:
-        size = int(np.prod(item[2].shape)) * itemsize
+        size = nbytes(item[2])
         if cur and cur_bytes + size > shard_bytes:
             shards.append(cur)
             cur, cur_bytes = [], 0
@@ -269,37 +269,52 @@ def _plan_shards(items: list, itemsize: int, shard_bytes: int) -> list[list]:
     return shards
 
 
-def _write_weights(items, tmp: Path, dtype: str, meta: dict, shard_bytes: int, progress: bool):
+def _write_weights(items, tmp: Path, dtype: str | None, meta: dict, shard_bytes: int, progress: bool) -> dict:
+    """Write the tensors as safetensors shards; dtype None keeps the block formats minirun computes
+    with as their parts (minirun.quant) and writes the rest as float32. -> {name: format} kept."""
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    torch_dtype = getattr(torch, dtype)
+    from .quant.checkpoint import kept_blocks, planes_for_file
+
+    torch_dtype = getattr(torch, dtype or "float32")
     n_head = int(meta["llama.attention.head_count"])
     n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    shards = _plan_shards(items, itemsize, shard_bytes)
+    keep = dtype is None
+    shards = _plan_shards(items, lambda t: int(t.n_bytes) if keep and kept_blocks(t) else
+                          int(np.prod(t.shape)) * itemsize, shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map, total = {}, 0
+    weight_map, total, formats = {}, 0, {}
     with tqdm(total=len(items), desc="converting", unit="tensor", disable=not progress) as bar:
         for fname, shard in zip(names, shards):
             tensors = {}
             for hf_name, gguf_name, t in shard:
-                w = dequantize_tensor(t)
+                blocks = kept_blocks(t) if keep else None
+                w = blocks[1] if blocks else dequantize_tensor(t)     # rows are rows either way: [rows, ...]
                 if ".self_attn.q_proj." in hf_name:
                     w = unpermute_qk(w, n_head)
                 elif ".self_attn.k_proj." in hf_name:
                     w = unpermute_qk(w, n_kv)
-                tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).to(torch_dtype)
-                weight_map[hf_name] = fname
-                total += tensors[hf_name].numel() * itemsize
+                if blocks:
+                    fmt, _, cols = blocks
+                    formats[hf_name] = fmt
+                    parts = {k: torch.from_numpy(v) for k, v in planes_for_file(hf_name, fmt, w, cols).items()}
+                else:
+                    parts = {hf_name: torch.from_numpy(np.ascontiguousarray(w)).to(torch_dtype)}
+                for k, v in parts.items():
+                    tensors[k] = v
+                    weight_map[k] = fname
+                    total += v.numel() * v.element_size()
                 bar.update(1)
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             del tensors
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_json(tmp / "model.safetensors.index.json", index)
+    return formats
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -308,18 +323,22 @@ def _write_json(path: Path, obj: Any) -> None:
         f.write("\n")
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32",
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
                  progress: bool = True, overwrite: bool = False,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Convert a Llama GGUF into an HF checkpoint directory at `out_dir`; returns its path.
 
-    `dtype` is the stored weight type: "float32", "bfloat16" or "float16". Raises CheckpointError for a
+    `dtype` is the stored weight type: "float32", "bfloat16" or "float16", every tensor dequantized
+    to it; None keeps the GGUF block formats minirun computes with (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as
+    they are, named in config.json's quantization_config (minirun.quant), and writes the other
+    tensors as float32. Raises CheckpointError for a
     missing or unreadable file, a non-llama architecture or an unsupported tensor type.
     """
     from .gguf_tokenizer import build_tokenizer, build_tokenizer_config
 
-    dtype = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
-    if dtype not in DTYPES:
+    if dtype is not None:
+        dtype = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     path = Path(gguf_path)
     out = Path(os.path.abspath(out_dir))     # ("." has no name, and no parent to build beside it in)
@@ -355,7 +374,12 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     rope_freqs = dequantize_tensor(by_name["rope_freqs.weight"]) if "rope_freqs.weight" in by_name else None
     has_bias = {"attn": any(".self_attn." in i[0] and i[0].endswith(".bias") for i in items),
                 "mlp": any(".mlp." in i[0] and i[0].endswith(".bias") for i in items)}
-    config = build_config(meta, n_vocab, tied, dtype, rope_freqs, has_bias, path)
+    config = build_config(meta, n_vocab, tied, dtype or "float32", rope_freqs, has_bias, path)
+    if dtype is None:
+        from .quant.checkpoint import kept_blocks, quantization_config
+        kept = {hf: kept_blocks(t)[0] for hf, _, t in items if kept_blocks(t)}
+        if kept:
+            config["quantization_config"] = quantization_config(kept)
     try:
         tokenizer = build_tokenizer(meta)
     except CheckpointError as e:

@@ -102,7 +102,7 @@ class Engine:
         dev = resolve_device(config.device)
         check_fits(args, config, dev)   # before any allocation
         tokenizer = Tokenizer(path)
-        weights = load_weights(path, args, DTYPES[config.dtype], dev)
+        weights = load_weights(path, args, DTYPES[config.dtype], dev, config.weights)
         return cls(path, args, config, Model(args, weights, dev, DTYPES[config.dtype]), tokenizer)
 
     @classmethod

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import quant
 from .config import ModelArgs
 from .errors import CheckpointError
 
@@ -52,6 +53,14 @@ def _safetensors_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"{model_dir} has several .safetensors files but no model.safetensors.index.json")
 
 
+def _config_json(model_dir: Path) -> dict:
+    """config.json as a dict (ModelArgs has read and checked it already)."""
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
 class TensorReader:
     """Reads named tensors from one model directory, opening each shard once (memory-mapped)."""
 
@@ -86,15 +95,20 @@ class TensorReader:
             raise CheckpointError(f"cannot read tensor {name} from {path.name} ({e})") from None
 
 
-def load_weights(model_dir: str | Path, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> dict:
+def load_weights(model_dir: str | Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+                 weights: str = "stored") -> dict:
     """Load every tensor the model needs, converted to `dtype` on `device`.
 
     Returns {"embed": [V, D], "norm": [D], "lm_head": [V, D] (shared with embed when tied),
              "layers": [ {attn_norm, wqkv [(Hq+2Hkv)*hd, D], wo, ffn_norm, w_gate_up [2F, D], w_down} ]}.
-    Q, K and V (and gate and up) are fused so one GEMM serves each.
+    Q, K and V (and gate and up) are fused so one GEMM serves each. The matrices are
+    minirun.quant.QuantMatrix where the checkpoint stores GGUF blocks or `weights` quantizes
+    ("q8_0", "q4_0", "q4_1"; "float": blocks dequantized to `dtype`; "stored": as the checkpoint holds them).
     """
-    reader = TensorReader(Path(model_dir))
+    model_dir = Path(model_dir)
+    reader = TensorReader(model_dir)
     available = reader.names()
+    quantized = quant.matrix_reader(reader, available, _config_json(model_dir), weights, dtype, device)
 
     def get(name: str) -> torch.Tensor:
         if name not in available:
@@ -106,28 +120,34 @@ def load_weights(model_dir: str | Path, args: ModelArgs, dtype: torch.dtype, dev
             raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
         return t
 
+    def matrix(name: str, shape: tuple):
+        if quantized is not None:
+            return quantized(name, shape)
+        return check(get(name), shape, name)
+
     D, hd = args.hidden_size, args.head_dim
     Hq, Hkv, F, V = args.num_attention_heads, args.num_key_value_heads, args.intermediate_size, args.vocab_size
-    embed = check(get("model.embed_tokens.weight"), (V, D), "model.embed_tokens.weight")
-    if args.tie_word_embeddings or "lm_head.weight" not in available:
+    embed = matrix("model.embed_tokens.weight", (V, D))
+    has_head = "lm_head.weight" in available or "lm_head.weight.d" in available     # (.d: stored as blocks)
+    if args.tie_word_embeddings or not has_head:
         lm_head = embed
     else:
-        lm_head = check(get("lm_head.weight"), (V, D), "lm_head.weight")
+        lm_head = matrix("lm_head.weight", (V, D))
     layers = []
     for i in range(args.num_hidden_layers):
         n = _layer_names(i)
-        wq = check(get(n["wq"]), (Hq * hd, D), n["wq"])
-        wk = check(get(n["wk"]), (Hkv * hd, D), n["wk"])
-        wv = check(get(n["wv"]), (Hkv * hd, D), n["wv"])
-        wg = check(get(n["w_gate"]), (F, D), n["w_gate"])
-        wu = check(get(n["w_up"]), (F, D), n["w_up"])
+        wq = matrix(n["wq"], (Hq * hd, D))
+        wk = matrix(n["wk"], (Hkv * hd, D))
+        wv = matrix(n["wv"], (Hkv * hd, D))
+        wg = matrix(n["w_gate"], (F, D))
+        wu = matrix(n["w_up"], (F, D))
         layer = {
             "attn_norm": get(n["attn_norm"]),
-            "wqkv": torch.cat([wq, wk, wv], 0).contiguous(),
-            "wo": check(get(n["wo"]), (D, Hq * hd), n["wo"]),
+            "wqkv": quant.cat_rows([wq, wk, wv]),
+            "wo": matrix(n["wo"], (D, Hq * hd)),
             "ffn_norm": get(n["ffn_norm"]),
-            "w_gate_up": torch.cat([wg, wu], 0).contiguous(),
-            "w_down": check(get(n["w_down"]), (D, F), n["w_down"]),
+            "w_gate_up": quant.cat_rows([wg, wu]),
+            "w_down": matrix(n["w_down"], (D, F)),
         }
         if args.attention_bias:
             p = f"model.layers.{i}.self_attn."

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .config import ModelArgs
-from .ops import (attention_input, attention_output_and_mlp, output_logits, prepare_cuda_decode,
+from .ops import (attention_input, attention_output_and_mlp, embed, output_logits, prepare_cuda_decode,
                   prepare_fused_decode, rope_cos_sin, rope_cos_sin_at, rope_inv_freq, rope_table)
 
 
@@ -31,7 +30,7 @@ class Model:
         T = tokens.shape[0]
         cos, sin = rope_cos_sin(self.inv_freq, cache.offset, T, self.dtype, self.device)
         cs = rope_table(cos, sin) if T == 1 and self.cuda_decode else None        # once per token
-        x = F.embedding(tokens, self.w["embed"])                                  # [T, D]
+        x = embed(tokens, self.w["embed"])                                        # [T, D]
         for il, lw in enumerate(self.w["layers"]):
             q, k, v = attention_input(x, lw, cos, sin, cache.offset, a, cs)  # rms_norm, QKV, RoPE
             o = cache.attend(il, q, k, v)                        # [T, Hq, hd]
@@ -48,7 +47,7 @@ class Model:
         a = self.args
         cos, sin = rope_cos_sin_at(self.inv_freq64, pos, self.dtype)
         cs = rope_table(cos, sin) if self.cuda_decode else None
-        x = F.embedding(token, self.w["embed"])                                   # [1, D]
+        x = embed(token, self.w["embed"])                                         # [1, D]
         for il, lw in enumerate(self.w["layers"]):
             q, k, v = attention_input(x, lw, cos, sin, None, a, cs)
             o = cache.attend_at(il, q, k, v, pos, n_keys)

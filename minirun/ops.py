@@ -1,6 +1,7 @@
 """The math of one Llama layer as small functions over torch tensors (no state)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ import kernels_cpu
 from . import hugepages
 from .config import ModelArgs
 from .errors import CheckpointError
+from .quant import RowStack
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,13 +73,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in]^T (+ b). One-row bfloat16 on the CPU goes through torch.mv, whose
-    kernel is ~2x faster there than addmm's (measured: 68 vs 130 us for a 3072x576 GEMV)."""
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ w[out, in]^T (+ b); w a float tensor or quantized (minirun.quant: its own linear).
+    One-row bfloat16 on the CPU goes through torch.mv, whose kernel is ~2x faster there than
+    addmm's (measured: 68 vs 130 us for a 3072x576 GEMV)."""
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, b)
+    if x.dtype == torch.bfloat16 and x.shape[0] > 1 and x.device.type == "cpu" and not cpu_bf16_gemm():
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(torch.bfloat16)
     if x.shape[0] == 1 and w.dtype == torch.bfloat16 and x.device.type == "cpu":
         y = torch.mv(w, x[0])[None]
         return y if b is None else y + b
     return F.linear(x, w, b)
+
+
+@functools.cache
+def cpu_bf16_gemm() -> bool:
+    """Whether torch's bfloat16 GEMM is native here: the CPU has AVX-512 BF16 or AMX and neither
+    ATen nor oneDNN is limited below them (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA). Without it
+    oneDNN converts element by element: a bfloat16 prefill ran at 0.22x llama.cpp's on an AVX2
+    EPYC, so there a chunk's GEMMs widen to float32 (weights included: a few % of a 512-token
+    GEMM's time) and round back."""
+    import os
+    try:
+        caps = torch.cpu.get_capabilities()
+        aten = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return False
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    onednn = isa == "ALL" or "BF16" in isa or "AMX" in isa
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) and aten.startswith("AVX512") and onednn
+
+
+def embed(tokens: torch.Tensor, w) -> torch.Tensor:
+    """tokens [T] int64 -> their rows of the embedding w [V, D] (float, or quantized: dequantized rows)."""
+    return F.embedding(tokens, w) if isinstance(w, torch.Tensor) else w.embedding(tokens)
 
 
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -93,7 +123,9 @@ _FUSED_WEIGHTS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """CPU tensor -> zero-copy numpy array (bfloat16 as uint16 bits)."""
+    """CPU tensor -> zero-copy numpy array (bfloat16 as uint16 bits); a quantized matrix -> its tiles."""
+    if not isinstance(t, torch.Tensor):
+        return t.kernel_view()
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -106,21 +138,29 @@ def from_numpy_bits(a: np.ndarray) -> torch.Tensor:
 def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor, device: torch.device,
                          dtype: torch.dtype) -> bool:
     """Attach numpy views ("np") of the weights where the fused one-token kernels apply: CPU,
-    float32 or bfloat16, no biases. Returns whether they do. Those weights (each step streams all
-    of them) are moved to huge pages first (minirun.hugepages)."""
+    float32 or bfloat16, no biases, and each matrix a float tensor or one quantized matrix (not a
+    minirun.quant.RowStack of formats: that layer's steps go through linear). Returns whether
+    they do. Those weights (each step streams all of them) are moved to huge pages first
+    (minirun.hugepages)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or args.attention_bias:
         return False
     inv = inv_freq.double().numpy()
     for lw in weights["layers"]:
         for k in _FUSED_WEIGHTS:
-            lw[k] = hugepages.clone(lw[k])
-        lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
+            lw[k] = _on_hugepages(lw[k])
+        if not any(isinstance(lw[k], RowStack) for k in _FUSED_WEIGHTS):
+            lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
     tied = weights["lm_head"] is weights["embed"]
-    weights["lm_head"] = hugepages.clone(weights["lm_head"])
+    weights["lm_head"] = _on_hugepages(weights["lm_head"])
     if tied:
         weights["embed"] = weights["lm_head"]
-    weights["np"] = {"norm": as_numpy(weights["norm"]), "lm_head": as_numpy(weights["lm_head"])}
+    if not isinstance(weights["lm_head"], RowStack):
+        weights["np"] = {"norm": as_numpy(weights["norm"]), "lm_head": as_numpy(weights["lm_head"])}
     return True
+
+
+def _on_hugepages(w):
+    return hugepages.clone(w) if isinstance(w, torch.Tensor) else w.on_hugepages()
 
 
 # ---- the same for one GPU token: kernels_cuda.layer (rms_norm, rope, add + rms_norm, silu * up) ------

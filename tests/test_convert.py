@@ -130,9 +130,10 @@ def load_dir(d):
 def test_weights_roundtrip(tmp_path, smollm_bpe, qtype):
     tok, vocab = smollm_bpe
     weights = tiny_weights(tok.get_vocab_size(), tied=qtype != Q.Q4_0)
-    out = convert_gguf(write_gguf(tmp_path / "m.gguf", weights, vocab, qtype), tmp_path / "hf", progress=False)
+    out = convert_gguf(write_gguf(tmp_path / "m.gguf", weights, vocab, qtype), tmp_path / "hf", dtype="float32",
+                       progress=False)
     got, cfg = load_dir(out)
-    assert set(got) == set(weights)
+    assert set(got) == set(weights) and "quantization_config" not in cfg
     assert cfg["tie_word_embeddings"] == ("lm_head.weight" not in weights)
     tol = {Q.F32: 0, Q.F16: 2e-3, Q.BF16: 2e-2, Q.Q8_0: 0.03, Q.Q4_0: 0.6, Q.Q4_1: 0.4}[qtype]
     for name, w in weights.items():
@@ -145,6 +146,49 @@ def test_weights_roundtrip(tmp_path, smollm_bpe, qtype):
         exact = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
         np.testing.assert_array_equal(got[name], exact, err_msg=name)
         assert np.abs(got[name] - w).max() <= tol * np.abs(w).max(), name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_blocks_kept_and_loaded(tmp_path, smollm_bpe, qtype):
+    """Without --dtype the blocks are written as they are (Q/K rows unpermuted), named in
+    quantization_config; the engine computes with them, within 1e-3 of the same weights dequantized."""
+    import torch
+    from minirun import Engine
+    from minirun.quant.formats import FORMATS, to_planes
+
+    tok, vocab = smollm_bpe
+    weights = tiny_weights(tok.get_vocab_size(), tied=False)
+    out = convert_gguf(write_gguf(tmp_path / "m.gguf", weights, vocab, qtype), tmp_path / "hf", progress=False,
+                       shard_bytes=30_000)
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    matrices = {k for k, w in weights.items() if w.ndim == 2}
+    assert qc["quant_method"] == "gguf" and qc["format"] == qtype.name
+    assert qc["tensor_formats"] == {k: qtype.name for k in matrices}
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    got = {}
+    for f in set(index["weight_map"].values()):
+        got |= load_file(str(out / f))
+    fmt = FORMATS[qtype.name]
+    for name, w in weights.items():
+        if w.ndim == 1:
+            np.testing.assert_array_equal(got[name], w)
+            continue
+        want = to_planes(fmt, gguf.quants.quantize(w, qtype), w.shape[1])   # quantizing the unpermuted rows
+        for part, arr in want.items():
+            np.testing.assert_array_equal(got[f"{name}.{part}"], arr, err_msg=f"{name}.{part}")
+    ids = [5, 9, 11, 3, 7, 1, 2, 8]
+    q = Engine.load(out, device="cpu", ctx=64)
+    f = Engine.load(out, device="cpu", ctx=64, weights="float")
+    assert type(q.model.w["layers"][0]["wqkv"]).__name__ == "QuantMatrix"
+    assert isinstance(f.model.w["layers"][0]["wqkv"], torch.Tensor)
+    lq, lf = q.logits(ids), f.logits(ids)
+    assert (lq - lf).abs().max() <= 1e-3 * lf.abs().max()
+    for e in (q, f):                                     # one-token steps: the fused decode kernels
+        e.prefill(ids[:4])
+    for t in ids[4:]:
+        sq, sf = q.step(t), f.step(t)
+        assert (sq - sf).abs().max() <= 1e-3 * sf.abs().max()
 
 
 def test_config_and_files(tmp_path, smollm_bpe):
@@ -385,11 +429,12 @@ def test_smollm2_tokenizer_config_and_template(smollm2_dir):
                     "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_smollm2_generates_with_transformers(smollm2_dir):
+def test_smollm2_generates_with_transformers(smollm2_gguf, tmp_path):
     """End to end: transformers' own Llama on our converted weights answers sensibly (Q/K unpermuted)."""
     import torch
     from transformers import LlamaForCausalLM
 
+    smollm2_dir = convert_gguf(smollm2_gguf, tmp_path / "f32", dtype="float32", progress=False)
     model = LlamaForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     ids = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n").ids

@@ -97,7 +97,7 @@ def test_cuda_sources_compile_nvrtc(cu, arch):
 
 def test_sources_self_contained():
     """No headers beyond common.cuh (NVRTC has no host headers); the entry points the
-    wrappers (launch.py, ops.py, decode.py, layer.py) launch exist as extern "C" kernels and every such kernel is listed."""
+    wrappers (launch.py, ops.py, decode.py, layer.py, quant.py) launch exist as extern "C" kernels and every such kernel is listed."""
     from kernels_cuda import _emu
 
     assert set(CU_FILES) == set(_sources.OPTIONS) == set(_sources.KERNELS)
@@ -108,7 +108,8 @@ def test_sources_self_contained():
         src = _sources.source(cu)
         assert not re.search(r"^\s*#\s*include", src, re.M), f"{cu}: unexpanded #include"
         assert set(_emu.signatures(cu)) == set(_sources.KERNELS[cu]), cu
-    ops_text = "".join((_sources.HERE / f).read_text() for f in ("launch.py", "ops.py", "decode.py", "layer.py"))
+    ops_text = "".join((_sources.HERE / f).read_text() for f in ("launch.py", "ops.py", "decode.py", "layer.py",
+                                                                   "quant.py"))
     for names in _sources.KERNELS.values():
         for name in names:
             stem = re.sub(r"(_(f32|f16|bf16|u8|i16|i32|i64|g\d))+$", "", name)   # (dtype, index type, group)

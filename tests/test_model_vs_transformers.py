@@ -52,13 +52,13 @@ def test_tiny_greedy_matches_transformers_generate(tiny_model_dir):
     assert ours == ref[:len(ours)] and len(ours) > 0
 
 
-def test_smollm2_logits_and_greedy_match_transformers(smollm2_dir):
-    eng = Engine.load(smollm2_dir, device="cpu", dtype="float32", ctx=2048)
+def test_smollm2_logits_and_greedy_match_transformers(smollm2_float_dir):
+    eng = Engine.load(smollm2_float_dir, device="cpu", dtype="float32", ctx=2048)
     text = ("The history of the city begins with a small settlement on the river. " * 30)
     ids = eng.tokenize(text)[:300]
     assert len(ids) == 300
     ours = eng.logits(ids)
-    ref, model = hf_logits(smollm2_dir, ids)
+    ref, model = hf_logits(smollm2_float_dir, ids)
     assert (ours - ref).abs().max().item() <= 1e-4
     prompt = eng.chat_prompt([{"role": "user", "content": "Tell me about the Eiffel Tower."}])
     got = eng.generate(prompt, max_new_tokens=64).tokens

@@ -1,0 +1,130 @@
+"""kernels_cpu.quant (GEMV, dequantization) against its NumPy reference, and that reference against
+the `gguf` package's own dequantizers, for every block format minirun computes with."""
+import numpy as np
+import pytest
+
+import kernels_cpu as kc
+from kernels_cpu import quant as kq
+from kernels_cpu.reference_quant import dequantize_ref, gemv_ref
+from minirun.quant.formats import FORMATS, dequantize_blocks, from_planes, kernel_planes, to_planes
+
+FMTS = list(FORMATS)
+
+
+def random_blocks(rng, fmt, rows, cols) -> np.ndarray:
+    """GGUF blocks [rows, bytes] of format `fmt`: random codes and scales (finite float16 scales of
+    either sign, so every bit of every part is exercised)."""
+    f = FORMATS[fmt]
+    n = rows * cols // f.block
+    raw = rng.integers(0, 256, (n, f.type_size), dtype=np.uint8)
+    for name, off, size, dt in f.parts:
+        if dt is np.float16:
+            raw[:, off:off + 2] = (rng.standard_normal(n) * 0.02).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, -1)
+
+
+def tiles(fmt, blocks, cols):
+    f = FORMATS[fmt]
+    return kq.tiles_from_planes(fmt, kernel_planes(f, to_planes(f, blocks, cols)))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("rows,cols", [(64, 256), (100, 512), (3, 768)])
+def test_planes_roundtrip_and_reference_vs_gguf(fmt, rows, cols):
+    rng = np.random.default_rng(rows + cols)
+    blocks = random_blocks(rng, fmt, rows, cols)
+    f = FORMATS[fmt]
+    assert np.array_equal(from_planes(f, to_planes(f, blocks, cols)), blocks)          # lossless split
+    want = dequantize_blocks(blocks, fmt, cols)
+    w = tiles(fmt, blocks, cols)
+    assert w.rows == rows and kq.in_features(w) == cols
+    np.testing.assert_allclose(dequantize_ref(w), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_kernels_vs_reference(fmt):
+    rng = np.random.default_rng(1)
+    rows, cols = 130, 512
+    w = tiles(fmt, random_blocks(rng, fmt, rows, cols), cols)
+    ref = dequantize_ref(w)
+    np.testing.assert_allclose(kq.dequantize_rows(w, 0, rows), ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(kq.dequantize_rows(w, 70, 129), ref[70:129], rtol=1e-6, atol=1e-7)
+    ids = np.array([129, 0, 64, 5, 5])
+    np.testing.assert_allclose(kq.dequantize_ids(w, ids), ref[ids], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError):
+        kq.dequantize_ids(w, np.array([rows]))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("rows", [1, 64, 200])
+def test_gemv_vs_reference(fmt, rows):
+    rng = np.random.default_rng(rows)
+    cols = 768
+    w = tiles(fmt, random_blocks(rng, fmt, rows, cols), cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    got = kq.gemv(w, x)
+    want = gemv_ref(w, x)
+    scale = np.abs(dequantize_ref(w)).sum(1) * np.abs(x).max()          # bound of float32 rounding per row
+    assert got.shape == (rows,)
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_quantized_float_matrix_close_to_float(fmt):
+    """gguf's quantizer then our kernel: close to the float GEMV (sanity of the whole chain)."""
+    from minirun.quant.formats import quantize
+    rng = np.random.default_rng(2)
+    wf = rng.standard_normal((96, 256)).astype(np.float32)
+    x = rng.standard_normal(256).astype(np.float32)
+    w = tiles(fmt, quantize(wf, fmt), 256)
+    err = np.abs(kq.gemv(w, x) - wf @ x).max() / np.abs(wf @ x).max()
+    assert err < {"Q8_0": 0.01, "Q4_0": 0.15, "Q4_1": 0.15}[fmt]
+
+
+def quant_layer(rng, fmts, D=256, Hq=4, Hkv=2, hd=64, F=512):
+    """One layer's matrices quantized (random blocks of fmts[i]) with their dequantized float copies."""
+    shapes = {"wqkv": ((Hq + 2 * Hkv) * hd, D), "wo": (D, Hq * hd), "wgu": (2 * F, D), "wdown": (D, F)}
+    q, f = {}, {}
+    for (name, (rows, cols)), fmt in zip(shapes.items(), fmts):
+        q[name] = tiles(fmt, random_blocks(rng, fmt, rows, cols), cols)
+        f[name] = dequantize_ref(q[name])
+    vec = lambda n: rng.standard_normal(n).astype(np.float32)
+    return q, f, dict(x=vec(D), o=vec(Hq * hd), n1=vec(D), n2=vec(D), Hq=Hq, Hkv=Hkv, hd=hd)
+
+
+def close_rel(got, want, rtol):
+    scale = np.abs(want).max()
+    assert got.shape == want.shape and np.abs(got - want).max() <= rtol * scale, np.abs(got - want).max() / scale
+
+
+@pytest.mark.parametrize("fmts", [("Q8_0",) * 4, ("Q4_0",) * 4, ("Q4_1",) * 4, ("Q4_K", "Q4_K", "Q4_K", "Q6_K"),
+                                  ("Q6_K", "Q4_1", "Q8_0", "Q4_K")], ids="-".join)
+def test_fused_decode_kernels_with_quantized_weights(fmts):
+    """attn_in / attn_out / norm_gemv take quantized tiles where they take a float matrix: the same
+    result as the float kernels' references on the dequantized weights."""
+    rng = np.random.default_rng(5)
+    q, f, p = quant_layer(rng, fmts)
+    inv_freq = 10000.0 ** (-np.arange(0, p["hd"], 2) / p["hd"])
+    n_rot = p["Hq"] + p["Hkv"]
+    got = kc.attn_in(p["x"], p["n1"], 1e-5, q["wqkv"], 1234, inv_freq, n_rot, p["hd"])
+    close_rel(got, kc.attn_in_ref(p["x"], p["n1"], 1e-5, f["wqkv"], 1234, inv_freq, n_rot, p["hd"]), 1e-5)
+    got = kc.attn_out(p["x"], p["o"], q["wo"], p["n2"], 1e-5, q["wgu"], q["wdown"])
+    close_rel(got, kc.attn_out_ref(p["x"], p["o"], f["wo"], p["n2"], 1e-5, f["wgu"], f["wdown"]), 1e-5)
+    got = kc.norm_gemv(p["x"], p["n2"], 1e-5, q["wgu"])
+    close_rel(got, kc.norm_gemv_ref(p["x"], p["n2"], 1e-5, f["wgu"]), 1e-5)
+
+
+def test_fused_decode_kernels_bfloat16_activations():
+    from kernels_cpu.reference import bf16_bits_to_float_ref
+    rng = np.random.default_rng(6)
+    q, f, p = quant_layer(rng, ("Q8_0",) * 4)
+    x16 = kc.float_to_bf16_bits(p["x"])
+    o16 = kc.float_to_bf16_bits(p["o"])
+    n16 = kc.float_to_bf16_bits(p["n2"])
+    got = kc.attn_out(x16, o16, q["wo"], n16, 1e-5, q["wgu"], q["wdown"])
+    assert got.dtype == np.uint16
+    want = kc.attn_out_ref(*(bf16_bits_to_float_ref(a) for a in (x16, o16)), f["wo"], bf16_bits_to_float_ref(n16),
+                           1e-5, f["wgu"], f["wdown"])
+    close_rel(bf16_bits_to_float_ref(got), want, 2.0 ** -7)
+    with pytest.raises(ValueError, match="all be float32 or all bfloat16"):
+        kc.attn_out(x16, p["o"], q["wo"], n16, 1e-5, q["wgu"], q["wdown"])
