@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _sources
 from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
-                     _i32, _i64, _q2k, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores,
+                     _i32, _i64, _q2k, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, select_mode, zcut_tau,
                      launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
 __all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged", "gather_value_sum", "store_rows",
@@ -352,15 +352,16 @@ class DecodeStep:
 
     def select(self, L, z, n, tau, idx, cap=0, n_live=None):
         """threshold_select of z's first n columns on the stats in m, l (ops.threshold_select's
-        semantics, cap included: 0 = none; the histograms zeroed by prep) -> counts [Hq]; idx
+        semantics, cap included: 0 = none; the histograms zeroed by prep when select_mode(tau, cap, n)
+        is 0) -> counts [Hq]; idx
         int32 [Hq, >= n] rows <- the selected indices (first counts[h], unordered). n_live: as scores."""
         nb = self.n_bins
         tpb, _ = _score_blocks(n, self.Hq, self.num_sms)
-        mode = 1 if tau >= 1.0 else (2 if tau <= 0.0 else 0)
+        mode = select_mode(tau, cap, n)
         if mode == 0:
             launch_zhist(L, z, n, tpb, self.m, self.z_range, nb, self.hist, self.hcount, cap > 0, n_live)
-        launch_zcut(L, self.hist, self.hcount, nb, tau, mode, self.m, self.l, self.cut, self.l_sel, self.counts,
-                    cap if mode == 0 else 0)
+        launch_zcut(L, self.hist, self.hcount, nb, zcut_tau(tau), mode, self.m, self.l, self.cut, self.l_sel,
+                    self.counts, cap if mode == 0 else 0)
         launch_zcompact(L, z, n, tpb, self.m, self.z_range, nb, self.cut, idx, self.counts, n_live)
         return self.counts
 
@@ -385,9 +386,9 @@ class DecodeStep:
     def gather(self, L, idx, z, n, cap, V, q2k, part0, grouped=False):
         """The selection's value sum read from the host pool V [Hkv, >= n, d] (pinned, mapped) into
         os / ms / ls [part0:], on the stats in m and the counts `select` left; returns the next free
-        part. idx: select's int32 rows (or topk's int64 [Hq, cap]); cap: 0 = none. grouped: the
-        selection was select's histogram cut (0 < tau < 1) and q2k is h // group: each row is read
-        once per kv group (gather_value_sum_grouped)."""
+        part. idx: select's int32 rows; cap: 0 = none. grouped: the selection was select's
+        histogram cut (select_mode 0) and q2k is h // group: each row is read once per kv group
+        (gather_value_sum_grouped)."""
         cap = cap or 2**31 - 1
         g = self.group if grouped and idx.dtype == _torch().int32 else 0
         nsplit = _gather_nsplit(min(n, idx.shape[1], cap), self.Hq, g, self.num_sms)

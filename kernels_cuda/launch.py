@@ -230,6 +230,21 @@ def _attend_split_max(capacity: int, Hq: int, num_sms: int) -> int:
     return max(1, min(_cdiv(max(capacity, 1), _ATT_TILE), _cdiv(2 * num_sms, Hq)))
 
 
+def select_mode(tau: float, cap: int | None, n: int) -> int:
+    """zcut's mode for a selection over n scores: 0 = the histogram cut (0 < tau < 1, or tau >= 1
+    with a cap below n: whole bins from the top, at most cap tokens, the cap alone cutting),
+    1 = every token, 2 = none (tau <= 0). The one rule behind every GPU selection."""
+    if tau <= 0.0:
+        return 2
+    return 0 if tau < 1.0 or (cap and 0 < cap < n) else 1
+
+
+def zcut_tau(tau: float) -> float:
+    """The tau zcut gets: tau >= 1 as 2, a mass no rounding of the histogram's sum reaches, so that
+    only a cap cuts (tau 1 itself could stop a bin early and drop tokens of tiny mass)."""
+    return 2.0 if tau >= 1.0 else tau
+
+
 def _score_blocks(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
     """(tokens per block, nblk) of the (nblk, Hq) grids over n scores (scores, stats, selection)."""
     tpb = _tokens_per_block(n, Hq, num_sms, lo=2048)

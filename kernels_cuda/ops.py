@@ -21,7 +21,7 @@ import math
 # (N_BINS, Z_RANGE: the histogram's defaults, public here as before)
 from .launch import (N_BINS, Z_RANGE, _ATT_THREADS, _ENC_THREADS, _ENC_TOK, _KV_SUFFIX, _MAX_GRID_YZ,
                       _MERGE_THREADS, _SMEM_MARGIN, _attend_split, _backend, _cdiv, _check, _f32c, _i32, _i64,
-                      _q2k, _rows, _score_blocks, _torch, launch_approx_scores, launch_attend_partial,
+                      _q2k, _rows, _score_blocks, _torch, select_mode, zcut_tau, launch_approx_scores, launch_attend_partial,
                       launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)  # noqa: F401
 
 __all__ = ["build_lut", "approx_scores", "threshold_select", "attend_exact", "lse_merge", "encode_keys"]
@@ -121,9 +121,10 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
     z [Hq, n] f32 (contiguous rows), tau float, out_idx optional int32 [Hq, >=n]
     (contiguous rows), stats optional (m [Hq], l [Hq]) as returned by
     approx_scores for this z (skips one pass over z)
-    cap: at most this many tokens per head (0 < tau < 1 only): the top bins whose
-    count stays <= cap, the top bin always (scores.cu, zcut); counts may then
-    exceed cap only when the top bin alone does (take any cap of them)
+    cap: at most this many tokens per head, any tau > 0 (launch.select_mode): the
+    top bins whose count stays <= cap and whose mass reaches tau, the top bin
+    always (scores.cu, zcut); counts may then exceed cap only when the top bin
+    alone does (take any cap of them)
     -> (idx int32 [Hq, n] (view of out_idx when given; the first counts[h] entries of
     row h are the selected token indices in unspecified order, the rest is
     scratch), counts int32 [Hq], m f32 [Hq] = max z[h] (the stats tensor when
@@ -171,7 +172,7 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
     if n_bins * 4 * (2 if cap else 1) > optin - _SMEM_MARGIN:
         raise ValueError(f"n_bins={n_bins} does not fit in shared memory")
     tpb, nblk = _score_blocks(n, Hq, num_sms)
-    mode = 1 if tau >= 1.0 else (2 if tau <= 0.0 else 0)
+    mode = select_mode(tau, cap, n)
     cut = be.empty((Hq,), torch.int32, dev)
     l_sel = be.empty((Hq,), torch.float32, dev)
     counts = be.empty((Hq,), torch.int32, dev)  # zeroed by zcut
@@ -195,7 +196,7 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
         if mode == 0:
             hists.zero_()
             launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, capped)
-        launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap if capped else 0)
+        launch_zcut(L, hist, hcount, n_bins, zcut_tau(tau), mode, m, l_all, cut, l_sel, counts, cap if capped else 0)
         launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts)
     return idx, counts, m, l_sel
 

@@ -249,10 +249,9 @@ def test_prompt_fitted_codebooks_close_to_dense(tiny_model_dir, gpu_engine):
 
 @pytest.mark.parametrize("key_store", ["exact", "codebook"])
 def test_max_select_matches_cpu(tiny_model_dir, gpu_engine, key_store):
-    """The selection cap (kv/select_cap.py; torch.topk on the device): tau = 1 with a cap of 6 keeps
-    the top 6 store tokens of each head, on both backends. Exact keys: the same scores, so the
-    same tokens (1e-4). Codebooks fitted on each side from the same keys: scores differ in the last
-    bits, and a swap at the cap's edge is allowed to move a logit by more (argmax agreement)."""
+    """The selection cap at tau = 1: at most 6 store tokens per head, whole score buckets from the
+    top on both backends (the CPU's levels, the GPU's histogram bins: different widths, so the
+    sets may differ at the cap's edge). Logits stay close; argmax agrees."""
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(140, seed=10)
     kw = dict(ctx=256, kv="hca", key_store=key_store, tau=1.0, max_select=6, window=16, sinks=4,
@@ -262,10 +261,9 @@ def test_max_select_matches_cpu(tiny_model_dir, gpu_engine, key_store):
     want, got, eng = cpu_and_gpu_steps(gpu_engine, d, ids, kw)
     n = eng.cache.n_store
     assert n > 100 and all(np.all(f <= 6 / (n - 3) + 1e-9) for f in eng.cache.record_selection)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
     if key_store == "exact":
-        assert (got - want).abs().max().item() <= 1e-4
-    else:
-        assert (got.argmax(-1) == want.argmax(-1)).all()
+        assert (got - want).abs().max().item() <= 0.005
 
 
 def test_max_select_below_tau_one_capped_in_the_histogram(tiny_model_dir, gpu_engine):
@@ -312,7 +310,7 @@ GATHER_CASES = {
     "exact-tau1": dict(key_store="exact", tau=1.0),
     "codebook-tau0.9": dict(groups=8, centroids=32, tau=0.9, fit_min_tokens=48),
     "far-positions": dict(key_store="exact", tau=1.0, far_positions="on"),
-    "cap-topk": dict(key_store="exact", tau=1.0, max_select=6),
+    "cap-tau1": dict(key_store="exact", tau=1.0, max_select=6),
     "cap-histogram": dict(key_store="exact", tau=0.9, max_select=8),
 }
 
@@ -345,7 +343,8 @@ def test_value_sum_on_gpu_matches_host_sum(tiny_model_dir, gpu_engine, monkeypat
         outs[vs] = (gen, torch.cat(lg).cpu(), eng.cache.second_copies, list(gathers))
     L = 2   # the tiny model's layers: 7 decode steps of generate, 3 steps, and (maybe) the prefill's last token
     assert outs["host"][3] == [] and outs["gpu"][2] == 0
-    histogram_cut = 0.0 < GATHER_CASES[case]["tau"] < 1.0      # the grouped gather's precondition
+    c = GATHER_CASES[case]
+    histogram_cut = 0.0 < c["tau"] < 1.0 or "max_select" in c     # the grouped gather's precondition
     assert len(outs["gpu"][3]) >= 10 * L and set(outs["gpu"][3]) == {histogram_cut}
     assert outs["host"][0] == outs["gpu"][0]
     diff = (outs["host"][1] - outs["gpu"][1]).abs().max().item()

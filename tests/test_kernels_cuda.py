@@ -122,11 +122,12 @@ def test_emu_threshold_select(order, n):
 @emu_only
 @pytest.mark.parametrize("order", EMU_ORDERS)
 @pytest.mark.parametrize("cap", [1, 5, 40, 2999])
-def test_emu_threshold_select_cap(order, cap):
+@pytest.mark.parametrize("tau", [0.9, 1.0])
+def test_emu_threshold_select_cap(order, cap, tau):
     rng = np.random.default_rng(30 + cap)
     z = _z_cases(rng, 9, 3000)
     z[4, :200] = 3.0                       # a top bin of 200 tokens: alone above small caps
-    check_threshold_cap(Env("emu", order=order), z, 0.9, cap)
+    check_threshold_cap(Env("emu", order=order), z, tau, cap)
 
 
 @emu_only
@@ -312,11 +313,12 @@ def test_gpu_threshold_select(n):
 
 @gpu_only
 @pytest.mark.parametrize("cap", [1, 64, 4096])
-def test_gpu_threshold_select_cap(cap):
+@pytest.mark.parametrize("tau", [0.9, 1.0])
+def test_gpu_threshold_select_cap(cap, tau):
     rng = np.random.default_rng(40 + cap)
     z = _z_cases(rng, 9, 70000)
     z[4, :5000] = 3.0
-    check_threshold_cap(Env(GPU_KIND, num_sms=132), z, 0.9, cap)
+    check_threshold_cap(Env(GPU_KIND, num_sms=132), z, tau, cap)
 
 
 @gpu_only

@@ -54,6 +54,7 @@ import torch
 import kernels_cpu as kc
 import kernels_cuda as kcu
 import kernels_cuda.decode as kcu_decode
+import kernels_cuda.launch as kcu_launch
 
 from ..errors import MiniRunError
 from .codebooks import Codebooks
@@ -93,7 +94,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         Hq, hd = self.Hq, self.hd
         if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
-        # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut (0 < tau < 1)
+        # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut
         self._grouped_gather = self._groups_gather(self.value_sum)
         store_cap = max(0, capacity - sinks - window)
         self.prefill_values = GrowingBuffer((self.n_layers, self.Hkv), hd, dtype, store_cap, device=device)
@@ -145,10 +146,15 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return {"value_sum": config.value_sum}
 
     def _groups_gather(self, value_sum: str) -> bool:
-        """Whether the GPU value sum reads each row once per kv group: a histogram cut (0 < tau < 1)
-        and query head h on kv head h // group; else each query head reads its own rows."""
-        return (value_sum == "gpu" and 0.0 < self.tau < 1.0
+        """Whether the GPU value sum reads each row once per kv group: a histogram cut (0 < tau < 1,
+        or a cap) and query head h on kv head h // group; else each query head reads its own rows."""
+        return (value_sum == "gpu" and self._histogram_cut()
                 and kcu_decode.grouped_layout(self.q_to_kv, self.Hq, self.Hkv))
+
+    def _histogram_cut(self, n: int = 2**31 - 1) -> bool:
+        """Whether a selection over n store tokens cuts a histogram (kernels_cuda select_mode 0):
+        then decode_prep zeroes the histograms first."""
+        return kcu_launch.select_mode(self.tau, self.max_select, n) == 0
 
     def set_value_sum(self, choice: str) -> None:
         """Switch where later decode steps sum the selected values (VALUE_SUMS) on a filled cache, so
@@ -172,17 +178,18 @@ class HCACacheCUDA(CapturedSteps, HCABase):
 
         kernels_cuda (checked against the emulator's launch log in tests/test_hca_cuda.py):
         decode_prep 1, build_lut 1 + approx_scores 2 (scores, ms_reduce) -- with exact keys a torch
-        bmm and zstats 2 instead --, threshold_select 3 for 0 < tau < 1 (zhist, zcut, zcompact) or
-        2, pack_selection 1, attend_partial 1 (2 with far positions: the sinks take the far query),
-        lse_merge_staged 1. torch on the device: none (exact keys: bmm + its copy into z; capped
-        with tau >= 1: topk -- below 1 the histogram caps; a float16 model: the output cast);
+        bmm and zstats 2 instead --, threshold_select 3 for a histogram cut (0 < tau < 1, or
+        capped: zhist, zcut, zcompact) or 2, pack_selection 1, attend_partial 1 (2 with far positions: the sinks take the far query),
+        lse_merge_staged 1. torch on the device: none (exact keys: bmm + its copy into z; a float16
+        model: the output cast);
         memcpys 2 (D2H pack, H2D stage), plus once per token the far turn's angles and, while the
         ring refills after a truncate, its slot mask. value_sum "gpu": gather_value_sum instead of
         pack_selection (the same kernel count) and no memcpy.
         """
-        k = 1 + (2 if exact_keys else 3) + (3 if 0.0 < tau < 1.0 else 2) + 1 + (2 if far else 1) + 1
+        hist = kcu_launch.select_mode(tau, 1 if capped else 0, 2) == 0
+        k = 1 + (2 if exact_keys else 3) + (3 if hist else 2) + 1 + (2 if far else 1) + 1
         half_cast = dtype not in (torch.float32, torch.bfloat16)
-        t = (2 if exact_keys else 0) + (1 if capped and tau >= 1.0 else 0) + (1 if half_cast else 0)
+        t = (2 if exact_keys else 0) + (1 if half_cast else 0)
         return {"kernels_cuda": k, "torch": t, "memcpy": 2 if value_sum == "host" else 0}
 
     # ---- attention ----------------------------------------------------------------------------
@@ -198,7 +205,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             self._far_angles(ds)
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W],
-                             self._evx[layer, :, S + W], far, 0.0 < self.tau < 1.0)
+                             self._evx[layer, :, S + W], far, self._histogram_cut(self.n_store))
             if self.value_sum == "gpu" and self._pool_mapped():
                 return self._gathered_step(L, ds, layer, qs, qf, q.dtype)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
@@ -281,7 +288,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         with ds.session() as L:
             for t in range(qs.shape[0]):
                 q = qs[t].contiguous()
-                if 0.0 < self.tau < 1.0:
+                if self._histogram_cut(self.n_store):
                     ds.hists.zero_()    # (a decode step's prep zeroes them; no prep here)
                 stage = self._host_sum(L, ds, layer, *self._select(L, ds, layer, q))
                 outs.append((stage[:, :self.hd], stage[:, self.hd], stage[:, self.hd + 1]))
@@ -308,10 +315,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             ds.stats(L, zb, n)
         idx = self.sel.data[..., 0]
         cap = self.max_select if self.max_select and n > self.max_select else 0
-        in_kernel = cap and 0.0 < self.tau < 1.0   # the histogram's cap: whole bins from the top (zcut)
-        ds.select(L, zb, n, self.tau, idx, cap if in_kernel else 0)
-        if cap and not in_kernel:   # tau >= 1: the first min(count, cap) of the sorted top `cap`
-            idx = torch.topk(zb[:, :n], cap, dim=1, sorted=True).indices          # int64 (kv/select_cap.py)
+        ds.select(L, zb, n, self.tau, idx, cap)     # (the cap inside: whole bins from the top, zcut)
         return zb, idx, n, cap or 2**31 - 1
 
     def _copy_back(self, L, ds, zb, idx, n, w, cap):

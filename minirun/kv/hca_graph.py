@@ -12,7 +12,7 @@ the new token's k, v (decode_prep's spare row) into the freed slot. graph_advanc
 host bookkeeping the eager advance does, without its copies.
 
 Capturable (graph_capturable, fixed per cache): the GPU's value sum (value_sum "gpu": no
-host part in the step), codebook keys, no --max-select with tau >= 1 (torch.topk over n). Length
+host part in the step) and codebook keys. Length
 scaling's factor moves every token: it is written with the state and applied to the scaled
 queries on the device (two small multiplies a layer). Per token (graph_key): decode mode, a full ring
 (no slot mask), every store key encoded, codebooks fitted, no selection probe, room in the store;
@@ -33,7 +33,7 @@ class CapturedSteps:
     graph_snapshot / graph_restore around the capture's warm-ups)."""
 
     def graph_capturable(self) -> bool:
-        return self.value_sum == "gpu" and not self.layout.exact_keys and not (self.max_select and self.tau >= 1.0)
+        return self.value_sum == "gpu" and not self.layout.exact_keys
 
     def _graph_state(self):
         """The device state [pos, slot, row, leaving pos] int64 and n_live (the row's int32 low word)."""
@@ -91,7 +91,7 @@ class CapturedSteps:
         tau = self.tau
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self.scale, self._ekx[layer, :, S + W],
-                             self._evx[layer, :, S + W], far, 0.0 < tau < 1.0)
+                             self._evx[layer, :, S + W], far, self._histogram_cut(n_keys))
             if self.length_ctx:   # (its factor moves every token: read from device memory)
                 qs.mul_(self._length_factor)
                 if far:
@@ -101,7 +101,7 @@ class CapturedSteps:
                       n_live=self._n_live)
             # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
             cap = self.max_select or 0
-            ds.select(L, zb, n_keys, tau, idx, cap if 0.0 < tau < 1.0 else 0, n_live=self._n_live)
+            ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live)
             P = self._exact_parts(L, ds, layer, qs, qf)
             P = ds.gather(L, idx, zb, n_keys, cap, self.values.data[layer], self.q2k_dev, P,
                           grouped=self._grouped_gather)
