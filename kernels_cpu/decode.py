@@ -72,7 +72,7 @@ def _rms_norm(x, w, eps, out):
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _gemv_rows_f32(w, x, out):
     """out [O] = w [O, I] @ x [I], all float32. Each row is a contiguous 1-D view: indexing w[r, i]
-    instead left LLVM with partly scalar code (~0.88x the time per step this way on the Zen 4 VM,
+    instead left LLVM with partly scalar code (~0.88x the time per step this way on a Zen 4,
     scripts/bench_decode_kernels.py)."""
     O = w.shape[0]
     for b in prange((O + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
@@ -90,7 +90,7 @@ def _gemv_rows_bf16_pairs(w2, x_even, x_odd, out):
     each word is element 2i, the high half element 2i+1 (little endian), so both widen to
     float32 with one shift or one mask and every lane stays 32 bits wide, which vectorizes;
     x_even = x[0::2], x_odd = x[1::2]. Element-wise uint16 loads were assembled word by word
-    (vpinsrw) and the FMAs stayed scalar: this is ~0.79x the time per step (Zen 4 VM)."""
+    (vpinsrw) and the FMAs stayed scalar: this is ~0.79x the time per step (Zen 4)."""
     O = w2.shape[0]
     for b in prange((O + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         for r in range(b * _ROWS_PER_TASK, min(O, (b + 1) * _ROWS_PER_TASK)):
@@ -112,8 +112,8 @@ def _gemv_f32(w, x, out):  # pragma: no cover - replaced by the overload inside 
 def _gemv_f32_impl(w, x, out):
     """out [O] (float32) = w [O, I] @ x [I] (float32); w float32 or bfloat16 bits (I even).
 
-    No software prefetch: on the Zen 4 VM it cost ~8% with these kernels (it had gained 15-20% on
-    the Icelake VM with the former element-indexed kernel, which the hardware prefetcher fed worse).
+    No software prefetch: on a Zen 4 it cost ~8% with these kernels (it had gained 15-20% on
+    an Icelake with the former element-indexed kernel, which the hardware prefetcher fed worse).
     """
     if not isinstance(w, types.Array):
         return None                            # (quantized tiles: kernels_cpu.quant's overload)
@@ -326,7 +326,7 @@ def dense_attend(q, K, V, n, scale=1.0, out=None):
     q [Hq, d] (scores are scale * q.k); K, V [Hkv, >=n, d] (C-contiguous); each of q, K, V and
     out float32 or bfloat16 bits (uint16); Hq a multiple of Hkv (query head h reads kv-head
     h // (Hq/Hkv)). Returns out [Hq, d] (float32 unless given). n >= 1. torch's SDPA on the same
-    decode step costs 2-3x as much on the 2-core VM (dispatch at short contexts, a slower inner
+    decode step costs 2-3x as much on a 2-core CPU (dispatch at short contexts, a slower inner
     loop at long ones).
     """
     Hq, d = q.shape

@@ -1,6 +1,6 @@
 // decode.cu -- the glue of one HCA decode step on the GPU (minirun/kv/hca_cuda.py), each in one
 // launch where torch took several ops: on an H100 a layer's step was bound by launches and Python
-// (docs/BENCHMARKS.md, twelfth session), not by the GPU.
+// (docs/PROFILE.md), not by the GPU.
 //
 //   decode_prep_*       the step's queries (scaled; turned for far positions), the new token's k, v
 //                       copied into the exact tier's spare row, the selection histogram zeroed

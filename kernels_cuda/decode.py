@@ -2,7 +2,7 @@
 
 On an H100 a decode step of SmolLM2 was bound by the host: ~10 kernels_cuda wrappers (argument
 checks, torch allocations, a stream session each) and ~20 torch ops per layer and token
-(docs/BENCHMARKS.md, twelfth session). `DecodeStep` allocates every output and temporary once,
+(docs/PROFILE.md). `DecodeStep` allocates every output and temporary once,
 launches the scoring and selection kernels through launch.py's helpers (as ops.py does), and adds the
 three kernels of decode.cu that replace torch glue: the step's query preparation (+ the new token
 staged into the exact tier's spare row, + the histogram zeroed), the copy-back pack, and the merge

@@ -1,6 +1,6 @@
 // layer.cu -- the small ops around a Llama layer's GEMMs for one decode token on the GPU
 // (minirun/ops.py), each in one launch where torch takes several: on an H100 a decode token of
-// SmolLM2 was bound by ~40 torch ops per layer (docs/BENCHMARKS.md, twelfth session).
+// SmolLM2 was bound by ~40 torch ops per layer (docs/PROFILE.md).
 //
 //   rms_norm_*      y = w * (x * rsqrt(mean(x^2) + eps))                      (HF LlamaRMSNorm)
 //   add_rms_norm_*  s = x + r; y = rms_norm(s)                               (residual + next norm)

@@ -1,11 +1,10 @@
 """Transparent huge pages for the large CPU buffers a decode step streams or gathers from.
 
-On Linux with transparent huge pages in "madvise" mode (the default of many distributions and of
-the CI VM), anonymous memory gets 2 MiB pages only where madvise(MADV_HUGEPAGE) asked for them.
+On Linux with transparent huge pages in "madvise" mode (the default of many distributions), anonymous memory gets 2 MiB pages only where madvise(MADV_HUGEPAGE) asked for them.
 The decode step reads every layer's weights, the dense K/V, the HCA index store once per token,
 and gathers scattered 256-byte value rows from the HCA value pool: with 4 KiB pages the gather
-misses the TLB on most rows (a page walk, doubled under a hypervisor). On the 2-core VM, dense
-decode at 16K went from 55-61 to 50.5-51.6 ms per token (docs/BENCHMARKS.md, sixth session).
+misses the TLB on most rows (a page walk, doubled under a hypervisor). On a 2-core Zen 4 machine,
+dense decode at 16K went from 55-61 to 50.5-51.6 ms per token.
 
 The advice has to come before the pages are first touched (already-present 4 KiB pages are only
 merged later by a background thread), so buffers are made here empty, advised, then filled.

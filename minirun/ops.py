@@ -164,8 +164,8 @@ def _on_hugepages(w):
 
 
 # ---- the same for one GPU token: kernels_cuda.layer (rms_norm, rope, add + rms_norm, silu * up) ------
-# A one-token step on an H100 was bound by ~40 torch ops per layer, not by the GPU (BENCHMARKS.md,
-# twelfth session); these 4 kernels replace ~30 of them. MINIRUN_CUDA_LAYER=0 turns them off.
+# A one-token step on an H100 was bound by ~40 torch ops per layer, not by the GPU (docs/PROFILE.md);
+# these 4 kernels replace ~30 of them. MINIRUN_CUDA_LAYER=0 turns them off.
 
 
 def prepare_cuda_decode(weights: dict, args: ModelArgs, device: torch.device, dtype: torch.dtype,

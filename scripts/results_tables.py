@@ -6,8 +6,8 @@
 A results file is one JSON object: title, command, machine, date (what produced the figures, where,
 when), kind, and the tool's own output: "bench" (rows of `minirun bench -o json` or of
 scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval" (the report of
-`minirun eval -o json`), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" (rows pairing a
-`llama-bench -o json` figure with a `minirun bench` one on the same weights), "plan" (`minirun
+`minirun eval -o json`), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" ("report":
+scripts/bench_vs_llamacpp.py's, whose --json writes the whole file), "plan" (`minirun
 plan -o json`), "serve" ("runs": scripts/bench_serve.py reports, one per server). A document shows a
 file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
 name without .json; VIEW "summary": an eval report without its per-cell table), headed by its
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -43,11 +44,21 @@ def paired_table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def vs_llamacpp_table(rows: list[dict]) -> str:
-    lines = ["| weights | test | llama.cpp t/s | minirun t/s | minirun / llama.cpp |", "|---|---|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['weights']} | {r['test']} | {r['llama_cpp_tps']:.1f} | {r['minirun_tps']:.1f} | "
-                     f"{r['minirun_tps'] / r['llama_cpp_tps']:.2f}x |")
+def vs_llamacpp_table(report: dict) -> str:
+    """scripts/bench_vs_llamacpp.py's report: per weight format, each engine's median (min-max)
+    tokens/s over the paired rounds, the median of the per-round ratios, and the resident bytes."""
+    def med(xs):
+        return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+    lines = [f"pp{report['p']} / tg{report['n']}, {report['rounds']} paired rounds (llama-bench, then minirun bench, "
+             "back to back); median (min-max) tokens/s, and the median of the rounds' ratios", "",
+             "| weights | llama.cpp pp | minirun pp | pp ratio | llama.cpp tg | minirun tg | tg ratio | resident / GGUF bytes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for fmt, r in report["formats"].items():
+        res = r["resident"]
+        lines.append(f"| {fmt} | {med(r['llama.cpp']['pp'])} | {med(r['minirun']['pp'])} | "
+                     f"{statistics.median(r['ratio']['pp']):.2f}x | {med(r['llama.cpp']['tg'])} | "
+                     f"{med(r['minirun']['tg'])} | {statistics.median(r['ratio']['tg']):.2f}x | "
+                     f"{res['held'] / 2**20:.1f} / {res['gguf'] / 2**20:.1f} MiB ({res['ratio']:.3f}) |")
     return "\n".join(lines)
 
 
@@ -94,7 +105,7 @@ def render(d: dict, view: str | None = None) -> str:
     elif kind == "paired":
         body = paired_table(d["report"])
     elif kind == "vs-llamacpp":
-        body = vs_llamacpp_table(d["rows"])
+        body = vs_llamacpp_table(d["report"])
     elif kind == "plan":
         body = "```\n" + format_plan(d["report"]) + "\n```"
     elif kind == "serve":

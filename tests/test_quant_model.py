@@ -171,9 +171,9 @@ def test_cli_weights(tiny_model_dir, tmp_path, capsys):
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "quantizes a float checkpoint" in err[0]
-    main(["plan", str(q), "--kv", "dense", "--ctx", "1K", "--device", "cpu", "-o", "json"])
+    main(["plan", str(q), "--kv", "dense", "--ctx", "1K", "--device", "cpu", "-o", "json"])   # (plan: float32 activations by default)
     report = json.loads(capsys.readouterr().out)
-    assert report["weights"] == "Q8_0" and report["tiers"][0]["bytes"] == weight_bytes(ModelArgs.from_path(q), "bfloat16")
+    assert report["weights"] == "Q8_0" and report["tiers"][0]["bytes"] == weight_bytes(ModelArgs.from_path(q), "float32")
 
 
 # ---- the real SmolLM2 -----------------------------------------------------------------------------

@@ -53,3 +53,19 @@ def test_readme_flags_and_hca_opts_exist():
     keys = set(re.findall(r"^\| `([a-z_]+)`", table, re.M)) | set(re.findall(r"`([a-z_]+)`,", table))
     keys = {k for k in keys if "_" in k or k in ADVANCED}
     assert {"far_positions", "rescore", "value_sum", "cuda_graphs"} <= keys and keys <= set(ADVANCED), keys - set(ADVANCED)
+
+
+def test_results_tables_match_their_files():
+    """Every results table in README.md and docs/*.md is what scripts/results_tables.py renders from
+    docs/results/ (a figure edited by hand, or a results file changed without its table, fails),
+    and every table names a results file that exists."""
+    import importlib.util
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("results_tables", root / "scripts" / "results_tables.py")
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    assert rt.main(["--check"]) == 0
+    names = {m.group(2) for md in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+             for m in rt.BLOCK.finditer(md.read_text())}
+    assert names, "no results tables"
+    assert not [n for n in names if not (rt.RESULTS / f"{n}.json").is_file()]

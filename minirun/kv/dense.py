@@ -138,8 +138,8 @@ def dense_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos0: int
     if T == 1:
         # decode on the GPU or in float16 (the CPU's float32/bfloat16 steps take dense_attend): the
         # n_rep query heads of a kv-head act as n_rep queries of one head, no mask, no K copy; 4-D
-        # inputs take torch's fused CPU kernel, 3-D ones its math path (measured on the 2-core VM,
-        # 2026-11-23: 3x slower at 512 keys and 9x at 16K in bfloat16, 1.5x at 16K in float32)
+        # inputs take torch's fused CPU kernel, 3-D ones its math path (measured on a 2-core
+        # Zen 4: 3x slower at 512 keys and 9x at 16K in bfloat16, 1.5x at 16K in float32)
         qg = q.view(1, Hkv, Hq // Hkv, hd)
         return F.scaled_dot_product_attention(qg, K[None], V[None]).reshape(1, Hq, hd)
     if pos0 > 0:

@@ -11,7 +11,7 @@ Where things live (CUDA device):
 - host: the value pool, page-locked and allocated once at capacity (minirun/kv/pinned.py says why),
   and small pinned staging buffers (the copied-back selection, the (o, m, l) stage).
 
-One decode step of one layer (`_decode_step`), in issue order on the current stream, every kernel
+One decode step of one layer (`_decode_step`), in launch order on the current stream, every kernel
 launched by kernels_cuda.decode.DecodeStep on buffers allocated once (no torch allocation, no
 torch op on the device but the two copies):
   GPU: decode_prep (scaled query, far query, the new token's k, v into the exact tier's spare
