@@ -120,18 +120,24 @@ def resident(d: Path, dtype: str, gguf: Path) -> dict:
     eng = Engine.load(d, device="cpu", dtype=dtype, ctx=256)
     seen, held = set(), 0
 
-    def add(w):
+    def add(w):   # each buffer once: a tied LM head is the embedding, the kernels' "np" views alias the tensors
         nonlocal held
         if isinstance(w, dict):
-            for v in w.values():
-                add(v)
+            for k, v in w.items():
+                if k != "np":
+                    add(v)
         elif isinstance(w, list):
             for v in w:
                 add(v)
-        elif id(w) not in seen and (isinstance(w, torch.Tensor) or hasattr(w, "nbytes")):
+        elif isinstance(w, torch.Tensor):
+            key = (w.data_ptr(), w.numel())
+            if key not in seen:
+                seen.add(key)
+                held += w.numel() * w.element_size()
+        elif hasattr(w, "nbytes") and id(w) not in seen:
             seen.add(id(w))
-            held += w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
-    add({k: v for k, v in eng.model.w.items() if k != "np"})
+            held += w.nbytes
+    add(eng.model.w)
     file_bytes = sum(int(t.n_bytes) for t in open_gguf(gguf).tensors)
     return {"held": held, "gguf": file_bytes, "ratio": held / file_bytes}
 
