@@ -1,7 +1,7 @@
-"""Exact scores of the selected tokens, from full-precision keys in host memory (`--rescore`).
+"""Exact scores of the selected tokens, from full-precision keys in host memory (the `rescore` setting).
 
 The codebook scores pick the tokens that carry a head's mass; used as softmax weights too they
-carry the codebooks' error (docs/QUALITY.md, "Why 12.5% falls short": with every token selected,
+carry the codebooks' error (docs/QUALITY.md, "Rescoring from host keys": with every token selected,
 the 4-dimension codebooks alone cost +7% perplexity). With the keys kept on the host beside the
 values, the selected tokens' scores are recomputed exactly here and the value sum weights them by
 those: codebooks only select.

@@ -1,8 +1,8 @@
 """Whole decode tokens replayed from CUDA graphs (EngineConfig.cuda_graphs): one launch per token.
 
-Why: on the lent H100 a decode token of SmolLM2 was bound by the host, not the GPU: dense decode
-ran 41-53 tok/s at 8K-32K and barely slowed with depth (docs/BENCHMARKS.md, twelfth session),
-~10 ops per layer and token, each costing the host tens of microseconds. A graph replays all of a
+Why: on an H100 an eager decode token of SmolLM2 is bound by the host, not the GPU: dense decode
+ran 41-53 tok/s at 8K-32K and barely slowed with depth, ~10 ops per layer and token, each costing
+the host tens of microseconds (docs/PROFILE.md). A graph replays all of a
 token's kernels (torch's and kernels_cuda's, captured on the same stream) from one launch.
 
 What makes a token capturable (Model.decode_at with the cache's attend_at and commit_at): no host

@@ -1,7 +1,7 @@
 """Far positions: the HCA cache's answer to contexts longer than the model was trained on.
 
 A model trained to N tokens (SmolLM2: 8K) has never seen a query-key distance past N; at 12K
-tokens SmolLM2 loses a pass key with dense attention (docs/QUALITY.md, "Beyond the trained
+tokens SmolLM2 loses a pass key with dense attention (docs/QUALITY.md, "Past the trained
 context"). With far positions on, the exact ring keeps true distances (at most W + a chunk), and
 every older token, sinks and store, is attended as if it sat at one distance D from the query
 (InfLLM's memory units sit at D = W; D = 256 lost the pass key where 1024 found it): keys leave
@@ -15,7 +15,7 @@ one distance, an old key j keeps its order, G times compressed: it is held at po
 (R(j // G - j) k_j instead of R(-j) k_j) and read by a query at p turned to p // G + W - W // G, so
 the distance is W - W // G + p // G - j // G: W at the ring's edge, at most W + ctx / G past it,
 inside the trained context N with G = ceil(ctx / (N - W)) (`far_group`). Still one rotation per
-query and layer. docs/QUALITY.md, "Grouped far positions": a novel's continuation read better than
+query and layer. docs/QUALITY.md, "Past the trained context": a novel's continuation read better than
 with one distance at 16K and 24K.
 
 Rotation convention: that of ops.apply_rope (HF Llama's half split).
@@ -49,7 +49,7 @@ def far_group(ctx: int, window: int, trained_ctx: int | None) -> int:
 def default_far_distance(window: int, trained_ctx: int | None) -> int:
     """D when not given: 1024 (or half the trained context when that is shorter), never below the
     window. On SmolLM2 at ~12K tokens of Botchan the pass key was found with D = 1024 and 2048 and
-    lost with D = 256 (docs/QUALITY.md, "Beyond the trained context")."""
+    lost with D = 256."""
     return max(window, min(1024, trained_ctx // 2) if trained_ctx else 1024)
 
 
