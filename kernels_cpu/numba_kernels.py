@@ -1,4 +1,4 @@
-"""The Numba kernels (one module per family); each has a NumPy reference in kernels_cpu.reference.
+"""The Numba kernels (one module per family); each has a NumPy reference in tests/references/.
 
 All kernels take NumPy arrays and use `cache=True`; fastmath (_common._FASTMATH: reassoc, contract,
 vectorized dot products) only in kernels_cpu.decode and the multi-head dots of

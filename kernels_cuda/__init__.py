@@ -14,7 +14,7 @@ Public API -- torch CUDA tensors in and out, launched on torch's current stream
 ``kernels_cuda.decode`` holds the glue kernels of one HCA decode step and
 ``DecodeStep`` (that step's launches on persistent buffers).
 
-The NumPy references are ``kernels_cpu.reference.<name>_ref``.  The weighted
+The NumPy references are ``<name>_ref`` in tests/references/.  The weighted
 value sum runs on the CPU (kernels_cpu).  ``import kernels_cuda`` needs
 neither cupy nor torch; they are imported on first use.  See README.md.
 """

@@ -9,7 +9,7 @@ staged into the exact tier's spare row, + the histogram zeroed), the copy-back p
 with the host's staged part written in the model's dtype.
 
 The checked wrappers `decode_prep`, `pack_selection`, `lse_merge_staged` run the same launches on
-fresh tensors (the tests compare them with kernels_cpu.reference).
+fresh tensors (the tests compare them with tests/references/gpu.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu as kc
-from kernels_cpu import reference as ref
+import references as ref
 
 HQ, HKV, D = 9, 3, 64
 Q2K = (np.arange(HQ) // (HQ // HKV)).astype(np.int32)  # [0,0,0,1,1,1,2,2,2]
@@ -51,21 +51,28 @@ def make_P(rng, n_cap, g, c, dtype):
 # ---------------------------------------------------------------------------
 
 
-def test_imports_only_numpy_and_numba():
-    pkg = pathlib.Path(kc.__file__).parent
+def absolute_imports(pkg: pathlib.Path):
+    """(file name, module) for every import in pkg/*.py but the package's relative ones."""
     for f in pkg.glob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:  # relative import inside the package
-                    continue
-                mods = [node.module]
-            else:
-                continue
-            for mod in mods:   # (the standard library is fine: no torch, no minirun)
-                top = mod.split(".")[0]
-                assert top in {"numpy", "numba"} or top in sys.stdlib_module_names, (f.name, mod)
+                yield from ((f.name, a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                yield f.name, node.module
+
+
+def test_imports_only_numpy_and_numba():
+    for name, mod in absolute_imports(pathlib.Path(kc.__file__).parent):
+        top = mod.split(".")[0]   # (the standard library is fine: no torch, no minirun, no tests)
+        assert top in {"numpy", "numba"} or top in sys.stdlib_module_names, (name, mod)
+
+
+def test_references_do_not_use_the_kernels():
+    """The references stand apart from what they check: numpy only (the quantized formats' one
+    reads kernels_cpu.quant's tile layout, not its kernels)."""
+    for name, mod in absolute_imports(pathlib.Path(ref.__file__).parent):
+        allowed = {"numpy", "__future__"} | ({"kernels_cpu.quant"} if name == "quant.py" else set())
+        assert mod in allowed or mod.split(".")[0] in allowed, (name, mod)
 
 
 @pytest.mark.parametrize("soft", [False, True])

@@ -1,5 +1,5 @@
 """kernels_cuda/decode.cu (the glue of one GPU decode step) and gather.cu (the GPU value sum)
-against kernels_cpu.reference.
+against tests/references.
 
 Emulated runs (CPU, g++) in several thread orders, and the same checks on a GPU (skipped without
 one, with the reason). Tolerances:

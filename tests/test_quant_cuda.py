@@ -1,5 +1,5 @@
 """kernels_cuda/quant.cu (block-quantized GEMV and row dequantization) against the NumPy reference
-(kernels_cpu.reference_quant, itself held to gguf.quants in test_quant_kernels.py), on the CPU
+(tests/references/quant.py, itself held to gguf.quants in test_quant_kernels.py), on the CPU
 emulator and, with a GPU, on the device; and a model's steps through them against the CPU kernels.
 
 Tolerance: float32 summation order only (the GEMV adds 4 column groups and the K splits by
@@ -15,7 +15,7 @@ import torch
 import kernels_cuda
 from cuda_checks import Env
 from kernels_cpu import quant as kq
-from kernels_cpu.reference_quant import dequantize_ref, gemv_ref
+from references.quant import dequantize_ref, gemv_ref
 from kernels_cuda import quant as kcq
 from minirun.quant.formats import FORMATS, kernel_planes, to_planes
 from test_quant_kernels import random_blocks

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels_cpu as kc
-from kernels_cpu import reference as ref
+import references as ref
 from minirun import Engine
 from minirun.planner import plan, prompt_cache_bytes
 
@@ -75,10 +75,10 @@ def test_one_call_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, t
     q, k, v, EK, EV, C, P, V, cap = setup(rng, n_exact, n_store, 16, 1024, pool_dtype)
     K = rng.standard_normal(V.shape).astype(pool_dtype)
     o, counts = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=K)
-    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K, host_keys=K)
+    want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K, host_keys=K)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
     if n_store:   # (the codebook weights give another answer)
-        plain = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
+        plain = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
         assert np.abs(plain - want).max() > 1e-2
 
 
@@ -86,7 +86,7 @@ def test_one_call_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, t
 @pytest.mark.parametrize("n_exact,n_store,tau", ONE_CALL_CASES)
 def test_fast_scan_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, tau):
     from kernels_cpu import fastscan as fs
-    from kernels_cpu.reference import hca_decode_attend_fs_ref
+    from references import hca_decode_attend_fs_ref
     from test_fastscan import factors
     if not fs.available():
         pytest.skip("no AVX2: the fast scan is not built for this CPU")

@@ -19,29 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = [
-    "build_lut_ref",
-    "approx_scores_ref",
-    "pack_lut_ref",
-    "packed_scores_ref",
-    "packed_select_ref",
-    "exact_select_ref",
-    "threshold_select_ref",
-    "attend_exact_ref",
-    "weighted_value_sum_ref",
-    "selected_scores_ref",
-    "lse_merge_ref",
-    "encode_keys_ref",
-    "float_to_bf16_bits_ref",
-    "attn_in_ref",
-    "attn_out_ref",
-    "norm_gemv_ref",
-    "dense_attend_ref",
-    "turn_rows_ref",
-    "hca_decode_attend_ref",
-    "hca_exact_decode_attend_ref",
-]
-
 
 def build_lut_ref(q, codebooks, q_to_kv):
     """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32, q_to_kv int32 [Hq]
@@ -543,11 +520,3 @@ def turn_rows_ref(EK, start, cos, sin):
     out[:, start:, :h] = x1 * c - x2 * s
     out[:, start:, h:] = x2 * c + x1 * s
     return out.astype(np.float32)
-
-
-# ---- the glue of one GPU decode step (kernels_cuda/decode.cu) ---------------------------------------
-
-
-# the NumPy references of kernels_cuda's decode kernels live beside these, by the same names
-from .reference_gpu import (decode_prep_ref, gather_value_sum_ref, lse_merge_staged_ref,  # noqa: E402,F401
-                            pack_selection_ref, store_rows_ref)
