@@ -2,7 +2,7 @@
 launch helper per kernel without argument checks.
 
 A backend compiles and launches (CuPy's RawModule on torch's current stream; the tests install
-kernels_cuda._emu's CPU emulator with `_set_backend`). The checked wrappers of ops.py and the
+the CPU emulator of tests/cuda_emu.py with `_set_backend`). The checked wrappers of ops.py and the
 decode step's persistent-buffer launches (decode.DecodeStep) both go through the `launch_*`
 helpers here, so each kernel's argument list is written once.
 """
@@ -134,7 +134,7 @@ def _backend():
 
 
 def _set_backend(be):
-    """Install a launch backend (tests: kernels_cuda._emu); returns the previous one."""
+    """Install a launch backend (tests: tests/cuda_emu.py); returns the previous one."""
     global _backend_override
     prev = _backend_override
     _backend_override = be

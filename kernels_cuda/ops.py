@@ -12,7 +12,7 @@ Kernel launch geometry is documented in each .cu file and in README.md.
 cupy and torch are imported lazily: ``import kernels_cuda`` works without
 either.  The launch layer (backends, launch geometry, one unchecked launch helper
 per kernel) is kernels_cuda.launch: a small backend object, so that the tests can
-run these same wrappers on the CPU emulator (``kernels_cuda._emu``).
+run these same wrappers on the CPU emulator (tests/cuda_emu.py).
 """
 from __future__ import annotations
 

@@ -32,9 +32,9 @@ class Env:
             import contextlib
 
             return contextlib.nullcontext()
-        from kernels_cuda import _emu
+        import cuda_emu
 
-        return _emu.emulated(**self.emu_kw)
+        return cuda_emu.emulated(**self.emu_kw)
 
     def t(self, a, dtype=None):
         x = torch.from_numpy(np.ascontiguousarray(a))

@@ -2,7 +2,7 @@
 
 Backends: "gpu" (a CUDA device + cupy: Engine.load(device="cuda") picks the class by itself) and
 "emu" (no GPU: the same class on a CPU device, kernels_cuda launches routed to the CPU kernel
-emulator kernels_cuda._emu, no streams/events/pinning; needs g++). The emu runs exercise all the
+emulator tests/cuda_emu.py, no streams/events/pinning; needs g++). The emu runs exercise all the
 host-side logic (selection copy-back, widths, scatter, value sum, merge, eviction, prefill modes),
 not the stream/event ordering.
 
@@ -49,9 +49,9 @@ def gpu_engine(request):
     """gpu_engine(model_dir, **kw) -> (Engine with an HCACacheCUDA cache, launch context)."""
     kind = request.param
     if kind == "emu":
-        from kernels_cuda import _emu
+        import cuda_emu
 
-        emulated = _emu.emulated_hca_cuda   # (only engines loaded inside get the GPU class: not the CPU references)
+        emulated = cuda_emu.emulated_hca_cuda   # (only engines loaded inside get the GPU class: not the CPU references)
 
         def load(d, **kw):
             with emulated():

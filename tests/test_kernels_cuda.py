@@ -6,7 +6,7 @@ Three layers (the checks both runs share are in tests/cuda_checks.py):
   and NVRTC -- both need no GPU;
 * CPU emulation (``emu``): the unchanged wrappers of kernels_cuda.ops run the
   unchanged .cu sources through the fiber SIMT emulator
-  (kernels_cuda/_emu.py, needs g++) on small shapes, in forward / reverse /
+  (tests/cuda_emu.py, needs g++) on small shapes, in forward / reverse /
   random thread orders, against the NumPy references;
 * GPU (``gpu``): the same checks on a CUDA device at the specified shapes
   (Hq 9, Hkv 3, d 64, g 16/32, c 256/1024, n 0/1/1000/70000); skipped with the

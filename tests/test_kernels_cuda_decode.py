@@ -313,14 +313,14 @@ def test_gpu_lse_merge_staged(P, out_dtype):
 @emu_only
 def test_wrapper_argument_errors():
     """Shape and dtype mistakes fail in the wrappers, before any launch."""
-    from kernels_cuda import _emu
-    with _emu.emulated(), pytest.raises((ValueError, TypeError)):
+    import cuda_emu
+    with cuda_emu.emulated(), pytest.raises((ValueError, TypeError)):
         kd.decode_prep(torch.zeros(4, 7), torch.zeros(2, 7), torch.zeros(2, 7), 1.0, torch.zeros(2, 7),
                        torch.zeros(2, 7))                                       # odd head dim
-    with _emu.emulated(), pytest.raises(ValueError):
+    with cuda_emu.emulated(), pytest.raises(ValueError):
         kd.pack_selection(torch.zeros(3, 4, dtype=torch.int16), torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32), 2)
-    with _emu.emulated(), pytest.raises(ValueError):
+    with cuda_emu.emulated(), pytest.raises(ValueError):
         kd.gather_value_sum(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 8), torch.zeros(3, dtype=torch.int32),
                             torch.zeros(3), torch.zeros(2, 8, 300), [0, 0, 1], 8)   # head dim > block
-    with _emu.emulated(), pytest.raises(ValueError):
+    with cuda_emu.emulated(), pytest.raises(ValueError):
         kd.lse_merge_staged(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3, 5))

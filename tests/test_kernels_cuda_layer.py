@@ -82,7 +82,7 @@ def test_wrong_dtype_is_refused():
 def test_emu_model_decode_through_layer_kernels(tiny_model_dir, dtype):
     """Decode steps of a model whose layers take the GPU one-token path (forced onto the CPU,
     kernels on the emulator) against the same model's torch path: same greedy tokens, logits close."""
-    from kernels_cuda import _emu
+    import cuda_emu
     from minirun import Engine
     d = tiny_model_dir("gqa-untied")
     ids = list(range(5, 40))
@@ -94,7 +94,7 @@ def test_emu_model_decode_through_layer_kernels(tiny_model_dir, dtype):
     for lw in ref.model.w["layers"]:
         lw.pop("np", None)
     a = ref.generate(ids, max_new_tokens=6, ignore_eos=True)
-    with _emu.emulated() as be:
+    with cuda_emu.emulated() as be:
         b = eng.generate(ids, max_new_tokens=6, ignore_eos=True)
         lb = torch.stack([eng.step(t).reshape(-1) for t in b.tokens[:3]])
     names = {x[0] for x in be.launches}

@@ -117,8 +117,8 @@ def test_gpu_store_rows_into_the_mapped_pool():
 
 @emu_only
 def test_store_rows_argument_errors():
-    from kernels_cuda import _emu
-    with _emu.emulated():
+    import cuda_emu
+    with cuda_emu.emulated():
         with pytest.raises(ValueError, match="dst"):
             kd.store_rows(torch.zeros(2, 4), torch.zeros(3, 5, 4), torch.zeros(1, dtype=torch.int32))
         with pytest.raises(ValueError, match="row"):

@@ -72,7 +72,7 @@ def test_emu_cat_rows():
 def test_emu_model_steps_through_quant_kernels(tiny_model_dir):
     """A model whose quantized matrices run on quant.cu (forced onto the CPU: the emulator) against the
     same model on the CPU kernels: logits of a prefill and of decode steps."""
-    from kernels_cuda import _emu
+    import cuda_emu
     from minirun import Engine, ops
     from minirun.quant import QuantMatrix
     d = tiny_model_dir("gqa-untied")
@@ -87,7 +87,7 @@ def test_emu_model_steps_through_quant_kernels(tiny_model_dir):
     w.pop("np")
     assert ops.prepare_cuda_decode(w, eng.args, eng.device, eng.model.dtype, force=True)
     eng.model.cuda_decode = True
-    with _emu.emulated() as be:
+    with cuda_emu.emulated() as be:
         lq = eng.logits(ids[:8])
         eng.reset()
         eng.prefill(ids[:8])

@@ -187,14 +187,14 @@ def test_gpu_cache_class_rescores_on_the_host(tiny_model_dir, monkeypatch, backe
     """HCACacheCUDA (the emulator without a GPU): tau = 1 with codebooks and rescoring is dense
     attention, through the host sum's copy-back (the query copied back with the selection); the
     GPU value sum is not taken (the note says why)."""
-    from kernels_cuda import _emu
+    import cuda_emu
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(200, seed=5)
     dense = Engine.load(d, device="cpu", ctx=256)
     want = dense.logits(ids)
     kw = dict(ctx=256, kv="hca", tau=1.0, window=16, sinks=4, prefill_chunk=32, groups=8, centroids=32,
               fit_min_tokens=48, rescore=True, value_sum="gpu")
-    emulated = _emu.emulated_hca_cuda if backend == "emu" else contextlib.nullcontext
+    emulated = cuda_emu.emulated_hca_cuda if backend == "emu" else contextlib.nullcontext
     with emulated():
         eng = Engine.load(d, device="cpu" if backend == "emu" else "cuda", **kw)
         assert isinstance(eng.cache, HCACacheCUDA) and eng.cache.value_sum == "host" and eng.cache.host_keys is not None

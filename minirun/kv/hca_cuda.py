@@ -1,7 +1,7 @@
 """HCACacheCUDA: the HCA cache with its device tier on the GPU (CuPy kernels) and values on the host.
 
 Tested on an H100 (2026-11-24: the GPU tests against the CPU cache; kernels_cuda/README.md, "GPU
-backend") and, everywhere, on the CPU with the kernel emulator (kernels_cuda._emu), which runs the
+backend") and, everywhere, on the CPU with the kernel emulator (tests/cuda_emu.py), which runs the
 same code with CPU tensors and no streams.
 
 Where things live (CUDA device):
