@@ -54,7 +54,6 @@ from .numba_kernels import (
     codebook_norms,
     transpose_codebooks,
     encode_keys,
-    float_to_bf16_bits,
     attn_in,
     hca_decode_attend,
     hca_exact_decode_attend,

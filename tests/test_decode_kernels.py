@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import kernels_cpu as kc
+from cpu_wrappers import float_to_bf16_bits
 import references as ref
 from references import bf16_bits_to_float_ref
 
@@ -28,7 +29,7 @@ def special_floats(rng) -> np.ndarray:
 
 def test_float_to_bf16_matches_reference_and_torch():
     f = special_floats(np.random.default_rng(0))
-    got = kc.float_to_bf16_bits(f)
+    got = float_to_bf16_bits(f)
     nan = np.isnan(f)
     assert np.array_equal(got[~nan], ref.float_to_bf16_bits_ref(f)[~nan])
     assert np.array_equal(got[~nan], bf16_bits(f)[~nan])          # torch rounds to nearest even too
@@ -115,7 +116,7 @@ def test_dense_attend_vs_ref(dtype, Hq, Hkv, n):
     if dtype == "bfloat16":                         # out in bfloat16: the float32 result, rounded
         out = np.empty((Hq, d), np.uint16)
         assert kc.dense_attend(q, K, V, n, scale, out=out) is out
-        assert np.array_equal(out, kc.float_to_bf16_bits(got).reshape(Hq, d))
+        assert np.array_equal(out, float_to_bf16_bits(got).reshape(Hq, d))
     # float32 scores and sums of n terms against a float64 reference, relative to the values' size
     atol = 2e-6 * np.nanmax(np.abs(as_float(V))) * max(1.0, (n / 64) ** 0.5)
     assert np.allclose(got, want, rtol=1e-5, atol=atol), np.abs(got - want).max()

@@ -116,12 +116,13 @@ def test_fused_decode_kernels_with_quantized_weights(fmts):
 
 
 def test_fused_decode_kernels_bfloat16_activations():
+    from cpu_wrappers import float_to_bf16_bits
     from references import bf16_bits_to_float_ref
     rng = np.random.default_rng(6)
     q, f, p = quant_layer(rng, ("Q8_0",) * 4)
-    x16 = kc.float_to_bf16_bits(p["x"])
-    o16 = kc.float_to_bf16_bits(p["o"])
-    n16 = kc.float_to_bf16_bits(p["n2"])
+    x16 = float_to_bf16_bits(p["x"])
+    o16 = float_to_bf16_bits(p["o"])
+    n16 = float_to_bf16_bits(p["n2"])
     got = kc.attn_out(x16, o16, q["wo"], n16, 1e-5, q["wgu"], q["wdown"])
     assert got.dtype == np.uint16
     want = ref.attn_out_ref(*(bf16_bits_to_float_ref(a) for a in (x16, o16)), f["wo"], bf16_bits_to_float_ref(n16),
