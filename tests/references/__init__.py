@@ -6,7 +6,8 @@ each kernel with the function here of the same name plus ``_ref``.
 * :mod:`references.quant`: the GGUF block formats of kernels_cpu.quant and kernels_cuda.quant
 
 The first two are re-exported here, where every reference is looked up by name (``ref.<name>_ref``).
-They import only numpy (references.quant also reads kernels_cpu.quant's tile layout).
+They import numpy, and from kernels_cpu only the layout constants they share with the kernels
+(bucket counts, the quantized tiles' planes), never a kernel.
 """
 from .cpu import *  # noqa: F401,F403
 from .gpu import *  # noqa: F401,F403

@@ -98,8 +98,8 @@ def levels_select_ref(levels, top, scale, offset, tau, cap=0):
     top int64 [Hq] (the sum of the tables' row maxima) -> packed_select_ref's tuple. cap > 0: at
     most cap tokens per head, whole buckets from the top (the exact fallback: the cap highest
     levels, ties at the last one included)."""
-    from .level_select import _COVER, NB
-    from .packed import _BUCKET_LOGITS
+    from kernels_cpu.level_select import _COVER, NB
+    from kernels_cpu.packed import _BUCKET_LOGITS
     Hq, n = levels.shape
     idx, zsel = np.zeros((Hq, n), np.int32), np.zeros((Hq, n), np.float32)
     counts = np.zeros(Hq, np.int32)
@@ -471,7 +471,7 @@ def exact_select_ref(z, tau, cap=0):
     cumulative mass, estimated as count_b * exp(-b / 32), reaches tau times the estimated total.
     z [Hq, n] f32 -> sel bool [Hq, n] (z >= (R - b*) / 32, R the top bucket). cap > 0: at most cap
     per head, whole buckets from the top (_bucket_cut_ref)."""
-    from .level_select import NB
+    from kernels_cpu.level_select import NB
     Hq, n = z.shape
     sel = np.zeros((Hq, n), bool)
     if n == 0 or tau <= 0:
