@@ -1,4 +1,4 @@
-"""CPU kernels (Numba) for the HCAttention KV cache, with NumPy references.
+"""CPU kernels (Numba) for the HCAttention KV cache.
 
 Public API (used by the runtime); shapes and dtypes are documented on each
 function in :mod:`kernels_cpu.numba_kernels`:
@@ -32,12 +32,12 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * :mod:`kernels_cpu.quant`: GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as row
   tiles; ``gemv``, ``dequantize_rows``, ``dequantize_ids``; the tiles are accepted by
   ``attn_in``, ``attn_out`` and ``norm_gemv`` in place of a float matrix (references:
-  :mod:`kernels_cpu.reference_quant`)
+  tests/references/quant.py)
 * ``dense_attend(q, K, V, n) -> o``: one decode token's exact GQA attention over a dense cache
   (float32 or bfloat16 bits)
 * ``turn_rows(EK, start, cos, sin) -> out``: rows past `start` turned by one rotation (far positions)
 
-Each has a NumPy reference ``<name>_ref`` in :mod:`kernels_cpu.reference`.
+Each has a NumPy reference ``<name>_ref`` in tests/references/ (with the tests).
 float16 key/value pools are accepted; Numba has no CPU float16 type, so they
 are viewed as uint16 and converted exactly inside the kernels (hardware
 ``fpext`` where the target has it, else bit manipulation; see
@@ -54,7 +54,6 @@ from .numba_kernels import (
     codebook_norms,
     transpose_codebooks,
     encode_keys,
-    float_to_bf16_bits,
     attn_in,
     hca_decode_attend,
     hca_exact_decode_attend,
@@ -76,31 +75,8 @@ from .numba_kernels import (
     threshold_select,
     weighted_value_sum,
 )
-from .reference import (
-    approx_scores_ref,
-    pack_lut_ref,
-    packed_scores_ref,
-    packed_select_ref,
-    attend_exact_ref,
-    build_lut_ref,
-    encode_keys_ref,
-    float_to_bf16_bits_ref,
-    attn_in_ref,
-    hca_decode_attend_ref,
-    hca_exact_decode_attend_ref,
-    exact_select_ref,
-    attn_out_ref,
-    dense_attend_ref,
-    turn_rows_ref,
-    norm_gemv_ref,
-    lse_merge_ref,
-    selected_scores_ref,
-    threshold_select_ref,
-    weighted_value_sum_ref,
-)
 
 from . import quant  # noqa: F401  (registers the quantized GEMVs with the decode kernels)
 from . import numba_kernels as _numba_kernels
-from . import reference as _reference
 
-__all__ = _numba_kernels.__all__ + _reference.__all__
+__all__ = _numba_kernels.__all__

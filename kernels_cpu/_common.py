@@ -182,17 +182,6 @@ def half_to_float(h):
     return _half_to_float_soft(h)
 
 
-@njit(cache=True)
-def _k_half_array(bits, out, soft):
-    """out[i] = float32 of half bits[i] (uint16 [N] -> f32 [N]); soft=True
-    forces the bit-manipulation path.  Used by the tests."""
-    for i in range(bits.shape[0]):
-        if soft:
-            out[i] = _half_to_float_soft(bits[i])
-        else:
-            out[i] = half_to_float(bits[i])
-
-
 def _ld(x):  # pragma: no cover - replaced by the overload inside njit code
     raise NotImplementedError
 

@@ -37,16 +37,3 @@ def f32_to_bf16(f):
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
-
-@njit(cache=True)
-def _k_f32_to_bf16_array(f, out):
-    for i in range(f.shape[0]):
-        out[i] = f32_to_bf16(f[i])
-
-
-def float_to_bf16_bits(f):
-    """float32 [N] -> bfloat16 bits uint16 [N], round to nearest even (the kernel's rounding)."""
-    f = np.ascontiguousarray(f, dtype=np.float32).ravel()
-    out = np.empty(f.shape[0], np.uint16)
-    _k_f32_to_bf16_array(f, out)
-    return out

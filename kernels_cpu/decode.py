@@ -12,7 +12,7 @@ the KV cache's business):
 Weights are float32 arrays or bfloat16 bit patterns (uint16 arrays; NumPy has no bfloat16).
 Activations stay float32 inside a kernel; what leaves it (q, k, v, the residual x) is stored in
 the weights' dtype, as the torch layer loop would hold it. Each kernel has a NumPy reference in
-kernels_cpu.reference (`attn_in_ref`, `attn_out_ref`).
+tests/references/cpu.py (`attn_in_ref`, `attn_out_ref`).
 """
 
 import numpy as np

@@ -21,7 +21,7 @@ The NB buckets reach NB * w >= 64 logits below top, but top only bounds the best
 above: when the last (catch-all) bucket is within 40 logits of the top non-empty bucket, that
 head is selected by threshold_select on its float scores instead (the exact minimal set).
 
-tau >= 1 selects every token, tau <= 0 none. Reference: kernels_cpu.reference.packed_select_ref.
+tau >= 1 selects every token, tau <= 0 none. Reference: packed_select_ref in tests/references/cpu.py.
 """
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
-"""The Numba kernels (one module per family); each has a NumPy reference in kernels_cpu.reference.
+"""The Numba kernels (one module per family); each has a NumPy reference in tests/references/.
 
 All kernels take NumPy arrays and use `cache=True`; fastmath (_common._FASTMATH: reassoc, contract,
 vectorized dot products) only in kernels_cpu.decode and the multi-head dots of
 kernels_cpu.attention (`_row_dots`, also the exact_step's scoring). Shapes and dtypes are in each
 function's docstring.
 """
-from ._common import HALF_CONVERSION, _k_half_array, half_to_float, set_num_threads  # noqa: F401
+from ._common import HALF_CONVERSION, half_to_float, set_num_threads  # noqa: F401
 from .attention import attend_exact, lse_merge, weighted_value_sum  # noqa: F401
-from .bf16 import float_to_bf16_bits  # noqa: F401
 from .decode import attn_in, attn_out, dense_attend, norm_gemv, turn_rows  # noqa: F401
 from .exact_step import hca_exact_decode_attend  # noqa: F401
 from .hca_step import hca_decode_attend  # noqa: F401
@@ -31,7 +30,6 @@ __all__ = [
     "transpose_codebooks",
     "half_to_float",
     "HALF_CONVERSION",
-    "float_to_bf16_bits",
     "attn_in",
     "attn_out",
     "norm_gemv",

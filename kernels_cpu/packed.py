@@ -23,7 +23,7 @@ product quantization itself (the codebooks), and the selection that follows is a
 Speed (`scripts/bench_kernels_cpu.py --n 16384 --centroids 1024 [--groups 32]`, 9 query heads,
 3 kv-heads, 2 cores of a Zen 4): approx_scores 766 -> packed_scores 257 us at g = 16, 2818
 (a noisy run; ~1.7 ms in others) -> 463 us at g = 32; pack_lut 82 / 186 us per layer and step.
-Reference: kernels_cpu.reference.pack_lut_ref, packed_scores_ref.
+Reference: pack_lut_ref, packed_scores_ref in tests/references/cpu.py.
 """
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
 """CUDA kernels (CUDA C compiled at run time by CuPy/NVRTC) for the HCAttention KV cache.
 
-Public API -- torch CUDA tensors in and out, launched on torch's current stream
-(shapes and dtypes documented on each function in :mod:`kernels_cuda.ops`):
+Torch CUDA tensors in and out, launched on torch's current stream:
 
-* ``build_lut(q, codebooks, q_to_kv) -> T``
-* ``approx_scores(T, P, q_to_kv, n, out=None) -> (z, (m, l))``
-* ``threshold_select(z, tau, out_idx=None, *, stats=None) -> (idx, counts, m, l_sel)``
-* ``attend_exact(q, K, V, q_to_kv, n, valid=None) -> (o, m, l)``
-* ``lse_merge(os, ms, ls) -> (o, m, l)``
-* ``encode_keys(K, codebooks, out=None) -> P``
+* ``encode_keys(K, codebooks, out=None) -> P`` (:mod:`kernels_cuda.ops`)
+* ``kernels_cuda.decode.DecodeStep``: one HCA decode step's launches on persistent buffers
+  (scores, selection, copy-back pack, exact tier, value gather, merge)
+* ``kernels_cuda.dense_decode.DenseDecodeAttention``: the dense cache's split-K decode attention
+* ``kernels_cuda.layer``: a layer's one-token element-wise ops; ``kernels_cuda.quant``: GGUF GEMVs
 * ``available() -> bool``
 
-``kernels_cuda.decode`` holds the glue kernels of one HCA decode step and
-``DecodeStep`` (that step's launches on persistent buffers).
-
-The NumPy references are ``kernels_cpu.reference.<name>_ref``.  The weighted
-value sum runs on the CPU (kernels_cpu).  ``import kernels_cuda`` needs
+The tests run every kernel through checked wrappers (tests/cuda_wrappers.py) against the NumPy
+references (``<name>_ref`` in tests/references/). ``import kernels_cuda`` needs
 neither cupy nor torch; they are imported on first use.  See README.md.
 """
 
@@ -23,17 +18,9 @@ from __future__ import annotations
 
 import functools
 
-from .ops import approx_scores, attend_exact, build_lut, encode_keys, lse_merge, threshold_select
+from .ops import encode_keys
 
-__all__ = [
-    "available",
-    "build_lut",
-    "approx_scores",
-    "threshold_select",
-    "attend_exact",
-    "lse_merge",
-    "encode_keys",
-]
+__all__ = ["available", "encode_keys"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,15 +1,15 @@
-// attention.cu -- exact decode attention (split-K, flash-decoding style) and
-// the log-sum-exp merge of partial attention results.
+// attention.cu -- exact decode attention (split-K, flash-decoding style); its partial results are
+// merged by decode.cu's lse_merge_staged.
 //
-// Compiled without --use_fast_math (-inf handling in the merges).
+// Compiled without --use_fast_math (-inf handling in the online softmax).
 //
 // Layouts (element strides; the last axis is always contiguous):
 //   q        [Hq, d]          float32, contiguous (already scaled by 1/sqrt(d))
 //   K, V     [Hkv, n_cap, d]  float32 / float16 bits / bfloat16 bits, strides (s0, s1, 1)
 //   q_to_kv  [Hq]             int32
-//   os       [P, Hq, d]       float32, contiguous (normalized partial outputs)
-//   ms, ls   [P, Hq]          float32, contiguous
-// A part / split is empty when its l == 0 or m == -inf; an empty result is
+//   o_part   [P, Hq, d]       float32, contiguous (normalized partial outputs)
+//   m_part, l_part [P, Hq]    float32, contiguous
+// A split is empty when its l == 0 or m == -inf; an empty result is
 // o = 0, m = -inf, l = 0.
 
 #include "common.cuh"
@@ -23,7 +23,7 @@
 // [split*tokens_per_split, min(n, (split+1)*tokens_per_split)), processed in
 // tiles of MR_ATT_TILE tokens with an online softmax.  Writes the normalized
 // partial output o_part[split, h, :], m_part[split, h], l_part[split, h]
-// (layout [nsplit, Hq, ...] = lse_merge's input layout).  An empty range
+// (layout [nsplit, Hq, ...] = lse_merge_staged's input layout).  An empty range
 // writes (0, -inf, 0).
 //
 // Launch: block MR_ATT_THREADS, grid (nsplit, Hq), d <= MR_ATT_THREADS,
@@ -152,51 +152,4 @@ attend_partial_bf16(const float* __restrict__ q, const unsigned short* __restric
                     float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
     attend_partial_impl<MrBF16>(q, K, k_s0, k_s1, V, v_s0, v_s1, q_to_kv, valid, has_valid, n, d, tokens_per_split,
                                o_part, m_part, l_part);
-}
-
-// ---------------------------------------------------------------------------
-// lse_merge: M = max over live parts of m_p, w_p = exp(m_p - M) * l_p,
-// o = sum_p w_p o_p / sum_p w_p, l = sum_p w_p, m = M.  Parts with
-// !(l_p > 0) or m_p == -inf are skipped (their o_p is never read, so NaN
-// garbage in an empty part cannot leak).  No live part -> (0, -inf, 0).
-// Launch: block 128, grid (Hq), no dynamic shared memory.  Every thread
-// recomputes M and L from the P scalars (P is small; reads hit L1).
-// ---------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(256)
-lse_merge_f32(const float* __restrict__ os, const float* __restrict__ ms, const float* __restrict__ ls, int P,
-              int Hq, int d, float* __restrict__ o, float* __restrict__ m_out, float* __restrict__ l_out) {
-    const int h = blockIdx.x;
-    float M = mr_neg_inf();
-    for (int p = 0; p < P; ++p) {
-        const float mp = ms[(long long)p * Hq + h];
-        const float lp = ls[(long long)p * Hq + h];
-        if (lp > 0.f && mp > mr_neg_inf()) M = fmaxf(M, mp);
-    }
-    const bool any = M > mr_neg_inf();
-    float L = 0.f;
-    if (any) {
-        for (int p = 0; p < P; ++p) {
-            const float mp = ms[(long long)p * Hq + h];
-            const float lp = ls[(long long)p * Hq + h];
-            if (lp > 0.f && mp > mr_neg_inf()) L += expf(mp - M) * lp;
-        }
-    }
-    const bool live = any && L > 0.f;
-    for (int x = threadIdx.x; x < d; x += blockDim.x) {
-        float acc = 0.f;
-        if (live) {
-            for (int p = 0; p < P; ++p) {
-                const float mp = ms[(long long)p * Hq + h];
-                const float lp = ls[(long long)p * Hq + h];
-                if (lp > 0.f && mp > mr_neg_inf())
-                    acc = fmaf(expf(mp - M) * lp, os[((long long)p * Hq + h) * d + x], acc);
-            }
-            acc /= L;
-        }
-        o[(long long)h * d + x] = acc;
-    }
-    if (threadIdx.x == 0) {
-        m_out[h] = live ? M : mr_neg_inf();
-        l_out[h] = live ? L : 0.f;
-    }
 }

@@ -138,14 +138,8 @@ pack_selection_i32(const int* __restrict__ idx, long long idx_s0, const float* _
     pack_selection_impl<int>(idx, idx_s0, z, z_s0, counts, cap, n, w, pack);
 }
 
-extern "C" __global__ void __launch_bounds__(MR_PACK_THREADS)
-pack_selection_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
-                   long long z_s0, const int* __restrict__ counts, int cap, int n, int w, int* __restrict__ pack) {
-    pack_selection_impl<long long>(idx, idx_s0, z, z_s0, counts, cap, n, w, pack);
-}
-
 // ---------------------------------------------------------------------------
-// lse_merge_staged: lse_merge_f32 (attention.cu) over P device parts os [P, Hq, d], ms, ls [P, Hq]
+// lse_merge_staged: the LSE merge of P device parts os [P, Hq, d], ms, ls [P, Hq]
 // plus one more part staged by the host, stage [Hq, d + 2] (row h: o[0:d] | m | l), writing only the
 // merged output o [Hq, d], in float32 or bfloat16 bits.  Empty parts (!(l > 0) or m = -inf) are
 // skipped, their o never read; none live -> o = 0.  Launch: block MR_MERGE_THREADS, grid (Hq).

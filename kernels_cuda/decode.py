@@ -3,13 +3,13 @@
 On an H100 a decode step of SmolLM2 was bound by the host: ~10 kernels_cuda wrappers (argument
 checks, torch allocations, a stream session each) and ~20 torch ops per layer and token
 (docs/PROFILE.md). `DecodeStep` allocates every output and temporary once,
-launches the scoring and selection kernels through launch.py's helpers (as ops.py does), and adds the
+launches the scoring and selection kernels through launch.py's helpers, and adds the
 three kernels of decode.cu that replace torch glue: the step's query preparation (+ the new token
 staged into the exact tier's spare row, + the histogram zeroed), the copy-back pack, and the merge
 with the host's staged part written in the model's dtype.
 
-The checked wrappers `decode_prep`, `pack_selection`, `lse_merge_staged` run the same launches on
-fresh tensors (the tests compare them with kernels_cpu.reference).
+The tests run each of these launches on fresh tensors through checked wrappers (tests/cuda_wrappers.py)
+and compare them with tests/references/gpu.py.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import _sources
-from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _check,
-                     _i32, _i64, _q2k, _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, select_mode, zcut_tau,
+from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _i32, _i64,
+                     _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, select_mode, zcut_tau,
                      launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
-__all__ = ["DecodeStep", "decode_prep", "pack_selection", "lse_merge_staged", "gather_value_sum", "store_rows",
-           "gather_splits",
-           "group_size", "grouped_layout", "host_pool_readable"]
+__all__ = ["DecodeStep", "gather_splits", "group_size", "grouped_layout", "host_pool_readable"]
 
 _PREP_THREADS = _sources.constant("decode.cu", "MR_PREP_THREADS")
 _PACK_THREADS = _sources.constant("decode.cu", "MR_PACK_THREADS")
@@ -44,8 +42,7 @@ def _launch_prep(L, q, k, v, scale, cs, has_far, qs, qf, k_slot, v_slot, zero, n
 
 
 def _launch_pack(L, idx, z, counts, cap, n, w, pack):
-    kname = "pack_selection_i64" if idx.dtype == _torch().int64 else "pack_selection_i32"
-    L.launch("decode.cu", kname, (z.shape[0],), (_PACK_THREADS,),
+    L.launch("decode.cu", "pack_selection_i32", (z.shape[0],), (_PACK_THREADS,),
              (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), _i32(w), pack))
 
 
@@ -86,8 +83,7 @@ def _gather_nsplit(width: int, Hq: int, group: int, num_sms: int) -> int:
 
 
 def _launch_gather(L, idx, z, counts, cap, n, m, V, q2k, nsplit, o_p, m_p, l_p):
-    kname = "gather_value_sum_%s_%s" % (_KV_SUFFIX[str(V.dtype)], "i64" if idx.dtype == _torch().int64 else "i32")
-    L.launch("gather.cu", kname, (nsplit, z.shape[0]), (_GATHER_THREADS,),
+    L.launch("gather.cu", f"gather_value_sum_{_KV_SUFFIX[str(V.dtype)]}_i32", (nsplit, z.shape[0]), (_GATHER_THREADS,),
              (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, V, _i64(V.stride(0)),
               _i64(V.stride(1)), q2k, _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip
 
@@ -108,169 +104,6 @@ def host_pool_readable(device) -> bool:
         return True   # the emulator: every tensor is host memory
     dev = device.index if device.index is not None else _torch().cuda.current_device()
     return bool(be.cp.cuda.runtime.deviceGetAttribute(91, dev))
-
-
-# ---------------------------------------------------------------------------
-# Checked wrappers (fresh outputs; the tests' entry points)
-# ---------------------------------------------------------------------------
-
-
-def decode_prep(q, k, v, scale, k_slot, v_slot, cs=None, zero=None):
-    """q [Hq, d], k, v [Hkv, d] of one dtype (f32 / f16 / bf16; contiguous rows), k_slot, v_slot
-    [Hkv, d] views of that dtype (written), cs optional f32 [d] = [cos | sin] of the far turn, zero
-    optional f32 tensor (contiguous; zeroed) -> (qs [Hq, d] f32 = q * scale, qf [Hq, d] f32 = qs
-    turned by cs, or None without cs); k_slot <- k, v_slot <- v."""
-    torch = _torch()
-    be = _backend()
-    _check(be, q, "q", 2)
-    for t, w in ((k, "k"), (v, "v"), (k_slot, "k_slot"), (v_slot, "v_slot")):
-        _check(be, t, w, 2, q.device)
-        if t.dtype != q.dtype or tuple(t.shape) != tuple(k.shape) or t.stride(-1) != 1:
-            raise ValueError(f"{w} must be {q.dtype} {tuple(k.shape)} with contiguous rows")
-    Hq, d = q.shape
-    if q.stride(-1) != 1 or k.shape[1] != d or d % 2:
-        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)}: need contiguous rows, one even d")
-    dev = q.device
-    qs = be.empty((Hq, d), torch.float32, dev)
-    qf = be.empty((Hq, d), torch.float32, dev)
-    if cs is None:
-        cs_t = be.empty((d,), torch.float32, dev)
-    else:
-        _check(be, cs, "cs", 1, dev)
-        cs_t = cs.to(torch.float32).contiguous()
-        if cs_t.shape[0] != d:
-            raise ValueError(f"cs must have {d} entries")
-    if zero is None:
-        zero = be.empty((1,), torch.float32, dev)
-        n_zero = 0
-    else:
-        _check(be, zero, "zero", zero.dim(), dev)
-        if zero.dtype != torch.float32 or not zero.is_contiguous():
-            raise ValueError("zero must be a contiguous float32 tensor")
-        n_zero = zero.numel()
-    with be.session(dev) as L:
-        _launch_prep(L, q, k, v, scale, cs_t, cs is not None, qs, qf, k_slot, v_slot, zero, n_zero)
-    return qs, (qf if cs is not None else None)
-
-
-def pack_selection(idx, z, counts, w, cap=None):
-    """idx int32 / int64 [Hq, >= w'] (rows contiguous), z f32 [Hq, n] (rows contiguous), counts int32
-    [Hq], w >= 1, cap optional -> pack int32 [Hq (2 w + 1)] = [c | idx rows | z bits rows], c =
-    min(counts, cap), the rows' first min(c, w) entries written (indices clamped to [0, n))."""
-    torch = _torch()
-    be = _backend()
-    _check(be, idx, "idx", 2)
-    _check(be, z, "z", 2, idx.device)
-    _check(be, counts, "counts", 1, idx.device)
-    Hq, n = z.shape
-    if idx.dtype not in (torch.int32, torch.int64) or idx.shape[0] != Hq or idx.stride(-1) != 1:
-        raise ValueError("idx must be int32 / int64 [Hq, ...] with contiguous rows")
-    if z.dtype != torch.float32 or z.stride(-1) != 1 or counts.dtype != torch.int32 or counts.shape[0] != Hq:
-        raise ValueError("z must be float32 with contiguous rows, counts int32 [Hq]")
-    if n < 1 or w < 1:
-        raise ValueError("need n >= 1 and w >= 1")
-    pack = be.empty((Hq * (2 * w + 1),), torch.int32, idx.device)
-    with be.session(idx.device) as L:
-        _launch_pack(L, idx, z, counts.contiguous(), 2**31 - 1 if cap is None else cap, n, w, pack)
-    return pack
-
-
-def lse_merge_staged(os, ms, ls, stage, out_dtype=None):
-    """os [P, Hq, d], ms, ls [P, Hq] f32 (contiguous), stage f32 [Hq, d + 2] (o | m | l per row)
-    -> o [Hq, d] in out_dtype (float32 default, or bfloat16): lse_merge of the P + 1 parts."""
-    torch = _torch()
-    be = _backend()
-    _check(be, os, "os", 3)
-    _check(be, stage, "stage", 2, os.device)
-    P, Hq, d = os.shape
-    if tuple(ms.shape) != (P, Hq) or tuple(ls.shape) != (P, Hq) or tuple(stage.shape) != (Hq, d + 2):
-        raise ValueError("ms, ls must be [P, Hq], stage [Hq, d + 2]")
-    out_dtype = out_dtype or torch.float32
-    if str(out_dtype) not in _OUT_SUFFIX:
-        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
-    o = be.empty((Hq, d), out_dtype, os.device)
-    f = [t.to(torch.float32).contiguous() for t in (os, ms, ls, stage)]
-    with be.session(os.device) as L:
-        _launch_merge(L, f[0], f[1], f[2], P, f[3], o)
-    return o
-
-
-def store_rows(src, dst, row):
-    """src [R, d] (f32 / f16 / bf16, rows contiguous), dst [R, tokens, d] of src's dtype (contiguous
-    rows; on a GPU device memory or mapped host memory: the value pool), row int32 [1] on src's
-    device -> dst[:, row[0]] = src (in place; reference store_rows_ref)."""
-    torch = _torch()
-    be = _backend()
-    _check(be, src, "src", 2)
-    _check(be, row, "row", 1, src.device)
-    if be.name != "cupy":
-        _check(be, dst, "dst", 3)
-    if str(src.dtype) not in _KV_SUFFIX or dst.dtype != src.dtype or src.stride(-1) != 1 or dst.stride(-1) != 1:
-        raise ValueError("src and dst must be one of f32 / f16 / bf16 with contiguous rows")
-    if dst.dim() != 3 or dst.shape[0] != src.shape[0] or dst.shape[2] != src.shape[1]:
-        raise ValueError(f"dst {tuple(dst.shape)} must be [R, tokens, d] for src {tuple(src.shape)}")
-    if row.dtype != torch.int32 or row.numel() != 1:
-        raise ValueError("row must be int32 [1]")
-    with be.session(src.device) as L:
-        _launch_store_rows(L, src, dst, row)
-    return dst
-
-
-def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None, group=None):
-    """idx int32 / int64 [Hq, >= c] and z f32 [Hq, >= n] (rows contiguous), counts int32 [Hq], m f32
-    [Hq] (>= every z[h, :n]), V [Hkv, tokens, d] f32 / f16 / bf16 with contiguous rows -- on a GPU
-    page-locked host memory (the value pool), under the emulator a CPU tensor --, q_to_kv [Hq]
-    -> (os [nsplit, Hq, d], ms, ls [nsplit, Hq]) f32: gather_value_sum_ref's partials (c =
-    min(counts, cap)); nsplit defaults to gather_splits of the widest list. group = (cut int32 [Hq],
-    z_range, n_bins) of the threshold selection that made idx: the grouped kernel (each row read
-    once per kv group; q_to_kv must be h // (Hq / Hkv), then unread), the same merged sums."""
-    torch = _torch()
-    be = _backend()
-    _check(be, idx, "idx", 2)
-    dev = idx.device
-    for t, w, nd in ((z, "z", 2), (counts, "counts", 1), (m, "m", 1)):
-        _check(be, t, w, nd, dev)
-    if be.name == "cupy":
-        if V.is_cuda or not V.is_pinned():
-            raise ValueError("V must be page-locked host memory (the value pool)")
-    else:
-        _check(be, V, "V", 3)
-    Hq = z.shape[0]
-    if idx.dtype not in (torch.int32, torch.int64) or idx.shape[0] != Hq or idx.stride(-1) != 1:
-        raise ValueError("idx must be int32 / int64 [Hq, ...] with contiguous rows")
-    if z.dtype != torch.float32 or z.stride(-1) != 1 or z.shape[1] < n or n < 1:
-        raise ValueError("z must be float32 [Hq, >= n] with contiguous rows, n >= 1")
-    if counts.dtype != torch.int32 or tuple(counts.shape) != (Hq,) or m.dtype != torch.float32 or m.shape[0] != Hq:
-        raise ValueError("counts must be int32 [Hq], m float32 [Hq]")
-    if (V.dim() != 3 or str(V.dtype) not in _KV_SUFFIX or V.stride(-1) != 1 or V.shape[2] % 2
-            or not 2 <= V.shape[2] <= _GATHER_THREADS or V.stride(0) % 2 or V.stride(1) % 2
-            or V.data_ptr() % (2 * V.element_size())):   # (the kernel loads two elements at a time)
-        raise ValueError(f"V must be [Hkv, tokens, d] f32 / f16 / bf16, d even and <= {_GATHER_THREADS}, with "
-                         "contiguous rows aligned to two elements")
-    cap = 2**31 - 1 if cap is None else int(cap)
-    Hkv = V.shape[0]
-    g = 0
-    if group is not None:
-        cut, z_range, n_bins = group
-        g = group_size(Hq, Hkv)
-        if idx.dtype != torch.int32 or not g:
-            raise ValueError(f"the grouped gather needs int32 idx and Hq = g Hkv, g <= {_GATHER_MAX_GROUP}")
-        _check(be, cut, "cut", 1, dev)
-        if not grouped_layout(q_to_kv.cpu() if isinstance(q_to_kv, torch.Tensor) else q_to_kv, Hq, Hkv):
-            raise ValueError("the grouped gather reads kv head h // g for query head h: q_to_kv must be that")
-    if nsplit is None:
-        nsplit = _gather_nsplit(min(idx.shape[1], cap), Hq, g, be.device_info(dev)[0])
-    os = be.empty((nsplit, Hq, V.shape[2]), torch.float32, dev)
-    ms = be.empty((nsplit, Hq), torch.float32, dev)
-    ls = be.empty((nsplit, Hq), torch.float32, dev)
-    with be.session(dev) as L:
-        if group is None:
-            q2k = _q2k(be, q_to_kv, Hq, Hkv, dev)
-            _launch_gather(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), V, q2k, nsplit, os, ms, ls)
-        else:   # (q_to_kv is h // g by the grid: not read)
-            _launch_gather_grouped(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), cut.contiguous(), z_range,
-                                   n_bins, g, V, nsplit, os, ms, ls)
-    return os, ms, ls
 
 
 # ---------------------------------------------------------------------------
@@ -390,7 +223,7 @@ class DecodeStep:
         histogram cut (select_mode 0) and q2k is h // group: each row is read once per kv group
         (gather_value_sum_grouped)."""
         cap = cap or 2**31 - 1
-        g = self.group if grouped and idx.dtype == _torch().int32 else 0
+        g = self.group if grouped else 0
         nsplit = _gather_nsplit(min(n, idx.shape[1], cap), self.Hq, g, self.num_sms)
         if part0 + nsplit > self.os.shape[0]:   # (sized in __init__ for the capacity: cannot happen)
             raise RuntimeError(f"gather: {part0} + {nsplit} partials > {self.os.shape[0]} allocated")

@@ -8,7 +8,7 @@
 //
 // Their partials are merged by decode.cu's lse_merge_staged.  Compiled without --use_fast_math:
 // the grouped kernel recomputes scores.cu's histogram bins (mr_bin) and must agree bit for bit.
-// The extern "C" entry points are written out one by one: the CPU emulator (kernels_cuda/_emu.py)
+// The extern "C" entry points are written out one by one: the CPU emulator (tests/cuda_emu.py)
 // reads their signatures from this text.
 
 #include "common.cuh"
@@ -25,7 +25,7 @@
 // memory).  Block (s, h) of grid (nsplit, Hq) takes the s-th of nsplit equal shares of the head's
 // list t < c = min(counts[h], cap): j = idx[h, t] clamped to [0, n), w = exp(z[h, j] - m[h]) and
 //   o_part[s, h] = sum w V[q_to_kv[h], j] / sum w,  m_part[s, h] = m[h],  l_part[s, h] = sum w
-// (lse_merge's partial layout [nsplit, Hq, ...]; an empty share, or m[h] = -inf: 0, -inf, 0).
+// (lse_merge_staged's partial layout [nsplit, Hq, ...]; an empty share, or m[h] = -inf: 0, -inf, 0).
 // m[h] is the max of every score z[h, :n] (approx_scores' stats), so no weight exceeds 1.
 // Launch: block MR_GATHER_THREADS, grid (nsplit, Hq), d even, 2 <= d <= MR_GATHER_THREADS, V's rows
 // aligned to two elements, no dynamic smem.  A tile of MR_GATHER_TILE tokens at a time: thread i
@@ -112,15 +112,6 @@ gather_value_sum_f32_i32(const int* __restrict__ idx, long long idx_s0, const fl
 }
 
 extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_f32_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
-    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const float* __restrict__ V,
-    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
-    float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_impl<MrF32, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
-        m_part, l_part);
-}
-
-extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
 gather_value_sum_f16_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
     const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
     long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
@@ -130,29 +121,11 @@ gather_value_sum_f16_i32(const int* __restrict__ idx, long long idx_s0, const fl
 }
 
 extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_f16_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
-    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
-    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
-    float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_impl<MrF16, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
-        m_part, l_part);
-}
-
-extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
 gather_value_sum_bf16_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
     const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
     long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
     float* __restrict__ m_part, float* __restrict__ l_part) {
     gather_value_sum_impl<MrBF16, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
-        m_part, l_part);
-}
-
-extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_bf16_i64(const long long* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
-    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
-    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
-    float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_impl<MrBF16, long long>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
         m_part, l_part);
 }
 

@@ -2,7 +2,7 @@
 launch helper per kernel without argument checks.
 
 A backend compiles and launches (CuPy's RawModule on torch's current stream; the tests install
-kernels_cuda._emu's CPU emulator with `_set_backend`). The checked wrappers of ops.py and the
+the CPU emulator of tests/cuda_emu.py with `_set_backend`). The checked wrappers of ops.py and the
 decode step's persistent-buffer launches (decode.DecodeStep) both go through the `launch_*`
 helpers here, so each kernel's argument list is written once.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import numpy as np
 
@@ -22,7 +21,6 @@ _ENC_THREADS = _sources.constant("pq.cu", "MR_ENC_THREADS")
 _ENC_TOK = _sources.constant("pq.cu", "MR_ENC_TOK")
 _ATT_THREADS = _sources.constant("attention.cu", "MR_ATT_THREADS")
 _ATT_TILE = _sources.constant("attention.cu", "MR_ATT_TILE")
-_MERGE_THREADS = 128
 _SMEM_DEFAULT = 48 * 1024  # dynamic shared memory available without opting in
 _SMEM_MARGIN = 1024  # static __shared__ of every kernel here is < 1 KiB
 _MAX_GRID_YZ = 65535
@@ -134,7 +132,7 @@ def _backend():
 
 
 def _set_backend(be):
-    """Install a launch backend (tests: kernels_cuda._emu); returns the previous one."""
+    """Install a launch backend (tests: tests/cuda_emu.py); returns the previous one."""
     global _backend_override
     prev = _backend_override
     _backend_override = be
@@ -182,33 +180,6 @@ def _rows(t):
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-_Q2K_CACHE: dict = {}
-
-
-def _q2k(be, q_to_kv, Hq: int, Hkv: int, device):
-    """q_to_kv as an int32 tensor on `device`.  A tensor already there is used as is
-    (its values are not checked: that would need a device sync); host input (list,
-    numpy, CPU tensor) is validated and its device copy cached."""
-    torch = _torch()
-    if isinstance(q_to_kv, torch.Tensor) and q_to_kv.device == device:
-        if tuple(q_to_kv.shape) != (Hq,):
-            raise ValueError(f"q_to_kv must have shape [{Hq}], got {tuple(q_to_kv.shape)}")
-        return q_to_kv.to(torch.int32).contiguous()
-    a = np.asarray(q_to_kv.cpu() if isinstance(q_to_kv, torch.Tensor) else q_to_kv).astype(np.int64)
-    if a.shape != (Hq,):
-        raise ValueError(f"q_to_kv must have shape [{Hq}], got {a.shape}")
-    if Hq and (a.min() < 0 or a.max() >= Hkv):
-        raise ValueError(f"q_to_kv values must lie in [0, {Hkv})")
-    key = (be.name, str(device), tuple(a.tolist()))
-    t = _Q2K_CACHE.get(key)
-    if t is None:
-        # never evicted (a handful of maps per process): a cached tensor may still be
-        # read by a kernel queued on another stream
-        t = torch.as_tensor(a.astype(np.int32)).to(device)
-        _Q2K_CACHE[key] = t
-    return t
-
-
 def _tokens_per_block(n: int, rows: int, num_sms: int, lo: int, hi: int = 1 << 16) -> int:
     """Tokens per block (multiple of 256) for grids (nblk, rows): about 4 blocks per SM."""
     per_row = max(1, _cdiv(4 * num_sms, max(1, rows)))
@@ -252,7 +223,7 @@ def _score_blocks(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------
-# Launches without checks: the wrappers below and kernels_cuda.decode.DecodeStep share them
+# Launches without checks: kernels_cuda.decode.DecodeStep (and the tests' checked wrappers) use them
 # ---------------------------------------------------------------------------
 
 

@@ -277,7 +277,8 @@ def run_step(a):
     rows = Rows(a.out / f"{a.step}.json")
     ctx = contextlib.nullcontext()
     if a.emulate:
-        from kernels_cuda._emu import emulated_hca_cuda
+        sys.path.insert(0, str(REPO / "tests"))   # the CPU kernel emulator lives with the tests
+        from cuda_emu import emulated_hca_cuda
         ctx = emulated_hca_cuda()
     with ctx, torch.inference_mode():
         STEP_RUN[a.step](a, sc, rows)

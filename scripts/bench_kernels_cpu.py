@@ -13,11 +13,16 @@ of the tokens and scaled linearly; those rows are marked with '*'.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import kernels_cpu as kc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the NumPy references live with the tests
+import references as ref  # noqa: E402
 
 
 def best_time(fn, reps, min_total=0.2):
@@ -58,46 +63,46 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
         tr = best_time(f_ref, ref_reps, min_total=0.0) * ref_scale
         rows.append((name, tn, tr, ref_scale != 1.0))
 
-    row("build_lut", lambda: kc.build_lut(q, cb, q2k), lambda: kc.build_lut_ref(q, cb, q2k), reps=50, ref_reps=5)
+    row("build_lut", lambda: kc.build_lut(q, cb, q2k), lambda: ref.build_lut_ref(q, cb, q2k), reps=50, ref_reps=5)
     T = kc.build_lut(q, cb, q2k)
     P = kc.encode_keys(K, cb)
     zbuf = np.empty((Hq, n), np.float32)
-    row("approx_scores", lambda: kc.approx_scores(T, P, q2k, n, out=zbuf), lambda: kc.approx_scores_ref(T, P, q2k, n))
+    row("approx_scores", lambda: kc.approx_scores(T, P, q2k, n, out=zbuf), lambda: ref.approx_scores_ref(T, P, q2k, n))
     PT = kc.group_major(P)
-    row("pack_lut", lambda: kc.pack_lut(T, q2k), lambda: kc.pack_lut_ref(T), reps=50, ref_reps=3)
+    row("pack_lut", lambda: kc.pack_lut(T, q2k), lambda: ref.pack_lut_ref(T), reps=50, ref_reps=3)
     packed = kc.pack_lut(T, q2k)
     row("packed_scores", lambda: kc.packed_scores(packed, PT, n, out=zbuf),
-        lambda: kc.packed_scores_ref(T, P, q2k, n))
+        lambda: ref.packed_scores_ref(T, P, q2k, n))
     ibuf = np.empty((Hq, n), np.int32)
     scratch = (np.empty((Hq, n), np.uint16), kc.level_hist(Hq))
     row(f"packed_select tau={tau}", lambda: kc.packed_select(packed, PT, n, tau, out_idx=ibuf, out_z=zbuf, scratch=scratch),
-        lambda: kc.packed_select_ref(T, P, q2k, n, tau))
+        lambda: ref.packed_select_ref(T, P, q2k, n, tau))
     z = kc.approx_scores(T, P, q2k, n)
-    row(f"threshold_select tau={tau}", lambda: kc.threshold_select(z, tau, out_idx=ibuf), lambda: kc.threshold_select_ref(z, tau))
+    row(f"threshold_select tau={tau}", lambda: kc.threshold_select(z, tau, out_idx=ibuf), lambda: ref.threshold_select_ref(z, tau))
     idx, cnt, m, l = kc.threshold_select(z, tau)
     frac = cnt.mean() / n
     for name, V in (("f32", V32), ("f16", V16)):
         row(
             f"weighted_value_sum {name} ({frac:.0%} sel)",
             lambda V=V: kc.weighted_value_sum(z, idx, cnt, V, q2k),
-            lambda V=V: kc.weighted_value_sum_ref(z, idx, cnt, V, q2k),
+            lambda V=V: ref.weighted_value_sum_ref(z, idx, cnt, V, q2k),
         )
     K16 = K.astype(np.float16)
     for name, KK, V in (("f32", K, V32), ("f16", K16, V16)):
         row(
             f"attend_exact {name} (window {W})",
             lambda KK=KK, V=V: kc.attend_exact(q, KK, V, q2k, W),
-            lambda KK=KK, V=V: kc.attend_exact_ref(q, KK, V, q2k, W),
+            lambda KK=KK, V=V: ref.attend_exact_ref(q, KK, V, q2k, W),
             reps=20,
         )
     os_ = rng.standard_normal((3, Hq, d)).astype(np.float32)
     ms = rng.standard_normal((3, Hq)).astype(np.float32)
     ls = rng.random((3, Hq)).astype(np.float32) + 0.5
-    row("lse_merge (3 parts)", lambda: kc.lse_merge(os_, ms, ls), lambda: kc.lse_merge_ref(os_, ms, ls), reps=200, ref_reps=20)
+    row("lse_merge (3 parts)", lambda: kc.lse_merge(os_, ms, ls), lambda: ref.lse_merge_ref(os_, ms, ls), reps=200, ref_reps=20)
     nr = min(n, ref_cap)
     Kr = np.ascontiguousarray(K[:, :nr])
-    row("encode_keys f32", lambda: kc.encode_keys(K, cb), lambda: kc.encode_keys_ref(Kr, cb), reps=3, ref_scale=n / nr)
-    row("encode_keys f16", lambda: kc.encode_keys(K16, cb), lambda: kc.encode_keys_ref(K16[:, :nr], cb), reps=3, ref_scale=n / nr)
+    row("encode_keys f32", lambda: kc.encode_keys(K, cb), lambda: ref.encode_keys_ref(Kr, cb), reps=3, ref_scale=n / nr)
+    row("encode_keys f16", lambda: kc.encode_keys(K16, cb), lambda: ref.encode_keys_ref(K16[:, :nr], cb), reps=3, ref_scale=n / nr)
     return rows
 
 

@@ -12,13 +12,15 @@ the launches left per token).
 Usage: python scripts/count_launches.py [--depth 400]
 """
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels_cuda import _emu  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the CPU kernel emulator lives with the tests
+import cuda_emu  # noqa: E402
 from kernels_cuda import launch as klaunch  # noqa: E402
 from minirun import Engine, ops  # noqa: E402
 from minirun.cuda_graph import GraphedDecode  # noqa: E402
@@ -66,7 +68,7 @@ def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]
     """(torch ops that launch, kernels_cuda launches) of one decode step after `depth` tokens;
     graphs: of the step a CUDA graph captures (minirun/cuda_graph.py, run eagerly), and also the
     torch ops outside it (the copies before a replay) -> (torch, kernels_cuda, outside)."""
-    with _emu.emulated_hca_cuda():   # (a dense engine stays dense)
+    with cuda_emu.emulated_hca_cuda():   # (a dense engine stays dense)
         eng = Engine.load(model, device="cpu", dtype="bfloat16", ctx=max(2048, 2 * depth), kv=kv,
                           **(HCA if kv == "hca" else {}))
         for lw in eng.model.w["layers"]:

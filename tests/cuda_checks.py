@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 import torch
 
+import cuda_wrappers as cw
 import kernels_cuda
+import references
 
 
 
@@ -31,9 +32,9 @@ class Env:
             import contextlib
 
             return contextlib.nullcontext()
-        from kernels_cuda import _emu
+        import cuda_emu
 
-        return _emu.emulated(**self.emu_kw)
+        return cuda_emu.emulated(**self.emu_kw)
 
     def t(self, a, dtype=None):
         x = torch.from_numpy(np.ascontiguousarray(a))
@@ -50,7 +51,7 @@ def np_(t):
 
 
 def _ref():
-    return pytest.importorskip("kernels_cpu.reference")
+    return references
 
 
 def q2k_for(Hq, Hkv):
@@ -70,7 +71,7 @@ def check_build_lut(env, Hq, Hkv, d, g, c, seed=0):
     cb = rng.standard_normal((Hkv, g, c, ds)).astype(np.float32)
     q2k = q2k_for(Hq, Hkv)
     with env.ctx():
-        T = kernels_cuda.build_lut(env.t(q), env.t(cb), env.t(q2k))
+        T = cw.build_lut(env.t(q), env.t(cb), env.t(q2k))
     ref = R.build_lut_ref(q, cb, q2k)
     assert T.shape == (Hq, g, c) and T.dtype == torch.float32
     np.testing.assert_allclose(np_(T), ref, rtol=1e-5, atol=1e-5)
@@ -101,7 +102,7 @@ def check_approx_scores(env, Hq, Hkv, g, c, n, n_cap=None, out_extra=0, misalign
     if out_extra:
         out = torch.full((Hq, n + out_extra), 7.0, device=env.device)
     with env.ctx():
-        z, (m, l) = kernels_cuda.approx_scores(env.t(T), Pt, env.t(q2k), n, out=out)
+        z, (m, l) = cw.approx_scores(env.t(T), Pt, env.t(q2k), n, out=out)
     assert z.shape == (Hq, n) and z.dtype == torch.float32
     ref = R.approx_scores_ref(T, P, q2k, n)
     atol = 1e-5 * g
@@ -180,7 +181,7 @@ def check_threshold(env, z_np, taus, use_stats=False, out_extra=0):
             out = None
             if out_extra:
                 out = torch.full((Hq, n + out_extra), -5, dtype=torch.int32, device=env.device)
-            idx, counts, m, l_sel = kernels_cuda.threshold_select(zt, tau, out, stats=stats)
+            idx, counts, m, l_sel = cw.threshold_select(zt, tau, out, stats=stats)
         check_selection(z_np, tau, idx, counts, m, l_sel)
         if out is not None:
             assert idx.data_ptr() == out.data_ptr()
@@ -211,7 +212,7 @@ def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hn
             mask[:4] = 1
             mask[300:600] = 0  # longer than a 256-token tile: a tile with no live token
     with env.ctx():
-        o, m, l = kernels_cuda.attend_exact(env.t(q), Kt, Vt, env.t(q2k), n,
+        o, m, l = cw.attend_exact(env.t(q), Kt, Vt, env.t(q2k), n,
                                             valid=None if mask is None else env.t(mask))
     Kr, Vr = np_(Kt), np_(Vt)  # exactly the (upcast) values the kernel saw
     ro, rm, rl = R.attend_exact_ref(q, Kr, Vr, q2k, n, valid=mask)
@@ -224,29 +225,6 @@ def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hn
     else:
         np.testing.assert_allclose(m, rm, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(l, rl, rtol=1e-4)
-
-
-def check_lse_merge(env, P, Hq, d, seed=3):
-    R = _ref()
-    rng = np.random.default_rng(seed)
-    os_ = rng.standard_normal((P, Hq, d)).astype(np.float32)
-    ms = (rng.standard_normal((P, Hq)) * 3).astype(np.float32)
-    ls = (rng.random((P, Hq)) * 5 + 0.1).astype(np.float32)
-    if P >= 2 and Hq >= 4:
-        ms[0, 0], ls[0, 0] = -np.inf, 0.0  # empty part
-        os_[0, 0] = np.nan  # garbage in an empty part must not leak
-        ls[1, 1] = 0.0  # l == 0 with a finite m: empty
-        os_[1, 1] = np.inf
-        ms[:, 2], ls[:, 2] = -np.inf, 0.0  # every part empty
-        ms[:, 3] = ms[0, 3]  # ties
-    with env.ctx():
-        o, m, l = kernels_cuda.lse_merge(env.t(os_), env.t(ms), env.t(ls))
-    ro, rm, rl = R.lse_merge_ref(os_, ms, ls)
-    o, m, l = np_(o), np_(m), np_(l)
-    assert np.isfinite(o).all() and not np.isnan(m).any() and not np.isnan(l).any()
-    np.testing.assert_allclose(o, ro, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(m, rm)
-    np.testing.assert_allclose(l, rl, rtol=1e-5)
 
 
 def check_encode(env, Hkv, d, g, c, n, dtype=torch.float32, pool_extra=0, chunk=4096, seed=4):
@@ -294,8 +272,8 @@ def check_threshold_cap(env, z_np, tau, cap, n_bins=2048, z_range=32.0):
     would cross cap, or the uncapped selection is reached)."""
     with env.ctx():
         zt = env.t(z_np)
-        idx, counts, m, _ = kernels_cuda.threshold_select(zt, tau, cap=cap)
-        idx0, counts0, _, _ = kernels_cuda.threshold_select(zt, tau)
+        idx, counts, m, _ = cw.threshold_select(zt, tau, cap=cap)
+        idx0, counts0, _, _ = cw.threshold_select(zt, tau)
     idx, counts, m, idx0, counts0 = np_(idx), np_(counts), np_(m), np_(idx0), np_(counts0)
     for h in range(z_np.shape[0]):
         if not m[h] > -np.inf:

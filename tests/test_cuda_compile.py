@@ -4,6 +4,7 @@ on exactly the text CuPy compiles; the sources are self-contained; kernels_cuda 
 cupy or torch."""
 from __future__ import annotations
 
+import ast
 import ctypes
 import ctypes.util
 import glob
@@ -98,7 +99,7 @@ def test_cuda_sources_compile_nvrtc(cu, arch):
 def test_sources_self_contained():
     """No headers beyond common.cuh (NVRTC has no host headers); the entry points the
     wrappers (launch.py, ops.py, decode.py, layer.py, quant.py) launch exist as extern "C" kernels and every such kernel is listed."""
-    from kernels_cuda import _emu
+    import cuda_emu
 
     assert set(CU_FILES) == set(_sources.OPTIONS) == set(_sources.KERNELS)
     for cu in CU_FILES + list(_sources.HEADERS):
@@ -107,7 +108,7 @@ def test_sources_self_contained():
     for cu in CU_FILES:
         src = _sources.source(cu)
         assert not re.search(r"^\s*#\s*include", src, re.M), f"{cu}: unexpanded #include"
-        assert set(_emu.signatures(cu)) == set(_sources.KERNELS[cu]), cu
+        assert set(cuda_emu.signatures(cu)) == set(_sources.KERNELS[cu]), cu
     ops_text = "".join((_sources.HERE / f).read_text() for f in ("launch.py", "ops.py", "decode.py", "layer.py",
                                                                    "quant.py"))
     for names in _sources.KERNELS.values():
@@ -123,3 +124,21 @@ def test_import_without_cupy_or_torch():
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
     if not HAVE_GPU:
         assert kernels_cuda.available() is False
+
+
+def test_runtime_imports_nothing_from_the_tests():
+    """The CPU emulator (tests/cuda_emu.py) and the NumPy references (tests/references) serve the
+    tests only: no runtime module imports them (the emulator is installed from outside through
+    kernels_cuda.launch._set_backend)."""
+    from_tests = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"references"}
+    for pkg in ("minirun", "kernels_cpu", "kernels_cuda"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Import):
+                    mods = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    mods = [node.module]
+                else:
+                    continue
+                for mod in mods:
+                    assert mod.split(".")[0] not in from_tests, (str(f.relative_to(ROOT)), mod)

@@ -84,7 +84,7 @@ def test_eager_graph_step_after_rewind_and_at_capacity(tiny_model_dir):
 def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype):
     """The GPU's one-token layer kernels (kernels_cuda.layer, on the emulator) inside the
     capturable step: RoPE from the device position's table (rope_table of rope_cos_sin_at)."""
-    from kernels_cuda import _emu
+    import cuda_emu
     d = tiny_model_dir("gqa-untied")
     ref, eng = _pair(d, dtype)
     assert ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype, force=True)
@@ -94,7 +94,7 @@ def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype):
     toks = ref.generate(IDS, max_new_tokens=6, ignore_eos=True).tokens
     la = _decode(ref, toks, ref.step)
     gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=8, capture=False)
-    with _emu.emulated() as be:
+    with cuda_emu.emulated() as be:
         lb = _decode(eng, toks, gd.step)
     assert "rope_" + ("f32" if dtype == "float32" else "bf16") in {x[0] for x in be.launches}
     assert (la - lb).abs().max().item() <= TOL[dtype]
@@ -110,10 +110,10 @@ def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw, ctx=128):
     """Two engines with HCACacheCUDA caches (the kernels on the emulator: call inside emulated());
     with length scaling or grouped far positions the model's trained context is 32 tokens, so the
     factor is > 1 and G > 1 here."""
-    from kernels_cuda import _emu
+    import cuda_emu
     short = kw.get("length_scale") == "on" or kw.get("far_positions") == "grouped"   # (grouped: G = 6)
     d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 32} if short else {}))
-    with _emu.hca_cuda_caches():
+    with cuda_emu.hca_cuda_caches():
         return [Engine.load(d, device="cpu", ctx=ctx, **kw) for _ in range(2)]
 
 
@@ -126,9 +126,9 @@ def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, 
     length from device memory with grids for buckets of 16, the eviction on the device (encode,
     store_rows into the pool, the slot) -- the same logits as the ordinary steps, the same store;
     then rewinds inside the ring (ring short: eager steps) and back to captured ones."""
-    from kernels_cuda import _emu
+    import cuda_emu
     prompt = list(range(5, 65))
-    with _emu.emulated():
+    with cuda_emu.emulated():
         ref, eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, {**HCA_GPU, **kw})
         gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=16, capture=False)
         ref.prefill(prompt)
@@ -176,12 +176,12 @@ def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, 
 def test_whole_hca_tokens_need_the_gpu_value_sum(tiny_model_dir, monkeypatch):
     """With the host's value sum an HCA token cannot be captured: the engine decodes it eagerly. A
     cap is captured at any tau (the histogram caps on the device)."""
-    from kernels_cuda import _emu
+    import cuda_emu
     d = tiny_model_dir("gqa-untied")
-    with _emu.emulated():
+    with cuda_emu.emulated():
         eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, HCA_GPU)[0]
         assert cuda_graph.supports(eng.cache)
-        with _emu.hca_cuda_caches():
+        with cuda_emu.hca_cuda_caches():
             assert not cuda_graph.supports(Engine.load(d, device="cpu", ctx=128, **{**HCA_GPU, "value_sum": "host"}).cache)
             assert cuda_graph.supports(Engine.load(d, device="cpu", ctx=128,
                                                    **{**HCA_GPU, "tau": 1.0, "max_select": 4}).cache)

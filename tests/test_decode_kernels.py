@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import kernels_cpu as kc
-from kernels_cpu.reference import bf16_bits_to_float_ref
+from cpu_wrappers import float_to_bf16_bits
+import references as ref
+from references import bf16_bits_to_float_ref
 
 
 def bf16_bits(a) -> np.ndarray:
@@ -27,9 +29,9 @@ def special_floats(rng) -> np.ndarray:
 
 def test_float_to_bf16_matches_reference_and_torch():
     f = special_floats(np.random.default_rng(0))
-    got = kc.float_to_bf16_bits(f)
+    got = float_to_bf16_bits(f)
     nan = np.isnan(f)
-    assert np.array_equal(got[~nan], kc.float_to_bf16_bits_ref(f)[~nan])
+    assert np.array_equal(got[~nan], ref.float_to_bf16_bits_ref(f)[~nan])
     assert np.array_equal(got[~nan], bf16_bits(f)[~nan])          # torch rounds to nearest even too
     assert np.isnan(bf16_bits_to_float_ref(got[nan])).all()
 
@@ -59,7 +61,7 @@ def test_attn_in_vs_ref(dtype, pos):
     inv_freq = 10000.0 ** (-np.arange(0, p["hd"], 2) / p["hd"])
     args = (p["x"], p["n1"], 1e-5, p["wqkv"], pos, inv_freq, p["Hq"] + p["Hkv"], p["hd"])
     got = kc.attn_in(*args)
-    close(got, kc.attn_in_ref(*args), dtype)
+    close(got, ref.attn_in_ref(*args), dtype)
     assert got.dtype == p["wqkv"].dtype
 
 
@@ -69,14 +71,14 @@ def test_attn_out_vs_ref(dtype):
     args = (p["x"], p["o"], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"])
     out = np.empty_like(p["x"])
     assert kc.attn_out(*args, out=out) is out
-    close(out, kc.attn_out_ref(*args), dtype)
+    close(out, ref.attn_out_ref(*args), dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_norm_gemv_vs_ref(dtype):
     p = layer(np.random.default_rng(2), dtype)
     got = kc.norm_gemv(p["x"], p["n2"], 1e-5, p["wgu"])
-    want = kc.norm_gemv_ref(p["x"], p["n2"], 1e-5, p["wgu"])
+    want = ref.norm_gemv_ref(p["x"], p["n2"], 1e-5, p["wgu"])
     assert got.dtype == np.float32
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -85,7 +87,7 @@ def test_rows_not_a_multiple_of_the_task_size_and_nan():
     rng = np.random.default_rng(3)
     x, n = rng.standard_normal(24).astype(np.float32), np.ones(24, np.float32)
     w = rng.standard_normal((37, 24)).astype(np.float32)
-    assert np.allclose(kc.norm_gemv(x, n, 1e-6, w), kc.norm_gemv_ref(x, n, 1e-6, w), rtol=1e-5, atol=1e-5)
+    assert np.allclose(kc.norm_gemv(x, n, 1e-6, w), ref.norm_gemv_ref(x, n, 1e-6, w), rtol=1e-5, atol=1e-5)
     x[5] = np.nan
     assert np.isnan(kc.norm_gemv(x, n, 1e-6, w)).all()
 
@@ -109,12 +111,12 @@ def test_dense_attend_vs_ref(dtype, Hq, Hkv, n):
     if dtype == "bfloat16":                         # the engine's bfloat16 step: q, K, V and out as bits
         q, K, V = bf16_bits(q), bf16_bits(K), bf16_bits(V)
     got = kc.dense_attend(q, K, V, n, scale)
-    want = kc.dense_attend_ref(q, K, V, n, scale)
+    want = ref.dense_attend_ref(q, K, V, n, scale)
     assert got.dtype == np.float32 and got.shape == (Hq, d)
     if dtype == "bfloat16":                         # out in bfloat16: the float32 result, rounded
         out = np.empty((Hq, d), np.uint16)
         assert kc.dense_attend(q, K, V, n, scale, out=out) is out
-        assert np.array_equal(out, kc.float_to_bf16_bits(got).reshape(Hq, d))
+        assert np.array_equal(out, float_to_bf16_bits(got).reshape(Hq, d))
     # float32 scores and sums of n terms against a float64 reference, relative to the values' size
     atol = 2e-6 * np.nanmax(np.abs(as_float(V))) * max(1.0, (n / 64) ** 0.5)
     assert np.allclose(got, want, rtol=1e-5, atol=atol), np.abs(got - want).max()

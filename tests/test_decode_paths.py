@@ -58,11 +58,11 @@ def build(backend, store, tau, **kw):
     if backend.startswith("gpu"):
         dev = torch.device("cuda")
         return make_cache(ARGS, config, dev, torch.float32, 512), contextlib.nullcontext, dev
-    from kernels_cuda import _emu
+    import cuda_emu
     from minirun.kv.hca_cuda import HCACacheCUDA
-    with _emu.emulated():
+    with cuda_emu.emulated():
         cache = HCACacheCUDA.create(ARGS, config, torch.device("cpu"), torch.float32, 512)
-    return cache, _emu.emulated, "cpu"
+    return cache, cuda_emu.emulated, "cpu"
 
 
 def qkv(g, T, device):

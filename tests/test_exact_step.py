@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu as kc
-from kernels_cpu import reference as ref
+import references as ref
 
 
 def case(rng, Hq, Hkv, n, n_exact, pool=np.float32, d=64, qscale=0.3):

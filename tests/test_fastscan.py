@@ -5,7 +5,7 @@ import pytest
 
 import kernels_cpu as kc
 from kernels_cpu import fastscan as fs
-from kernels_cpu.reference import fs_levels_ref, fs_lut_ref, hca_decode_attend_fs_ref, levels_select_ref
+from references import fs_levels_ref, fs_lut_ref, hca_decode_attend_fs_ref, levels_select_ref
 
 pytestmark = pytest.mark.skipif(not fs.available(), reason="fast scan needs AVX2 (the generic path is tested "
                                                            "in test_hca_cache.py on every CPU)")

@@ -2,7 +2,7 @@
 
 Backends: "gpu" (a CUDA device + cupy: Engine.load(device="cuda") picks the class by itself) and
 "emu" (no GPU: the same class on a CPU device, kernels_cuda launches routed to the CPU kernel
-emulator kernels_cuda._emu, no streams/events/pinning; needs g++). The emu runs exercise all the
+emulator tests/cuda_emu.py, no streams/events/pinning; needs g++). The emu runs exercise all the
 host-side logic (selection copy-back, widths, scatter, value sum, merge, eviction, prefill modes),
 not the stream/event ordering.
 
@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import kernels_cuda
+from kernels_cuda.launch import select_mode
 from minirun import Engine
 from minirun.kv.codebooks import Codebooks, codebook_filename
 from minirun.kv.hca import HCACache
@@ -49,9 +50,9 @@ def gpu_engine(request):
     """gpu_engine(model_dir, **kw) -> (Engine with an HCACacheCUDA cache, launch context)."""
     kind = request.param
     if kind == "emu":
-        from kernels_cuda import _emu
+        import cuda_emu
 
-        emulated = _emu.emulated_hca_cuda   # (only engines loaded inside get the GPU class: not the CPU references)
+        emulated = cuda_emu.emulated_hca_cuda   # (only engines loaded inside get the GPU class: not the CPU references)
 
         def load(d, **kw):
             with emulated():
@@ -366,10 +367,30 @@ def test_value_sum_choice(capsys):
         EngineConfig(value_sum="tpu")
 
 
+def decode_launches(tau: float, far: bool = False, exact_keys: bool = False, capped: bool = False,
+                    dtype=torch.bfloat16, value_sum: str = "host") -> dict:
+    """Launches per layer of one HCACacheCUDA decode step in HCA mode (times L for a token).
+
+    kernels_cuda: decode_prep 1, build_lut 1 + approx_scores 2 (scores, ms_reduce) -- with exact
+    keys a torch bmm and zstats 2 instead --, threshold_select 3 for a histogram cut (0 < tau < 1,
+    or capped: zhist, zcut, zcompact) or 2, pack_selection 1, attend_partial 1 (2 with far
+    positions: the sinks take the far query), lse_merge_staged 1. torch on the device: none (exact
+    keys: bmm + its copy into z; a float16 model: the output cast); memcpys 2 (D2H pack, H2D
+    stage), plus once per token the far turn's angles and, while the ring refills after a
+    truncate, its slot mask. value_sum "gpu": gather_value_sum instead of pack_selection (the
+    same kernel count) and no memcpy.
+    """
+    hist = select_mode(tau, 1 if capped else 0, 2) == 0
+    k = 1 + (2 if exact_keys else 3) + (3 if hist else 2) + 1 + (2 if far else 1) + 1
+    half_cast = dtype not in (torch.float32, torch.bfloat16)
+    t = (2 if exact_keys else 0) + (1 if half_cast else 0)
+    return {"kernels_cuda": k, "torch": t, "memcpy": 2 if value_sum == "host" else 0}
+
+
 @pytest.mark.skipif(HAVE_GPU or not HAVE_GXX, reason="emulator launch log (CPU only)")
 @pytest.mark.parametrize("value_sum", ["host", "gpu"])
 def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path, monkeypatch, value_sum):
-    """kernels_cuda launches of one decode step per layer == HCACacheCUDA.decode_launches; also
+    """kernels_cuda launches of one decode step per layer == decode_launches; also
     prints the aten ops of the step (torch-side launch upper bound, in kernels_cuda/README.md)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     load, emulated = gpu_engine
@@ -396,7 +417,7 @@ def test_decode_launch_count(tiny_model_dir, gpu_engine, tmp_path, monkeypatch, 
         with torch.inference_mode(), Count():
             cache.attend(0, q, k, v)
     names = [x[0] for x in be.launches]
-    want = HCACacheCUDA.decode_launches(0.9, dtype=torch.float32, value_sum=value_sum)
+    want = decode_launches(0.9, dtype=torch.float32, value_sum=value_sum)
     assert len(names) == want["kernels_cuda"], names
     assert any(x.startswith("pack_selection" if value_sum == "host" else "gather_value_sum") for x in names), names
     assert names[0].startswith("decode_prep") and names[-1].startswith("lse_merge_staged"), names

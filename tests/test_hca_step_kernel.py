@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu as kc
+import references as ref
 
 HQ, HKV, D = 9, 3, 64
 Q2K = (np.arange(HQ) // (HQ // HKV)).astype(np.int32)
@@ -45,7 +46,7 @@ def test_hca_decode_attend(pool_dtype, n_exact, n_store, tau, g, c):
     q, k, v, EK, EV, C, P, V, cap = setup(rng, n_exact, n_store, g, c, pool_dtype)
     o, counts = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap)
     assert o.shape == (HQ, D) and o.dtype == np.float32 and np.isfinite(o).all()
-    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
+    want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
     # the same step through the public kernels, one call each (what the cache did before)
     parts = [kc.attend_exact(q, EK, EV, Q2K, n_exact)]
@@ -80,10 +81,10 @@ def test_hca_decode_attend_other_shapes(hq, hkv, d, n_exact, n_store):
     o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), kc.group_major(P), n_store, V,
                              0.9, q2k, packed, np.empty((hq, g, c), np.float32), np.empty((hq, n_store), np.float32),
                              np.empty((hq, n_store), np.int32))
-    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, 0.9, q2k)
+    want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, 0.9, q2k)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
-    got, ref = kc.attend_exact(q, EK, EV, q2k, n_exact), kc.attend_exact_ref(q, EK, EV, q2k, n_exact)
-    for a, b in zip(got, ref):
+    got, want = kc.attend_exact(q, EK, EV, q2k, n_exact), ref.attend_exact_ref(q, EK, EV, q2k, n_exact)
+    for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -101,9 +102,9 @@ def test_hca_decode_attend_capped(tau, sel_cap):
     o = kc.hca_decode_attend(q, k, v, EK, EV, 272, kc.transpose_codebooks(C), kc.group_major(P), 5000, V, tau, Q2K,
                              packed, np.empty((HQ, g, c), np.float32), np.zeros((HQ, cap), np.float32),
                              np.zeros((HQ, cap), np.int32), counts, cap=sel_cap)
-    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, 5000, V, tau, Q2K, cap=sel_cap)
+    want = ref.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, 5000, V, tau, Q2K, cap=sel_cap)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
-    _, rcounts, _, _, _ = kc.packed_select_ref(kc.build_lut_ref(q, C, Q2K), P, Q2K, 5000, tau, sel_cap)
+    _, rcounts, _, _, _ = ref.packed_select_ref(ref.build_lut_ref(q, C, Q2K), P, Q2K, 5000, tau, sel_cap)
     np.testing.assert_array_equal(counts, rcounts)
     assert (counts >= 1).all() and ((counts <= sel_cap).all() or sel_cap == 1)   # (a top bucket stays whole)
     free = run_fused(q, k, v, EK, EV, 272, C, P, 5000, V, tau, cap)[1]

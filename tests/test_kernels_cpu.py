@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu as kc
-from kernels_cpu import reference as ref
+import references as ref
 
 HQ, HKV, D = 9, 3, 64
 Q2K = (np.arange(HQ) // (HQ // HKV)).astype(np.int32)  # [0,0,0,1,1,1,2,2,2]
@@ -51,33 +51,41 @@ def make_P(rng, n_cap, g, c, dtype):
 # ---------------------------------------------------------------------------
 
 
-def test_imports_only_numpy_and_numba():
-    pkg = pathlib.Path(kc.__file__).parent
+def absolute_imports(pkg: pathlib.Path):
+    """(file name, module, imported names) for every import in pkg/*.py but the package's relative ones."""
     for f in pkg.glob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:  # relative import inside the package
-                    continue
-                mods = [node.module]
-            else:
-                continue
-            for mod in mods:   # (the standard library is fine: no torch, no minirun)
-                top = mod.split(".")[0]
-                assert top in {"numpy", "numba"} or top in sys.stdlib_module_names, (f.name, mod)
+                yield from ((f.name, a.name, []) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                yield f.name, node.module, [a.name for a in node.names]
+
+
+def test_imports_only_numpy_and_numba():
+    for name, mod, _ in absolute_imports(pathlib.Path(kc.__file__).parent):
+        top = mod.split(".")[0]   # (the standard library is fine: no torch, no minirun, no tests)
+        assert top in {"numpy", "numba"} or top in sys.stdlib_module_names, (name, mod)
+
+
+def test_references_do_not_use_the_kernels():
+    """The references stand apart from what they check: numpy, and from kernels_cpu only the layout
+    constants they share (bucket counts, the quantized tiles' planes), never a kernel."""
+    for name, mod, names in absolute_imports(pathlib.Path(ref.__file__).parent):
+        if mod.split(".")[0] == "kernels_cpu":
+            assert all(n.lstrip("_").isupper() or n == "planes_from_tiles" for n in names), (name, mod, names)
+        else:
+            assert mod in {"numpy", "__future__"}, (name, mod)
 
 
 @pytest.mark.parametrize("soft", [False, True])
 def test_half_to_float_exhaustive(soft):
     """Every one of the 65536 half bit patterns converts exactly (both the
     hardware fpext path and the bit-manipulation fallback)."""
-    from kernels_cpu.numba_kernels import _k_half_array
+    from cpu_wrappers import half_to_float_array
 
     assert kc.HALF_CONVERSION in ("hardware (fpext)", "software (bits)")
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
-    got = np.empty(65536, dtype=np.float32)
-    _k_half_array(bits, got, soft)
+    got = half_to_float_array(bits, soft)
     want = bits.view(np.float16).astype(np.float32)
     same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
     assert same.all()

@@ -1,5 +1,5 @@
 """kernels_cuda/decode.cu (the glue of one GPU decode step) and gather.cu (the GPU value sum)
-against kernels_cpu.reference.
+against tests/references.
 
 Emulated runs (CPU, g++) in several thread orders, and the same checks on a GPU (skipped without
 one, with the reason). Tolerances:
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import cuda_wrappers as cw
 import kernels_cuda
 import kernels_cuda.decode as kd
 from cuda_checks import Env, _ref, np_, q2k_for
@@ -42,7 +43,7 @@ def check_decode_prep(env, Hq, Hkv, d, dtype, far, seed=0):
     zero = torch.ones(1000)
     with env.ctx():
         tier_d, zero_d = tier.to(env.device), zero.to(env.device)
-        qs, qf = kd.decode_prep(q.to(env.device), k.to(env.device), v.to(env.device), 0.125, tier_d[0, :, 3],
+        qs, qf = cw.decode_prep(q.to(env.device), k.to(env.device), v.to(env.device), 0.125, tier_d[0, :, 3],
                                 tier_d[1, :, 3], cs=None if cs is None else cs.to(env.device), zero=zero_d)
     rq, rf = R.decode_prep_ref(q.float().numpy(), 0.125, None if cs is None else cs.numpy())
     np.testing.assert_array_equal(np_(qs), rq)
@@ -57,7 +58,7 @@ def check_decode_prep(env, Hq, Hkv, d, dtype, far, seed=0):
     assert not zero_d.cpu().any()
 
 
-def check_pack_selection(env, Hq, n, width, w, idx_dtype, cap, seed=1):
+def check_pack_selection(env, Hq, n, width, w, cap, seed=1):
     R = _ref()
     rng = np.random.default_rng(seed)
     idx = rng.integers(-3, n + 3, size=(Hq, width)).astype(np.int64)     # out of range: clamped
@@ -67,7 +68,7 @@ def check_pack_selection(env, Hq, n, width, w, idx_dtype, cap, seed=1):
     idx[:, :4] = [n, -1, n - 1, n + 2]                                   # the clamp's edges, in every row
     counts[1:] = np.maximum(counts[1:], 4)
     with env.ctx():
-        pack = kd.pack_selection(env.t(idx, getattr(torch, idx_dtype)), env.t(z)[:, :n], env.t(counts), w, cap=cap)
+        pack = cw.pack_selection(env.t(idx, torch.int32), env.t(z)[:, :n], env.t(counts), w, cap=cap)
     pack = np_(pack)
     c, ri, rz = R.pack_selection_ref(idx, z, counts, 2**31 - 1 if cap is None else cap, n, w)
     np.testing.assert_array_equal(pack[:Hq], c)
@@ -93,7 +94,7 @@ def check_lse_merge_staged(env, P, Hq, d, out_dtype, seed=3):
         ms[:, 2], ls[:, 2] = -np.inf, 0.0
         st[2, d], st[2, d + 1] = -np.inf, 0.0                            # nothing lives
     with env.ctx():
-        o = kd.lse_merge_staged(env.t(os_), env.t(ms), env.t(ls), env.t(st), out_dtype)
+        o = cw.lse_merge_staged(env.t(os_), env.t(ms), env.t(ls), env.t(st), out_dtype)
     ref = R.lse_merge_staged_ref(os_, ms, ls, st)
     o = np_(o)
     assert o.dtype == np.float32 and np.isfinite(o).all()
@@ -116,7 +117,7 @@ def mapped_pool(env, V):
     return pool
 
 
-def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsplit, host_wait=True, seed=5):
+def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, cap, nsplit, host_wait=True, seed=5):
     """The value rows live where the cache keeps them: a PinnedPool (page-locked and mapped, written
     by its async copy on a GPU; a plain CPU tensor under the emulator). host_wait False: the gather
     waits for that copy on the GPU only (device_wait), as the decode step does."""
@@ -134,7 +135,7 @@ def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, idx_dtype, cap, nsp
     with env.ctx():
         pool.write_all(0, V.to(env.device))
         pool.wait() if host_wait else pool.device_wait()
-        os_, ms, ls = kd.gather_value_sum(env.t(idx, getattr(torch, idx_dtype)), env.t(z)[:, :n], env.t(counts),
+        os_, ms, ls = cw.gather_value_sum(env.t(idx, torch.int32), env.t(z)[:, :n], env.t(counts),
                                           env.t(m), pool.data[0], env.t(q2k_for(Hq, Hkv)), n, cap=cap,
                                           nsplit=nsplit)
     Vf = V[0].float().numpy()
@@ -185,9 +186,9 @@ def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, poiso
             V[0, 0, min(s0 - s1)] = float("inf")
         pool.write_all(0, V.to(env.device))
         pool.device_wait()
-        grouped = kd.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n, cap=cap, nsplit=nsplit,
+        grouped = cw.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n, cap=cap, nsplit=nsplit,
                                       group=(ds.cut, ds.z_range, ds.n_bins))
-        plain = kd.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n, cap=cap)
+        plain = cw.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n, cap=cap)
     counts = np_(ds.counts).astype(np.int64)
     c = np.minimum(counts, cap or 2**31 - 1).astype(np.int32)
     assert c.min() > 0 and (cap is None or counts[1] > cap)
@@ -224,21 +225,17 @@ def test_gpu_gather_grouped(tau, cap):
 
 @emu_only
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("d,dtype,idx_dtype,cap,nsplit", [(32, torch.float32, "int32", None, 1),
-                                                          (32, torch.bfloat16, "int32", None, 3),
-                                                          (96, torch.float16, "int64", 40, 2),
-                                                          (128, torch.bfloat16, "int64", 7, 5)])
-def test_emu_gather_value_sum(order, d, dtype, idx_dtype, cap, nsplit):
-    check_gather_value_sum(Env("emu", order=order), 6, 2, d, 200, 300, dtype, idx_dtype, cap, nsplit)
+@pytest.mark.parametrize("d,dtype,cap,nsplit", [(32, torch.float32, None, 1), (32, torch.bfloat16, None, 3),
+                                                (96, torch.float16, 40, 2), (128, torch.bfloat16, 7, 5)])
+def test_emu_gather_value_sum(order, d, dtype, cap, nsplit):
+    check_gather_value_sum(Env("emu", order=order), 6, 2, d, 200, 300, dtype, cap, nsplit)
 
 
 @gpu_only
-@pytest.mark.parametrize("dtype,idx_dtype,cap,nsplit,host_wait", [(torch.float16, "int32", None, 59, False),
-                                                                  (torch.bfloat16, "int32", None, 59, True),
-                                                                  (torch.float16, "int64", 4096, 7, False),
-                                                                  (torch.float32, "int32", 100, 1, True)])
-def test_gpu_gather_value_sum(dtype, idx_dtype, cap, nsplit, host_wait):
-    check_gather_value_sum(Env("gpu"), 9, 3, 64, 70000, 5000, dtype, idx_dtype, cap, nsplit, host_wait)
+@pytest.mark.parametrize("dtype,cap,nsplit,host_wait", [(torch.float16, None, 59, False), (torch.bfloat16, None, 59, True),
+                                                        (torch.float16, 4096, 7, False), (torch.float32, 100, 1, True)])
+def test_gpu_gather_value_sum(dtype, cap, nsplit, host_wait):
+    check_gather_value_sum(Env("gpu"), 9, 3, 64, 70000, 5000, dtype, cap, nsplit, host_wait)
 
 
 @emu_only
@@ -251,10 +248,9 @@ def test_emu_decode_prep(order, dtype, far):
 
 @emu_only
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("idx_dtype,cap,w", [("int32", None, 8), ("int32", None, 40), ("int64", 5, 8),
-                                             ("int64", 100, 300)])
-def test_emu_pack_selection(order, idx_dtype, cap, w):
-    check_pack_selection(Env("emu", order=order), 5, 300, max(w, 40), w, idx_dtype, cap)
+@pytest.mark.parametrize("cap,w", [(None, 8), (None, 40), (5, 8), (100, 300)])
+def test_emu_pack_selection(order, cap, w):
+    check_pack_selection(Env("emu", order=order), 5, 300, max(w, 40), w, cap)
 
 
 def check_bf16_rounding(env, Hq=4, d=32, seed=4):
@@ -269,7 +265,7 @@ def check_bf16_rounding(env, Hq=4, d=32, seed=4):
     st = np.concatenate([o, np.zeros((Hq, 1)), np.ones((Hq, 1))], 1).astype(np.float32)
     z = np.zeros((0, Hq, d), np.float32)
     with env.ctx():
-        got = kd.lse_merge_staged(env.t(z), env.t(z[:, :, 0]), env.t(z[:, :, 0]), env.t(st), torch.bfloat16)
+        got = cw.lse_merge_staged(env.t(z), env.t(z[:, :, 0]), env.t(z[:, :, 0]), env.t(st), torch.bfloat16)
     np.testing.assert_array_equal(got.cpu().view(torch.int16).numpy().view(np.uint16), R.float_to_bf16_bits_ref(o))
 
 
@@ -299,9 +295,9 @@ def test_gpu_decode_prep(dtype, far):
 
 
 @gpu_only
-@pytest.mark.parametrize("idx_dtype,cap,w", [("int32", None, 1024), ("int64", 4096, 2048)])
-def test_gpu_pack_selection(idx_dtype, cap, w):
-    check_pack_selection(Env("gpu"), 9, 70000, 5000, w, idx_dtype, cap)
+@pytest.mark.parametrize("cap,w", [(None, 1024), (4096, 2048)])
+def test_gpu_pack_selection(cap, w):
+    check_pack_selection(Env("gpu"), 9, 70000, 5000, w, cap)
 
 
 @gpu_only
@@ -313,14 +309,14 @@ def test_gpu_lse_merge_staged(P, out_dtype):
 @emu_only
 def test_wrapper_argument_errors():
     """Shape and dtype mistakes fail in the wrappers, before any launch."""
-    from kernels_cuda import _emu
-    with _emu.emulated(), pytest.raises((ValueError, TypeError)):
-        kd.decode_prep(torch.zeros(4, 7), torch.zeros(2, 7), torch.zeros(2, 7), 1.0, torch.zeros(2, 7),
+    import cuda_emu
+    with cuda_emu.emulated(), pytest.raises((ValueError, TypeError)):
+        cw.decode_prep(torch.zeros(4, 7), torch.zeros(2, 7), torch.zeros(2, 7), 1.0, torch.zeros(2, 7),
                        torch.zeros(2, 7))                                       # odd head dim
-    with _emu.emulated(), pytest.raises(ValueError):
-        kd.pack_selection(torch.zeros(3, 4, dtype=torch.int16), torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32), 2)
-    with _emu.emulated(), pytest.raises(ValueError):
-        kd.gather_value_sum(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 8), torch.zeros(3, dtype=torch.int32),
+    with cuda_emu.emulated(), pytest.raises(ValueError):
+        cw.pack_selection(torch.zeros(3, 4, dtype=torch.int16), torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32), 2)
+    with cuda_emu.emulated(), pytest.raises(ValueError):
+        cw.gather_value_sum(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 8), torch.zeros(3, dtype=torch.int32),
                             torch.zeros(3), torch.zeros(2, 8, 300), [0, 0, 1], 8)   # head dim > block
-    with _emu.emulated(), pytest.raises(ValueError):
-        kd.lse_merge_staged(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3, 5))
+    with cuda_emu.emulated(), pytest.raises(ValueError):
+        cw.lse_merge_staged(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3, 5))

@@ -17,7 +17,7 @@ import kernels_cuda
 from cuda_checks import Env
 from kernels_cuda import layer as kl
 from minirun import ops
-from minirun.kv.hca_cuda import HCACacheCUDA
+from test_hca_cuda import decode_launches
 
 HAVE_GPU = kernels_cuda.available()
 emu_only = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (CPU kernel emulator)")
@@ -82,7 +82,7 @@ def test_wrong_dtype_is_refused():
 def test_emu_model_decode_through_layer_kernels(tiny_model_dir, dtype):
     """Decode steps of a model whose layers take the GPU one-token path (forced onto the CPU,
     kernels on the emulator) against the same model's torch path: same greedy tokens, logits close."""
-    from kernels_cuda import _emu
+    import cuda_emu
     from minirun import Engine
     d = tiny_model_dir("gqa-untied")
     ids = list(range(5, 40))
@@ -94,7 +94,7 @@ def test_emu_model_decode_through_layer_kernels(tiny_model_dir, dtype):
     for lw in ref.model.w["layers"]:
         lw.pop("np", None)
     a = ref.generate(ids, max_new_tokens=6, ignore_eos=True)
-    with _emu.emulated() as be:
+    with cuda_emu.emulated() as be:
         b = eng.generate(ids, max_new_tokens=6, ignore_eos=True)
         lb = torch.stack([eng.step(t).reshape(-1) for t in b.tokens[:3]])
     names = {x[0] for x in be.launches}
@@ -141,7 +141,7 @@ def test_count_launches_script(capsys):
         return r[name]["torch_per_layer"] + r[name]["kernels_cuda_per_layer"]
     assert per_layer("dense, layer kernels on") <= 12 < per_layer("dense, layer kernels off")
     assert per_layer("hca, layer kernels on") <= 21 < per_layer("hca, layer kernels off")
-    assert r["hca, layer kernels on"]["kernels_cuda_per_layer"] == 4 + HCACacheCUDA.decode_launches(0.9)["kernels_cuda"]
+    assert r["hca, layer kernels on"]["kernels_cuda_per_layer"] == 4 + decode_launches(0.9)["kernels_cuda"]
     assert "| hca, layer kernels on |" in capsys.readouterr().out
     # CUDA graphs: a token is one replay, the copies of its inputs and the logits' clone
     assert r["dense, cuda graphs"]["per_token"] == 3 and r["hca, cuda graphs"]["per_token"] == 4

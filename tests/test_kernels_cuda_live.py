@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import cuda_wrappers as cw
 import kernels_cuda
 import kernels_cuda.decode as kd
 from cuda_checks import Env, _ref, np_, q2k_for
@@ -80,7 +81,7 @@ def check_store_rows(env, dtype, R=6, T=9, d=64, row=5, seed=0):
     want = _ref().store_rows_ref(np_(src), np_(dst), row)
     with env.ctx():
         dst_d = dst.to(env.device)
-        kd.store_rows(src.to(env.device), dst_d, torch.tensor([row], dtype=torch.int32, device=env.device))
+        cw.store_rows(src.to(env.device), dst_d, torch.tensor([row], dtype=torch.int32, device=env.device))
     np.testing.assert_array_equal(np_(dst_d), want)
 
 
@@ -108,7 +109,7 @@ def test_gpu_store_rows_into_the_mapped_pool():
     assert pool.mapped
     pool.data.zero_()
     src = torch.randn(6, 64, device=dev).to(torch.bfloat16)
-    kd.store_rows(src, pool.data.view(6, 16, 64), torch.tensor([7], dtype=torch.int32, device=dev))
+    cw.store_rows(src, pool.data.view(6, 16, 64), torch.tensor([7], dtype=torch.int32, device=dev))
     torch.cuda.synchronize()
     assert torch.equal(pool.data.view(6, 16, 64)[:, 7], src.cpu())
     assert not pool.data.view(6, 16, 64)[:, :7].any() and not pool.data.view(6, 16, 64)[:, 8:].any()
@@ -117,9 +118,9 @@ def test_gpu_store_rows_into_the_mapped_pool():
 
 @emu_only
 def test_store_rows_argument_errors():
-    from kernels_cuda import _emu
-    with _emu.emulated():
+    import cuda_emu
+    with cuda_emu.emulated():
         with pytest.raises(ValueError, match="dst"):
-            kd.store_rows(torch.zeros(2, 4), torch.zeros(3, 5, 4), torch.zeros(1, dtype=torch.int32))
+            cw.store_rows(torch.zeros(2, 4), torch.zeros(3, 5, 4), torch.zeros(1, dtype=torch.int32))
         with pytest.raises(ValueError, match="row"):
-            kd.store_rows(torch.zeros(2, 4), torch.zeros(2, 5, 4), torch.zeros(1, dtype=torch.int64))
+            cw.store_rows(torch.zeros(2, 4), torch.zeros(2, 5, 4), torch.zeros(1, dtype=torch.int64))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu as kc
-from kernels_cpu import reference as ref
+import references as ref
 from kernels_cpu.level_select import NB
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu as kc
-from kernels_cpu import reference as ref
+import references as ref
 
 HQ, HKV = 9, 3
 Q2K = (np.arange(HQ) // (HQ // HKV)).astype(np.int32)

@@ -66,11 +66,11 @@ def test_gpu_cache_class_round_trip_on_the_emulator(tiny_model_dir, tmp_path, ca
     host keys) saved and loaded, the same logits as the engine that prefilled."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found (CPU kernel emulator)")
-    from kernels_cuda import _emu
+    import cuda_emu
     from minirun.kv.hca_cuda import HCACacheCUDA
     d = tiny_model_dir("gqa-untied")
     kw = dict(ctx=512, **CASES[case])
-    with _emu.emulated_hca_cuda():
+    with cuda_emu.emulated_hca_cuda():
         a, b = (Engine.load(d, device="cpu", **kw) for _ in range(2))
         assert isinstance(a.cache, HCACacheCUDA)
         a.prefill(PROMPT)

@@ -1,5 +1,5 @@
 """kernels_cuda/quant.cu (block-quantized GEMV and row dequantization) against the NumPy reference
-(kernels_cpu.reference_quant, itself held to gguf.quants in test_quant_kernels.py), on the CPU
+(tests/references/quant.py, itself held to gguf.quants in test_quant_kernels.py), on the CPU
 emulator and, with a GPU, on the device; and a model's steps through them against the CPU kernels.
 
 Tolerance: float32 summation order only (the GEMV adds 4 column groups and the K splits by
@@ -15,7 +15,7 @@ import torch
 import kernels_cuda
 from cuda_checks import Env
 from kernels_cpu import quant as kq
-from kernels_cpu.reference_quant import dequantize_ref, gemv_ref
+from references.quant import dequantize_ref, gemv_ref
 from kernels_cuda import quant as kcq
 from minirun.quant.formats import FORMATS, kernel_planes, to_planes
 from test_quant_kernels import random_blocks
@@ -72,7 +72,7 @@ def test_emu_cat_rows():
 def test_emu_model_steps_through_quant_kernels(tiny_model_dir):
     """A model whose quantized matrices run on quant.cu (forced onto the CPU: the emulator) against the
     same model on the CPU kernels: logits of a prefill and of decode steps."""
-    from kernels_cuda import _emu
+    import cuda_emu
     from minirun import Engine, ops
     from minirun.quant import QuantMatrix
     d = tiny_model_dir("gqa-untied")
@@ -87,7 +87,7 @@ def test_emu_model_steps_through_quant_kernels(tiny_model_dir):
     w.pop("np")
     assert ops.prepare_cuda_decode(w, eng.args, eng.device, eng.model.dtype, force=True)
     eng.model.cuda_decode = True
-    with _emu.emulated() as be:
+    with cuda_emu.emulated() as be:
         lq = eng.logits(ids[:8])
         eng.reset()
         eng.prefill(ids[:8])

@@ -5,7 +5,8 @@ import pytest
 
 import kernels_cpu as kc
 from kernels_cpu import quant as kq
-from kernels_cpu.reference_quant import dequantize_ref, gemv_ref
+import references as ref
+from references.quant import dequantize_ref, gemv_ref
 from minirun.quant.formats import FORMATS, dequantize_blocks, from_planes, kernel_planes, to_planes
 
 FMTS = list(FORMATS)
@@ -46,11 +47,11 @@ def test_dequantize_kernels_vs_reference(fmt):
     rng = np.random.default_rng(1)
     rows, cols = 130, 512
     w = tiles(fmt, random_blocks(rng, fmt, rows, cols), cols)
-    ref = dequantize_ref(w)
-    np.testing.assert_allclose(kq.dequantize_rows(w, 0, rows), ref, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(kq.dequantize_rows(w, 70, 129), ref[70:129], rtol=1e-6, atol=1e-7)
+    want = dequantize_ref(w)
+    np.testing.assert_allclose(kq.dequantize_rows(w, 0, rows), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(kq.dequantize_rows(w, 70, 129), want[70:129], rtol=1e-6, atol=1e-7)
     ids = np.array([129, 0, 64, 5, 5])
-    np.testing.assert_allclose(kq.dequantize_ids(w, ids), ref[ids], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(kq.dequantize_ids(w, ids), want[ids], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError):
         kq.dequantize_ids(w, np.array([rows]))
 
@@ -107,23 +108,24 @@ def test_fused_decode_kernels_with_quantized_weights(fmts):
     inv_freq = 10000.0 ** (-np.arange(0, p["hd"], 2) / p["hd"])
     n_rot = p["Hq"] + p["Hkv"]
     got = kc.attn_in(p["x"], p["n1"], 1e-5, q["wqkv"], 1234, inv_freq, n_rot, p["hd"])
-    close_rel(got, kc.attn_in_ref(p["x"], p["n1"], 1e-5, f["wqkv"], 1234, inv_freq, n_rot, p["hd"]), 1e-5)
+    close_rel(got, ref.attn_in_ref(p["x"], p["n1"], 1e-5, f["wqkv"], 1234, inv_freq, n_rot, p["hd"]), 1e-5)
     got = kc.attn_out(p["x"], p["o"], q["wo"], p["n2"], 1e-5, q["wgu"], q["wdown"])
-    close_rel(got, kc.attn_out_ref(p["x"], p["o"], f["wo"], p["n2"], 1e-5, f["wgu"], f["wdown"]), 1e-5)
+    close_rel(got, ref.attn_out_ref(p["x"], p["o"], f["wo"], p["n2"], 1e-5, f["wgu"], f["wdown"]), 1e-5)
     got = kc.norm_gemv(p["x"], p["n2"], 1e-5, q["wgu"])
-    close_rel(got, kc.norm_gemv_ref(p["x"], p["n2"], 1e-5, f["wgu"]), 1e-5)
+    close_rel(got, ref.norm_gemv_ref(p["x"], p["n2"], 1e-5, f["wgu"]), 1e-5)
 
 
 def test_fused_decode_kernels_bfloat16_activations():
-    from kernels_cpu.reference import bf16_bits_to_float_ref
+    from cpu_wrappers import float_to_bf16_bits
+    from references import bf16_bits_to_float_ref
     rng = np.random.default_rng(6)
     q, f, p = quant_layer(rng, ("Q8_0",) * 4)
-    x16 = kc.float_to_bf16_bits(p["x"])
-    o16 = kc.float_to_bf16_bits(p["o"])
-    n16 = kc.float_to_bf16_bits(p["n2"])
+    x16 = float_to_bf16_bits(p["x"])
+    o16 = float_to_bf16_bits(p["o"])
+    n16 = float_to_bf16_bits(p["n2"])
     got = kc.attn_out(x16, o16, q["wo"], n16, 1e-5, q["wgu"], q["wdown"])
     assert got.dtype == np.uint16
-    want = kc.attn_out_ref(*(bf16_bits_to_float_ref(a) for a in (x16, o16)), f["wo"], bf16_bits_to_float_ref(n16),
+    want = ref.attn_out_ref(*(bf16_bits_to_float_ref(a) for a in (x16, o16)), f["wo"], bf16_bits_to_float_ref(n16),
                            1e-5, f["wgu"], f["wdown"])
     close_rel(bf16_bits_to_float_ref(got), want, 2.0 ** -7)
     with pytest.raises(ValueError, match="all be float32 or all bfloat16"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels_cpu as kc
-from kernels_cpu import reference as ref
+import references as ref
 from minirun import Engine
 from minirun.planner import plan, prompt_cache_bytes
 
@@ -75,10 +75,10 @@ def test_one_call_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, t
     q, k, v, EK, EV, C, P, V, cap = setup(rng, n_exact, n_store, 16, 1024, pool_dtype)
     K = rng.standard_normal(V.shape).astype(pool_dtype)
     o, counts = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=K)
-    want = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K, host_keys=K)
+    want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K, host_keys=K)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
     if n_store:   # (the codebook weights give another answer)
-        plain = kc.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
+        plain = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
         assert np.abs(plain - want).max() > 1e-2
 
 
@@ -86,7 +86,7 @@ def test_one_call_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, t
 @pytest.mark.parametrize("n_exact,n_store,tau", ONE_CALL_CASES)
 def test_fast_scan_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, tau):
     from kernels_cpu import fastscan as fs
-    from kernels_cpu.reference import hca_decode_attend_fs_ref
+    from references import hca_decode_attend_fs_ref
     from test_fastscan import factors
     if not fs.available():
         pytest.skip("no AVX2: the fast scan is not built for this CPU")
@@ -187,14 +187,14 @@ def test_gpu_cache_class_rescores_on_the_host(tiny_model_dir, monkeypatch, backe
     """HCACacheCUDA (the emulator without a GPU): tau = 1 with codebooks and rescoring is dense
     attention, through the host sum's copy-back (the query copied back with the selection); the
     GPU value sum is not taken (the note says why)."""
-    from kernels_cuda import _emu
+    import cuda_emu
     d = tiny_model_dir("gqa-untied")
     ids = random_ids(200, seed=5)
     dense = Engine.load(d, device="cpu", ctx=256)
     want = dense.logits(ids)
     kw = dict(ctx=256, kv="hca", tau=1.0, window=16, sinks=4, prefill_chunk=32, groups=8, centroids=32,
               fit_min_tokens=48, rescore=True, value_sum="gpu")
-    emulated = _emu.emulated_hca_cuda if backend == "emu" else contextlib.nullcontext
+    emulated = cuda_emu.emulated_hca_cuda if backend == "emu" else contextlib.nullcontext
     with emulated():
         eng = Engine.load(d, device="cpu" if backend == "emu" else "cuda", **kw)
         assert isinstance(eng.cache, HCACacheCUDA) and eng.cache.value_sum == "host" and eng.cache.host_keys is not None

@@ -1,7 +1,7 @@
 """HCACacheCUDA: the HCA cache with its device tier on the GPU (CuPy kernels) and values on the host.
 
 Tested on an H100 (2026-11-24: the GPU tests against the CPU cache; kernels_cuda/README.md, "GPU
-backend") and, everywhere, on the CPU with the kernel emulator (kernels_cuda._emu), which runs the
+backend") and, everywhere, on the CPU with the kernel emulator (tests/cuda_emu.py), which runs the
 same code with CPU tensors and no streams.
 
 Where things live (CUDA device):
@@ -42,7 +42,8 @@ H100 this decoded 1.7-2x faster than the host sum at 8K-1M of context (docs/BENC
 host sum stays for rescore (it scores the selected tokens from host keys) and for devices that
 cannot map host memory.
 
-Kernel launches per decode token: see `decode_launches` (the emulator test checks the count).
+Kernel launches per decode token: tests/test_hca_cuda.py counts them (decode_launches, held to the
+emulator's launch log).
 """
 from __future__ import annotations
 
@@ -170,27 +171,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
 
     def _host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=self._gpu)
-
-    @staticmethod
-    def decode_launches(tau: float, far: bool = False, exact_keys: bool = False, capped: bool = False,
-                        dtype=torch.bfloat16, value_sum: str = "host") -> dict:
-        """Launches per layer of one decode step in HCA mode (times L for a token).
-
-        kernels_cuda (checked against the emulator's launch log in tests/test_hca_cuda.py):
-        decode_prep 1, build_lut 1 + approx_scores 2 (scores, ms_reduce) -- with exact keys a torch
-        bmm and zstats 2 instead --, threshold_select 3 for a histogram cut (0 < tau < 1, or
-        capped: zhist, zcut, zcompact) or 2, pack_selection 1, attend_partial 1 (2 with far positions: the sinks take the far query),
-        lse_merge_staged 1. torch on the device: none (exact keys: bmm + its copy into z; a float16
-        model: the output cast);
-        memcpys 2 (D2H pack, H2D stage), plus once per token the far turn's angles and, while the
-        ring refills after a truncate, its slot mask. value_sum "gpu": gather_value_sum instead of
-        pack_selection (the same kernel count) and no memcpy.
-        """
-        hist = kcu_launch.select_mode(tau, 1 if capped else 0, 2) == 0
-        k = 1 + (2 if exact_keys else 3) + (3 if hist else 2) + 1 + (2 if far else 1) + 1
-        half_cast = dtype not in (torch.float32, torch.bfloat16)
-        t = (2 if exact_keys else 0) + (1 if half_cast else 0)
-        return {"kernels_cuda": k, "torch": t, "memcpy": 2 if value_sum == "host" else 0}
 
     # ---- attention ----------------------------------------------------------------------------
     def _decode_step(self, layer, q, k, v):

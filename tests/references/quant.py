@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .quant import planes_from_tiles
+from kernels_cpu.quant import planes_from_tiles
 
 
 def _f16(a):

@@ -1,5 +1,5 @@
-// _emu_prelude.cuh -- a small CPU SIMT emulator for the kernels_cuda sources.
-// TESTING ONLY: never used by the runtime.  kernels_cuda/_emu.py compiles a
+// cuda_emu_prelude.cuh -- a small CPU SIMT emulator for the kernels_cuda sources.
+// For the tests: never used by the runtime.  tests/cuda_emu.py compiles a
 // .cu file with g++ and this prelude (-include), then launches kernels
 // through ctypes.
 //

@@ -19,29 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = [
-    "build_lut_ref",
-    "approx_scores_ref",
-    "pack_lut_ref",
-    "packed_scores_ref",
-    "packed_select_ref",
-    "exact_select_ref",
-    "threshold_select_ref",
-    "attend_exact_ref",
-    "weighted_value_sum_ref",
-    "selected_scores_ref",
-    "lse_merge_ref",
-    "encode_keys_ref",
-    "float_to_bf16_bits_ref",
-    "attn_in_ref",
-    "attn_out_ref",
-    "norm_gemv_ref",
-    "dense_attend_ref",
-    "turn_rows_ref",
-    "hca_decode_attend_ref",
-    "hca_exact_decode_attend_ref",
-]
-
 
 def build_lut_ref(q, codebooks, q_to_kv):
     """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32, q_to_kv int32 [Hq]
@@ -121,8 +98,8 @@ def levels_select_ref(levels, top, scale, offset, tau, cap=0):
     top int64 [Hq] (the sum of the tables' row maxima) -> packed_select_ref's tuple. cap > 0: at
     most cap tokens per head, whole buckets from the top (the exact fallback: the cap highest
     levels, ties at the last one included)."""
-    from .level_select import _COVER, NB
-    from .packed import _BUCKET_LOGITS
+    from kernels_cpu.level_select import _COVER, NB
+    from kernels_cpu.packed import _BUCKET_LOGITS
     Hq, n = levels.shape
     idx, zsel = np.zeros((Hq, n), np.int32), np.zeros((Hq, n), np.float32)
     counts = np.zeros(Hq, np.int32)
@@ -494,7 +471,7 @@ def exact_select_ref(z, tau, cap=0):
     cumulative mass, estimated as count_b * exp(-b / 32), reaches tau times the estimated total.
     z [Hq, n] f32 -> sel bool [Hq, n] (z >= (R - b*) / 32, R the top bucket). cap > 0: at most cap
     per head, whole buckets from the top (_bucket_cut_ref)."""
-    from .level_select import NB
+    from kernels_cpu.level_select import NB
     Hq, n = z.shape
     sel = np.zeros((Hq, n), bool)
     if n == 0 or tau <= 0:
@@ -543,11 +520,3 @@ def turn_rows_ref(EK, start, cos, sin):
     out[:, start:, :h] = x1 * c - x2 * s
     out[:, start:, h:] = x2 * c + x1 * s
     return out.astype(np.float32)
-
-
-# ---- the glue of one GPU decode step (kernels_cuda/decode.cu) ---------------------------------------
-
-
-# the NumPy references of kernels_cuda's decode kernels live beside these, by the same names
-from .reference_gpu import (decode_prep_ref, gather_value_sum_ref, lse_merge_staged_ref,  # noqa: E402,F401
-                            pack_selection_ref, store_rows_ref)

@@ -1,11 +1,11 @@
 """NumPy references of kernels_cuda's decode kernels (kernels_cuda/decode.py, gather.cu): the query's
 prep, the selection's pack, the staged merge, the gathered value sum and the store-row write.
-Re-exported by kernels_cpu.reference, where every reference is looked up by name."""
+Re-exported by the references package, where every reference is looked up by name."""
 from __future__ import annotations
 
 import numpy as np
 
-from .reference import lse_merge_ref, turn_rows_ref
+from .cpu import lse_merge_ref, turn_rows_ref
 
 
 def decode_prep_ref(q, scale, cs=None):

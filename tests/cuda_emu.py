@@ -1,11 +1,12 @@
-"""CPU emulation backend for kernels_cuda -- TESTING ONLY.
+"""CPU emulation backend for kernels_cuda, for the tests.
 
-Compiles a kernels_cuda .cu file with g++ and ``_emu_prelude.cuh`` (fiber-based
+Compiles a kernels_cuda .cu file with g++ and ``cuda_emu_prelude.cuh`` (fiber-based
 SIMT emulator, see that file) and runs the *unchanged* wrappers of
 :mod:`kernels_cuda.ops` on CPU torch tensors:
 
-    from kernels_cuda import _emu, ops
-    with _emu.emulated(order="reverse"):
+    import cuda_emu
+    from kernels_cuda import ops
+    with cuda_emu.emulated(order="reverse"):
         z, (m, l) = ops.approx_scores(T_cpu, P_cpu, q2k_cpu, n)
 
 On top of the emulator's own checks (deadlock, divergent barriers, shuffles
@@ -21,7 +22,8 @@ are copied back.  Wrapper allocations (backend ``empty``)
 are filled with 0xff so that entries a kernel should write but does not
 surface as NaN / -1.
 
-Nothing here is imported by the runtime.  Needs g++ (C++17) and glibc ucontext.
+The runtime never imports it (it installs itself through kernels_cuda.launch._set_backend).
+Scripts that rehearse on the CPU put tests/ on sys.path.  Needs g++ (C++17) and glibc ucontext.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _sources
+from kernels_cuda import _sources, launch
 
-PRELUDE = _sources.HERE / "_emu_prelude.cuh"
+PRELUDE = Path(__file__).with_name("cuda_emu_prelude.cuh")
 GUARD = 4096
 _ORDERS = {"forward": 0, "reverse": 1, "random": 2, "greedy": 3, "greedy_reverse": 4}
 
@@ -127,7 +129,7 @@ def build(file: str) -> ctypes.CDLL:
 
 
 # ---------------------------------------------------------------------------
-# Backend with the interface of launch._CupyBackend
+# Backend with the interface of kernels_cuda.launch._CupyBackend
 # ---------------------------------------------------------------------------
 
 _PTR_DTYPES = {
@@ -289,8 +291,6 @@ class EmuBackend:
 @contextlib.contextmanager
 def emulated(**kw):
     """Route kernels_cuda launches (ops, decode, layer) to the CPU emulator inside the block."""
-    from . import launch
-
     be = EmuBackend(**kw)
     prev = launch._set_backend(be)
     try:
