@@ -16,7 +16,7 @@ function in :mod:`kernels_cpu.numba_kernels`:
 * ``attend_exact(q, K, V, q_to_kv, n) -> (o, m, l)``
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
 * ``selected_scores(q, K, idx, counts, q_to_kv, z)``: the selected tokens' exact scores from
-  host keys, written over z in place (``--rescore``; :mod:`kernels_cpu.rescore`)
+  host keys, written over z in place (the ``rescore`` setting; :mod:`kernels_cpu.rescore`)
 * ``lse_merge(os, ms, ls) -> (o, m, l)``
 * ``encode_keys(K, codebooks, out=None) -> P``
 * ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,

@@ -59,7 +59,7 @@ def _lane_weights(Le, nj, c, s, o, We):
 
 @njit(cache=True, fastmath=_FASTMATH)
 def _exact_lane_weights(q, Kkv, ul, nu, fl, j0, h0, h1, h2, h3, mref, W):
-    """--rescore: W[e, t] = exp(q[h_e] . Kkv[ul[t]] - mref[h_e]) where lane e selected token ul[t]
+    """rescore: W[e, t] = exp(q[h_e] . Kkv[ul[t]] - mref[h_e]) where lane e selected token ul[t]
     (bit e of its flags), else 0: the union's weights from exact scores over host keys Kkv [n, d]
     instead of from levels, each key row read once for the four lanes (kernels_cpu.rescore
     says why). mref stays the levels' reference point: an exact score may pass it by the

@@ -245,7 +245,7 @@ def format_plan(r: dict) -> str:
     budget = f" {r['kv_budget']}" if r["kv_budget"] else ""
     n = r["params"]
     params = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-    weights = "" if r["weights"] == r["dtype"] else f"{r['weights']} weights, "
+    weights = "" if r.get("weights", r["dtype"]) == r["dtype"] else f"{r['weights']} weights, "
     lines = [f"plan: ctx {r['ctx']}, kv {r['kv']}{budget}, {weights}{r['dtype']}, {r['device']}, {params} params", "",
              "| tier | where | bytes | size | bytes/token |", "|---|---|---|---|---|"]
     for t in r["tiers"]:
