@@ -10,7 +10,7 @@ scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval
 scripts/bench_vs_llamacpp.py's, whose --json writes the whole file), "plan" (`minirun
 plan -o json`), "serve" ("runs": scripts/bench_serve.py reports, one per server). A document shows a
 file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
-name without .json; VIEW "summary": an eval report without its per-cell table), headed by its
+name without .json; VIEW "summary": an eval report's settings and main table only), headed by its
 title and followed by its command, machine and date.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def serve_table(runs: list[dict]) -> str:
 
 def render(d: dict, view: str | None = None) -> str:
     """A results file as markdown: its title, its table, its command, machine and date. view
-    "summary": an eval report's main table only (no per-cell pass keys)."""
+    "summary": an eval report's settings and main table only."""
     kind = d["kind"]
     if kind == "bench":
         rows = d["rows"]
@@ -100,8 +100,9 @@ def render(d: dict, view: str | None = None) -> str:
                          for r in rows])
     elif kind == "eval":
         body = format_markdown(d["report"], data=d["report"].get("data"))
-        if view == "summary":
-            body = body.split("\n\nPasskey accuracy per cell")[0]
+        if view == "summary":   # the settings and the main table only
+            paras = body.split("\n\n")
+            body = "\n\n".join(paras[:1 + next(i for i, p in enumerate(paras) if p.startswith("| mode"))])
     elif kind == "paired":
         body = paired_table(d["report"])
     elif kind == "vs-llamacpp":
