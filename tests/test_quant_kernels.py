@@ -9,19 +9,22 @@ import references as ref
 from references.quant import dequantize_ref, gemv_ref
 from minirun.quant.formats import FORMATS, dequantize_blocks, from_planes, kernel_planes, to_planes
 
-FMTS = list(FORMATS)
 
-
-def random_blocks(rng, fmt, rows, cols) -> np.ndarray:
-    """GGUF blocks [rows, bytes] of format `fmt`: random codes and scales (finite float16 scales of
-    either sign, so every bit of every part is exercised)."""
+def random_blocks(rng, fmt, rows, cols, scale: float = 0.02) -> np.ndarray:
+    """GGUF blocks [rows, bytes] of format `fmt` (minirun.quant.formats.FORMATS): random codes and
+    scales (finite float16 scales ~ N(0, scale) of either sign, so every bit of every part is
+    exercised)."""
     f = FORMATS[fmt]
     n = rows * cols // f.block
     raw = rng.integers(0, 256, (n, f.type_size), dtype=np.uint8)
     for name, off, size, dt in f.parts:
         if dt is np.float16:
-            raw[:, off:off + 2] = (rng.standard_normal(n) * 0.02).astype(np.float16).view(np.uint8).reshape(n, 2)
+            raw[:, off:off + 2] = (rng.standard_normal(n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
     return raw.reshape(rows, -1)
+
+
+FMTS = list(FORMATS)
+
 
 
 def tiles(fmt, blocks, cols):

@@ -15,6 +15,7 @@ from minirun.quant import QuantMatrix, RowStack, quantization_config
 from minirun.quant.formats import FORMATS, dequantize_blocks, quantize, to_planes
 from minirun.quant.sizes import matrix_shapes
 from minirun.config import ModelArgs
+from test_quant_kernels import random_blocks
 
 IDS = [5, 9, 11, 3, 7, 1, 2, 8, 40, 41, 17]
 
@@ -31,15 +32,6 @@ def logits_and_steps(eng, ids=IDS, n_steps=5):
     steps = torch.cat([eng.step(t) for t in ids[-n_steps:]])
     return full, steps
 
-
-def random_blocks(rng, fmt, rows, cols):
-    f = FORMATS[fmt]
-    n = rows * cols // f.block
-    raw = rng.integers(0, 256, (n, f.type_size), dtype=np.uint8)
-    for name, off, size, dt in f.parts:
-        if dt is np.float16:
-            raw[:, off:off + 2] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
-    return raw.reshape(rows, -1)
 
 
 def write_quantized(src, out, formats: dict, blocks: dict | None = None):
@@ -100,7 +92,7 @@ def test_k_formats_mixed_in_a_layer(tiny_model_dir, tmp_path):
     for name, (rows, cols) in matrix_shapes(args).items():
         fmt = ("Q8_0" if "embed" in name else "Q6_K" if ("v_proj" in name or "down_proj" in name or "lm_head" in name)
                else "Q4_K")
-        fmts[name], blocks[name] = fmt, random_blocks(rng, fmt, rows, cols)
+        fmts[name], blocks[name] = fmt, random_blocks(rng, fmt, rows, cols, scale=0.01)
     for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
         del fmts[name], blocks[name]              # a format minirun dequantizes at convert: float beside blocks
     out = write_quantized(src, tmp_path / "q4km", fmts, blocks)
