@@ -48,6 +48,12 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "attend_partial_f32",
         "attend_partial_f16",
         "attend_partial_bf16",
+        "attend_gqa_f32_g4",
+        "attend_gqa_f32_g8",
+        "attend_gqa_f16_g4",
+        "attend_gqa_f16_g8",
+        "attend_gqa_bf16_g4",
+        "attend_gqa_bf16_g8",
     ),
     "decode.cu": (
         "decode_prep_f32",

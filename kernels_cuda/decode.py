@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _sources
-from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _backend, _cdiv, _i32, _i64,
+from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _attend_split_max, _backend, _cdiv, _i32, _i64,
                      _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, select_mode, zcut_tau,
                      launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
@@ -145,7 +145,7 @@ class DecodeStep:
         # partials: the exact tier's attend launches (two with far positions), then the gather's
         self.group = group_size(Hq, Hkv)          # (0: no grouped gather)
         gmax = max(_gather_nsplit(capacity, Hq, g, self.num_sms) for g in (0, self.group))
-        p_max = 2 * _cdiv(max(exact_rows, 1), _ATT_TILE) + 2 + gmax
+        p_max = 2 * _attend_split_max(exact_rows, Hq, self.num_sms, Hkv, d) + 2 + gmax
         self.os, self.ms, self.ls = new(p_max, Hq, d), new(p_max, Hq), new(p_max, Hq)
         self.no_stage = new(Hq, d + 2)            # an empty host part (l = 0) for merge after a gather
         self.out_dtype = out_dtype if str(out_dtype) in _OUT_SUFFIX else f32
@@ -210,10 +210,10 @@ class DecodeStep:
     def attend(self, L, q, K, V, q2k, n, valid, part0):
         """attend_partial over K, V [Hkv, >= n, d] (rows contiguous) -> its nsplit partials into
         os / ms / ls [part0:]; returns part0 + nsplit. valid: uint8 [>= n] or None."""
-        tps, nsplit = _attend_split(n, self.Hq, self.num_sms)
+        tps, nsplit = _attend_split(n, self.Hq, self.num_sms, self.Hkv, self.d)
         mask, has_mask = (valid, 1) if valid is not None else (q2k.view(_torch().uint8)[:1], 0)  # (unread then)
         launch_attend_partial(L, q, K, V, q2k, mask, has_mask, n, tps, nsplit, self.os[part0:], self.ms[part0:],
-                              self.ls[part0:])
+                              self.ls[part0:], grouped=True)
         return part0 + nsplit
 
     def gather(self, L, idx, z, n, cap, V, q2k, part0, grouped=False):

@@ -1,7 +1,7 @@
 """Exact attention of one query over a long K, V on the GPU: the dense cache's decode step.
 
-attend_partial split over the keys (flash-decoding: about two blocks per SM at any length, so a long
-context is read by the whole GPU) and lse_merge_staged with an empty staged part. torch's SDPA gives
+attend_gqa (attend_partial where the shape is not GQA's) split over the keys (flash-decoding: a few
+blocks per SM at any length, so a long context is read by the whole GPU) and lse_merge_staged with an empty staged part. torch's SDPA gives
 one query one block per head (fmha_cutlassF: 0.7 ms a layer at 8K on an H100, 95% of a token).
 Every buffer is allocated once for the cache's capacity, so a step can be captured in a CUDA graph:
 there the key count is fixed per graph and the live keys (those at or before the token's position,
@@ -26,9 +26,9 @@ class DenseDecodeAttention:
         torch = _torch()
         if Hq % Hkv:
             raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
-        self.device, self.Hq, self.d = device, Hq, d
+        self.device, self.Hq, self.Hkv, self.d = device, Hq, Hkv, d
         self.num_sms, _ = _backend().device_info(device)
-        p_max = _attend_split_max(capacity, Hq, self.num_sms)
+        p_max = _attend_split_max(capacity, Hq, self.num_sms, Hkv, d)
         f32 = torch.float32
         self.qs = torch.zeros(Hq, d, dtype=f32, device=device)
         self.os = torch.zeros(p_max, Hq, d, dtype=f32, device=device)
@@ -52,11 +52,11 @@ class DenseDecodeAttention:
         else:
             torch.le(self.positions[:n], pos, out=self.live[:n])
             mask, has_mask = self.live.view(torch.uint8), 1
-        tps, nsplit = _attend_split(n, self.Hq, self.num_sms)
+        tps, nsplit = _attend_split(n, self.Hq, self.num_sms, self.Hkv, self.d)
         if nsplit > self.os.shape[0] or n > self.positions.numel():
             raise ValueError(f"{n} keys: more than the capacity of {self.positions.numel()}")
         with _backend().session(self.device) as L:
             launch_attend_partial(L, self.qs, K, V, self.q2k, mask, has_mask, n, tps, nsplit, self.os, self.ms,
-                                  self.ls)
+                                  self.ls, grouped=True)
             _launch_merge(L, self.os, self.ms, self.ls, nsplit, self.no_stage, self.o)
         return self.o if self.o.dtype == q.dtype else self.o.to(q.dtype)

@@ -21,6 +21,8 @@ _ENC_THREADS = _sources.constant("pq.cu", "MR_ENC_THREADS")
 _ENC_TOK = _sources.constant("pq.cu", "MR_ENC_TOK")
 _ATT_THREADS = _sources.constant("attention.cu", "MR_ATT_THREADS")
 _ATT_TILE = _sources.constant("attention.cu", "MR_ATT_TILE")
+_GQA_THREADS = _sources.constant("attention.cu", "MR_GQA_THREADS")
+_GQA_UNIT = 128   # attend_gqa's tokens per split: a multiple of this (32 per warp and more)
 _SMEM_DEFAULT = 48 * 1024  # dynamic shared memory available without opting in
 _SMEM_MARGIN = 1024  # static __shared__ of every kernel here is < 1 KiB
 _MAX_GRID_YZ = 65535
@@ -187,18 +189,35 @@ def _tokens_per_block(n: int, rows: int, num_sms: int, lo: int, hi: int = 1 << 1
     return int(min(max(tpb, lo), hi))
 
 
-def _attend_split(n: int, Hq: int, num_sms: int) -> tuple[int, int]:
-    """attend_partial's (tokens per split, nsplit) for n >= 1 tokens: about 2 blocks per SM."""
-    tiles = _cdiv(n, _ATT_TILE)
-    want = max(1, _cdiv(2 * num_sms, Hq))
-    tps = _cdiv(tiles, min(tiles, want)) * _ATT_TILE
+def gqa_group(Hq: int, Hkv: int, d: int) -> int:
+    """The query heads per kv head that attend_gqa takes at once (0: the shape is attend_partial's):
+    Hq = G Hkv with G <= 8, d = 8 * 2^k <= 256 (a token is d / 8 lanes of a warp)."""
+    G = Hq // Hkv if Hkv and Hq % Hkv == 0 else 0
+    return G if 1 <= G <= 8 and d in (8, 16, 32, 64, 128, 256) else 0
+
+
+def _attend_plan(Hq: int, Hkv: int, d: int, num_sms: int) -> tuple[int, int]:
+    """(tokens per split: a multiple of this, splits wanted) of the kernel that takes this shape:
+    attend_gqa about 3 blocks of 4 warps per SM over Hkv rows (what its registers let stay resident), attend_partial about 2 blocks of 8
+    warps per SM over Hq rows."""
+    if gqa_group(Hq, Hkv, d):
+        return _GQA_UNIT, _cdiv(3 * num_sms, Hkv)
+    return _ATT_TILE, max(1, _cdiv(2 * num_sms, Hq))
+
+
+def _attend_split(n: int, Hq: int, num_sms: int, Hkv: int = 0, d: int = 0) -> tuple[int, int]:
+    """The decode attention's (tokens per split, nsplit) for n >= 1 tokens (Hkv = 0: attend_partial's)."""
+    unit, want = _attend_plan(Hq, Hkv, d, num_sms)
+    units = _cdiv(n, unit)
+    tps = _cdiv(units, min(units, want)) * unit
     return tps, _cdiv(n, tps)
 
 
-def _attend_split_max(capacity: int, Hq: int, num_sms: int) -> int:
+def _attend_split_max(capacity: int, Hq: int, num_sms: int, Hkv: int = 0, d: int = 0) -> int:
     """The most splits _attend_split gives for any n <= capacity (the partial buffers' size): one per
-    tile while the tiles are fewer than the blocks wanted, never more than that number after."""
-    return max(1, min(_cdiv(max(capacity, 1), _ATT_TILE), _cdiv(2 * num_sms, Hq)))
+    unit while the units are fewer than the blocks wanted, never more than that number after."""
+    unit, want = _attend_plan(Hq, Hkv, d, num_sms)
+    return max(1, min(_cdiv(max(capacity, 1), unit), want))
 
 
 def select_mode(tau: float, cap: int | None, n: int) -> int:
@@ -286,10 +305,26 @@ def launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts, n_live=N
               idx, _i64(idx.stride(0)), counts, *_live(n_live, cut)))  # fmt: skip
 
 
-def launch_attend_partial(L, q, K, V, q2k, mask, has_mask, n, tps, nsplit, o_p, m_p, l_p):
-    """attend_partial's nsplit partials (tps tokens each, _attend_split) into o_p, m_p, l_p."""
+def _rows_aligned(t) -> bool:
+    return t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+def launch_attend_partial(L, q, K, V, q2k, mask, has_mask, n, tps, nsplit, o_p, m_p, l_p, grouped=False):
+    """The decode attention's nsplit partials (tps tokens each, _attend_split) into o_p, m_p, l_p.
+    grouped: q2k is h // G (every cache here has it): attend_gqa where the shape and the rows'
+    alignment allow; else attend_partial (any q2k)."""
     Hq, d = q.shape
-    L.launch("attention.cu", "attend_partial_" + _KV_SUFFIX[str(K.dtype)], (nsplit, Hq), (_ATT_THREADS,),
+    Hkv = K.shape[0]
+    G = gqa_group(Hq, Hkv, d) if grouped else 0
+    sfx = _KV_SUFFIX[str(K.dtype)]
+    if G and _rows_aligned(K) and _rows_aligned(V):
+        maxg = 4 if G <= 4 else 8
+        L.launch("attention.cu", f"attend_gqa_{sfx}_g{maxg}", (nsplit, Hkv), (_GQA_THREADS,),
+                 (q, K, _i64(K.stride(0)), _i64(K.stride(1)), V, _i64(V.stride(0)), _i64(V.stride(1)), _i32(G),
+                  mask, _i32(has_mask), _i32(n), _i32(d), _i32(tps), o_p, m_p, l_p),
+                 shared_mem=(_GQA_THREADS // 32) * maxg * d * 4)  # fmt: skip
+        return
+    L.launch("attention.cu", "attend_partial_" + sfx, (nsplit, Hq), (_ATT_THREADS,),
              (q, K, _i64(K.stride(0)), _i64(K.stride(1)), V, _i64(V.stride(0)), _i64(V.stride(1)), q2k,
               mask, _i32(has_mask), _i32(n), _i32(d), _i32(tps), o_p, m_p, l_p),
              shared_mem=(d + _ATT_TILE + _ATT_THREADS) * 4)  # fmt: skip

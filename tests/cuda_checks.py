@@ -188,9 +188,11 @@ def check_threshold(env, z_np, taus, use_stats=False, out_extra=0):
             assert (np_(out)[:, n:] == -5).all()
 
 
-def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hnd", seed=2, valid=None):
+def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hnd", seed=2, valid=None,
+                 kernel="auto"):
     """valid: None, or "ring" (a truncated ring: live sinks, then every third slot dead and a dead
-    tile-sized run), or "none" (every slot dead)."""
+    tile-sized run), or "none" (every slot dead). kernel: attend_exact's. Returns the emulator's
+    launched kernel names (an empty set on a GPU)."""
     R = _ref()
     rng = np.random.default_rng(seed)
     n_cap = n if n_cap is None else n_cap
@@ -211,9 +213,10 @@ def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hn
             mask[:n_cap] = np.arange(n_cap) % 3 != 2
             mask[:4] = 1
             mask[300:600] = 0  # longer than a 256-token tile: a tile with no live token
-    with env.ctx():
-        o, m, l = cw.attend_exact(env.t(q), Kt, Vt, env.t(q2k), n,
-                                            valid=None if mask is None else env.t(mask))
+    with env.ctx() as be:
+        o, m, l = cw.attend_exact(env.t(q), Kt, Vt, env.t(q2k), n, valid=None if mask is None else env.t(mask),
+                                  kernel=kernel)
+    names = {x[0] for x in getattr(be, "launches", [])}
     Kr, Vr = np_(Kt), np_(Vt)  # exactly the (upcast) values the kernel saw
     ro, rm, rl = R.attend_exact_ref(q, Kr, Vr, q2k, n, valid=mask)
     assert o.shape == (Hq, d) and m.shape == (Hq,) and l.shape == (Hq,)
@@ -225,6 +228,7 @@ def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hn
     else:
         np.testing.assert_allclose(m, rm, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(l, rl, rtol=1e-4)
+    return names
 
 
 def check_encode(env, Hkv, d, g, c, n, dtype=torch.float32, pool_extra=0, chunk=4096, seed=4):

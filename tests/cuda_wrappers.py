@@ -209,13 +209,14 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
     return idx, counts, m, l_sel
 
 
-def attend_exact(q, K, V, q_to_kv, n, valid=None):
+def attend_exact(q, K, V, q_to_kv, n, valid=None, kernel="auto"):
     """q [Hq, d] f32 (pre-scaled), K, V [Hkv, n_cap, d] f32 / f16 / bf16 (same dtype; first
     n rows valid; any strides with a contiguous last axis), q_to_kv int32 [Hq],
     valid: optional uint8 [>= n] (0: that row holds no token and is left out, e.g. ring slots a
     truncate emptied) -> (o [Hq, d] f32 normalized, m [Hq] max score, l [Hq] sum exp(s - m)).
-    n = 0 or no valid row -> o = 0, m = -inf, l = 0.  Split-K over token ranges (attend_partial, as the
-    decode steps launch it), then an LSE merge."""
+    n = 0 or no valid row -> o = 0, m = -inf, l = 0.  Split-K over token ranges (as the decode steps
+    launch it: attend_gqa where q_to_kv is h // G and the shape allows, else attend_partial; kernel
+    "partial" forces attend_partial), then an LSE merge."""
     torch = _torch()
     be = _backend()
     _check(be, q, "q", 2)
@@ -248,7 +249,10 @@ def attend_exact(q, K, V, q_to_kv, n, valid=None):
     K, V = _rows(K), _rows(V)
     mask, has_mask = (valid, 1) if valid is not None else (q2k.view(torch.uint8)[:1], 0)   # never read
     num_sms, _ = be.device_info(dev)
-    tps, nsplit = _attend_split(n, Hq, num_sms)
+    G = Hq // Hkv if Hq % Hkv == 0 else 0
+    grouped = kernel != "partial" and G > 0 and torch.equal(
+        q2k.cpu().long(), torch.arange(Hq) // G)
+    tps, nsplit = _attend_split(n, Hq, num_sms, Hkv if grouped else 0, d)
     o = be.empty((Hq, d), torch.float32, dev)
     m = be.empty((Hq,), torch.float32, dev)
     l = be.empty((Hq,), torch.float32, dev)
@@ -259,7 +263,7 @@ def attend_exact(q, K, V, q_to_kv, n, valid=None):
         m_p = be.empty((nsplit, Hq), torch.float32, dev)
         l_p = be.empty((nsplit, Hq), torch.float32, dev)
     with be.session(dev) as L:
-        launch_attend_partial(L, qf, K, V, q2k, mask, has_mask, n, tps, nsplit, o_p, m_p, l_p)
+        launch_attend_partial(L, qf, K, V, q2k, mask, has_mask, n, tps, nsplit, o_p, m_p, l_p, grouped=grouped)
         if nsplit > 1:   # o: the runtime's merge (decode.cu, an empty staged part); m, l from the partials
             _launch_merge(L, o_p, m_p, l_p, nsplit, torch.zeros((Hq, d + 2), device=dev), o)
     if nsplit > 1:

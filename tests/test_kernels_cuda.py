@@ -183,6 +183,27 @@ def test_emu_attend_exact_valid_mask(num_sms, n, valid, kw):
     check_attend(Env("emu", order="random", num_sms=num_sms), 9, 3, 64, n, valid=valid, **kw)
 
 
+ATTEND_KERNEL_CASES = [
+    (9, 3, 64, torch.bfloat16, "auto", "attend_gqa_bf16_g4"),       # SmolLM2: 3 heads a kv head
+    (16, 2, 128, torch.float16, "auto", "attend_gqa_f16_g8"),
+    (10, 2, 64, torch.float32, "auto", "attend_gqa_f32_g8"),        # G = 5 on the 8-head kernel
+    (4, 4, 256, torch.float32, "auto", "attend_gqa_f32_g4"),        # G = 1, d 256: a token a warp
+    (9, 3, 64, torch.bfloat16, "partial", "attend_partial_bf16"),
+    (4, 2, 96, torch.float32, "auto", "attend_partial_f32"),        # d 96: not d / 8 lanes a token
+]
+
+
+@emu_only
+@pytest.mark.parametrize("Hq,Hkv,d,dtype,kernel,want", ATTEND_KERNEL_CASES)
+def test_emu_attend_kernel_choice(Hq, Hkv, d, dtype, kernel, want):
+    """attend_gqa (a block per kv head and split) where the shape is GQA's, attend_partial else;
+    both against the reference, over a masked ring and an unmasked store."""
+    for valid in ("ring", None):
+        names = check_attend(Env("emu", order="random", num_sms=7), Hq, Hkv, d, 900, dtype=dtype, valid=valid,
+                             kernel=kernel)
+        assert want in names and {n for n in names if n.startswith("attend")} == {want}
+
+
 @emu_only
 @pytest.mark.parametrize("d", [32, 128, 96])
 def test_emu_attend_exact_head_dims(d):
@@ -337,6 +358,13 @@ def test_gpu_attend_exact(n, dtype):
                                            (300, "none", torch.float16)])
 def test_gpu_attend_exact_valid_mask(n, valid, dtype):
     check_attend(Env(GPU_KIND, num_sms=132), 9, 3, 64, n, valid=valid, dtype=dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("Hq,Hkv,d,dtype,kernel,want", ATTEND_KERNEL_CASES)
+def test_gpu_attend_kernel_choice(Hq, Hkv, d, dtype, kernel, want):
+    for valid in ("ring", None):
+        check_attend(Env(GPU_KIND, num_sms=132), Hq, Hkv, d, 70000, dtype=dtype, valid=valid, kernel=kernel)
 
 
 @gpu_only
