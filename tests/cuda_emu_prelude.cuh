@@ -207,6 +207,24 @@ inline unsigned ballot(unsigned mask, int pred, int line) {
     return r;
 }
 
+// __match_any_sync: the lanes holding the same value as this one; __syncwarp: a warp barrier.
+inline unsigned match_any(unsigned mask, unsigned v, int line) {
+    WarpSync& ws = warp_of_cur(mask, line);
+    const int lane = g.cur->linear % 32;
+    const int p = ws.parity;
+    ws.buf[p][lane] = v;
+    warp_barrier(ws, line);
+    unsigned r = 0;
+    for (int i = 0; i < 32; ++i)
+        if (ws.buf[p][i] == v) r |= 1u << i;
+    return r;
+}
+
+inline void syncwarp(int line) {
+    WarpSync& ws = warp_of_cur(0xffffffffu, line);
+    warp_barrier(ws, line);
+}
+
 // A fault inside a kernel thread ends the launch with an error (the fault is
 // synchronous and in our own code, so leaving the handler with setcontext to
 // the scheduler is safe in practice; the scheduler's saved signal mask has
@@ -390,6 +408,8 @@ inline int launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned b
 #define __shfl_down_sync(m, v, o) emu::shfl((m), (v), 2, (o), __LINE__)
 #define __shfl_sync(m, v, o) emu::shfl((m), (v), 3, (o), __LINE__)
 #define __ballot_sync(m, p) emu::ballot((m), (p), __LINE__)
+#define __match_any_sync(m, v) emu::match_any((m), (unsigned)(v), __LINE__)
+#define __syncwarp(...) emu::syncwarp(__LINE__)
 
 inline float __int_as_float(int i) {
     float f;
@@ -412,6 +432,7 @@ inline unsigned int __float_as_uint(float f) {
     return u;
 }
 inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 
 inline float atomicAdd(float* p, float v) {
     const float o = *p;
