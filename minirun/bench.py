@@ -387,7 +387,7 @@ def to_markdown_compact(rows: list[dict]) -> str:
         dev, host = kv_split(r.get("kv_stats") or {})
         sel = "-" if r.get("selected") is None else f"{100 * r['selected']:.2f}%"
         lines.append("| " + " | ".join(str(x) for x in [
-            r["model"], r["kv"], r["kv_budget"] or "-", r["test"], r.get("value_sum") or "-", r["cuda_graphs"],
+            r["model"] + (f" {r['weights']}" if r.get("weights", "").startswith("Q") else ""), r["kv"], r["kv_budget"] or "-", r["test"], r.get("value_sum") or "-", r["cuda_graphs"],
             r.get("max_select") or "-", f"{r['tps_mean']:.1f}", sel, _size(r["peak_device_bytes"]), _size(dev),
             _size(host)]) + " |")
     return "\n".join(lines)

@@ -60,7 +60,7 @@ SCALES = {
                                                      exact_prefill_max=1024, prefill_chunk=512)),
 }
 # (name, time limit in s at full scale): in the order they run, the most wanted first
-STEPS = [("dense", 70), ("deep-g64c16", 220), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 230),
+STEPS = [("dense", 70), ("quant", 90), ("deep-g64c16", 220), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 230),
          ("deep-0.125", 180)]
 WARM = 3          # untimed steps first: graphs are captured and kernels compiled there
 
@@ -129,7 +129,7 @@ class Rows:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.rows, indent=1))
         tmp.replace(self.path)
-        log(f"row: {row.test} {row.kv} {row.kv_budget or ''} value_sum={row.value_sum} graphs={row.cuda_graphs} "
+        log(f"row: {row.test} {row.weights} {row.kv} {row.kv_budget or ''} value_sum={row.value_sum} graphs={row.cuda_graphs} "
             f"cap={row.max_select}: {row.tps_mean:.2f} tok/s" + (f", selected {100 * row.selected:.2f}%"
                                                                if row.selected is not None else ""))
 
@@ -224,6 +224,18 @@ def step_dense(a, sc, rows):
                     prof=depth == sc["short"])
 
 
+def step_quant(a, sc, rows):
+    """Dense decode at the short depth with the weights as GGUF blocks (kernels_cuda/quant.cu's GEMV)
+    against the float weights, graphs on."""
+    d = model_dir(a.work, "random-smollm2", sc["small"], sc["dtype"])
+    for weights in ("float", "q8_0", "q4_1"):
+        eng = Engine.load(d, device=a.device, dtype=sc["dtype"], ctx=sc["short"] + sc["n"] + 64, kv="dense",
+                          weights=weights)
+        tg_variants(eng, rows, d, "dense", None, ids_for(eng, sc["short"]), sc, [(None, True, None)], sc["short"],
+                    prof=weights == "q4_1")
+        del eng
+
+
 def step_hca(a, sc, rows, budget):
     d = model_dir(a.work, "random-smollm2", sc["small"], sc["dtype"])
     eng = Engine.load(d, device=a.device, dtype=sc["dtype"], ctx=sc["long"] + sc["n"] + 64, kv="hca",
@@ -264,6 +276,7 @@ def step_deep(a, sc, rows, budget, big=False):
 
 STEP_RUN = {
     "dense": step_dense,
+    "quant": step_quant,
     "hca-g64c16": lambda a, sc, rows: step_hca(a, sc, rows, "g64c16"),
     "hca-0.125": lambda a, sc, rows: step_hca(a, sc, rows, "0.125"),
     "deep-g64c16": lambda a, sc, rows: step_deep(a, sc, rows, "g64c16"),
@@ -341,7 +354,7 @@ def targets(rows) -> str:
         return max(xs) if xs else None
     depths = sorted({r["depth"] for r in rows if r["n_gen"] and "llama3" not in r["model"]}) + [None] * 3
     short, long_, deep = depths[:3]
-    dense_s = best(lambda r: r["kv"] == "dense" and r["depth"] == short)
+    dense_s = best(lambda r: r["kv"] == "dense" and r["depth"] == short and not r.get("weights", "").startswith("Q"))
     dense_l = best(lambda r: r["kv"] == "dense" and r["depth"] == long_)
     hca_l = best(lambda r: r["kv"] == "hca" and r["depth"] == long_ and "llama3" not in r["model"])
     hca_d = best(lambda r: r["kv"] == "hca" and r["depth"] == deep and "llama3" not in r["model"])

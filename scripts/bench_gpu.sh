@@ -23,7 +23,8 @@ if [ "$DEVICE" = cpu ]; then
 else
     SCALE=${SCALE:-full}; EMULATE=
     TESTS=${TESTS-tests/test_kernels_cuda.py tests/test_kernels_cuda_decode.py tests/test_kernels_cuda_layer.py \
-tests/test_kernels_cuda_live.py tests/test_hca_cuda.py tests/test_cuda_graph.py tests/test_rescore.py}
+tests/test_kernels_cuda_live.py tests/test_hca_cuda.py tests/test_cuda_graph.py tests/test_rescore.py \
+tests/test_quant_cuda.py tests/test_dense_decode.py}
 fi
 TEST_LIMIT=${TEST_LIMIT:-100}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
