@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _sources
-from .launch import (_ATT_THREADS, _ATT_TILE, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _attend_split_max, _backend, _cdiv, _i32, _i64,
+from .launch import (_ATT_THREADS, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _attend_split_max, _backend, _cdiv, _i32, _i64,
                      _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, select_mode, zcut_tau,
                      launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 

@@ -131,18 +131,19 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, weights
           sinks, max_select, hca_opts, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
+    from . import bench_output as out
     from .pull import find_model
     model = find_model(model)
     modes = _modes(kv_modes, budgets)
     if plot_path:
-        b.check_plot()
+        out.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
                           sinks=sinks, max_select=max_select, weights=weights, context=context, **hca_opts,
                           log=lambda s: click.echo(s, err=True))
-    click.echo({"md": b.to_markdown, "json": b.to_json, "csv": b.to_csv}[output](results).rstrip("\n"))
+    click.echo({"md": out.to_markdown, "json": out.to_json, "csv": out.to_csv}[output](results).rstrip("\n"))
     if plot_path:
-        b.plot(results, str(plot_path))
+        out.plot(results, str(plot_path))
         click.echo(f"plot: {plot_path}", err=True)
 
 

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minirun import bench as mb  # noqa: E402
+from minirun.bench_output import to_markdown_compact  # noqa: E402
 from minirun.config import EngineConfig, ModelArgs, hca_setting  # noqa: E402
 from minirun.engine import Engine  # noqa: E402
 from minirun.evaluate import selection_probe  # noqa: E402
@@ -337,7 +338,7 @@ def summary(out: Path) -> str:
         p = out / f"{name}.json"
         if p.is_file():
             rows += [dict(r, step=name) for r in json.loads(p.read_text())]
-    table = mb.to_markdown_compact(rows).splitlines()
+    table = to_markdown_compact(rows).splitlines()
     lines = [table[0].replace("| model |", "| step | model |"), "|---" + table[1]]
     lines += [f"| {r['step']} " + line for r, line in zip(rows, table[2:])]
     dev_names = sorted({r.get("device_name", "") for r in rows} - {""})

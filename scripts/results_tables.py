@@ -25,7 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minirun.bench import BenchResult, to_markdown, to_markdown_compact  # noqa: E402
+from minirun.bench import BenchResult  # noqa: E402
+from minirun.bench_output import to_markdown, to_markdown_compact  # noqa: E402
 from minirun.evaluate import format_markdown  # noqa: E402
 from minirun.planner import format_plan  # noqa: E402
 

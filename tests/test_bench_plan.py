@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from minirun import Engine
-from minirun.bench import FIELDS, MD_HEAD, Context, bench_ctx, tokens_needed
+from minirun.bench import FIELDS, Context, bench_ctx, tokens_needed
+from minirun.bench_output import MD_HEAD
 from minirun.cli import main
 from minirun.cli_bench import SizeType, _modes
 from minirun.config import EngineConfig, ModelArgs
