@@ -116,7 +116,30 @@ def profile_steps(eng, ids: list[int], k: int = 3) -> str:
     gpu_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev) / k
     table = ev.table(sort_by="self_cuda_time_total" if eng.device.type == "cuda" else "self_cpu_time_total",
                      row_limit=12, max_name_column_width=48)
-    return f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels {gpu_us / 1e3:.2f} ms/token\n{table}"
+    return (f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels {gpu_us / 1e3:.2f} ms/token\n{table}\n"
+            + host_profile(eng, ids, tok, k))
+
+
+def host_profile(eng, ids: list[int], tok: int, k: int) -> str:
+    """The host's side of k decode steps (after the profiled ones: graphs captured), under cProfile:
+    the Python functions by their own and their cumulative time, to tell what keeps the host busy
+    around each token."""
+    import cProfile
+    import io
+    import pstats
+    eng.prefill(ids)
+    tok = int(eng.step(tok)[-1].argmax())   # (any capture happens here, outside the profile)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(k):
+        tok = int(eng.step(tok)[-1].argmax())
+    sync(eng)
+    pr.disable()
+    eng.rewind(len(ids))
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(15)
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(15)
+    return f"host profile ({k} steps, cProfile, by own time, then cumulative):\n" + buf.getvalue()
 
 
 class Rows:

@@ -9,8 +9,11 @@
 #   DEVICE=cpu bash scripts/bench_gpu.sh OUT_DIR                     # the rehearsal: tiny sizes, CPU, emulator
 #   STEPS=llama8b,deep-0.125 BUDGET=300 bash scripts/bench_gpu.sh OUT_DIR   # some steps only
 #   TESTS= ...                                                       # no tests stage
-# Through the device tool (at most 8 files come back: pack the directory):
-#   bash scripts/bench_gpu.sh /tmp/bg; tar czf $OUT/bench_gpu.tgz -C /tmp bg
+# Through the device tool (at most 8 files come back: pack the directory, without the random
+# checkpoints; the quant step needs the `gguf` package, which the device image lacks: carry its wheel
+# in .whl and install it first):
+#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#   bash scripts/bench_gpu.sh /tmp/bg; tar czf $OUT/bench_gpu.tgz --exclude=work -C /tmp bg
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:?usage: bench_gpu.sh OUT_DIR}
@@ -41,11 +44,11 @@ start=$(date +%s)
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
 if [ -n "$TESTS" ]; then
-    par=(); $PY -c "import xdist" 2>/dev/null && [ "$DEVICE" != cpu ] && par=(-n "${TEST_PROCS:-8}")
+    par=(); $PY -c "import xdist" 2>/dev/null && [ "$DEVICE" != cpu ] && par=(-n "${TEST_PROCS:-12}")
     per=(); $PY -c "import pytest_timeout" 2>/dev/null && per=(--timeout 90)
     echo "== tests (limit $TEST_LIMIT s)"
     # shellcheck disable=SC2086
-    timeout -k 5 "$TEST_LIMIT" $PY -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark "${par[@]}" "${per[@]}" -k "not emu" $TESTS \
+    timeout -k 5 "$TEST_LIMIT" $PY -m pytest -v -rfEs --durations=30 -p no:cacheprovider -p no:benchmark "${par[@]}" "${per[@]}" -k "not emu" $TESTS \
         >"$OUT_DIR/tests.log" 2>&1
     echo "   tests: exit $? ($(grep -c PASSED "$OUT_DIR/tests.log") passed; $(grep -E "(FAILED|ERROR) " "$OUT_DIR/tests.log" | sed "s/.*\(FAILED\|ERROR\) //" | sort -u | head -8 | tr "\n" " "))" | tee -a "$OUT_DIR/env.txt"
 fi
