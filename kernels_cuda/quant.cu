@@ -6,9 +6,13 @@
 // Formats and code layouts: kernels_cpu/quant.py's docstring.  Float16 scales travel as their bits.
 //
 //   qgemv_<fmt>    out[r] += sum_{i in the block's K range} W[r, i] * x[i]   (out zeroed first)
-//                  grid (n_tiles, n_split), block MR_QGEMV_THREADS = MR_QTILE rows x 4 column groups;
-//                  each column group takes every 4th column of the range, the 4 partial sums of a
-//                  row are added in shared memory, then into out with one atomicAdd per row.
+//                  grid (n_tiles, n_split), block MR_QGEMV_THREADS = MR_QTILE rows x 4 column groups,
+//                  K range kchunk columns (a multiple of 32), dynamic shared memory
+//                  (kchunk + kchunk / 32) floats: the range of x and its 32-column sums. Each column
+//                  group takes every 4th 32-column block of the range: a block's scales are read
+//                  once and each code byte once (two 4-bit codes), its dot with x is d * sum(q x)
+//                  (+ m * sum(x)); the 4 partial sums of a row are added in shared memory, then into
+//                  out with one atomicAdd per row.
 //   qrows_<fmt>    out[k, i] = W[ids[k], i] (float32), grid-stride over n * I elements.
 //
 // Compiled without --use_fast_math.
@@ -24,13 +28,34 @@ __device__ __forceinline__ long long mr_qidx(long long t, int k, int i, int r) {
 }
 
 // Each format: W(t, i, r), the weight of column i of row r of tile t, from its parts.
+// ... and dot(t, b, r, xb, xsum): sum over the 32 columns of block b of W(t, i, r) * xb[i - 32 b]
+// (xsum: the sum of those xb).
 struct MrQ8_0 {
     const unsigned char* qs; const unsigned short* d; int I;
     __device__ __forceinline__ float w(long long t, int i, int r) const {
         const float q = (float)(signed char)qs[mr_qidx(t, I, i, r)];
         return mr_half_to_float(d[mr_qidx(t, I / 32, i / 32, r)]) * q;
     }
+    __device__ __forceinline__ float dot(long long t, int b, int r, const float* xb, float) const {
+        float s = 0.f;
+#pragma unroll 8
+        for (int e = 0; e < 32; ++e) s = fmaf((float)(signed char)qs[mr_qidx(t, I, b * 32 + e, r)], xb[e], s);
+        return mr_half_to_float(d[mr_qidx(t, I / 32, b, r)]) * s;
+    }
 };
+
+// sum over a 4-bit block's 16 bytes (byte k: element k low, k + 16 high) of q * x
+__device__ __forceinline__ float mr_q4_dot16(const unsigned char* qs, int I, long long t, int k0, int r,
+                                             const float* xb) {
+    float s = 0.f;
+#pragma unroll 8
+    for (int k = 0; k < 16; ++k) {
+        const int byte = qs[mr_qidx(t, I / 2, k0 + k, r)];
+        s = fmaf((float)(byte & 15), xb[k], s);
+        s = fmaf((float)(byte >> 4), xb[k + 16], s);
+    }
+    return s;
+}
 
 __device__ __forceinline__ int mr_q4_code(const unsigned char* qs, int I, long long t, int i, int r) {
     const int b = i / 32, e = i % 32;
@@ -43,6 +68,9 @@ struct MrQ4_0 {
     __device__ __forceinline__ float w(long long t, int i, int r) const {
         return mr_half_to_float(d[mr_qidx(t, I / 32, i / 32, r)]) * (float)(mr_q4_code(qs, I, t, i, r) - 8);
     }
+    __device__ __forceinline__ float dot(long long t, int b, int r, const float* xb, float xsum) const {
+        return mr_half_to_float(d[mr_qidx(t, I / 32, b, r)]) * (mr_q4_dot16(qs, I, t, b * 16, r, xb) - 8.f * xsum);
+    }
 };
 
 struct MrQ4_1 {
@@ -50,6 +78,10 @@ struct MrQ4_1 {
     __device__ __forceinline__ float w(long long t, int i, int r) const {
         const long long s = mr_qidx(t, I / 32, i / 32, r);
         return mr_half_to_float(d[s]) * (float)mr_q4_code(qs, I, t, i, r) + mr_half_to_float(m[s]);
+    }
+    __device__ __forceinline__ float dot(long long t, int b, int r, const float* xb, float xsum) const {
+        const long long s = mr_qidx(t, I / 32, b, r);
+        return mr_half_to_float(d[s]) * mr_q4_dot16(qs, I, t, b * 16, r, xb) + mr_half_to_float(m[s]) * xsum;
     }
 };
 
@@ -63,6 +95,16 @@ struct MrQ4_K {
         const long long j = mr_qidx(t, I / 32, i / 32, r), s = mr_qidx(t, I / 256, sb, r);
         return mr_half_to_float(d[s]) * (float)sc[j] * (float)q - mr_half_to_float(dmin[s]) * (float)mn[j];
     }
+    // block b = sub-block j = b % 8 of super-block b / 8: bytes 32 (j / 2) + l, low nibble for even j
+    __device__ __forceinline__ float dot(long long t, int b, int r, const float* xb, float xsum) const {
+        const int sb = b / 8, j = b % 8, shift = (j & 1) * 4;
+        float q = 0.f;
+#pragma unroll 8
+        for (int l = 0; l < 32; ++l)
+            q = fmaf((float)((qs[mr_qidx(t, I / 2, sb * 128 + (j / 2) * 32 + l, r)] >> shift) & 15), xb[l], q);
+        const long long jj = mr_qidx(t, I / 32, b, r), s = mr_qidx(t, I / 256, sb, r);
+        return mr_half_to_float(d[s]) * (float)sc[jj] * q - mr_half_to_float(dmin[s]) * (float)mn[jj] * xsum;
+    }
 };
 
 struct MrQ6_K {
@@ -75,18 +117,34 @@ struct MrQ6_K {
         return mr_half_to_float(d[mr_qidx(t, I / 256, sb, r)]) * (float)(signed char)sc[mr_qidx(t, I / 16, i / 16, r)]
                * (float)q;
     }
+    __device__ __forceinline__ float dot(long long t, int b, int r, const float* xb, float) const {
+        float s = 0.f;
+        for (int e = 0; e < 32; ++e) s = fmaf(w(t, b * 32 + e, r), xb[e], s);
+        return s;
+    }
 };
 
 template <typename F>
 __device__ __forceinline__ void qgemv_impl(const F& f, int I, int rows, const float* __restrict__ x, int kchunk,
                                            float* __restrict__ out) {
     __shared__ float part[MR_QGEMV_THREADS];
+    MR_DYN_SMEM(xs);                   // [kchunk] x of the range, then [kchunk / 32] its block sums
     const int groups = MR_QGEMV_THREADS / MR_QTILE;
     const int r = threadIdx.x % MR_QTILE, g = threadIdx.x / MR_QTILE;
     const long long t = blockIdx.x;
     const int i0 = blockIdx.y * kchunk, i1 = i0 + kchunk < I ? i0 + kchunk : I;
+    const int nb = (i1 - i0) / 32;     // (I and kchunk are multiples of 32)
+    float* xsum = xs + kchunk;
+    for (int i = threadIdx.x; i < i1 - i0; i += blockDim.x) xs[i] = x[i0 + i];
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        float s = 0.f;
+        for (int e = 0; e < 32; ++e) s += xs[b * 32 + e];
+        xsum[b] = s;
+    }
+    __syncthreads();
     float acc = 0.f;
-    for (int i = i0 + g; i < i1; i += groups) acc += f.w(t, i, r) * x[i];
+    for (int b = g; b < nb; b += groups) acc += f.dot(t, i0 / 32 + b, r, xs + b * 32, xsum[b]);
     part[threadIdx.x] = acc;
     __syncthreads();
     if (g == 0) {

@@ -21,6 +21,7 @@ __all__ = ["upload", "cat_rows", "gemv", "linear", "rows"]
 TILE = _sources.constant("quant.cu", "MR_QTILE")
 _THREADS = _sources.constant("quant.cu", "MR_QGEMV_THREADS")
 _ROWS_THREADS = 256
+_KCHUNK = 8192                      # qgemv: the most columns a block takes (x in shared memory: 33 KiB)
 _SLAB = 1 << 24                     # elements of a prefill's dequantized slab (32 MiB in bfloat16)
 _PART_ORDER = {"Q8_0Tiles": "q8_0", "Q4_0Tiles": "q4_0", "Q4_1Tiles": "q4_1", "Q4_KTiles": "q4_k",
                "Q6_KTiles": "q6_k"}
@@ -77,12 +78,13 @@ def gemv(w: CudaQuant, x):
     be = _backend()
     out = torch.zeros(w.rows, dtype=torch.float32, device=x.device)
     num_sms = be.device_info(x.device)[0] if x.is_cuda else 4
-    # enough blocks for the GPU: split the columns when there are few tiles (a 576-row projection is 9)
-    n_split = max(1, min(_cdiv(w.cols, 256), _cdiv(4 * num_sms, w.n_tiles)))
-    kchunk = _cdiv(w.cols, n_split)
+    # enough blocks for the GPU: split the columns when there are few tiles (a 576-row projection is
+    # 9); a split is whole 32-column blocks, its x (and block sums) in shared memory: at most _KCHUNK
+    n_split = max(1, min(_cdiv(w.cols, 256), _cdiv(4 * num_sms, w.n_tiles)), _cdiv(w.cols, _KCHUNK))
+    kchunk = _cdiv(_cdiv(w.cols, n_split), 32) * 32
     with be.session(x.device) as L:
         L.launch("quant.cu", _KERNELS[w.fmt][0], (w.n_tiles, _cdiv(w.cols, kchunk)), (_THREADS,),
-                 (*w.parts, _i32(w.cols), _i32(w.rows), x, _i32(kchunk), out))
+                 (*w.parts, _i32(w.cols), _i32(w.rows), x, _i32(kchunk), out), shared_mem=(kchunk + kchunk // 32) * 4)
     return out
 
 

@@ -56,6 +56,13 @@ def test_emu_quant_kernels(fmt):
 
 
 @emu_only
+@pytest.mark.parametrize("fmt,rows,cols", [("Q4_1", 130, 800), ("Q4_K", 65, 1536), ("Q8_0", 70, 96)])
+def test_emu_quant_gemv_splits(fmt, rows, cols):
+    """Column ranges of whole 32-column blocks, uneven over the 4 column groups, a short last range."""
+    check_format(Env("emu", order="random"), fmt, rows=rows, cols=cols, seed=3)
+
+
+@emu_only
 def test_emu_cat_rows():
     env = Env("emu")
     a, b = tiles("Q4_1", 64, 256, 1), tiles("Q4_1", 40, 256, 2)
