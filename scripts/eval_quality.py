@@ -109,6 +109,8 @@ def main(argv=None):
 
     if a.merge:
         report = merge([json.loads(p.read_text()) for p in a.merge])
+        if a.json:
+            a.json.write_text(json.dumps(report, indent=1))
     else:
         if not a.model:
             ap.error("MODEL is required unless --merge is given")
