@@ -230,17 +230,17 @@ class Engine:
             chunk = 1   # a question after a document: the fused decode step per token (one store scan
             #             each either way; several queries at once go through a slower per-query path)
         self.cache.begin_prefill(mode)
-        logits = None
+        x = None
         done = 0
         for i in range(0, todo.numel(), chunk):
-            logits = self.model.forward(todo[i:i + chunk], self.cache)
+            x = self.model.forward(todo[i:i + chunk], self.cache, hidden=True)   # (logits of the last one only)
             done = min(i + chunk, todo.numel())
             if progress:
                 progress(before + done, total)
             if should_stop is not None and done < todo.numel() and should_stop():
                 break
         self.cache.end_prefill()
-        return logits, done, mode
+        return (None if x is None else self.model.logits(x)), done, mode
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:

@@ -24,8 +24,10 @@ class Model:
         self.cuda_decode = device.type == "cuda" and prepare_cuda_decode(weights, args, device, dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
-        """tokens [T] (int64) at positions cache.offset.. -> logits [T, V] or [1, V] (float32)."""
+    def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
+        """tokens [T] (int64) at positions cache.offset.. -> logits [T, V] or [1, V] (float32); hidden:
+        the last token's hidden state [1, D] instead (a prompt chunk whose logits nobody reads: the LM
+        head is a large share of a one-token step; `logits` makes them later)."""
         a = self.args
         T = tokens.shape[0]
         cos, sin = rope_cos_sin(self.inv_freq, cache.offset, T, self.dtype, self.device)
@@ -36,7 +38,13 @@ class Model:
             o = cache.attend(il, q, k, v)                        # [T, Hq, hd]
             x = attention_output_and_mlp(x, o, lw, a)            # x + o_proj(o); x + mlp(rms_norm(x))
         cache.advance(T)
+        if hidden:   # (a copy: on the CPU x may be a buffer the next step reuses)
+            return x[-1:].clone()
         return output_logits(x if all_logits else x[-1:], self.w, a)   # [T or 1, V] float32
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(hidden=True)'s state [1, D] -> its logits [1, V] (float32)."""
+        return output_logits(x, self.w, self.args)
 
     @torch.inference_mode()
     def decode_at(self, token: torch.Tensor, pos: torch.Tensor, cache, n_keys: int) -> torch.Tensor:
