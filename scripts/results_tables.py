@@ -64,28 +64,29 @@ def vs_llamacpp_table(report: dict) -> str:
 
 
 def serve_table(runs: list[dict]) -> str:
-    """scripts/bench_serve.py reports, one per server: the concurrent requests, then the document's
-    first request against its follow-up questions (first token wall and server CPU seconds)."""
+    """scripts/bench_serve.py reports, one per server (named by its "label", else its kv mode): the
+    concurrent requests, then the document's first request against its follow-up questions (first
+    token wall and server CPU seconds)."""
     c0 = runs[0]["concurrent"]
     lines = [f"{c0['clients']} clients x {c0['requests_each']} streamed requests x {c0['max_tokens']} tokens "
              "(answered one at a time: the first token includes the wait in the queue)", "",
-             "| kv | wall s | tok/s in all | first token p50 / p95 s | decode tok/s p50 / p95 (slow tail) |",
+             "| server | wall s | tok/s in all | first token p50 / p95 s | decode tok/s p50 / p95 (slow tail) |",
              "|---|---:|---:|---:|---:|"]
     for r in runs:
         c = r["concurrent"]
-        lines.append(f"| {r['server']['kv']} | {c['wall_s']:.1f} | {c['aggregate_tps']:.1f} | {c['ttft_p50']:.2f} / "
+        lines.append(f"| {r.get('label') or r['server']['kv']} | {c['wall_s']:.1f} | {c['aggregate_tps']:.1f} | {c['ttft_p50']:.2f} / "
                      f"{c['ttft_p95']:.2f} | {c['decode_tps_p50']:.1f} / {c['decode_tps_p95']:.1f} |")
     doc = runs[0]["document"]
     lines += ["", f"A {doc['doc_tokens']}-token document and a question, then {len(doc['requests']) - 1} more "
               f"questions about it, each answered in {doc['answer_tokens']} tokens: first token in seconds, "
               "wall (server CPU)", "",
-              "| kv | prompt tokens | first request | follow-ups | cached tokens | decode tok/s |",
+              "| server | prompt tokens | first request | follow-ups | cached tokens | decode tok/s |",
               "|---|---:|---:|---:|---:|---:|"]
     for r in runs:
         q = r["document"]["requests"]
         t = lambda x: f"{x['ttft']:.2f} ({x['server']['first_text_cpu_s']:.2f})"   # noqa: E731
         tps = [x["decode_tps"] for x in q]
-        lines.append(f"| {r['server']['kv']} | {q[0]['prompt_tokens']} | {t(q[0])} | {', '.join(t(x) for x in q[1:])} | "
+        lines.append(f"| {r.get('label') or r['server']['kv']} | {q[0]['prompt_tokens']} | {t(q[0])} | {', '.join(t(x) for x in q[1:])} | "
                      f"{', '.join(str(x['cached_tokens']) for x in q)} | {min(tps):.1f}-{max(tps):.1f} |")
     return "\n".join(lines)
 
