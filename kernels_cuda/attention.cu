@@ -319,6 +319,9 @@ __device__ __forceinline__ void attend_gqa_impl(
 typedef MrLoad8B16<MrF16> MrLoad8F16;
 typedef MrLoad8B16<MrBF16> MrLoad8BF16;
 
+// (the parameter lists are written out, not made by a macro: the tests' emulator reads the kernels'
+// signatures from this text)
+
 extern "C" __global__ void __launch_bounds__(MR_GQA_THREADS)
 attend_gqa_f32_g4(const float* __restrict__ q, const float* __restrict__ K, long long k_s0, long long k_s1,
                    const float* __restrict__ V, long long v_s0, long long v_s1, int G,
