@@ -15,8 +15,8 @@ position masked; the HCA cache with the GPU value sum (kv/hca_graph.py) sizes it
 store length rounded up to `bucket` and reads the live length from device memory. One graph per
 size, captured when the context first reaches it. Weights, caches and these buffers keep their
 addresses (the key includes any that could move), so graphs stay valid across truncate and reset.
-A step the cache cannot capture (graph_key None: an HCA ring refilling after a truncate, say) runs
-eagerly.
+A step the cache cannot capture (graph_key None: an HCA step in prefill mode, or before its codebooks
+are fitted, say) runs eagerly.
 
 A cache that cannot be captured (an HCA cache summing values on the host: its step waits for the
 host) decodes eagerly.

@@ -238,11 +238,13 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             self._cs_event.record(torch.cuda.current_stream(self.device))
         self._cs_pos = self.offset
 
-    def _exact_parts(self, L, ds, layer, q, qf) -> int:
+    def _exact_parts(self, L, ds, layer, q, qf, valid=False) -> int:
         """attend over sinks + ring + the new token (the spare row prep wrote) into ds's partials;
         with far positions the sinks (unrotated) take the far query qf in a launch of their own.
-        Returns the number of partials."""
-        valid = self._exact_valid_dev()
+        valid: the live-slot mask [S + W + 1] uint8 on the device, None (every slot live), or
+        False: _exact_valid_dev's. Returns the number of partials."""
+        if valid is False:
+            valid = self._exact_valid_dev()
         S, W, ek, ev = self.S, self.W, self._ekx[layer], self._evx[layer]
         if not self.far:
             return ds.attend(L, q, ek, ev, self.q2k_dev, S + W + 1, valid, 0)

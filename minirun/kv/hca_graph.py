@@ -9,14 +9,17 @@ that the host writes before each replay (graph_prepare); grids are sized for a b
 After all layers commit_at evicts on the device: the leaving key is (unrotated with far positions
 and) encoded into its row of the index store, its values go into the mapped pool by store_rows,
 the new token's k, v (decode_prep's spare row) into the freed slot. graph_advance then does the
-host bookkeeping the eager advance does, without its copies.
+host bookkeeping the eager advance does, without its copies. A ring short of W tokens (after a
+truncate: the server's next question, a bench's next repetition) is captured too: the exact tier's
+attention reads a device mask of its live slots (written before the replay), and the eviction's
+writes land past the store's end, where nothing reads them, since the store does not grow.
 
 Capturable (graph_capturable, fixed per cache): the GPU's value sum (value_sum "gpu": no
 host part in the step) and codebook keys. Length
 scaling's factor moves every token: it is written with the state and applied to the scaled
-queries on the device (two small multiplies a layer). Per token (graph_key): decode mode, a full ring
-(no slot mask), every store key encoded, codebooks fitted, no selection probe, room in the store;
-otherwise that token runs eagerly.
+queries on the device (two small multiplies a layer). Per token (graph_key): decode mode, every
+store key encoded, codebooks fitted, no selection probe, room in the store; otherwise that token
+runs eagerly.
 """
 from __future__ import annotations
 
@@ -46,6 +49,15 @@ class CapturedSteps:
             self._length_factor = torch.ones(1, dtype=torch.float32, device=self.device)   # (length scaling)
         return self._gstate
 
+    def _graph_valid(self):
+        """The live sinks + ring slots and the new token's spare row, uint8 [S + W + 1] on the device
+        (graph_prepare writes it: all ones once the ring is full, the live slots while it refills
+        after a truncate), read by every replay's exact-tier attention."""
+        if getattr(self, "_gvalid", None) is None:
+            self._gvalid = torch.ones(self.S + self.W + 1, dtype=torch.uint8, device=self.device)
+            self._gvalid_all = True
+        return self._gvalid
+
     def graph_key(self, bucket: int):
         """(key, n_keys) when the next decode step can run inside a graph, else None. n_keys: the
         store length rounded up to the bucket (the grids' size); z and sel are reserved to it here,
@@ -53,7 +65,7 @@ class CapturedSteps:
         n = self.n_store
         if not (self.graph_capturable() and self.mode == "hca" and n > 0 and self.n_encoded == n
                 and self.codebooks is not None and self.record_selection is None and self.W > 0
-                and self._ring_full() and n < self.values.max_cap and self.values.mapped):
+                and n < self.values.max_cap and self.values.mapped):
             return None
         nb = min(self.values.max_cap, (n // bucket + 1) * bucket)
         self.z.reserve(nb)
@@ -61,6 +73,7 @@ class CapturedSteps:
         self.values.reserve(n + 1)
         self.indices.reserve(n + 1)
         self._graph_state()
+        self._graph_valid()
         C = self._codebooks_dev()
         T = self._decode_kernels().reserve_lut(C.shape[2], C.shape[3])
         # what a graph bakes in: the addresses (and strides) of everything that can be reallocated
@@ -74,6 +87,13 @@ class CapturedSteps:
         pos = self.offset
         st = torch.tensor([pos, self._ring_slot(pos), self.n_store, self.S + self.n_store], dtype=torch.int64)
         self._graph_state().copy_(st)
+        valid = self._exact_valid()
+        if valid is not None:
+            self._gvalid[:-1].copy_(torch.from_numpy(valid))
+            self._gvalid_all = False
+        elif not self._gvalid_all:
+            self._gvalid.fill_(1)
+            self._gvalid_all = True
         self._cs_pos = None   # the graph writes ds.cs: an eager step (at any position) must write it again
         if self.length_ctx:   # _q_scale(1)'s factor, applied on the device after decode_prep's base scale
             self._length_factor.fill_(self._q_scale(1) / self.scale)
@@ -102,7 +122,7 @@ class CapturedSteps:
             # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
             cap = self.max_select or 0
             ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live)
-            P = self._exact_parts(L, ds, layer, qs, qf)
+            P = self._exact_parts(L, ds, layer, qs, qf, self._graph_valid())
             P = ds.gather(L, idx, zb, n_keys, cap, self.values.data[layer], self.q2k_dev, P,
                           grouped=self._grouped_gather)
             o = ds.merge(L, P, ds.no_stage)
@@ -111,7 +131,8 @@ class CapturedSteps:
     def commit_at(self, pos) -> None:
         """After all layers, on the device: the ring's oldest token (slot) into the store (row): its
         key encoded (unrotated first with far positions), its values into the pool; the new token
-        (decode_prep's spare rows) into the slot."""
+        (decode_prep's spare rows) into the slot. (A short ring's slot is dead: row n is past the
+        store's end then, and graph_advance leaves n as it was.)"""
         st = self._graph_state()
         slot, row = st[1:2], st[2:3]
         S, W = self.S, self.W
@@ -140,9 +161,15 @@ class CapturedSteps:
         self.ev[:, :, slot] = v
 
     def graph_advance(self) -> None:
-        """After a replay: the host's bookkeeping of advance(1) (the graph did the device part)."""
-        self._live_slots = None
-        self.n_store += 1
+        """After a replay: the host's bookkeeping of advance(1) (the graph did the device part). A
+        short ring took the token into a dead slot: the store did not grow (the graph's eviction
+        wrote the row past its end, which the next eviction overwrites)."""
+        slot = self._ring_slot(self.offset)
+        if self._ring_full():
+            self._live_slots = None
+            self.n_store += 1
+        elif self._live_slots is not None:
+            self._live_slots[slot] = 1
         self.n_encoded = self.n_store
         self._pending_pos = -1
-        self._ring_took(self.offset, self._ring_slot(self.offset))
+        self._ring_took(self.offset, slot)
