@@ -298,7 +298,8 @@ def test_gpu_engine_hca_host_value_sum_decodes_eagerly(tiny_model_dir):
 def test_gpu_whole_hca_tokens_replayed(tiny_model_dir, monkeypatch, kw):
     """On a GPU, the GPU value sum: whole HCA tokens captured (buckets of 16: several graphs) and
     replayed, against the eager steps of an engine without graphs; the pool rows the graphs wrote
-    (store_rows into mapped host memory) against the eager copies."""
+    (store_rows into mapped host memory) against the eager copies; then after a rewind inside the
+    ring, whose refilling steps are replayed too."""
     d = tiny_model_dir("gqa-untied")
     kw = {**HCA_GPU, **kw}
     ref = Engine.load(d, device="cuda", ctx=128, **kw)
@@ -315,3 +316,11 @@ def test_gpu_whole_hca_tokens_replayed(tiny_model_dir, monkeypatch, kw):
     assert (la - lb).abs().max().item() <= 1e-4
     n = eng.cache.n_store
     assert (eng.cache.values.data[:, :, :n] - ref.cache.values.data[:, :, :n]).abs().max().item() <= 1e-5
+    # a rewind inside the ring: the short ring's steps replayed too (its dead slots masked)
+    for e in (ref, eng):
+        e.rewind(e.cache.offset - 5)
+    la = torch.stack([ref.step(t).reshape(-1).cpu() for t in toks[:10]])
+    lb = torch.stack([gd.step(t).reshape(-1).cpu() for t in toks[:10]])
+    torch.cuda.synchronize()
+    assert gd.failed is None and gd.eager_steps == 0 and eng.cache.n_store == ref.cache.n_store == n + 5
+    assert (la - lb).abs().max().item() <= 1e-4
