@@ -8,11 +8,12 @@ import torch
 
 from .config import EngineConfig, ModelArgs
 from .errors import ContextError
-from .kv.hca_layout import ELEM, EXACT_KEY_ELEM
+from .kv.hca_layout import ELEM
 from .quant.sizes import weights_label
 
 GiB = 1 << 30
 PREFILL_KEYS = "prompt keys (prefill)"     # transient tiers: see prefill_transient_tiers
+PREFILL_VALUES = "prompt values (prefill)"
 ANCHOR_BLOCK = "anchor block (prefill)"
 
 
@@ -42,37 +43,49 @@ def weight_bytes(args: ModelArgs, dtype: str, weights: str = "stored") -> int:
 
 def prefill_transient_tiers(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     """HCA buffers that live only while a prompt is prefilled (or until codebooks are fitted), at
-    their peak: name -> (bytes, "device" | "host"); empty for dense and for exact-key layouts.
+    their peak: name -> (bytes, "device" | "host"); empty for dense and for exact-key layouts. The
+    buffers are kv/hca_layout.prefill_buffers' (what the caches allocate), here at the rows a
+    prefill fills:
 
-    - prompt keys (host, float32): an exact prefill keeps every store token's full-precision key
-      until end_prefill encodes them (auto mode prefills exactly up to exact_prefill_max tokens);
-      without calibrated codebooks, keys are also kept until fit_min_tokens of them (plus one chunk)
-      are there to fit on. The planner cannot tell whether codebooks are calibrated: it counts them.
-    - anchor block (device, float32): an anchor prefill's exact copy of the first anchor_tokens keys.
+    - prompt keys (float32; host with the CPU kernels, device with the CUDA ones): an exact prefill
+      keeps every store token's full-precision key until end_prefill encodes them (auto mode
+      prefills exactly up to exact_prefill_max tokens); without calibrated codebooks, keys are also
+      kept until fit_min_tokens of them (plus one chunk) are there to fit on. The planner cannot
+      tell whether codebooks are calibrated: it counts them.
+    - prompt values (GPU, exact prefill): the store's values on the device beside its keys.
+    - anchor block: an anchor prefill's exact copy of the first anchor_tokens keys (and, on a GPU,
+      values) on the device.
     Where auto mode may take either path, each figure is the larger of the two (conservative).
     """
     if cfg.kv != "hca":
         return {}
-    from .kv.hca_layout import resolve_layout
+    from .kv.hca_layout import on_cpu, prefill_buffers, resolve_layout
     if resolve_layout(args, cfg).exact_keys:
         return {}
-    row = args.num_hidden_layers * args.num_key_value_heads * args.head_dim * EXACT_KEY_ELEM
-    n_exact = cfg.sinks + cfg.window
-    n_store = max(0, ctx - n_exact)
-    until_fit = min(n_store, cfg.fit_min_tokens + cfg.chunk_for("cpu" if cfg.device == "cpu" else "cuda"))
-    anchor = max(0, cfg.anchor_tokens - cfg.sinks)
+    cpu = on_cpu(cfg)
+    bufs = prefill_buffers(args, ctx, cfg.sinks, cfg.window, cfg.anchor_tokens, getattr(torch, cfg.dtype),
+                           "cpu" if cpu else "cuda")
+    n_store = bufs["exact_keys"].rows
+    until_fit = min(n_store, cfg.fit_min_tokens + cfg.chunk_for("cpu" if cpu else "cuda"))
     mode = cfg.prefill_mode
     if mode == "auto":
-        rows = max(until_fit, min(n_store, max(0, cfg.exact_prefill_max - n_exact)))
-        uses_anchor = ctx > cfg.exact_prefill_max
+        exact_rows = min(n_store, max(0, cfg.exact_prefill_max - cfg.sinks - cfg.window))
+        rows, uses_anchor = max(until_fit, exact_rows), ctx > cfg.exact_prefill_max
     else:
-        rows = n_store if mode == "exact" else until_fit
-        uses_anchor = mode == "anchor"
+        exact_rows = n_store if mode == "exact" else 0
+        rows, uses_anchor = max(until_fit, exact_rows), mode == "anchor"
+
+    def at(name, r):
+        b = bufs.get(name)
+        return 0 if b is None or not b.rows else b.nbytes // b.rows * r
+
     tiers = {}
     if rows:
-        tiers[PREFILL_KEYS] = (row * rows, "host")
-    if uses_anchor and anchor:
-        tiers[ANCHOR_BLOCK] = (row * anchor, "device")
+        tiers[PREFILL_KEYS] = (at("exact_keys", rows), "host" if cpu else "device")
+    if exact_rows and not cpu:
+        tiers[PREFILL_VALUES] = (at("prefill_values", exact_rows), "device")
+    if uses_anchor and bufs["anchor_k"].rows:
+        tiers[ANCHOR_BLOCK] = (bufs["anchor_k"].nbytes + (0 if cpu else bufs["anchor_v"].nbytes), "device")
     return tiers
 
 
@@ -203,7 +216,7 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
             n_tok = cfg.ctx if name == "dense K+V" else n_store
             per_tok = (nbytes // n_tok if nbytes % n_tok == 0 else nbytes / n_tok) if n_tok else 0
         tiers.append({"tier": name, "where": "host" if device == "cpu" else where, "bytes": nbytes,
-                      "bytes_per_token": per_tok, "transient": name in (PREFILL_KEYS, ANCHOR_BLOCK)})
+                      "bytes_per_token": per_tok, "transient": name in (PREFILL_KEYS, PREFILL_VALUES, ANCHOR_BLOCK)})
     dev = torch.device(device)
     avail = {"host": available_bytes(torch.device("cpu"))["host"], "device": None}
     if device == "cuda":

@@ -14,7 +14,7 @@ from minirun.cli_bench import SizeType, _modes
 from minirun.config import EngineConfig, ModelArgs
 from minirun.errors import ContextError
 from minirun import planner
-from minirun.planner import ANCHOR_BLOCK, PREFILL_KEYS, check_fits, largest_ctx, param_count, plan
+from minirun.planner import ANCHOR_BLOCK, PREFILL_KEYS, PREFILL_VALUES, check_fits, largest_ctx, param_count, plan
 
 SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
@@ -52,11 +52,15 @@ def test_smollm2_bytes_per_tier_at_4m():
                                        + numba.config.NUMBA_NUM_THREADS * Hq * 4096 * 4 + L * Hkv * 16 * 2, "device")
     assert "decode scratch" not in t
     # transient: an exact prefill (auto mode: prompts up to 65536 tokens) keeps f32 keys of the
-    # store tokens until it ends; an anchor prefill (longer prompts) holds 2048 - 16 anchor keys
-    assert t[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "host")
-    assert t[ANCHOR_BLOCK] == (4 * L * Hkv * d * (2048 - 16), "device")
+    # store tokens until it ends, on a GPU with a device copy of their values; an anchor prefill
+    # (longer prompts) holds 2048 - 16 anchor keys (f32) and, on a GPU, their values
+    assert t[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "device")
+    assert t[PREFILL_VALUES] == (2 * L * Hkv * d * (65536 - 272), "device")
+    assert t[ANCHOR_BLOCK] == ((4 + 2) * L * Hkv * d * (2048 - 16), "device")
+    assert t_cpu[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "host") and PREFILL_VALUES not in t_cpu
+    assert t_cpu[ANCHOR_BLOCK] == (4 * L * Hkv * d * (2048 - 16), "device")
     assert t["sinks+ring copies"] == (8 * L * Hkv * d * 272, "device")            # the two rewind points
-    assert len(t) == 9
+    assert len(t) == 10
 
     t25 = plan(a, EngineConfig(kv="hca", kv_budget=0.25, dtype="bfloat16", ctx=M4, device="cuda")).tiers
     assert t25["key store"][0] == 2 * L * Hkv * 32 * n_store                    # g = d/2: 25%
@@ -83,8 +87,8 @@ def test_llama3_8b_bytes_per_tier_at_4m():
     assert t["sinks+ring K+V"] == (4 * L * Hkv * d * 273, "device")             # 34 MiB (272 + the spare row)
     assert t["codebooks"] == (L * Hkv * 32 * 1024 * 4 * 4, "device")            # 128 MiB
     assert t["scratch"] == (Hq * n_store * 8, "device")
-    assert t[PREFILL_KEYS] == (4 * L * Hkv * d * 65264, "host")                 # 128 KiB/token f32: ~8 GiB
-    assert t[ANCHOR_BLOCK] == (4 * L * Hkv * d * 2032, "device")
+    assert t[PREFILL_KEYS] == (4 * L * Hkv * d * 65264, "device")               # 128 KiB/token f32: ~8 GiB
+    assert t[ANCHOR_BLOCK] == ((4 + 2) * L * Hkv * d * 2032, "device")
     assert t["weights"] == dense["weights"]
 
 
@@ -260,8 +264,9 @@ def test_plan_bare_llama3_config(tmp_path, capsys, monkeypatch):
     assert tiers["value pool"]["bytes_per_token"] == 64 * KiB and tiers["weights"]["bytes_per_token"] is None
     assert tiers[PREFILL_KEYS]["transient"] and not tiers["key store"]["transient"]
     dev = (2 * 8_030_261_248 + 16 * KiB * n_store + 32 * 8 * 128 * 4 * 273 + 32 * 8 * 128 * 8 * 272   # (its copies)
-           + 32 * 8 * 32 * 1024 * 16 + 32 * n_store * 8 + 128 * KiB * 2032)
-    assert r["device_bytes"] == dev and r["host_bytes"] == 64 * KiB * n_store + 128 * KiB * 65264
+           + 32 * 8 * 32 * 1024 * 16 + 32 * n_store * 8
+           + (128 + 64) * KiB * (2032 + 65264))    # prefill: f32 keys and bf16 values (anchor block, exact prefill)
+    assert r["device_bytes"] == dev and r["host_bytes"] == 64 * KiB * n_store
     # 4M tokens: 15 GiB weights + 64 GiB keys + 0.5 GiB scratch... > 80 GiB of GPU memory
     assert r["available"]["device"] == 80 * GiB and r["fits"] is False and 0 < r["largest_ctx"] < M4
 

@@ -26,6 +26,7 @@ import torch
 import kernels_cuda
 from kernels_cuda.launch import select_mode
 from minirun import Engine
+from minirun.planner import plan
 from minirun.kv.codebooks import Codebooks, codebook_filename
 from minirun.kv.hca import HCACache
 from minirun.kv.hca_cuda import HCACacheCUDA
@@ -305,6 +306,38 @@ def test_key_store_allocated_once_at_capacity(tiny_model_dir, gpu_engine):
     ekx = eng.cache._ekx
     assert eng.cache.stats()["device_ring_sinks_bytes"] == ring == 2 * ekx.numel() * ekx.element_size()
     assert ekx.shape[2] == 4 + 16 + 1
+
+
+@pytest.mark.parametrize("kw", [dict(kv_budget=0.125, centroids=32, rescore=True), dict(kv_budget=0.5)],
+                         ids=["codebooks-rescore", "exact-keys"])
+def test_caches_allocate_the_declared_tiers(tiny_model_dir, gpu_engine, kw):
+    """Both backends take every buffer's bound, width and dtype from the one declaration that `minirun
+    plan` counts (kv/hca_layout.hca_tiers, prefill_buffers): the store's buffers, the scratch, the
+    exact tier (the GPU's spare row included) and the rewind points' copies."""
+    load, ctx = gpu_engine
+    d = tiny_model_dir("gqa-untied")
+    kw = dict(ctx=300, kv="hca", window=16, sinks=4, **kw)
+    for eng, run in ((Engine.load(d, device="cpu", **kw), contextlib.nullcontext), (load(d, **kw), ctx)):
+        c = eng.cache
+        with run():   # (a second prompt that leaves the first one's tokens: both rewind points copied)
+            ids = random_ids(200, seed=2)
+            eng.prefill(ids)
+            eng.prefill(ids[:190] + random_ids(20, seed=3))
+        t, pre = c.tiers, c.prefill_specs
+        pairs = [(c.values, t["value pool"].buffers["values"])]
+        pairs += [(c.host_keys, t["host keys"].buffers["host_keys"])] if "host keys" in t else []
+        pairs += [(c.indices, t["key store"].buffers["indices"])] if c.indices is not None else []
+        pairs += [(c.exact_keys, t["key store"].buffers.get("exact_keys") or pre["exact_keys"])]
+        pairs += list(zip(c.scratch, t["scratch"].buffers.values(), strict=True))
+        pairs += [(c.prefill_values, pre["prefill_values"])] if c.backend == "cuda" else []
+        for buf, spec in pairs:
+            assert (buf.lead, buf.max_cap, buf.width, buf.dtype) == (spec.lead, spec.rows, spec.width, spec.dtype)
+        ring = t["sinks+ring K+V"].buffers["ek"]
+        ek = c._ekx if c.backend == "cuda" else c.ek
+        assert (tuple(ek.shape), ek.dtype) == ((*ring.lead, ring.rows, ring.width), ring.dtype)
+        assert c.rewind_points.nbytes == t["sinks+ring copies"].nbytes
+        assert dict(plan(eng.args, dataclasses.replace(eng.config, device=c.backend)).tiers)["value pool"][0] == \
+            t["value pool"].nbytes
 
 
 GATHER_CASES = {

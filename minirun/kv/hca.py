@@ -34,9 +34,7 @@ class HCACache(OneCallSteps, HCABase):
         self._numpy_exact_tier = device.type == "cpu" and self.ek.dtype in (torch.float32, torch.float16)
         self._ek_np = self.ek.numpy() if self._numpy_exact_tier else None
         self._ev_np = self.ev.numpy() if self._numpy_exact_tier else None
-        # the selection's integer score levels (uint16 bits: kernels_cpu.level_select)
-        self.lev = GrowingBuffer((self.Hq,), 1, torch.int16, max(0, capacity - sinks - window))
-        self.scratch.append(self.lev)
+        self.lev = self.scratch[2]   # the selection's integer score levels (uint16 bits: kernels_cpu.level_select)
         self._cnorm = None        # (codebooks, their ||c||^2) for the encode kernel
         # decode steps encode the ring's oldest key (the next to leave) inside each layer's fused
         # call, where the codebooks are in cache: codes [L, Hkv, 1, g] for position _pending_pos
@@ -53,28 +51,22 @@ class HCACache(OneCallSteps, HCABase):
         self._fs = None
         self._fs_lut = None
 
-    @staticmethod
-    def exact_tier_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        """The sinks + ring dtype: the compute dtype, except bfloat16 on the CPU, which is held as
-        float16 (the same bytes, so the planner's figures stand) because the Numba decode step
-        reads float32 or float16 only; float16 holds every bfloat16 value exactly between 6e-5 and
-        65504 (keys and values live well inside), like the host value pool of bfloat16 runs."""
-        return torch.float16 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+    backend = "cpu"
 
-    def _make_exact_tier(self, shape, dtype) -> tuple:
-        return (hugepages.zeros(*shape, dtype=dtype, device=self.device),
-                hugepages.zeros(*shape, dtype=dtype, device=self.device))
+    def _make_exact_tier(self, spec) -> tuple:
+        return tuple(hugepages.zeros(*spec.lead, spec.rows, spec.width, dtype=spec.dtype, device=self.device)
+                     for _ in range(2))
 
-    def _make_store(self, store_cap: int, host_keys: bool) -> tuple:
-        L, Hkv, hd, vdt = self.n_layers, self.Hkv, self.hd, self.values_dtype
-        idx_dt = torch.uint8 if self.layout.index_bytes == 1 else torch.int16
-        return (GrowingBuffer((L, Hkv), hd, vdt, store_cap),
-                GrowingBuffer((L, Hkv), hd, vdt, store_cap) if host_keys else None,
-                # group-major [L, Hkv, g, cap]: the scoring kernel's layout (kernels_cpu.packed)
-                None if self.layout.exact_keys else ColumnBuffer((L, Hkv), self.layout.groups, idx_dt, store_cap),
-                GrowingBuffer((L, Hkv), hd, torch.float32, store_cap),
-                GrowingBuffer((self.Hq,), 1, torch.float32, store_cap),
-                GrowingBuffer((self.Hq,), 1, torch.int32, store_cap))
+    def _make_pool(self, spec, read_by_device):
+        return self._grow(spec)
+
+    def _grow(self, spec):
+        """On the host, as the Numba kernels read them (also when torch runs on a GPU)."""
+        return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows)
+
+    def _make_indices(self, spec):
+        """group-major [L, Hkv, g, cap]: the scoring kernel's layout (kernels_cpu.packed)"""
+        return ColumnBuffer(spec.lead, spec.width, spec.dtype, spec.rows)
 
     def _decode_step(self, layer, q, k, v):
         """The one-call steps (kv/hca_cpu_step.py) with the ring full and the store encoded (or exact)."""

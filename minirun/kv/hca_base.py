@@ -14,8 +14,9 @@ over the key store's scores, then at most max_select of them); values are shared
 group. The exact part (sinks + ring + the chunk) and the store's part merge by log-sum-exp.
 
 A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers
-(_make_exact_tier, _make_store), encodes keys (_encode), and attends: the one-token decode step
-(_decode_step, None where it does not apply) and several queries against the store in hca mode
+(_make_exact_tier, _make_pool, _make_indices, _grow; their shapes and dtypes are those
+hca_layout.hca_tiers declares for `minirun plan` too), encodes keys (_encode), and attends: the
+one-token decode step (_decode_step, None where it does not apply) and several queries against the store in hca mode
 (_attend_store_hca). Prefill modes: "exact" (the store's keys kept in full precision until
 end_prefill: exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens,
 paper App. B: linear cost), "hca" (the store through the selection). What a prompt-cache file
@@ -33,9 +34,10 @@ from .attention import merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
 from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
-from .hca_layout import HCALayout, resolve_layout
+from .hca_layout import Buffer, HCALayout, hca_tiers, prefill_buffers, resolve_layout
 from .hca_state import SavedState
 from .ring_checkpoint import RewindPoints
+from .store import GrowingBuffer
 
 
 class HCABase(SavedState, KVCache):
@@ -56,20 +58,27 @@ class HCABase(SavedState, KVCache):
         self.length_ctx = length_ctx   # length scaling on: the trained context N (see _q_scale); None: off
         self.far = FarFrame(args, far_distance or window, far_group, window) if far_positions else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
+        # every buffer's shape and dtype, as `minirun plan` counts them (kv/hca_layout.hca_tiers)
+        self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, rescore, device.type)
+        self.prefill_specs = prefill_buffers(args, capacity, sinks, window, anchor_tokens, dtype, self.backend)
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
-        self.ek, self.ev = self._make_exact_tier((L, Hkv, sinks + window, hd), self.exact_tier_dtype(dtype, device))
+        self.ek, self.ev = self._make_exact_tier(self.tiers["sinks+ring K+V"].buffers["ek"])
         self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
         self._live_slots = None   # uint8 mask of the live exact-tier slots while the ring is short
-        store_cap = max(0, capacity - sinks - window)
-        self.values_dtype = torch.float32 if dtype == torch.float32 else torch.float16
         # values (host pool), rescore's host keys (the store's keys as the codebooks encoded them,
         # so the selected tokens are weighted by exact scores; an exact-key store has them already),
         # the key store (codebook indices), full-precision keys (permanent with exact_keys, else only
         # while codebooks are missing or an exact prefill runs: positions [exact_base, n_store)),
         # and the scores' scratch (z, sel, and the backend's own)
-        self.values, self.host_keys, self.indices, self.exact_keys, self.z, self.sel = self._make_store(
-            store_cap, rescore and not layout.exact_keys)
-        self.scratch = [self.z, self.sel]
+        pool, keys = self.tiers["value pool"].buffers["values"], self.tiers["key store"].buffers
+        host_keys = self.tiers.get("host keys")
+        self.values = self._make_pool(pool, read_by_device=True)
+        self.values_dtype = pool.dtype
+        self.host_keys = None if host_keys is None else self._make_pool(host_keys.buffers["host_keys"], False)
+        self.indices = None if layout.exact_keys else self._make_indices(keys["indices"])
+        self.exact_keys = self._grow(keys.get("exact_keys") or self.prefill_specs["exact_keys"])
+        self.scratch = [self._grow(b) for b in self.tiers["scratch"].buffers.values()]
+        self.z, self.sel = self.scratch[:2]
         self.exact_base = 0
         self.n_store = 0          # tokens in the store (all layers)
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
@@ -86,21 +95,28 @@ class HCABase(SavedState, KVCache):
         self.record_selection: list | None = None
 
     # ---- what a backend provides ------------------------------------------------------------------------
-    @staticmethod
-    def exact_tier_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        return dtype
+    backend = ""   # whose kernels ("cpu" | "cuda"): the tiers it declares (kv/hca_layout.hca_tiers)
 
     @staticmethod
     def backend_options(config) -> dict:
         """The EngineConfig fields a backend's cache takes beyond the common ones."""
         return {}
 
-    def _make_exact_tier(self, shape, dtype) -> tuple:
+    def _make_exact_tier(self, spec: Buffer) -> tuple:
+        """-> (ek, ev) [L, Hkv, S + W, hd] of the spec's dtype."""
         raise NotImplementedError
 
-    def _make_store(self, store_cap: int, host_keys: bool) -> tuple:
-        """-> (values, host keys or None, indices or None, exact keys, z, sel) buffers."""
+    def _make_pool(self, spec: Buffer, read_by_device: bool):
+        """The host pool of the store's values (or rescore's keys: not read by the device's kernels)."""
         raise NotImplementedError
+
+    def _make_indices(self, spec: Buffer):
+        """The key store's codebook indices."""
+        raise NotImplementedError
+
+    def _grow(self, spec: Buffer) -> GrowingBuffer:
+        """A buffer of the spec on the cache's device, grown as tokens arrive."""
+        return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows, device=self.device)
 
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -341,8 +357,7 @@ class HCABase(SavedState, KVCache):
         through the HCA path ("hca"). exact and anchor need the store's keys from the start: an empty cache."""
         self.mode = mode if (mode in ("exact", "anchor") and self.n_store == 0) else "hca"
         if self.mode == "anchor":
-            L, Hkv, _, hd = self.ek.shape
-            self.anchor_k = torch.zeros(L, Hkv, max(0, self.anchor_tokens - self.S), hd, device=self.ek.device)
+            self.anchor_k = self.prefill_specs["anchor_k"].zeros(self.ek.device)
 
     def end_prefill(self) -> None:
         """Encode the prompt's store keys (fitting codebooks on them when there are none)."""

@@ -97,8 +97,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
         # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut
         self._grouped_gather = self._groups_gather(self.value_sum)
-        store_cap = max(0, capacity - sinks - window)
-        self.prefill_values = GrowingBuffer((self.n_layers, self.Hkv), hd, dtype, store_cap, device=device)
+        self.prefill_values = self._grow(self.prefill_specs["prefill_values"])
         self.anchor_v = None      # the anchor block's values on the device, during an anchor prefill
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
         if codebooks is not None:   # moved to the device once
@@ -116,27 +115,25 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self._cs_pos = None
         self._cs_event = torch.cuda.Event() if self._gpu else None
 
-    def _make_exact_tier(self, shape, dtype) -> tuple:
+    backend = "cuda"
+
+    def _make_exact_tier(self, spec) -> tuple:
         """Sinks + ring with one spare row per layer and kv-head: a decode step's own token goes
         there (decode_prep), so one attend launch covers sinks + ring + the token."""
-        L, Hkv, SW, hd = shape
-        self._ekx = torch.zeros(L, Hkv, SW + 1, hd, dtype=dtype, device=self.device)
+        self._ekx = torch.zeros(*spec.lead, spec.rows, spec.width, dtype=spec.dtype, device=self.device)
         self._evx = torch.zeros_like(self._ekx)
-        return self._ekx[:, :, :SW], self._evx[:, :, :SW]
+        return self._ekx[:, :, :spec.rows - 1], self._evx[:, :, :spec.rows - 1]
 
-    def _make_store(self, store_cap: int, host_keys: bool) -> tuple:
+    def _make_pool(self, spec, read_by_device):
         """Values (and rescore's keys) in page-locked host pools, allocated once at capacity
-        (kv/pinned.py), mapped for the GPU's value sum; indices at capacity on the device (doubling
-        an 11 GiB store held old + new + the allocator's cache: a 4M prompt peaked at 26.9 GB)."""
-        L, Hkv, hd, dev, vdt = self.n_layers, self.Hkv, self.hd, self.device, self.values_dtype
-        idx_dt = torch.uint8 if self.layout.index_bytes == 1 else torch.int16
-        return (PinnedPool((L, Hkv), hd, vdt, store_cap, dev, self._copy_stream, mapped=self.value_sum == "gpu"),
-                PinnedPool((L, Hkv), hd, vdt, store_cap, dev, self._copy_stream) if host_keys else None,
-                None if self.layout.exact_keys else GrowingBuffer((L, Hkv), self.layout.groups, idx_dt, store_cap,
-                                                                  device=dev, at_capacity=True),
-                GrowingBuffer((L, Hkv), hd, torch.float32, store_cap, device=dev),
-                GrowingBuffer((self.Hq,), 1, torch.float32, store_cap, device=dev),
-                GrowingBuffer((self.Hq,), 1, torch.int32, store_cap, device=dev))
+        (kv/pinned.py), the values mapped for the GPU's value sum."""
+        return PinnedPool(spec.lead, spec.width, spec.dtype, spec.rows, self.device, self._copy_stream,
+                          mapped=read_by_device and self.value_sum == "gpu")
+
+    def _make_indices(self, spec):
+        """At capacity on the device (doubling an 11 GiB store held old + new + the allocator's
+        cache: a 4M prompt peaked at 26.9 GB)."""
+        return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows, device=self.device, at_capacity=True)
 
     def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
         """Exact prefill: the device copy of the store's values; anchor: the anchor block's."""
@@ -380,9 +377,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
     def begin_prefill(self, mode: str) -> None:
         super().begin_prefill(mode)
         if self.mode == "anchor":
-            L, Hkv, _, hd = self.ek.shape
-            self.anchor_v = torch.zeros(L, Hkv, max(0, self.anchor_tokens - self.S), hd, dtype=self.dtype,
-                                        device=self.device)
+            self.anchor_v = self.prefill_specs["anchor_v"].zeros(self.device)
 
     def end_prefill(self) -> None:
         super().end_prefill()

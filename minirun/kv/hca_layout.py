@@ -1,7 +1,12 @@
-"""HCA geometry (groups, centroids, index type) from the engine config, and its bytes per tier."""
+"""HCA geometry (groups, centroids, index type) from the engine config, and the one declaration of
+the cache's tiers (hca_tiers, prefill_buffers): the shapes and dtypes the caches allocate, and
+the bytes `minirun plan` counts."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from ..config import EngineConfig, ModelArgs
 from ..errors import MiniRunError
@@ -10,7 +15,7 @@ DEFAULT_CENTROIDS = 1024
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 # full-precision store keys (the 50% preset's key store, and every prompt's keys during an exact
 # prefill) are float32 whatever the compute dtype, in both caches (HCACache.exact_keys)
-EXACT_KEY_ELEM = 4
+EXACT_KEY_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)
@@ -59,54 +64,135 @@ def resolve_layout(args: ModelArgs, cfg: EngineConfig) -> HCALayout:
     return HCALayout(exact, g, c, hd)
 
 
-def value_elem_bytes(dtype: str) -> int:
-    """The host value pool is float32 for float32 runs, float16 otherwise."""
-    return 4 if dtype == "float32" else 2
-
-
 def on_cpu(cfg: EngineConfig) -> bool:
     """Whether the engine of this config runs on the CPU ("auto" without a CUDA device)."""
     import torch
     return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
-def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
-    """name -> (bytes, "device" | "host") for an HCA cache holding `ctx` tokens."""
-    lay = resolve_layout(args, cfg)
-    L, Hkv, Hq, hd, e = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads, args.head_dim, ELEM[cfg.dtype]
-    n_exact = cfg.sinks + cfg.window
-    n_store = max(0, ctx - n_exact)
-    key_bytes = hd * EXACT_KEY_ELEM if lay.exact_keys else lay.groups * lay.index_bytes
+@dataclass(frozen=True)
+class Buffer:
+    """One tensor of the cache: [*lead, rows, width] of dtype (width 1: scratch rows [*lead, rows]),
+    at most `rows` tokens (the store's buffers grow up to it: kv/store.py, kv/pinned.py)."""
+    lead: tuple
+    rows: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.lead) * self.rows * self.width * self.dtype.itemsize
+
+    def zeros(self, device) -> torch.Tensor:
+        """The whole buffer at once, zeroed (the tensors that do not grow)."""
+        return torch.zeros(*self.lead, self.rows, self.width, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A planner row: where its buffers live, and the buffers the cache allocates from it; `sized`
+    is the bytes of what the kernels allocate themselves (the CPU decode step's tables, the
+    codebooks' kernel copies), declared by size."""
+    where: str                      # "device" | "host" (host: page-locked with a GPU)
+    buffers: dict                   # name -> Buffer
+    sized: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values()) + self.sized
+
+
+def index_dtype(lay: HCALayout) -> torch.dtype:
+    return torch.uint8 if lay.index_bytes == 1 else torch.int16
+
+
+def values_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The host value pool: float32 for float32 runs, float16 otherwise."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+def exact_tier_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The sinks + ring dtype: the compute dtype, except bfloat16 on the CPU, held as float16 (the
+    same bytes) because the Numba decode step reads float32 or float16 only; float16 holds every
+    bfloat16 value exactly between 6e-5 and 65504 (keys and values live well inside), like the
+    host value pool of bfloat16 runs."""
+    return torch.float16 if device_type == "cpu" and dtype == torch.bfloat16 else dtype
+
+
+def hca_tiers(args: ModelArgs, lay: HCALayout, capacity: int, sinks: int, window: int, dtype: torch.dtype,
+              backend: str, rescore: bool = False, device_type: str | None = None) -> dict:
+    """name -> Tier of an HCA cache holding `capacity` tokens with `backend`'s kernels ("cpu": Numba,
+    "cuda") on a device of device_type (default: the backend's): what the caches allocate (HCABase
+    and its backends take their buffers' shapes and dtypes from here) and what `minirun plan`
+    counts (hca_tier_bytes). Buffers of prefill only: prefill_buffers."""
+    L, Hkv, Hq, hd = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads, args.head_dim
+    cpu, SW = backend == "cpu", sinks + window
+    n = max(0, capacity - SW)
+    et = exact_tier_dtype(dtype, device_type or backend)
     # (on a GPU the exact tier has one spare row per layer and kv-head: the decode step's own token)
-    pool = L * Hkv * n_store * hd * value_elem_bytes(cfg.dtype)     # host rows of the store, values or keys
+    ring = Buffer((L, Hkv), SW + (0 if cpu else 1), hd, et)
+    # two copies of sinks + ring (kv/ring_checkpoint.py: prefix reuse past the ring)
+    copy = Buffer((L, Hkv), SW, hd, et)
     tiers = {
-        "sinks+ring K+V": (2 * L * Hkv * (n_exact + (0 if on_cpu(cfg) else 1)) * hd * e, "device"),
-        # two copies of sinks + ring (kv/ring_checkpoint.py: prefix reuse past the ring)
-        "sinks+ring copies": (4 * L * Hkv * n_exact * hd * e, "device"),
-        "key store": (L * Hkv * n_store * key_bytes, "device"),
-        "value pool": (pool, "host"),
-        # rescore: the store's keys beside the values, in the same type (an exact-key store has them)
-        **({"host keys": (pool, "host")} if cfg.rescore and not lay.exact_keys else {}),
-        # per-step scratch: approximate scores [Hq, n] f32 and selected indices [Hq, n] int32, and
-        # on the CPU the integer score levels [Hq, n] uint16 (kernels_cpu.level_select)
-        "scratch": (Hq * n_store * (8 + 2 * on_cpu(cfg)), "device"),
+        "sinks+ring K+V": Tier("device", {"ek": ring, "ev": ring}),
+        "sinks+ring copies": Tier("device", {f"{c}.{t}": copy for c in ("prompt", "shared") for t in ("ek", "ev")}),
+        "key store": Tier("device", {"exact_keys": Buffer((L, Hkv), n, hd, EXACT_KEY_DTYPE)} if lay.exact_keys else
+                          {"indices": Buffer((L, Hkv), n, lay.groups, index_dtype(lay))}),
+        "value pool": Tier("host", {"values": Buffer((L, Hkv), n, hd, values_dtype(dtype))}),
     }
-    if lay.exact_keys and on_cpu(cfg):
-        tiers["decode scratch"] = (cpu_decode_scratch_bytes(args, lay), "device")
+    if rescore and not lay.exact_keys:   # the store's keys beside the values, in the same type
+        tiers["host keys"] = Tier("host", {"host_keys": Buffer((L, Hkv), n, hd, values_dtype(dtype))})
+    # per-step scratch: approximate scores and selected indices, and on the CPU the integer score
+    # levels (kernels_cpu.level_select)
+    scratch = {"z": Buffer((Hq,), n, 1, torch.float32), "sel": Buffer((Hq,), n, 1, torch.int32)}
+    if cpu:
+        scratch["lev"] = Buffer((Hq,), n, 1, torch.int16)
+    tiers["scratch"] = Tier("device", scratch)
+    if cpu:
+        tiers["decode scratch"] = Tier("device", {}, cpu_decode_scratch_bytes(args, lay))
     if not lay.exact_keys:
-        cb = L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4     # (pairs: the product codebooks)
-        if on_cpu(cfg):
-            if lay.pairs:   # the 16-centroid factors, their transposed copy and norms (the encoder's)
-                G, _, ds = lay.codebook_geometry
-                copies = L * Hkv * G * 16 * (2 * ds + 1) * 4
-            else:           # the encoder's centroid norms
-                copies = L * Hkv * lay.groups * lay.centroids * 4
-            if not fast_scan(lay):   # the LUT kernel's transposed copy
-                copies += cb
-            cb += copies
-            tiers["decode scratch"] = (cpu_decode_scratch_bytes(args, lay), "device")
-        tiers["codebooks"] = (cb, "device")
+        tiers["codebooks"] = Tier("device", {}, codebook_bytes(args, lay, cpu))
     return tiers
+
+
+def prefill_buffers(args: ModelArgs, capacity: int, sinks: int, window: int, anchor_tokens: int, dtype: torch.dtype,
+                    backend: str) -> dict:
+    """name -> Buffer of what an HCA cache holds only while a prompt is prefilled, at most: the
+    store's keys in full precision (an exact prefill, or until codebooks are fitted), the anchor
+    block's keys (an anchor prefill) and, with the CUDA kernels, device copies of the values of
+    both. The planner counts their peak per prefill mode (planner.prefill_transient_tiers)."""
+    L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
+    n, anchor = max(0, capacity - sinks - window), max(0, anchor_tokens - sinks)
+    bufs = {"exact_keys": Buffer((L, Hkv), n, hd, EXACT_KEY_DTYPE), "anchor_k": Buffer((L, Hkv), anchor, hd, EXACT_KEY_DTYPE)}
+    if backend != "cpu":
+        bufs["prefill_values"] = Buffer((L, Hkv), n, hd, dtype)
+        bufs["anchor_v"] = Buffer((L, Hkv), anchor, hd, dtype)
+    return bufs
+
+
+def codebook_bytes(args: ModelArgs, lay: HCALayout, cpu: bool) -> int:
+    """The codebooks (float32; pairs: the product codebooks) and, on the CPU, the kernels' copies:
+    the 16-centroid factors, their transposed copy and norms (pairs), or the encoder's centroid
+    norms, and the LUT kernel's transposed copy where it scores (not fast scan)."""
+    L, Hkv = args.num_hidden_layers, args.num_key_value_heads
+    cb = L * Hkv * lay.groups * lay.centroids * lay.sub_dim * 4
+    if not cpu:
+        return cb
+    if lay.pairs:
+        G, _, ds = lay.codebook_geometry
+        copies = L * Hkv * G * 16 * (2 * ds + 1) * 4
+    else:
+        copies = L * Hkv * lay.groups * lay.centroids * 4
+    if not fast_scan(lay):
+        copies += cb
+    return cb + copies
+
+
+def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
+    """name -> (bytes, "device" | "host") for an HCA cache holding `ctx` tokens (hca_tiers')."""
+    tiers = hca_tiers(args, resolve_layout(args, cfg), ctx, cfg.sinks, cfg.window, getattr(torch, cfg.dtype),
+                      "cpu" if on_cpu(cfg) else "cuda", cfg.rescore)
+    return {name: (t.nbytes, t.where) for name, t in tiers.items()}
 
 
 def fast_scan(lay: HCALayout) -> bool:
