@@ -259,19 +259,43 @@ def _live(n_live, dummy):
     return (n_live, _i32(1)) if n_live is not None else (dummy, _i32(0))
 
 
-def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin, n_live=None):
+def scores_grouped(Hq: int, Hkv: int, g: int, c: int, optin: int) -> int:
+    """The query heads per kv head approx_scores_grouped takes at once (0: the per-head kernel): G
+    = Hq / Hkv <= 8 whose G tables of g x c floats fit in shared memory. The caller vouches that
+    query head h reads kv head h // G."""
+    G = Hq // Hkv if Hkv and Hq % Hkv == 0 else 0
+    return G if 1 < G <= 8 and G * g * c * 4 <= optin - _SMEM_MARGIN else 0
+
+
+def score_parts(n: int, Hq: int, Hkv: int, num_sms: int) -> int:
+    """The part_m / part_l entries per query head any approx_scores launch over n tokens writes."""
+    return max(_score_blocks(n, Hq, num_sms)[1], _score_blocks(n, max(Hkv, 1), num_sms)[1])
+
+
+def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin, n_live=None, grouped=False):
     """z[:, :n] <- scores of T over codes P (rows contiguous), m, l <- their stats; part_m, part_l
-    hold >= Hq * nblk floats (_score_blocks). n_live: int32 [1] on the device, the tokens actually
-    scored (min(n, n_live[0])) when the grid is sized for a bucket n (a captured decode token)."""
+    hold >= Hq * score_parts(n) floats. n_live: int32 [1] on the device, the tokens actually
+    scored (min(n, n_live[0])) when the grid is sized for a bucket n (a captured decode token).
+    grouped: q2k is h // G, so a kv head's G query heads can be scored in one pass over its codes
+    (approx_scores_grouped, where scores_grouped allows: each code row read once, not G times)."""
     Hq, g, c = T.shape
-    tpb, nblk = _score_blocks(n, Hq, num_sms)
-    smem = g * c * 4
-    use_smem = smem <= optin - _SMEM_MARGIN
+    Hkv = P.shape[0]
     isz = P.element_size()
     vec16 = (g * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
-    L.launch("scores.cu", "approx_scores_u8" if isz == 1 else "approx_scores_i16", (nblk, Hq), (_THREADS,),
-             (T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c),
-              _i32(tpb), _i32(use_smem), _i32(vec16), *_live(n_live, q2k)), shared_mem=smem if use_smem else 0)  # fmt: skip
+    G = scores_grouped(Hq, Hkv, g, c, optin) if grouped else 0
+    if G:
+        tpb, nblk = _score_blocks(n, Hkv, num_sms)
+        L.launch("scores.cu", f"approx_scores_grouped_{'u8' if isz == 1 else 'i16'}_g{4 if G <= 4 else 8}",
+                 (nblk, Hkv), (_THREADS,),
+                 (T, P, _i64(P.stride(0)), z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c), _i32(G),
+                  _i32(tpb), _i32(vec16), *_live(n_live, q2k)), shared_mem=G * g * c * 4)  # fmt: skip
+    else:
+        tpb, nblk = _score_blocks(n, Hq, num_sms)
+        smem = g * c * 4
+        use_smem = smem <= optin - _SMEM_MARGIN
+        L.launch("scores.cu", "approx_scores_u8" if isz == 1 else "approx_scores_i16", (nblk, Hq), (_THREADS,),
+                 (T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c),
+                  _i32(tpb), _i32(use_smem), _i32(vec16), *_live(n_live, q2k)), shared_mem=smem if use_smem else 0)  # fmt: skip
     L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
 
 

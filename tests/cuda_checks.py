@@ -85,7 +85,7 @@ def _pq_data(rng, Hq, Hkv, g, c, n_cap):
     return T, P
 
 
-def check_approx_scores(env, Hq, Hkv, g, c, n, n_cap=None, out_extra=0, misalign=False, seed=1):
+def check_approx_scores(env, Hq, Hkv, g, c, n, n_cap=None, out_extra=0, misalign=False, seed=1, grouped=False):
     R = _ref()
     rng = np.random.default_rng(seed)
     n_cap = n if n_cap is None else n_cap
@@ -102,7 +102,7 @@ def check_approx_scores(env, Hq, Hkv, g, c, n, n_cap=None, out_extra=0, misalign
     if out_extra:
         out = torch.full((Hq, n + out_extra), 7.0, device=env.device)
     with env.ctx():
-        z, (m, l) = cw.approx_scores(env.t(T), Pt, env.t(q2k), n, out=out)
+        z, (m, l) = cw.approx_scores(env.t(T), Pt, env.t(q2k), n, out=out, grouped=grouped)
     assert z.shape == (Hq, n) and z.dtype == torch.float32
     ref = R.approx_scores_ref(T, P, q2k, n)
     atol = 1e-5 * g

@@ -17,7 +17,7 @@ from kernels_cuda.decode import (_GATHER_MAX_GROUP, _GATHER_THREADS, _OUT_SUFFIX
 from kernels_cuda.launch import (N_BINS, Z_RANGE, _ATT_THREADS, _KV_SUFFIX, _MAX_GRID_YZ, _SMEM_MARGIN, _attend_split,
                                  _backend, _check, _f32c, _rows, _score_blocks, _torch, launch_approx_scores,
                                  launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist,
-                                 launch_zstats, select_mode, zcut_tau)
+                                 launch_zstats, score_parts, select_mode, zcut_tau)
 
 __all__ = ["build_lut", "approx_scores", "threshold_select", "attend_exact", "decode_prep", "pack_selection",
            "lse_merge_staged", "store_rows", "gather_value_sum"]
@@ -72,9 +72,10 @@ def build_lut(q, codebooks, q_to_kv):
     return T
 
 
-def approx_scores(T, P, q_to_kv, n, out=None):
+def approx_scores(T, P, q_to_kv, n, out=None, grouped=False):
     """T [Hq, g, c] f32, P [Hkv, n_cap, g] uint8 (c <= 256) / int16 codes (first n valid),
-    q_to_kv int32 [Hq], out optional f32 [Hq, >=n] with contiguous rows
+    q_to_kv int32 [Hq], out optional f32 [Hq, >=n] with contiguous rows; grouped: q_to_kv is
+    h // (Hq / Hkv) (the grouped kernel where its tables fit: launch.scores_grouped)
     -> (z [Hq, n] f32 (a view of out when given), (m [Hq], l [Hq]))
     with z[h, t] = sum_j T[h, j, P[q_to_kv[h], t, j]], m = max_t z, l = sum_t exp(z - m)
     (NaN scores are left out of m and l).  n = 0 -> m = -inf, l = 0."""
@@ -113,13 +114,13 @@ def approx_scores(T, P, q_to_kv, n, out=None):
     if P.stride(2) != 1 or P.stride(1) != g:
         P = P.contiguous()
     num_sms, optin = be.device_info(T.device)
-    _, nblk = _score_blocks(n, Hq, num_sms)
+    nblk = score_parts(n, Hq, Hkv, num_sms)
     part_m = be.empty((Hq, nblk), torch.float32, T.device)
     part_l = be.empty((Hq, nblk), torch.float32, T.device)
     m = be.empty((Hq,), torch.float32, T.device)
     l = be.empty((Hq,), torch.float32, T.device)
     with be.session(T.device) as L:
-        launch_approx_scores(L, Tc, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin)
+        launch_approx_scores(L, Tc, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin, grouped=grouped)
     return z, (m, l)
 
 

@@ -89,8 +89,23 @@ def test_emu_build_lut(order, g, c):
         (16, 256, 999, {"misalign": True}),  # odd address: scalar path
     ],
 )
-def test_emu_approx_scores(order, g, c, n, kw):
-    check_approx_scores(Env("emu", order=order), 9, 3, g, c, n, **kw)
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-head", "grouped"])
+def test_emu_approx_scores(order, g, c, n, kw, grouped):
+    """Per query head, or a kv head's three heads in one pass over its codes (approx_scores_grouped
+    where its three tables fit in shared memory: all but g=32, c=1024, which falls back)."""
+    check_approx_scores(Env("emu", order=order), 9, 3, g, c, n, grouped=grouped, **kw)
+
+
+def test_scores_grouped_takes_the_groups_whose_tables_fit():
+    """approx_scores_grouped for G = Hq / Hkv in 2..8 whose G tables fit in an H100's 227 KiB of
+    shared memory: SmolLM2's g64c16 (pairs: 32 x 256) and 0.125 (16 x 1024) presets, Llama-3-8B's
+    g64c16; not the 0.25 preset's 32 x 1024 tables, not one head per kv head."""
+    from kernels_cuda.launch import scores_grouped
+    optin = 227 * 1024
+    assert scores_grouped(9, 3, 32, 256, optin) == 3 and scores_grouped(9, 3, 16, 1024, optin) == 3
+    assert scores_grouped(32, 8, 32, 256, optin) == 4 and scores_grouped(32, 8, 16, 1024, optin) == 0
+    assert scores_grouped(9, 3, 32, 1024, optin) == 0 and scores_grouped(8, 8, 32, 256, optin) == 0
+    assert scores_grouped(48, 4, 8, 16, optin) == 0                          # G = 12: more than 8
 
 
 @emu_only
@@ -98,6 +113,7 @@ def test_emu_approx_scores(order, g, c, n, kw):
 def test_emu_approx_scores_profiles(num_sms, optin):
     """Many blocks per head; T too large for shared memory -> global-memory path."""
     check_approx_scores(Env("emu", num_sms=num_sms, smem_optin=optin), 9, 3, 16, 256, 5000)
+    check_approx_scores(Env("emu", num_sms=num_sms, smem_optin=optin), 9, 3, 16, 256, 5000, grouped=True)
 
 
 def _z_cases(rng, Hq, n):

@@ -95,6 +95,8 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         Hq, hd = self.Hq, self.hd
         if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
+        # query head h on kv head h // G: a kv head's codes scored once for its G heads
+        self._grouped_layout = kcu_decode.grouped_layout(self.q_to_kv, Hq, self.Hkv)
         # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut
         self._grouped_gather = self._groups_gather(self.value_sum)
         self.prefill_values = self._grow(self.prefill_specs["prefill_values"])
@@ -287,7 +289,8 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         n, ne = self.n_store, self.n_encoded
         zb = self.z.data[..., 0]                                                  # [Hq, cap]
         if ne:
-            ds.scores(L, q, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], ne, zb)
+            ds.scores(L, q, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], ne, zb,
+                      grouped=self._grouped_layout)
         if n > ne:   # keys not (yet) encoded: exact scores, positions [ne, n)
             Kx = self.exact_keys.view(layer, n - self.exact_base)
             zb[:, ne:n] = torch.bmm(q.view(self.Hkv, -1, self.hd), Kx.transpose(1, 2)).reshape(self.Hq, -1)

@@ -118,7 +118,7 @@ class CapturedSteps:
                     qf.mul_(self._length_factor)
             zb, idx = self.z.data[..., 0], self.sel.data[..., 0]
             ds.scores(L, qf, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], n_keys, zb,
-                      n_live=self._n_live)
+                      n_live=self._n_live, grouped=self._grouped_layout)
             # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
             cap = self.max_select or 0
             ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live)
