@@ -4,23 +4,19 @@ Public API (used by the runtime); shapes and dtypes are documented on each
 function in :mod:`kernels_cpu.numba_kernels`:
 
 * ``build_lut(q, codebooks, q_to_kv) -> T``
-* ``approx_scores(T, P, q_to_kv, n, out=None) -> z``
 * ``pack_lut(T, q_to_kv) -> PackedLUT``, ``packed_scores(packed, PT, n, out=None) -> z``: the
   scores from integer-quantized tables, 4 query heads per uint64 (the CPU cache's path;
-  :mod:`kernels_cpu.packed`); ``group_major(P)`` the index layout they read
+  :mod:`kernels_cpu.packed`), over indices stored group-major (PT [Hkv, g, n])
 * ``packed_select(packed, PT, n, tau) -> (idx, counts, m, l_sel, z_sel)``: the same scores kept as
   integer levels and the threshold selection made on them (:mod:`kernels_cpu.level_select`)
-* ``level_value_sum(packed, PT, n, tau, V) -> (o, m, l, counts)``: those scores, that selection and
-  its value sum read from the levels, with no selection list (:mod:`kernels_cpu.level_sum`)
 * ``threshold_select(z, tau, out_idx=None) -> (idx, counts, m, l_sel)``
-* ``attend_exact(q, K, V, q_to_kv, n) -> (o, m, l)``
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
 * ``selected_scores(q, K, idx, counts, q_to_kv, z)``: the selected tokens' exact scores from
   host keys, written over z in place (the ``rescore`` setting; :mod:`kernels_cpu.rescore`)
-* ``lse_merge(os, ms, ls) -> (o, m, l)``
 * ``encode_keys(K, codebooks, out=None) -> P``
 * ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,
-  the store through LUT, scores, selection and value sum, merged) in one call
+  the store through LUT, scores, selection and value sum, merged) in one call; the value sum
+  reads the selection from the levels, with no list (:mod:`kernels_cpu.level_sum`)
 * ``hca_exact_decode_attend(...) -> o``: the same for a store of exact keys (the 50% preset:
   :mod:`kernels_cpu.exact_step`)
 * :mod:`kernels_cpu.fastscan`: codebooks of 16 centroids, two 4-bit codes per byte; ``fs_lut``,
@@ -47,9 +43,7 @@ This package imports only numpy and numba.
 
 from .numba_kernels import (
     HALF_CONVERSION,
-    approx_scores,
     set_num_threads,
-    attend_exact,
     build_lut,
     codebook_norms,
     transpose_codebooks,
@@ -58,19 +52,16 @@ from .numba_kernels import (
     hca_decode_attend,
     hca_exact_decode_attend,
     PackedLUT,
-    group_major,
     lane_map,
     pack_lut,
     packed_scores,
     packed_select,
-    level_value_sum,
     level_hist,
     attn_out,
     dense_attend,
     turn_rows,
     norm_gemv,
     half_to_float,
-    lse_merge,
     selected_scores,
     threshold_select,
     weighted_value_sum,

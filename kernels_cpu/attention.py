@@ -1,14 +1,14 @@
-"""Exact attention, weighted value sums and the log-sum-exp merge, each returning (o, m, l)."""
+"""Exact attention over a chunk of keys (the fused steps' sinks + ring), weighted value sums and the
+log-sum-exp merge, each as (o, m, l) partials."""
 
 import numpy as np
 from numba import njit, prange
 
-from ._common import _FASTMATH, _NEG_INF, _exp32, _ld, _as_pool, _as_f32, _prefetch, _rows_in, _as_i32
-from .packed import lane_map
+from ._common import _FASTMATH, _NEG_INF, _exp32, _ld, _as_pool, _prefetch, _rows_in, _as_i32
 
 
 # ---------------------------------------------------------------------------
-# shared pieces of attend_exact / weighted_value_sum
+# shared pieces of the exact tier / weighted_value_sum
 # ---------------------------------------------------------------------------
 
 
@@ -111,10 +111,8 @@ def _merge_partials(first, po, pm, pl, h, o, m, l):
 _ALL_VALID = np.zeros(0, np.uint8)   # _exact_chunk's valid for "every key attended"
 
 # ---------------------------------------------------------------------------
-# 4. attend_exact
+# the exact tier: exact attention over a chunk of keys (level_sum's exact-tier tasks)
 # ---------------------------------------------------------------------------
-
-_ATT_CHUNK = 512
 
 
 @njit(cache=True)
@@ -168,60 +166,8 @@ def _exact_chunk(q, K, V, lanes, r, kv, j0, j1, nch, c, s, po, pm, pl, valid):
                     acc[k] += w * _ld(Vj[k])
 
 
-@njit(cache=True, parallel=True)
-def _k_attend_exact(q, K, V, lanes, n, chunk, o, m, l):
-    # tasks: (table row, chunk of keys), each K / V row read once for the row's heads; then each
-    # head's chunks merged by log-sum-exp
-    Hq, d = q.shape
-    R = lanes.shape[0]
-    npass = R // K.shape[0]
-    nch = (n + chunk - 1) // chunk
-    first = np.empty(Hq + 1, dtype=np.int64)
-    for h in range(Hq + 1):
-        first[h] = h * nch
-    po = np.zeros((Hq * nch, d), dtype=np.float32)
-    pm = np.full(Hq * nch, _NEG_INF, dtype=np.float32)
-    pl = np.zeros(Hq * nch, dtype=np.float64)
-    for it in prange(R * nch):
-        r, c = it // nch, it % nch
-        j0 = c * chunk
-        s = np.empty((lanes.shape[1], min(n, j0 + chunk) - j0), dtype=np.float32)
-        _exact_chunk(q, K, V, lanes, r, r // npass, j0, min(n, j0 + chunk), nch, c, s, po, pm, pl, _ALL_VALID)
-    for h in prange(Hq):
-        _merge_partials(first, po, pm, pl, h, o, m, l)
-
-
-def attend_exact(q, K, V, q_to_kv, n):
-    """Exact attention over the first n keys/values.
-
-    q [Hq, d] f32 (pre-scaled), K, V [Hkv, n_cap, d] f32 or f16 (each may be
-    either), q_to_kv int32 [Hq], n int -> (o [Hq, d] f32 normalized
-    (sum softmax * v), m [Hq] f32 max score, l [Hq] f32 sum exp(s - m)).
-    n == 0 -> o = 0, m = -inf, l = 0.  Work split into (lane_map row: up to 4
-    query heads of one kv-head, 512-token chunk) items run in parallel, each K / V
-    row read once per item for its heads, float32 inside a chunk (scores by a
-    pairwise dot), chunks merged exactly by log-sum-exp in float64.
-    """
-    q = _as_f32(q)
-    q_to_kv = _as_i32(q_to_kv)
-    K = _as_pool(K)
-    V = _as_pool(V)
-    Hq, d = q.shape
-    n = int(n)
-    if n > K.shape[1] or n > V.shape[1]:
-        raise ValueError("n exceeds K/V capacity")
-    if K.shape[2] != d or V.shape[2] != d:
-        raise ValueError("K/V head dim does not match q")
-    o = np.zeros((Hq, d), dtype=np.float32)
-    m = np.full(Hq, -np.inf, dtype=np.float32)
-    l = np.zeros(Hq, dtype=np.float32)
-    if n > 0 and Hq > 0:
-        _k_attend_exact(q, K, V, lane_map(q_to_kv, K.shape[0]), n, _ATT_CHUNK, o, m, l)
-    return o, m, l
-
-
 # ---------------------------------------------------------------------------
-# 5. weighted_value_sum
+# 3. weighted_value_sum
 # ---------------------------------------------------------------------------
 
 _WVS_CHUNK = 2048
@@ -333,12 +279,17 @@ def weighted_value_sum(z, idx, counts, V, q_to_kv, compact=False):
 
 
 # ---------------------------------------------------------------------------
-# 6. lse_merge
+# the log-sum-exp merge of the fused steps' partials (hca_step, exact_step)
 # ---------------------------------------------------------------------------
 
 
 @njit(cache=True)
 def _k_lse_merge(os, ms, ls, o, m, l):
+    """Exact log-sum-exp merge of partial attention results: os [P, Hq, d] f32 (each part
+    normalized), ms, ls [P, Hq] f32 -> o [Hq, d] f32, m, l [Hq] f32 (written):
+    M = max_p m_p, w_p = exp(m_p - M) * l_p, o = sum_p w_p o_p / sum_p w_p, l = sum_p w_p.
+    Parts with m = -inf or l = 0 contribute nothing; all parts empty -> o = 0, m = -inf, l = 0.
+    Reference: lse_merge_ref."""
     P, Hq, d = os.shape
     acc = np.empty(d, dtype=np.float64)
     for h in range(Hq):
@@ -363,29 +314,3 @@ def _k_lse_merge(os, ms, ls, o, m, l):
             o[h, k] = acc[k] / L
         m[h] = M
         l[h] = L
-
-
-def lse_merge(os, ms, ls):
-    """Exact log-sum-exp merge of partial attention results.
-
-    os [P, Hq, d] f32 (each part normalized), ms [P, Hq] f32, ls [P, Hq] f32
-    -> (o [Hq, d] f32, m [Hq] f32, l [Hq] f32): M = max_p m_p,
-    w_p = exp(m_p - M) * l_p, o = sum_p w_p o_p / sum_p w_p, l = sum_p w_p.
-    Parts with m = -inf or l = 0 contribute nothing; all parts empty ->
-    o = 0, m = -inf, l = 0 (no NaN, no warnings).  Sequences of per-part arrays
-    are stacked.
-    """
-    os = _as_f32(np.stack(os) if isinstance(os, (list, tuple)) else os)
-    ms = _as_f32(np.stack(ms) if isinstance(ms, (list, tuple)) else ms)
-    ls = _as_f32(np.stack(ls) if isinstance(ls, (list, tuple)) else ls)
-    P, Hq, d = os.shape
-    if ms.shape != (P, Hq) or ls.shape != (P, Hq):
-        raise ValueError("ms / ls must be [P, Hq] matching os [P, Hq, d]")
-    o = np.zeros((Hq, d), dtype=np.float32)
-    m = np.full(Hq, -np.inf, dtype=np.float32)
-    l = np.zeros(Hq, dtype=np.float32)
-    if P > 0:
-        _k_lse_merge(os, ms, ls, o, m, l)
-    return o, m, l
-
-

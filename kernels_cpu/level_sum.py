@@ -12,20 +12,20 @@ m[h] is the top non-empty level bucket's highest level as a score (the highest l
 that is the catch-all bucket): >= every score, within one bucket (<= 1/32 logit) of the highest, so the partial sums of all tasks share it and add without
 a log-sum-exp merge. The result is (o, m, l) as weighted_value_sum returns them over
 packed_select's selection, with this m (the same softmax, another reference point).
-Reference: weighted_value_sum_ref over packed_select_ref (tests/test_level_sum.py).
-The same value sum serves kernels_cpu.exact_step with float32 scores in place of the levels
-(scale 1, offset 0, m the exact max score).
+The fused decode steps run it: kernels_cpu.hca_step and fastscan on the levels, kernels_cpu.exact_step
+with float32 scores in place of the levels (scale 1, offset 0, m the exact max score).
+Reference: weighted_value_sum_ref over packed_select_ref, inside hca_decode_attend_ref
+(tests/test_hca_step_kernel.py).
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import _FASTMATH, _NEG_INF, _as_pool, _c_rows, _ctz64, _exp32, _ld, _prefetch
-from .attention import _ALL_VALID, _exact_chunk, _merge_partials, dot4
-from .level_select import NB, _k_packed_levels, _level_cut, _merged_counts, _top_bucket, level_hist
-from .packed import LANES, PackedLUT, _check_indices
+from ._common import _FASTMATH, _NEG_INF, _ctz64, _exp32, _ld, _prefetch
+from .attention import _exact_chunk, _merge_partials, dot4
+from .level_select import NB, _level_cut, _merged_counts, _top_bucket
+from .packed import LANES
 
 _RANGE = 1024       # tokens per task (a multiple of 64)
 _PF_DIST = 16       # value rows prefetched ahead
@@ -251,41 +251,3 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
                 o[h, k] = np.float32(x / L)
             m[h] = mref[h]
             l[h] = np.float32(L)
-
-
-def level_value_sum(packed: PackedLUT, PT, n: int, tau: float, V, scratch=None):
-    """The store's attention for one decode token: scores from a PackedLUT, the level selection
-    and the softmax-weighted value sum over it, with no list of the selected tokens.
-
-    PT [Hkv, g, n_cap] uint8/int16 group-major indices (first n columns read), tau float,
-    V [Hkv, >=n, d] f32/f16 value pool (C-contiguous); scratch optional (lev uint16 [Hq, >=n],
-    level_hist(Hq)) -> (o [Hq, d] f32, m [Hq] f32, l [Hq] f32, counts int32 [Hq]): over each
-    head's selection (packed_select's), o = sum_j w_j V[kv, j] / l, l = sum_j w_j,
-    w_j = exp(z_j - m), m within 1/32 logit above the head's best score (module docstring);
-    a head with nothing selected: o = 0, m = -inf, l = 0.
-    """
-    PT, n = _check_indices(packed, PT, n)
-    V = _as_pool(V)
-    if V.ndim != 3 or V.shape[0] != PT.shape[0] or V.shape[1] < n or not V.flags.c_contiguous:
-        raise ValueError(f"V must be C-contiguous [Hkv={PT.shape[0]}, >={n}, d], got {V.shape}")
-    Hq, d = packed.scale.shape[0], V.shape[2]
-    lev, hist = scratch if scratch is not None else (np.empty((Hq, max(n, 1)), np.uint16), level_hist(Hq))
-    lev = _c_rows(lev)
-    o = np.zeros((Hq, d), np.float32)
-    m = np.full(Hq, -np.inf, np.float32)
-    l = np.zeros(Hq, np.float32)
-    counts = np.zeros(Hq, np.int32)
-    if n > 0:
-        nt = min(numba.get_num_threads(), hist.shape[0])
-        _k_packed_levels(packed.tables, packed.lanes, packed.top, packed.shift, PT, n, lev, hist, nt)
-        lcut = np.empty(Hq, np.int64)
-        mref = np.empty(Hq, np.float32)
-        fb_idx, fb_z = np.empty((Hq, n), np.int32), np.empty((Hq, n), np.float32)
-        _k_level_cuts(lev, n, float(tau), packed.scale, packed.offset, packed.top, packed.shift, hist, nt,
-                      fb_idx, fb_z, lcut, mref, 0)
-        _k_level_value_sum(lev, n, lcut, packed.scale, packed.offset, mref, packed.lanes, V, nt, o, m, l, counts,
-                           _NO_Q, V, V, 0, _ALL_VALID, o, m, l, V, False)
-    return o, m, l, counts
-
-
-_NO_Q = np.zeros((1, 1), np.float32)     # level_value_sum runs no exact-tier task (n_exact = 0)

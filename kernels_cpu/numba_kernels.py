@@ -6,25 +6,21 @@ kernels_cpu.attention (`_row_dots`, also the exact_step's scoring). Shapes and d
 function's docstring.
 """
 from ._common import HALF_CONVERSION, half_to_float, set_num_threads  # noqa: F401
-from .attention import attend_exact, lse_merge, weighted_value_sum  # noqa: F401
+from .attention import weighted_value_sum  # noqa: F401
 from .decode import attn_in, attn_out, dense_attend, norm_gemv, turn_rows  # noqa: F401
 from .exact_step import hca_exact_decode_attend  # noqa: F401
 from .hca_step import hca_decode_attend  # noqa: F401
 from .level_select import level_hist, packed_select  # noqa: F401
-from .level_sum import level_value_sum  # noqa: F401
-from .packed import PackedLUT, group_major, lane_map, pack_lut, packed_scores  # noqa: F401
+from .packed import PackedLUT, lane_map, pack_lut, packed_scores  # noqa: F401
 from .rescore import selected_scores  # noqa: F401
-from .pq import approx_scores, build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
+from .pq import build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
 from .select import threshold_select  # noqa: F401
 
 __all__ = [
     "build_lut",
-    "approx_scores",
     "threshold_select",
-    "attend_exact",
     "weighted_value_sum",
     "selected_scores",
-    "lse_merge",
     "encode_keys",
     "codebook_norms",
     "transpose_codebooks",
@@ -42,8 +38,6 @@ __all__ = [
     "pack_lut",
     "packed_scores",
     "packed_select",
-    "level_value_sum",
     "level_hist",
-    "group_major",
     "set_num_threads",
 ]

@@ -1,9 +1,10 @@
 """Approximate scores from integer-packed lookup tables: the CPU's scoring path for HCA.
 
-`approx_scores` adds g float32 table entries per (token, query head). On a CPU that is bound by
-loads, not arithmetic: each (token, group) index costs one scalar load and add per query head of
-the kv-head. Here each query head's table is quantized to unsigned integers (SWAR, "SIMD within
-a register"):
+Float product-quantization scores add g float32 table entries per (token, query head)
+(kernels_cuda's approx_scores; approx_scores_ref in tests/references/cpu.py). On a CPU that is
+bound by loads, not arithmetic: each (token, group) index costs one scalar load and add per query
+head of the kv-head. Here each query head's table is quantized to unsigned integers (SWAR, "SIMD
+within a register"):
 
   qmax = 65535 // g                      (g values of at most qmax never overflow 16 bits)
   lo[h, i] = min_j T[h, i, j]
@@ -21,8 +22,9 @@ the widest group's range / qmax (g = 16: 1/4095 of it). That is far below the er
 product quantization itself (the codebooks), and the selection that follows is approximate anyway.
 
 Speed (`scripts/bench_kernels_cpu.py --n 16384 --centroids 1024 [--groups 32]`, 9 query heads,
-3 kv-heads, 2 cores of a Zen 4): approx_scores 766 -> packed_scores 257 us at g = 16, 2818
-(a noisy run; ~1.7 ms in others) -> 463 us at g = 32; pack_lut 82 / 186 us per layer and step.
+3 kv-heads, 2 cores of a Zen 4): a Numba kernel of the float lookups (since removed) 766 ->
+packed_scores 257 us at g = 16, 2818 (a noisy run; ~1.7 ms in others) -> 463 us at g = 32;
+pack_lut 82 / 186 us per layer and step.
 Reference: pack_lut_ref, packed_scores_ref in tests/references/cpu.py.
 """
 from __future__ import annotations
@@ -263,8 +265,8 @@ def pack_lut(T, q_to_kv, lanes=None, out: PackedLUT | None = None) -> PackedLUT:
 def packed_scores(packed: PackedLUT, PT, n: int, out=None) -> np.ndarray:
     """Approximate scores from a PackedLUT over group-major indices.
 
-    PT [Hkv, g, n_cap] uint8/int16 (only the first n columns are read; `group_major(P)` makes it
-    from [Hkv, n, g]) -> z [Hq, n] f32 (a view of out [Hq, >=n] when given),
+    PT [Hkv, g, n_cap] uint8/int16 group-major indices (only the first n columns are read; the
+    token-major P [Hkv, n, g] transposed) -> z [Hq, n] f32 (a view of out [Hq, >=n] when given),
     z[h, j] = scale[h] * sum_i Q[h, i, PT[kv(h), i, j]] + offset[h].
     """
     PT, n = _check_indices(packed, PT, n)
@@ -296,8 +298,3 @@ def _check_indices(packed: PackedLUT, PT, n: int):
     if n > PT.shape[2]:
         raise ValueError(f"n={n} exceeds the indices' capacity {PT.shape[2]}")
     return PT, n
-
-
-def group_major(P) -> np.ndarray:
-    """Indices [Hkv, n, g] -> contiguous [Hkv, g, n] (the layout packed_scores reads)."""
-    return np.ascontiguousarray(np.asarray(P).transpose(0, 2, 1))

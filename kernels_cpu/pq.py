@@ -1,9 +1,10 @@
-"""Product-quantization kernels: lookup tables, approximate scores, key encoding."""
+"""Product-quantization kernels: lookup tables and key encoding (the scores from the tables:
+kernels_cpu.packed, kernels_cpu.level_select)."""
 
 import numpy as np
 from numba import njit, prange
 
-from ._common import _ld, _as_pool, _as_f32, _c_rows, _as_i32, _min_max
+from ._common import _ld, _as_pool, _as_f32, _as_i32, _min_max
 
 
 # ---------------------------------------------------------------------------
@@ -60,92 +61,7 @@ def _k_build_lut_t(q, cbt, q_to_kv, T):
 
 
 # ---------------------------------------------------------------------------
-# 2. approx_scores
-# ---------------------------------------------------------------------------
-
-_SCORE_BLOCK = 1024
-
-
-@njit(cache=True, parallel=True)
-def _k_approx_scores(T, P, heads, starts, n, z):
-    # One task per (token block, kv-head): each index row P[kv, j] is read once and serves up to
-    # 4 of the kv-head's query heads at a time (1.8 -> 1.2 ms for 9 heads x 16K tokens, g = 16).
-    # A group of k < 4 heads: the `k > ...` tests are loop-invariant, so LLVM unswitches the loop
-    # into one copy per k and no lookup is wasted (measured: k = 3 12% faster, k = 1 37%).
-    g = T.shape[1]
-    Hkv = starts.shape[0] - 1
-    nb = (n + _SCORE_BLOCK - 1) // _SCORE_BLOCK
-    for t in prange(nb * Hkv):
-        b, kv = t // Hkv, t % Hkv
-        j0 = b * _SCORE_BLOCK
-        j1 = min(n, j0 + _SCORE_BLOCK)
-        last = starts[kv + 1] - 1
-        for r in range(starts[kv], last + 1, 4):
-            k = min(4, last + 1 - r)
-            h0, h1, h2, h3 = heads[r], heads[min(r + 1, last)], heads[min(r + 2, last)], heads[min(r + 3, last)]
-            T0, T1, T2, T3 = T[h0], T[h1], T[h2], T[h3]
-            for j in range(j0, j1):
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                a3 = np.float32(0.0)
-                for i in range(g):
-                    p = P[kv, j, i]
-                    a0 += T0[i, p]
-                    if k > 1:
-                        a1 += T1[i, p]
-                    if k > 2:
-                        a2 += T2[i, p]
-                    if k > 3:
-                        a3 += T3[i, p]
-                z[h0, j] = a0
-                if k > 1:
-                    z[h1, j] = a1
-                if k > 2:
-                    z[h2, j] = a2
-                if k > 3:
-                    z[h3, j] = a3
-
-
-def _heads_by_kv(q_to_kv, Hkv):
-    """Query heads grouped by kv-head: (heads int32 [Hq], starts int32 [Hkv + 1])."""
-    heads = np.argsort(q_to_kv, kind="stable").astype(np.int32)
-    starts = np.searchsorted(q_to_kv[heads], np.arange(Hkv + 1)).astype(np.int32)
-    return heads, starts
-
-
-def approx_scores(T, P, q_to_kv, n, out=None):
-    """Approximate (PQ) attention scores.
-
-    T [Hq, g, c] f32 (from build_lut), P [Hkv, n_cap, g] uint8 or int16 (only
-    the first n rows are read), q_to_kv int32 [Hq], n int, out optional f32
-    [Hq, >=n] (C-contiguous rows) -> z [Hq, n] f32 (a view of out when given),
-    z[h, j] = sum_i T[h, i, P[q_to_kv[h], j, i]].  Parallel over (token block, kv-head).
-    """
-    T = _as_f32(T)
-    q_to_kv = _as_i32(q_to_kv)
-    P = np.asarray(P)
-    if P.dtype not in (np.uint8, np.int16):
-        raise TypeError(f"P must be uint8 or int16, got {P.dtype}")
-    if not P.flags.c_contiguous:
-        P = np.ascontiguousarray(P)
-    n = int(n)
-    Hq = T.shape[0]
-    if n > P.shape[1]:
-        raise ValueError(f"n={n} exceeds P capacity {P.shape[1]}")
-    if out is None:
-        out = np.empty((Hq, n), dtype=np.float32)
-    buf = _c_rows(out) if isinstance(out, np.ndarray) and out.ndim == 2 else None
-    if buf is None or out.dtype != np.float32 or out.shape[0] != Hq or out.shape[1] < n:
-        raise ValueError("out must be float32 [Hq, >=n] with unit-stride rows")
-    if n > 0:
-        heads, starts = _heads_by_kv(q_to_kv, P.shape[0])
-        _k_approx_scores(T, P, heads, starts, n, buf)
-    return out[:, :n]
-
-
-# ---------------------------------------------------------------------------
-# 7. encode_keys
+# 4. encode_keys
 # ---------------------------------------------------------------------------
 
 _ENC_TILE = 128  # tokens per tile: the vector lanes of the encode loops

@@ -7,7 +7,7 @@ from ._common import _NEG_INF, _c_rows, _exp32, _min_max, _rows_in
 
 
 # ---------------------------------------------------------------------------
-# 3. threshold_select
+# 2. threshold_select
 # ---------------------------------------------------------------------------
 
 _NBUCKETS = 2048  # histogram buckets per refinement level

@@ -55,7 +55,6 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
     K = rng.standard_normal((Hkv, n, d)).astype(np.float32)
     V32 = rng.standard_normal((Hkv, n, d)).astype(np.float32)
     V16 = V32.astype(np.float16)
-    W = min(4096, n)  # exact window (sink + ring) length used for attend_exact
     rows = []
 
     def row(name, f_numba, f_ref, reps=5, ref_reps=1, ref_scale=1.0):
@@ -67,8 +66,7 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
     T = kc.build_lut(q, cb, q2k)
     P = kc.encode_keys(K, cb)
     zbuf = np.empty((Hq, n), np.float32)
-    row("approx_scores", lambda: kc.approx_scores(T, P, q2k, n, out=zbuf), lambda: ref.approx_scores_ref(T, P, q2k, n))
-    PT = kc.group_major(P)
+    PT = ref.group_major(P)
     row("pack_lut", lambda: kc.pack_lut(T, q2k), lambda: ref.pack_lut_ref(T), reps=50, ref_reps=3)
     packed = kc.pack_lut(T, q2k)
     row("packed_scores", lambda: kc.packed_scores(packed, PT, n, out=zbuf),
@@ -77,7 +75,7 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
     scratch = (np.empty((Hq, n), np.uint16), kc.level_hist(Hq))
     row(f"packed_select tau={tau}", lambda: kc.packed_select(packed, PT, n, tau, out_idx=ibuf, out_z=zbuf, scratch=scratch),
         lambda: ref.packed_select_ref(T, P, q2k, n, tau))
-    z = kc.approx_scores(T, P, q2k, n)
+    z = kc.packed_scores(packed, PT, n)
     row(f"threshold_select tau={tau}", lambda: kc.threshold_select(z, tau, out_idx=ibuf), lambda: ref.threshold_select_ref(z, tau))
     idx, cnt, m, l = kc.threshold_select(z, tau)
     frac = cnt.mean() / n
@@ -88,17 +86,6 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
             lambda V=V: ref.weighted_value_sum_ref(z, idx, cnt, V, q2k),
         )
     K16 = K.astype(np.float16)
-    for name, KK, V in (("f32", K, V32), ("f16", K16, V16)):
-        row(
-            f"attend_exact {name} (window {W})",
-            lambda KK=KK, V=V: kc.attend_exact(q, KK, V, q2k, W),
-            lambda KK=KK, V=V: ref.attend_exact_ref(q, KK, V, q2k, W),
-            reps=20,
-        )
-    os_ = rng.standard_normal((3, Hq, d)).astype(np.float32)
-    ms = rng.standard_normal((3, Hq)).astype(np.float32)
-    ls = rng.random((3, Hq)).astype(np.float32) + 0.5
-    row("lse_merge (3 parts)", lambda: kc.lse_merge(os_, ms, ls), lambda: ref.lse_merge_ref(os_, ms, ls), reps=200, ref_reps=20)
     nr = min(n, ref_cap)
     Kr = np.ascontiguousarray(K[:, :nr])
     row("encode_keys f32", lambda: kc.encode_keys(K, cb), lambda: ref.encode_keys_ref(Kr, cb), reps=3, ref_scale=n / nr)

@@ -8,8 +8,8 @@ engine ("tokens", what `minirun bench` does); then decode steps are timed. Print
 top operators (torch profiler) or functions (cProfile). --breakdown (HCA, CPU): captures the
 arguments of every layer's fused HCA call in one real step and times each kernel of that step on
 them (LUT, its packing, scores + selection as a list (packed_select, the multi-token path's),
-the value sum over that list, the decode path's scores + cut + value sum from the levels
-(level_value_sum), sinks + ring) and the fused call itself (with the ring-key encode the real step
+the value sum over that list, sinks + ring (the fused call with an empty store: the exact tier,
+the token itself and the merge)) and the fused call itself (with the ring-key encode the real step
 does), summed over the layers.
 --attention-time: the attention kernel's own time inside the timed steps (dense or HCA), so the
 two modes' attention can be compared apart from the rest of the step, which both share.
@@ -217,8 +217,7 @@ def breakdown(eng: Engine, cold: bool = False) -> None:
             f()
             t += time.perf_counter() - t0
         return t / k * 1e3
-    tot = dict.fromkeys(["lut", "pack", "scores+select", "value sum", "level_value_sum", "sinks+ring",
-                         "fused call"], 0.0)
+    tot = dict.fromkeys(["lut", "pack", "scores+select", "value sum", "sinks+ring", "fused call"], 0.0)
     cache, sel = eng.cache, []
     for layer, (args, kw) in enumerate(calls):
         q, k, v, EK, EV, n_exact, cbt, PT, n, V, tau, q2k, packed, lut, z, idx, counts = args
@@ -231,8 +230,9 @@ def breakdown(eng: Engine, cold: bool = False) -> None:
         exact = kc.threshold_select(kc.packed_scores(packed, PT, n), tau)[1]   # the exact minimal sets
         sel.append((cc.mean() / n, exact.mean() / n))
         tot["value sum"] += ms(lambda: kc.weighted_value_sum(zs, ii, cc, V, q2k, compact=True))
-        tot["level_value_sum"] += ms(lambda: kc.level_value_sum(packed, PT, n, tau, V, scratch=scratch))
-        tot["sinks+ring"] += ms(lambda: kc.attend_exact(q, EK, EV, q2k, n_exact))
+        no_store = {key: val for key, val in kw.items() if key != "encode"}   # (an encode needs a store)
+        tot["sinks+ring"] += ms(lambda: real(q, k, v, EK, EV, n_exact, cbt, PT, 0, V, tau, q2k, packed, lut, z, idx,
+                                             counts, **no_store))
         tot["fused call"] += ms(lambda: real(*args, **kw))
     print(f"kernels of one step, summed over {len(calls)} layers (store of {calls[0][0][8]} tokens, "
           f"mean selected fraction {sum(a for a, _ in sel) / len(sel):.4f}; exact minimal sets on the same "

@@ -1,10 +1,11 @@
 """kernels_cpu.hca_decode_attend (one decode token's whole HCA attention in one call) against the
-composition of the NumPy references, and against the same composition of the public kernels."""
+composition of the NumPy references, and against the store's part made by the public kernels."""
 import numpy as np
 import pytest
 
 import kernels_cpu as kc
 import references as ref
+from kernels_cpu.level_select import NB
 
 HQ, HKV, D = 9, 3, 64
 Q2K = (np.arange(HQ) // (HQ // HKV)).astype(np.int32)
@@ -32,7 +33,7 @@ def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=No
     z = np.full((HQ, cap), np.nan, np.float32)
     idx = np.zeros((HQ, cap), np.int32)
     counts = np.zeros(HQ, np.int32)
-    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), kc.group_major(P), n_store, V,
+    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), ref.group_major(P), n_store, V,
                              tau, Q2K, packed, lut, z, idx, counts, host_keys=host_keys)
     return o, counts
 
@@ -48,15 +49,16 @@ def test_hca_decode_attend(pool_dtype, n_exact, n_store, tau, g, c):
     assert o.shape == (HQ, D) and o.dtype == np.float32 and np.isfinite(o).all()
     want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
-    # the same step through the public kernels, one call each (what the cache did before)
-    parts = [kc.attend_exact(q, EK, EV, Q2K, n_exact)]
+    # the same step with the store's part through the public kernels, one call each (what the
+    # cache did before), the exact tier and the merge by their references
+    parts = [ref.attend_exact_ref(q, EK, EV, Q2K, n_exact)]
     parts.append((v[Q2K], np.einsum("hd,hd->h", q, k[Q2K]), np.ones(HQ, np.float32)))
     if n_store:
         packed = kc.pack_lut(kc.build_lut(q, C, Q2K), Q2K)
-        idx, cnt, _, _, zs = kc.packed_select(packed, kc.group_major(P), n_store, tau)
+        idx, cnt, _, _, zs = kc.packed_select(packed, ref.group_major(P), n_store, tau)
         parts.append(kc.weighted_value_sum(zs, idx, cnt, V, Q2K, compact=True))
         np.testing.assert_array_equal(counts, cnt)
-    step = kc.lse_merge(*[np.stack(x) for x in zip(*parts)])[0]
+    step = ref.lse_merge_ref(*[np.stack(x) for x in zip(*parts)])[0]
     np.testing.assert_allclose(o, step, rtol=1e-5, atol=1e-6)
 
 
@@ -78,14 +80,34 @@ def test_hca_decode_attend_other_shapes(hq, hkv, d, n_exact, n_store):
     lanes = kc.lane_map(q2k, hkv)
     packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(hq, np.float32),
                           np.empty(hq, np.float32))
-    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), kc.group_major(P), n_store, V,
+    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), ref.group_major(P), n_store, V,
                              0.9, q2k, packed, np.empty((hq, g, c), np.float32), np.empty((hq, n_store), np.float32),
                              np.empty((hq, n_store), np.int32))
     want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, 0.9, q2k)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
-    got, want = kc.attend_exact(q, EK, EV, q2k, n_exact), ref.attend_exact_ref(q, EK, EV, q2k, n_exact)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_hca_decode_attend_exact_fallback():
+    """Tables whose top is far above every store score (a centroid no key uses scores high): each
+    head selects by the exact fallback on the float scores, and the value sum then reads the same
+    set from the levels (every level >= the least selected one)."""
+    rng = np.random.default_rng(5)
+    n = 3000
+    q, k, v, EK, EV, C, P, V, cap = setup(rng, 272, n, 16, 256, np.float32)
+    q = np.abs(q)
+    C *= 0.2
+    C[:, :, 0] = 50.0                                                # never indexed: top far above
+    P[P == 0] = 1
+    T = ref.build_lut_ref(q, C, Q2K)
+    packed = kc.pack_lut(T, Q2K)
+    w = packed.scale.astype(np.float64) * 2.0 ** packed.shift
+    z = ref.packed_scores_ref(T, P, Q2K, n)
+    assert ((packed.top * packed.scale - (z.max(axis=1) - packed.offset)) > NB * w).all()   # really loose
+    o, counts = run_fused(q, k, v, EK, EV, 272, C, P, n, V, 0.9, cap)
+    want = ref.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, n, V, 0.9, Q2K)
+    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(counts, ref.packed_select_ref(T, P, Q2K, n, 0.9)[1])
+    np.testing.assert_array_equal(counts, ref.threshold_select_ref(z, 0.9)[1])
 
 
 @pytest.mark.parametrize("tau,sel_cap", [(0.9, 40), (1.0, 7), (0.5, 1), (0.9, 100000)])
@@ -99,7 +121,7 @@ def test_hca_decode_attend_capped(tau, sel_cap):
     packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(HQ, np.float32),
                           np.empty(HQ, np.float32))
     counts = np.zeros(HQ, np.int32)
-    o = kc.hca_decode_attend(q, k, v, EK, EV, 272, kc.transpose_codebooks(C), kc.group_major(P), 5000, V, tau, Q2K,
+    o = kc.hca_decode_attend(q, k, v, EK, EV, 272, kc.transpose_codebooks(C), ref.group_major(P), 5000, V, tau, Q2K,
                              packed, np.empty((HQ, g, c), np.float32), np.zeros((HQ, cap), np.float32),
                              np.zeros((HQ, cap), np.int32), counts, cap=sel_cap)
     want = ref.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, 5000, V, tau, Q2K, cap=sel_cap)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import pathlib
 import sys
-import warnings
 import zlib
 
 import numpy as np
@@ -92,7 +91,7 @@ def test_half_to_float_exhaustive(soft):
 
 
 # ---------------------------------------------------------------------------
-# 1. build_lut, 2. approx_scores
+# 1. build_lut
 # ---------------------------------------------------------------------------
 
 
@@ -111,42 +110,8 @@ def test_build_lut(g, c):
     close(Tt, ref.build_lut_ref(q, cb, Q2K), scale=np.abs(T).max())
 
 
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize(
-    "g,c,pdtype",
-    [(16, 16, np.uint8), (16, 256, np.uint8), (32, 256, np.int16), (64, 256, np.uint8),
-     (16, 1024, np.int16), (32, 1024, np.int16), (64, 16, np.int16)],
-)
-def test_approx_scores(n, g, c, pdtype):
-    rng = rng_for("scores", n, g, c)
-    T = rng.standard_normal((HQ, g, c)).astype(np.float32)
-    P = make_P(rng, n + 3, g, c, pdtype)
-    z = kc.approx_scores(T, P, Q2K, n)
-    assert z.shape == (HQ, n) and z.dtype == np.float32
-    close(z, ref.approx_scores_ref(T, P, Q2K, n), scale=g * np.abs(T).max())
-    out = np.full((HQ, n + 5), np.nan, dtype=np.float32)
-    z2 = kc.approx_scores(T, P, Q2K, n, out=out)
-    assert np.shares_memory(z2, out) or n == 0
-    np.testing.assert_array_equal(z2, z)
-
-
-@pytest.mark.parametrize("Hq,Hkv,shuffle", [(4, 4, False), (6, 3, False), (8, 2, False), (10, 2, False),
-                                            (8, 1, False), (12, 3, True)])
-def test_approx_scores_any_gqa_grouping(Hq, Hkv, shuffle):
-    """Groups of 1..8 query heads per kv-head (the kernel takes them 4 at a time), and a head order
-    that is not kv-major."""
-    rng = rng_for("scores-gqa", Hq, Hkv, shuffle)
-    q2k = (np.arange(Hq) // (Hq // Hkv)).astype(np.int32)
-    if shuffle:
-        q2k = rng.permutation(q2k).astype(np.int32)
-    g, c, n = 16, 256, 2100
-    T = rng.standard_normal((Hq, g, c)).astype(np.float32)
-    P = rng.integers(0, c, size=(Hkv, n, g)).astype(np.int16)
-    close(kc.approx_scores(T, P, q2k, n), ref.approx_scores_ref(T, P, q2k, n), scale=g * np.abs(T).max())
-
-
 # ---------------------------------------------------------------------------
-# 3. threshold_select
+# 2. threshold_select
 # ---------------------------------------------------------------------------
 
 
@@ -241,7 +206,7 @@ def test_threshold_select_all_neg_inf():
 
 
 # ---------------------------------------------------------------------------
-# 4. attend_exact, 5. weighted_value_sum
+# 3. weighted_value_sum
 # ---------------------------------------------------------------------------
 
 
@@ -262,18 +227,6 @@ def check_oml(got, want, vscale):
     fin = rm > -np.inf
     close(m[fin], rm[fin], scale=1.0)
     close(l, rl, scale=1.0)
-
-
-@pytest.mark.parametrize("n", NS + [3000])
-@pytest.mark.parametrize("kdt,vdt", [(np.float32, np.float32), (np.float16, np.float16), (np.float32, np.float16)])
-def test_attend_exact(n, kdt, vdt):
-    rng = rng_for("att", n, str(kdt), str(vdt))
-    q, K, V = make_qkv(rng, n + 4, kdt, vdt)
-    got = kc.attend_exact(q, K, V, Q2K, n)
-    assert got[0].shape == (HQ, D)
-    check_oml(got, ref.attend_exact_ref(q, K, V, Q2K, n), np.abs(V).max())
-    if n == 0:
-        assert (got[0] == 0).all() and (got[1] == -np.inf).all() and (got[2] == 0).all()
 
 
 def random_selection(rng, n, counts):
@@ -301,38 +254,7 @@ def test_weighted_value_sum(n, vdt):
 
 
 # ---------------------------------------------------------------------------
-# 6. lse_merge
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("P", [1, 2, 5])
-def test_lse_merge_vs_ref(P):
-    rng = rng_for("merge", P)
-    os_ = rng.standard_normal((P, HQ, D)).astype(np.float32)
-    ms = (rng.standard_normal((P, HQ)) * 5).astype(np.float32)
-    ls = rng.uniform(0.5, 100, size=(P, HQ)).astype(np.float32)
-    if P > 1:
-        ms[1, :4] = -np.inf
-        ls[1, :4] = 0
-        os_[1, :4] = 0
-        ls[0, 4] = 0  # empty part with a finite m
-    got = kc.lse_merge(os_, ms, ls)
-    check_oml(got, ref.lse_merge_ref(os_, ms, ls), 1.0)
-
-
-def test_lse_merge_all_empty_no_warnings():
-    os_ = np.zeros((3, HQ, D), dtype=np.float32)
-    ms = np.full((3, HQ), -np.inf, dtype=np.float32)
-    ls = np.zeros((3, HQ), dtype=np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with np.errstate(all="raise"):
-            o, m, l = kc.lse_merge(os_, ms, ls)
-    assert (o == 0).all() and (m == -np.inf).all() and (l == 0).all()
-
-
-# ---------------------------------------------------------------------------
-# 7. encode_keys
+# 4. encode_keys
 # ---------------------------------------------------------------------------
 
 
@@ -429,25 +351,35 @@ def test_encode_keys_ties_lowest_index():
 # ---------------------------------------------------------------------------
 
 
+def exact_scores(q, K, n, q2k=Q2K):
+    """z [Hq, n] f32, z[h, j] = q[h] . K[q2k[h], j] accumulated in float64."""
+    Kf = K.astype(np.float64)
+    return np.stack([Kf[q2k[h], :n] @ q[h].astype(np.float64) for h in range(len(q2k))]).astype(np.float32)
+
+
 @pytest.mark.parametrize("n", [1, 7, 1000, 2600])
 @pytest.mark.parametrize("vdt", [np.float32, np.float16])
-def test_lse_merge_of_split_equals_whole(n, vdt):
+def test_value_sums_of_a_split_merge_to_the_whole(n, vdt):
+    """weighted_value_sum's (o, m, l) over the parts of a split of the tokens are partials: their
+    log-sum-exp merge (lse_merge_ref) is exact attention over all of them (attend_exact_ref)."""
     rng = rng_for("split", n, str(vdt))
     q, K, V = make_qkv(rng, n, vdt, vdt)
-    whole = kc.attend_exact(q, K, V, Q2K, n)
+    z = exact_scores(q, K, n)
     # random split into 4 parts (some possibly empty) + an explicit empty part
     part_of = rng.integers(0, 4, size=n)
     parts = [np.nonzero(part_of == p)[0] for p in range(4)] + [np.array([], dtype=np.int64)]
     os_, ms, ls = [], [], []
     for sel in parts:
-        Kp = np.ascontiguousarray(K[:, sel])
-        Vp = np.ascontiguousarray(V[:, sel])
-        o, m, l = kc.attend_exact(q, Kp, Vp, Q2K, len(sel))
+        idx = np.zeros((HQ, n), dtype=np.int32)
+        idx[:, : sel.size] = sel
+        o, m, l = kc.weighted_value_sum(z, idx, np.full(HQ, sel.size, np.int32), V, Q2K)
+        if sel.size == 0:
+            assert (o == 0).all() and (m == -np.inf).all() and (l == 0).all()
         os_.append(o)
         ms.append(m)
         ls.append(l)
-    merged = kc.lse_merge(np.stack(os_), np.stack(ms), np.stack(ls))
-    check_oml(merged, whole, np.abs(V.astype(np.float32)).max())
+    merged = ref.lse_merge_ref(np.stack(os_), np.stack(ms), np.stack(ls))
+    check_oml(merged, ref.attend_exact_ref(q, K, V, Q2K, n), np.abs(V.astype(np.float32)).max())
 
 
 @pytest.mark.parametrize("n", [1, 7, 1000, 5000])
@@ -455,32 +387,30 @@ def test_lse_merge_of_split_equals_whole(n, vdt):
 def test_select_all_then_value_sum_equals_exact(n, vdt):
     rng = rng_for("selall", n, str(vdt))
     q, K, V = make_qkv(rng, n + 3, vdt, vdt)
-    # exact scores by reference: z[h, j] = q[h] . K[kv(h), j]
-    Kf = K.astype(np.float64)
-    z = np.stack([Kf[Q2K[h], :n] @ q[h].astype(np.float64) for h in range(HQ)]).astype(np.float32)
+    z = exact_scores(q, K, n)
     idx, counts, m_sel, _ = kc.threshold_select(z, 1.0)
     assert (counts == n).all()
     got = kc.weighted_value_sum(z, idx, counts, V, Q2K)
-    check_oml(got, kc.attend_exact(q, K, V, Q2K, n), np.abs(V.astype(np.float32)).max())
+    check_oml(got, ref.attend_exact_ref(q, K, V, Q2K, n), np.abs(V.astype(np.float32)).max())
     np.testing.assert_array_equal(got[1], m_sel)
 
 
 @pytest.mark.parametrize("tau", [0.5, 0.9, 0.99])
 def test_pipeline_selection_mass(tau):
-    """encode -> lut -> approx scores -> select: selected mass >= tau, near-minimal."""
+    """encode -> lut -> packed scores -> select: selected mass >= tau, near-minimal."""
     rng = rng_for("pipe", tau)
     g, c, n = 16, 256, 20000
     q, K, _ = make_qkv(rng, n)
     cb = make_codebooks(rng, g, c)
     P = kc.encode_keys(K, cb)
-    z = kc.approx_scores(kc.build_lut(q, cb, Q2K), P, Q2K, n)
+    z = kc.packed_scores(kc.pack_lut(kc.build_lut(q, cb, Q2K), Q2K), ref.group_major(P), n)
     check_selection(z, tau, *kc.threshold_select(z, tau))
 
 
 def test_preallocated_buffers_and_row_views():
     """The runtime's hot path: preallocated wider buffers and row views of them
-    (z = zbuf[:, :n], idx = ibuf[:, :n]) give the same results as fresh arrays,
-    including views that cannot be widened in place (offset columns)."""
+    (z = zbuf[:, :n], idx = ibuf[:, :n], indices of a wider capacity) give the same results as
+    fresh arrays, including views that cannot be widened in place (offset columns)."""
     rng = rng_for("views")
     g, c, n, cap = 16, 256, 3000, 4096
     q, K, V = make_qkv(rng, cap, np.float32, np.float16)
@@ -488,13 +418,13 @@ def test_preallocated_buffers_and_row_views():
     Pbuf = np.zeros((HKV, cap, g), dtype=np.uint8)
     P = kc.encode_keys(K[:, :n], cb, out=Pbuf)
     np.testing.assert_array_equal(P, kc.encode_keys(K[:, :n], cb))
-    T = kc.build_lut(q, cb, Q2K)
+    packed = kc.pack_lut(kc.build_lut(q, cb, Q2K), Q2K)
     zbuf = np.empty((HQ, cap), dtype=np.float32)
     ibuf = np.empty((HQ, cap), dtype=np.int32)
-    z = kc.approx_scores(T, Pbuf, Q2K, n, out=zbuf)
+    z = kc.packed_scores(packed, ref.group_major(Pbuf), n, out=zbuf)
     sel = kc.threshold_select(z, 0.9, out_idx=ibuf)
     res = kc.weighted_value_sum(z, sel[0], sel[1], V, Q2K)
-    z_fresh = kc.approx_scores(T, np.ascontiguousarray(P), Q2K, n)
+    z_fresh = kc.packed_scores(packed, ref.group_major(P), n)
     sel_fresh = kc.threshold_select(z_fresh, 0.9)
     res_fresh = kc.weighted_value_sum(z_fresh, sel_fresh[0], sel_fresh[1], V, Q2K)
     np.testing.assert_array_equal(z, z_fresh)
@@ -520,9 +450,8 @@ def test_non_contiguous_head_mapping():
     T = kc.build_lut(q, cb, q2k)
     close(T, ref.build_lut_ref(q, cb, q2k), scale=np.abs(T).max())
     P = kc.encode_keys(K, cb)
-    z = kc.approx_scores(T, P, q2k, n)
-    close(z, ref.approx_scores_ref(T, P, q2k, n), scale=g * np.abs(T).max())
-    check_oml(kc.attend_exact(q, K, V, q2k, n), ref.attend_exact_ref(q, K, V, q2k, n), np.abs(V).max())
+    z = kc.packed_scores(kc.pack_lut(T, q2k), ref.group_major(P), n)
+    np.testing.assert_array_equal(z, ref.packed_scores_ref(T, P, q2k, n))
     idx, counts, _, _ = kc.threshold_select(z, 0.8)
     check_oml(
         kc.weighted_value_sum(z, idx, counts, V, q2k),

@@ -43,7 +43,7 @@ def test_packed_select_matches_reference(g, c, n, tau, mag):
     w = s * 2.0 ** packed.shift
     assert ((packed.shift == 0) | (w <= 1 / 32)).all()
     assert ((packed.shift == 15) | (2 * w > 1 / 32)).all()                  # the widest such bucket
-    got = kc.packed_select(packed, kc.group_major(P), n, tau)
+    got = kc.packed_select(packed, ref.group_major(P), n, tau)
     check_same(got, ref.packed_select_ref(T, P, Q2K, n, tau))
     z = ref.packed_scores_ref(T, P, Q2K, n)
     idx, counts, m, _, _ = got
@@ -62,7 +62,7 @@ def test_selection_mass_within_the_bucket_bound(seed, tau):
     g, c, n = (16, 1024, 6000) if seed % 2 else (32, 256, 4000)
     T, P = case(rng, g, c, n, [0.3, 1.0, 4.0][seed % 3])
     packed = kc.pack_lut(T, Q2K)
-    idx, counts, m, l_sel, zs = kc.packed_select(packed, kc.group_major(P), n, tau)
+    idx, counts, m, l_sel, zs = kc.packed_select(packed, ref.group_major(P), n, tau)
     z = ref.packed_scores_ref(T, P, Q2K, n)
     Q = ref.pack_lut_ref(T)[0]
     for h in range(HQ):
@@ -96,7 +96,7 @@ def test_fallback_when_top_is_loose():
     w = packed.scale.astype(np.float64) * 2.0 ** packed.shift
     z = ref.packed_scores_ref(T, P, Q2K, n)
     assert ((packed.top * packed.scale - (z.max(axis=1) - packed.offset)) > NB * w).all()  # really loose
-    got = kc.packed_select(packed, kc.group_major(P), n, 0.9)
+    got = kc.packed_select(packed, ref.group_major(P), n, 0.9)
     check_same(got, ref.packed_select_ref(T, P, Q2K, n, 0.9))
     ridx, rcounts, _, _ = ref.threshold_select_ref(z, 0.9)
     np.testing.assert_array_equal(got[1], rcounts)
@@ -109,7 +109,7 @@ def test_weighted_value_sum_compact_scores(vdt):
     rng = np.random.default_rng(3)
     n, d = 3000, 64
     T, P = case(rng, 16, 256, n, 1.0)
-    idx, counts, _, _, zs = kc.packed_select(kc.pack_lut(T, Q2K), kc.group_major(P), n, 0.9)
+    idx, counts, _, _, zs = kc.packed_select(kc.pack_lut(T, Q2K), ref.group_major(P), n, 0.9)
     z = ref.packed_scores_ref(T, P, Q2K, n)
     V = rng.standard_normal((HKV, n, d)).astype(vdt)
     got = kc.weighted_value_sum(zs, idx, counts, V, Q2K, compact=True)
@@ -123,8 +123,8 @@ def test_packed_select_rejects_bad_buffers():
     T, P = case(rng, 16, 256, 10, 1.0)
     packed = kc.pack_lut(T, Q2K)
     with pytest.raises(ValueError, match="out_idx"):
-        kc.packed_select(packed, kc.group_major(P), 10, 0.9, out_idx=np.zeros((HQ, 5), np.int32))
+        kc.packed_select(packed, ref.group_major(P), 10, 0.9, out_idx=np.zeros((HQ, 5), np.int32))
     with pytest.raises(ValueError, match="out_z"):
-        kc.packed_select(packed, kc.group_major(P), 10, 0.9, out_z=np.zeros((HQ, 10), np.float64))
+        kc.packed_select(packed, ref.group_major(P), 10, 0.9, out_z=np.zeros((HQ, 10), np.float64))
     with pytest.raises(ValueError, match="capacity"):
-        kc.packed_select(packed, kc.group_major(P), 100, 0.9)
+        kc.packed_select(packed, ref.group_major(P), 100, 0.9)

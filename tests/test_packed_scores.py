@@ -50,7 +50,7 @@ def test_packed_scores(n, g, c, pdtype):
     P = rng.integers(0, c, size=(HKV, cap, g)).astype(pdtype)
     P[:, :min(n, 3)] = c - 1                                   # the largest index is reachable
     packed = kc.pack_lut(T, Q2K)
-    z = kc.packed_scores(packed, kc.group_major(P), n)
+    z = kc.packed_scores(packed, ref.group_major(P), n)
     assert z.shape == (HQ, n) and z.dtype == np.float32
     want = ref.packed_scores_ref(T, P, Q2K, n)
     np.testing.assert_array_equal(z, want)
@@ -59,7 +59,7 @@ def test_packed_scores(n, g, c, pdtype):
     bound = g * packed.scale[:, None] / 2 + 1e-6 * (np.abs(exact) + g * np.abs(T).max(axis=(1, 2))[:, None])
     assert (np.abs(z - exact) <= bound).all()
     out = np.full((HQ, n + 5), np.nan, np.float32)
-    z2 = kc.packed_scores(packed, kc.group_major(P), n, out=out)
+    z2 = kc.packed_scores(packed, ref.group_major(P), n, out=out)
     assert np.shares_memory(z2, out) or n == 0
     np.testing.assert_array_equal(z2, z)
     assert np.isnan(out[:, n:]).all()                          # nothing written past n
@@ -79,7 +79,7 @@ def test_packed_scores_any_gqa_grouping(Hq, Hkv, shuffle):
     lanes = kc.lane_map(q2k, Hkv)
     heads = lanes[lanes >= 0]
     assert sorted(heads.tolist()) == list(range(Hq))           # every head in exactly one lane
-    z = kc.packed_scores(kc.pack_lut(T, q2k, lanes=lanes), kc.group_major(P), n)
+    z = kc.packed_scores(kc.pack_lut(T, q2k, lanes=lanes), ref.group_major(P), n)
     np.testing.assert_array_equal(z, ref.packed_scores_ref(T, P, q2k, n))
 
 
@@ -93,7 +93,7 @@ def test_packed_degenerate_tables():
     T[1, 3, 7] = 1e4
     P = rng.integers(0, c, size=(HKV, n, g)).astype(np.uint8)
     P[0, 0, 3] = 7
-    z = kc.packed_scores(kc.pack_lut(T, Q2K), kc.group_major(P), n)
+    z = kc.packed_scores(kc.pack_lut(T, Q2K), ref.group_major(P), n)
     np.testing.assert_array_equal(z[0], np.float32(0.25 * g))
     np.testing.assert_array_equal(z, ref.packed_scores_ref(T, P, Q2K, n))
     assert abs(z[1, 0] - ref.approx_scores_ref(T, P, Q2K, n)[1, 0]) <= g * 1e4 / (65535 // g) / 2 + 1e-2

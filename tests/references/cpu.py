@@ -1,8 +1,11 @@
 """Plain NumPy references for the CPU kernels in :mod:`kernels_cpu.numba_kernels`.
 
 These are written for clarity, not speed; the tests compare every Numba kernel
-against the function here with the same name plus ``_ref``.  Conventions
-(shared with the kernels):
+against the function here with the same name plus ``_ref``.  ``approx_scores_ref``,
+``attend_exact_ref`` and ``lse_merge_ref`` have no Numba kernel of their own: they are the
+parts the composed references (``hca_decode_attend_ref`` ...) are built from, and the
+references of kernels_cuda's kernels of those names.  ``group_major`` is the index layout
+helper the tests pass to the kernels.  Conventions (shared with the kernels):
 
 * ``Hq`` query heads, ``Hkv`` kv-heads, ``q_to_kv`` int32 [Hq] maps a query
   head to its kv-head (GQA).
@@ -79,6 +82,12 @@ def packed_scores_ref(T, P, q_to_kv, n):
         sums = Q[h, groups[None, :], codes].sum(axis=1)           # exact integers
         z[h] = sums.astype(np.float32) * scale[h] + offset[h]
     return z
+
+
+def group_major(P):
+    """Indices P [Hkv, n, g] (token-major, as the references take them) -> contiguous [Hkv, g, n]:
+    the group-major layout the kernels read (packed_scores, packed_select, hca_decode_attend)."""
+    return np.ascontiguousarray(np.asarray(P).transpose(0, 2, 1))
 
 
 def packed_select_ref(T, P, q_to_kv, n, tau, cap=0):
