@@ -22,9 +22,9 @@ the widest group's range / qmax (g = 16: 1/4095 of it). That is far below the er
 product quantization itself (the codebooks), and the selection that follows is approximate anyway.
 
 Speed (`scripts/bench_kernels_cpu.py --n 16384 --centroids 1024 [--groups 32]`, 9 query heads,
-3 kv-heads, 2 cores of a Zen 4): a Numba kernel of the float lookups (since removed) 766 ->
-packed_scores 257 us at g = 16, 2818 (a noisy run; ~1.7 ms in others) -> 463 us at g = 32;
-pack_lut 82 / 186 us per layer and step.
+3 kv-heads, 2 cores of a Zen 4): packed_scores 257 us at g = 16 and 463 us at g = 32, where a
+Numba loop over the float lookups took 766 us and ~1.7 ms; pack_lut 82 / 186 us per layer and
+step.
 Reference: pack_lut_ref, packed_scores_ref in tests/references/cpu.py.
 """
 from __future__ import annotations
