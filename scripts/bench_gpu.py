@@ -55,14 +55,14 @@ TINY_BIG = dict(TINY, num_hidden_layers=3, hidden_size=384, num_attention_heads=
 # serves both value sums; tiny: small exact tiers, codebooks fitted early)
 SCALES = {
     "full": dict(small=SMOLLM2, big=LLAMA3_8B, short=8192, long=131072, deep=1 << 20, n=32, reps=2, rep_s=3.0,
-                 cap=2048, dtype="bfloat16", hca=dict(value_sum="gpu")),
+                 cap=2048, dtype="bfloat16", hca=dict(value_sum="gpu"), prof_span=32768),
     "tiny": dict(small=TINY, big=TINY_BIG, short=256, long=1024, deep=2048, n=4, reps=1, rep_s=5.0,
                  cap=64, dtype="bfloat16", hca=dict(value_sum="gpu", window=64, sinks=4, fit_min_tokens=128, anchor_tokens=256,
-                                                     exact_prefill_max=1024, prefill_chunk=512)),
+                                                     exact_prefill_max=1024, prefill_chunk=512), prof_span=1536),
 }
 # (name, time limit in s at full scale): in the order they run, the most wanted first
-STEPS = [("dense", 70), ("quant", 90), ("deep-g64c16", 220), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 230),
-         ("deep-0.125", 180)]
+STEPS = [("dense", 70), ("quant", 90), ("deep-g64c16", 240), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 440),
+         ("deep-0.125", 200)]
 WARM = 3          # untimed steps first: graphs are captured and kernels compiled there
 
 
@@ -118,6 +118,46 @@ def profile_steps(eng, ids: list[int], k: int = 3) -> str:
                      row_limit=12, max_name_column_width=48)
     return (f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels {gpu_us / 1e3:.2f} ms/token\n{table}\n"
             + host_profile(eng, ids, tok, k))
+
+
+def prefill_profile(eng, ids: list[int]) -> str:
+    """The prefill of ids from an empty cache (the long prompt's mode: anchor, codebooks fitted on
+    its first keys) under torch.profiler, then again under cProfile: wall and GPU kernel seconds,
+    the top kernels, the host's Python -- what bounds a prefill chunk. Resets the cache."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+    out = []
+    for how in ("torch", "cprofile"):
+        eng.reset()
+        mb._forget_fitted_codebooks(eng)
+        sync(eng)
+        prof = profile(activities=acts) if how == "torch" else cProfile.Profile()
+        t0 = time.perf_counter()
+        with prof if how == "torch" else contextlib.nullcontext():
+            if how == "cprofile":
+                prof.enable()
+            eng.prefill(ids)
+            sync(eng)
+            if how == "cprofile":
+                prof.disable()
+        wall = time.perf_counter() - t0
+        if how == "torch":
+            ev = prof.key_averages()
+            gpu = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev) / 1e6
+            out.append(f"prefill profile: {len(ids)} tokens ({eng.last_prefill['mode']}): wall {wall:.2f} s under "
+                       f"the profiler, GPU kernels {gpu:.2f} s\n" + ev.table(
+                           sort_by="self_cuda_time_total" if eng.device.type == "cuda" else "self_cpu_time_total",
+                           row_limit=15, max_name_column_width=48))
+        else:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)
+            out.append(f"prefill host profile (cProfile, wall {wall:.2f} s):\n" + buf.getvalue())
+    eng.reset()
+    return "\n".join(out)
 
 
 def host_profile(eng, ids: list[int], tok: int, k: int) -> str:
@@ -291,6 +331,8 @@ def step_deep(a, sc, rows, budget, big=False):
     eng = Engine.with_random_weights(d, **kw) if big else Engine.load(d, **kw)
     log(f"engine loaded in {time.perf_counter() - t0:.1f} s")
     ids = ids_for(eng, sc["deep"])
+    with contextlib.suppress(Exception):   # (a diagnosis: never the reason a step fails)
+        log(prefill_profile(eng, ids[:sc["prof_span"]]))
     prefill_row(eng, rows, d, "hca", budget, ids)
     log("kv_stats: " + json.dumps(eng.kv_stats()))
     cap = sc["cap"]

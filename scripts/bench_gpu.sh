@@ -7,7 +7,9 @@
 #
 #   bash scripts/bench_gpu.sh OUT_DIR                                # on a GPU machine
 #   DEVICE=cpu bash scripts/bench_gpu.sh OUT_DIR                     # the rehearsal: tiny sizes, CPU, emulator
-#   STEPS=llama8b,deep-0.125 BUDGET=300 bash scripts/bench_gpu.sh OUT_DIR   # some steps only
+#   STEPS=hca-0.125,deep-0.125 BUDGET=300 bash scripts/bench_gpu.sh OUT_DIR   # some steps only
+#   STEPS=llama8b TESTS= BUDGET=480 bash scripts/bench_gpu.sh OUT_DIR   # Llama-3-8B at 1M (its prefill
+#                                                                      # ~5 minutes): a call of its own
 #   TESTS= ...                                                       # no tests stage
 # Through the device tool (at most 8 files come back: pack the directory, without the random
 # checkpoints; the quant step needs the `gguf` package, which the device image lacks: carry its wheel
