@@ -6,9 +6,10 @@
 A results file is one JSON object: title, command, machine, date (what produced the figures, where,
 when), kind, and the tool's own output: "bench" (rows of `minirun bench -o json` or of
 scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval" (the report of
-`minirun eval -o json`), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" ("report":
-scripts/bench_vs_llamacpp.py's, whose --json writes the whole file), "plan" (`minirun
-plan -o json`), "serve" ("runs": scripts/bench_serve.py reports, one per server). A document shows a
+`minirun eval -o json`), "eval-grid" ("reports": several, as one continuation perplexity
+table), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" ("report":
+scripts/bench_vs_llamacpp.py's, whose --json writes the whole file), "plan" (`minirun plan -o
+json`), "serve" ("runs": scripts/bench_serve.py reports, one per server). A document shows a
 file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
 name without .json; VIEW "summary": an eval report's settings and main table only), headed by its
 title and followed by its command, machine and date.
@@ -91,6 +92,24 @@ def serve_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def eval_grid_table(reports: list[dict]) -> str:
+    """Continuation perplexity of several eval reports (one per prompt length and HCA setting) as
+    one table: a row per prompt length, dense (its whole prompt) and each far-position setting."""
+    fars = list(dict.fromkeys(r["settings"].get("far_positions", "off") for r in reports))
+    cells: dict = {}
+    for r in reports:
+        n, far = r["settings"]["prompt_tokens"], r["settings"].get("far_positions", "off")
+        for row in r["rows"]:
+            cells[(n, "dense" if row["mode"] == "dense" else far)] = (row["mode"], row["cont_ppl"])
+    hca = {far: next(m for (_, f), (m, _) in cells.items() if f == far) for far in fars}
+    lines = ["| prompt tokens | dense, whole prompt | " + " | ".join(f"{hca[f]}, far positions {f}" for f in fars) + " |",
+             "|---:|---:|" + "---:|" * len(fars)]
+    for n in sorted({n for n, _ in cells}):
+        vals = [cells.get((n, c), (None, None))[1] for c in ["dense", *fars]]
+        lines.append(f"| {n:,} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in vals) + " |")
+    return "\n".join(lines)
+
+
 def render(d: dict, view: str | None = None) -> str:
     """A results file as markdown: its title, its table, its command, machine and date. view
     "summary": an eval report's settings and main table only."""
@@ -105,6 +124,8 @@ def render(d: dict, view: str | None = None) -> str:
         if view == "summary":   # the settings and the main table only
             paras = body.split("\n\n")
             body = "\n\n".join(paras[:1 + next(i for i, p in enumerate(paras) if p.startswith("| mode"))])
+    elif kind == "eval-grid":
+        body = eval_grid_table(d["reports"])
     elif kind == "paired":
         body = paired_table(d["report"])
     elif kind == "vs-llamacpp":
