@@ -38,6 +38,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "scores.cu": (
         "approx_scores_u8",
         "approx_scores_i16",
+        "approx_scores_grouped_u8_g4",
+        "approx_scores_grouped_u8_g8",
+        "approx_scores_grouped_i16_g4",
+        "approx_scores_grouped_i16_g8",
         "zstats_partial",
         "ms_reduce",
         "zhist",
