@@ -16,8 +16,8 @@ group. The exact part (sinks + ring + the chunk) and the store's part merge by l
 A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers
 (_make_exact_tier, _make_pool, _make_indices, _grow; their shapes and dtypes are those
 hca_layout.hca_tiers declares for `minirun plan` too), encodes keys (_encode), and attends: the
-one-token decode step (_decode_step, None where it does not apply) and several queries against the store in hca mode
-(_attend_store_hca). Prefill modes: "exact" (the store's keys kept in full precision until
+one-token decode step (_decode_step, None where it does not apply) and several queries against
+the store in hca mode (_attend_store_hca). Prefill modes: "exact" (the store's keys kept in full precision until
 end_prefill: exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens,
 paper App. B: linear cost), "hca" (the store through the selection). What a prompt-cache file
 holds of the cache: kv/hca_state.py.

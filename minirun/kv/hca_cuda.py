@@ -111,7 +111,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self._stage_np = self._stage_host.numpy()
         self._stage_dev = None
         self._sel_event = torch.cuda.Event() if self._gpu else None
-        self._valid_dev = None                  # (offset, device mask) of _exact_valid_dev
+        self._mask = self._mask_for = None      # _live_mask's buffer, and the state it holds
         self._ds = None                         # kernels_cuda.decode.DecodeStep, on the first decode step
         self._cs_host = self._host_empty((hd,), torch.float32)   # far turn [cos | sin] of position _cs_pos
         self._cs_pos = None
@@ -241,26 +241,34 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         """attend over sinks + ring + the new token (the spare row prep wrote) into ds's partials;
         with far positions the sinks (unrotated) take the far query qf in a launch of their own.
         valid: the live-slot mask [S + W + 1] uint8 on the device, None (every slot live), or
-        False: _exact_valid_dev's. Returns the number of partials."""
+        False: _live_mask's. Returns the number of partials."""
         if valid is False:
-            valid = self._exact_valid_dev()
+            valid = self._live_mask()
         S, W, ek, ev = self.S, self.W, self._ekx[layer], self._evx[layer]
         if not self.far:
             return ds.attend(L, q, ek, ev, self.q2k_dev, S + W + 1, valid, 0)
         P = ds.attend(L, q, ek[:, S:], ev[:, S:], self.q2k_dev, W + 1, None if valid is None else valid[S:], 0)
         return ds.attend(L, qf, ek, ev, self.q2k_dev, S, None if valid is None else valid[:S], P) if S else P
 
-    def _exact_valid_dev(self):
-        """The live sinks + ring slots (HCABase._exact_valid) plus the new token's spare row as a
-        device uint8 [S + W + 1] mask while the ring is short after a truncate (one small
-        host->device copy per step, shared by the layers), else None: the launches read every row."""
+    def _live_mask(self, graph: bool = False):
+        """The live sinks + ring slots (HCABase._exact_valid) plus the new token's spare row, uint8
+        [S + W + 1] in one device buffer (at a fixed address: a captured step reads it), rewritten
+        only when the state it shows changed (one small host->device copy a step while the ring is
+        short). None while the ring is full, except for a graph, which always reads it (all ones)."""
         valid = self._exact_valid()
-        if valid is None:
+        if valid is None and not graph:
             return None
-        if self._valid_dev is None or self._valid_dev[0] != self.offset:
-            mask = torch.from_numpy(np.append(valid, np.uint8(1)).astype(np.uint8))
-            self._valid_dev = (self.offset, mask.to(self.device))
-        return self._valid_dev[1]
+        if self._mask is None:
+            self._mask = torch.ones(self.S + self.W + 1, dtype=torch.uint8, device=self.device)
+            self._mask_for = "full"
+        state = "full" if valid is None else self.offset
+        if self._mask_for != state:
+            if valid is None:
+                self._mask.fill_(1)
+            else:
+                self._mask[:-1].copy_(torch.from_numpy(valid))
+            self._mask_for = state
+        return self._mask
 
     def _attend_store_hca(self, layer, qs):
         """Several queries (prefill in hca mode, ring not full): one selection round trip each."""
@@ -388,14 +396,14 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self.anchor_v = None
 
     def truncate(self, n: int) -> bool:
-        self._valid_dev = None
+        self._mask_for = None
         return super().truncate(n)
 
     def reset(self) -> None:
         self.values.wait()
         if self.host_keys is not None:
             self.host_keys.wait()
-        self._valid_dev = None
+        self._mask_for = None
         super().reset()
         self.prefill_values.free()
         self.anchor_v = None

@@ -49,15 +49,6 @@ class CapturedSteps:
             self._length_factor = torch.ones(1, dtype=torch.float32, device=self.device)   # (length scaling)
         return self._gstate
 
-    def _graph_valid(self):
-        """The live sinks + ring slots and the new token's spare row, uint8 [S + W + 1] on the device
-        (graph_prepare writes it: all ones once the ring is full, the live slots while it refills
-        after a truncate), read by every replay's exact-tier attention."""
-        if getattr(self, "_gvalid", None) is None:
-            self._gvalid = torch.ones(self.S + self.W + 1, dtype=torch.uint8, device=self.device)
-            self._gvalid_all = True
-        return self._gvalid
-
     def graph_key(self, bucket: int):
         """(key, n_keys) when the next decode step can run inside a graph, else None. n_keys: the
         store length rounded up to the bucket (the grids' size); z and sel are reserved to it here,
@@ -73,7 +64,7 @@ class CapturedSteps:
         self.values.reserve(n + 1)
         self.indices.reserve(n + 1)
         self._graph_state()
-        self._graph_valid()
+        self._live_mask(graph=True)
         C = self._codebooks_dev()
         T = self._decode_kernels().reserve_lut(C.shape[2], C.shape[3])
         # what a graph bakes in: the addresses (and strides) of everything that can be reallocated
@@ -87,13 +78,7 @@ class CapturedSteps:
         pos = self.offset
         st = torch.tensor([pos, self._ring_slot(pos), self.n_store, self.S + self.n_store], dtype=torch.int64)
         self._graph_state().copy_(st)
-        valid = self._exact_valid()
-        if valid is not None:
-            self._gvalid[:-1].copy_(torch.from_numpy(valid))
-            self._gvalid_all = False
-        elif not self._gvalid_all:
-            self._gvalid.fill_(1)
-            self._gvalid_all = True
+        self._live_mask(graph=True)
         self._cs_pos = None   # the graph writes ds.cs: an eager step (at any position) must write it again
         if self.length_ctx:   # _q_scale(1)'s factor, applied on the device after decode_prep's base scale
             self._length_factor.fill_(self._q_scale(1) / self.scale)
@@ -122,7 +107,7 @@ class CapturedSteps:
             # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
             cap = self.max_select or 0
             ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live)
-            P = self._exact_parts(L, ds, layer, qs, qf, self._graph_valid())
+            P = self._exact_parts(L, ds, layer, qs, qf, self._mask)   # (graph_key made it)
             P = ds.gather(L, idx, zb, n_keys, cap, self.values.data[layer], self.q2k_dev, P,
                           grouped=self._grouped_gather)
             o = ds.merge(L, P, ds.no_stage)
