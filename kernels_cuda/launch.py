@@ -285,7 +285,7 @@ def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, opti
     G = scores_grouped(Hq, Hkv, g, c, optin) if grouped else 0
     if G:
         tpb, nblk = _score_blocks(n, Hkv, num_sms)
-        L.launch("scores.cu", f"approx_scores_grouped_{'u8' if isz == 1 else 'i16'}_g{4 if G <= 4 else 8}",
+        L.launch("scores_grouped.cu", f"approx_scores_grouped_{'u8' if isz == 1 else 'i16'}_g{4 if G <= 4 else 8}",
                  (nblk, Hkv), (_THREADS,),
                  (T, P, _i64(P.stride(0)), z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c), _i32(G),
                   _i32(tpb), _i32(vec16), *_live(n_live, q2k)), shared_mem=G * g * c * 4)  # fmt: skip
