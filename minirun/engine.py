@@ -21,7 +21,7 @@ from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
 
-HCA_STEPS_MAX = 64     # prompt tokens after cached ones that an HCA cache takes as decode steps
+HCA_STEPS_MAX = 64     # prompt tokens after cached ones that an HCA cache on a GPU takes as decode steps
 
 
 @dataclass
@@ -226,9 +226,10 @@ class Engine:
         mode = self.config.prefill_mode
         if mode == "auto":
             mode = "hca" if start > 0 else "exact" if end <= self.config.exact_prefill_max else "anchor"
-        if mode == "hca" and self.config.kv == "hca" and todo.numel() <= HCA_STEPS_MAX:
-            chunk = 1   # a question after a document: the fused decode step per token (one store scan
-            #             each either way; several queries at once go through a slower per-query path)
+        if mode == "hca" and self.config.kv == "hca" and self.device.type == "cuda" and todo.numel() <= HCA_STEPS_MAX:
+            chunk = 1   # a question after a document on a GPU: the decode step per token (a chunk's
+            #             queries take a selection round trip to the host each; the CPU's chunk
+            #             runs its matrices once and each query through the one-call step)
         self.cache.begin_prefill(mode)
         x = None
         done = 0

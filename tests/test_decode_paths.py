@@ -8,8 +8,9 @@ one decode step per layer is compared with exact attention over every key, the s
   mass: exact keys) is at least tau times exp(-1/32) (the CPU's level buckets) or tau minus 0.005
   (the GPU's histogram of 4096 bins over 64 logits: one bin's mass at most).
 Paths: on the CPU, the one-call steps (exact keys; codebooks scored from packed tables; nibble pairs
-by fast scan) and the select-then-sum path (a cap above the store forces it; a ring short after a
-truncate too); the GPU cache class with the host's value sum and with the GPU's (on the kernel
+by fast scan), with and without a cap, a ring full and short after a truncate, one decode token
+and a chunk of queries in hca mode (each its own call over the exact tier with the chunk's keys
+appended); the GPU cache class with the host's value sum and with the GPU's (on the kernel
 emulator here, on a GPU where there is one).
 """
 from __future__ import annotations
@@ -73,10 +74,11 @@ def qkv(g, T, device):
     return q.to(device), k.to(device), v.to(device)
 
 
-def run(backend, store, tau, truncate=0, seed=0, **kw):
+def run(backend, store, tau, truncate=0, seed=0, chunk=1, **kw):
     """Fill a cache with N_PROMPT tokens (chunks of 64, anchor-free exact prefill), optionally drop
-    the last `truncate` (the ring short), then one decode step. -> (outputs [L, Hq, hd], every key
-    and value [L, Hkv, n + 1, hd], the step's query [Hq, hd], the selection fractions or None, n)."""
+    the last `truncate` (the ring short), then one decode step (chunk > 1: that many queries in one
+    call). -> (outputs [L, Hq, hd] ([L, chunk, Hq, hd]), every key and value [L, Hkv, n + chunk, hd],
+    the step's query [Hq, hd] ([chunk, Hq, hd]), the selection fractions or None, the cache)."""
     cache, ctx, dev = build(backend, store, tau, **kw)
     g = torch.Generator().manual_seed(seed)
     Ks, Vs = [[] for _ in range(L)], [[] for _ in range(L)]
@@ -94,15 +96,17 @@ def run(backend, store, tau, truncate=0, seed=0, **kw):
         n = N_PROMPT - truncate
         assert cache.truncate(n)
         cache.record_selection = []
-        q, k, v = qkv(g, 1, dev)
-        outs = [cache.attend(layer, q, k, v)[0].float().cpu().clone() for layer in range(L)]   # (GPU: a reused buffer)
-        cache.advance(1)
+        q, k, v = qkv(g, chunk, dev)
+        outs = [cache.attend(layer, q, k, v).float().cpu().clone() for layer in range(L)]   # (GPU: a reused buffer)
+        cache.advance(chunk)
     K = torch.stack([torch.cat(Ks[layer])[:n] for layer in range(L)]).transpose(1, 2)   # [L, Hkv, n, hd]
     V = torch.stack([torch.cat(Vs[layer])[:n] for layer in range(L)]).transpose(1, 2)
-    K = torch.cat([K, k.cpu().transpose(0, 1)[None].expand(L, -1, -1, -1)], 2)
+    K = torch.cat([K, k.cpu().transpose(0, 1)[None].expand(L, -1, -1, -1)], 2)   # (every layer: the same k)
     V = torch.cat([V, v.cpu().transpose(0, 1)[None].expand(L, -1, -1, -1)], 2)
     sel = cache.record_selection
-    return torch.stack(outs), K, V, q[0].float().cpu(), sel, cache
+    if chunk == 1:
+        return torch.stack(outs)[:, 0], K, V, q[0].float().cpu(), sel, cache
+    return torch.stack(outs), K, V, q.float().cpu(), sel, cache
 
 
 def dense(K, V, q):
@@ -117,7 +121,7 @@ EXACT_PATHS = [("exact", {}), ("exact", {"max_select": 10 ** 6}), ("codebook", {
                ("codebook", {"rescore": True, "max_select": 10 ** 6}), ("pairs", {"rescore": True})]
 
 
-EXACT_IDS = ["exact", "exact-select-then-sum", "codebook-rescore", "codebook-rescore-select-then-sum", "pairs-rescore"]
+EXACT_IDS = ["exact", "exact-capped", "codebook-rescore", "codebook-rescore-capped", "pairs-rescore"]
 # (the GPU cache has one step for every setting: its rescore with a cap is codebook-rescore's step)
 EXACT_CASES = [pytest.param(b, store, kw, id=f"{b}-{name}") for b in (p.values[0] for p in backends())
                for (store, kw), name in zip(EXACT_PATHS, EXACT_IDS)
@@ -134,9 +138,22 @@ def test_tau1_exact_scores_equal_dense(backend, store, kw, truncate):
         assert (o[layer].double() - want).abs().max().item() <= 1e-4, layer
 
 
+@pytest.mark.parametrize("backend,store,kw", [c for c in EXACT_CASES if c.values[0] == "cpu"] +
+                         [c for c in EXACT_CASES if c.values[0] != "cpu" and c.values[1] == "exact"][:1])
+def test_tau1_chunk_equals_dense(backend, store, kw):
+    """Five queries in one call in hca mode (a question after a document): each equals dense
+    attention over the store, the ring and the chunk up to itself."""
+    o, K, V, q, _, cache = run(backend, store, 1.0, chunk=5, **kw)
+    n = K.shape[2] - 5
+    for layer in range(L):
+        for i in range(5):
+            want, _ = dense(K[layer, :, :n + i + 1], V[layer, :, :n + i + 1], q[i])
+            assert (o[layer, i].double() - want).abs().max().item() <= 1e-4, (layer, i)
+
+
 @pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("tau", [0.5, 0.9, 0.99])
-@pytest.mark.parametrize("kw", [{}, {"max_select": 10 ** 6}], ids=["one-call", "select-then-sum"])
+@pytest.mark.parametrize("kw", [{}, {"max_select": 10 ** 6}], ids=["one-call", "capped"])
 def test_tau_below_one_keeps_the_stated_mass(backend, tau, kw):
     """The selection holds at least tau (minus the binning's stated tolerance) of the true softmax
     mass over the store: a top set by score, counts[h] tokens, whose mass is summed here."""

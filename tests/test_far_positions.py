@@ -222,8 +222,8 @@ def test_one_call_steps_equal_the_general_path(tiny_model_dir, centroids, dtype)
         c._numpy_exact_tier = fused
         calls = []
         if fused:
-            real = c._attend_decode_step
-            c._attend_decode_step = lambda *a: calls.append(1) or real(*a)
+            real = c._one_call
+            c._one_call = lambda *a, decode: (decode and calls.append(1)) or real(*a, decode=decode)
         first = eng.prefill(ids + gen[:12])[0]
         steps = [eng.step(t) for t in gen[12:]]
         eng.prefill(ids + gen[:10])                                  # a truncate: the ring refills

@@ -228,8 +228,8 @@ def test_bfloat16_on_cpu_takes_the_fused_decode_step(tiny_model_dir):
     assert fast.cache.ek.dtype == torch.float16 and fast.cache._numpy_exact_tier
     slow.cache._numpy_exact_tier = False
     calls = []
-    real = fast.cache._attend_decode_step
-    fast.cache._attend_decode_step = lambda *a: calls.append(1) or real(*a)
+    real = fast.cache._one_call
+    fast.cache._one_call = lambda *a, decode: (decode and calls.append(1)) or real(*a, decode=decode)
     lf, ls = [fast.prefill(ids)[0]], [slow.prefill(ids)[0]]
     for t in ids[:8]:
         lf.append(fast.step(t))
@@ -276,8 +276,8 @@ def test_exact_keys_decode_takes_the_fused_step(tiny_model_dir):
                               prefill_mode="hca")
             assert eng.cache.layout.exact_keys
             eng.cache._numpy_exact_tier = fast
-            real = eng.cache._attend_exact_keys_step
-            eng.cache._attend_exact_keys_step = lambda *a, real=real: calls.append(fast) or real(*a)
+            real = eng.cache._one_call
+            eng.cache._one_call = lambda *a, real=real, decode: (decode and calls.append(fast)) or real(*a, decode=decode)
             eng.cache.record_selection = []
             outs.append([eng.prefill(ids)[0]] + [eng.step(t) for t in (5, 6, 7)])
             if fast:
@@ -302,13 +302,12 @@ def test_fused_steps_after_a_truncate(tiny_model_dir, budget):
     kw = dict(device="cpu", ctx=256, kv="hca", kv_budget=budget, centroids=16, tau=1.0, window=16, sinks=4,
               prefill_chunk=32, fit_min_tokens=32)
     outs = []
-    step = "_attend_exact_keys_step" if budget == 0.5 else "_attend_decode_step"
     for fast in (True, False):
         eng = Engine.load(d, **kw)
         eng.cache._numpy_exact_tier = fast
         gen = eng.generate(ids, max_new_tokens=10, ignore_eos=True).tokens
-        calls, real = [], getattr(eng.cache, step)
-        setattr(eng.cache, step, lambda *a: calls.append(1) or real(*a))
+        calls, real = [], eng.cache._one_call
+        eng.cache._one_call = lambda *a, decode: (decode and fast and calls.append(1)) or real(*a, decode=decode)
         first = eng.prefill(ids + gen[:7])[0]
         c = eng.cache
         assert c.offset < c.S + c.W + c.n_store and (c.slot_pos < 0).any()     # the ring is short

@@ -163,8 +163,8 @@ def test_decode_step_after_a_truncate_masks_dead_slots(tiny_model_dir, gpu_engin
             c = eng.cache
             calls = []
             if isinstance(c, HCACacheCUDA):
-                real = c._decode_step
-                c._decode_step = lambda *a: calls.append(1) or real(*a)
+                real = c._attend_hca
+                c._attend_hca = lambda *a: calls.append(1) or real(*a)
             first = eng.prefill(ids + gen[:7])[0]
             assert c.offset < c.S + c.W + c.n_store and (c.slot_pos < 0).any()     # the ring is short
             outs.append(torch.cat([first.reshape(1, -1)] + [eng.step(t).reshape(1, -1) for t in gen[7:]]).cpu())

@@ -1,11 +1,10 @@
 """The HCA cache on the CPU: torch for the exact tier, Numba kernels (kernels_cpu) for the store.
 
 The tiers and their bookkeeping are hca_base.HCABase's. Here: the buffers (host memory; the key
-store column-major for the scoring kernels: kv/store.ColumnBuffer), the encoder, and attention to
-the store: a decode step runs in one kernel call (kv/hca_cpu_step.py: sinks + ring, the new token,
-the selected store tokens -- scored by the key store's kernel, cut by tau and the cap -- merged);
-several queries in hca mode (and a step whose store is not all encoded yet) score, select and sum
-here, one query at a time.
+store column-major for the scoring kernels: kv/store.ColumnBuffer), the encoder, and the kernels'
+scratch; attention in hca mode is one kernel call per query (kv/hca_cpu_step.py: the exact tier,
+the query's own token, the selected store tokens -- scored by the key store's kernel, cut by tau
+and the cap -- merged).
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from .. import hugepages
 from .hca_base import HCABase
 from .hca_cpu_step import OneCallSteps
 from .hca_layout import fast_scan
-from .select_cap import cap_selection
 from .store import ColumnBuffer, GrowingBuffer
 
 
@@ -68,18 +66,6 @@ class HCACache(OneCallSteps, HCABase):
         """group-major [L, Hkv, g, cap]: the scoring kernel's layout (kernels_cpu.packed)"""
         return ColumnBuffer(spec.lead, spec.width, spec.dtype, spec.rows)
 
-    def _decode_step(self, layer, q, k, v):
-        """The one-call steps (kv/hca_cpu_step.py) with the ring full and the store encoded (or exact)."""
-        if not (self.mode == "hca" and self._numpy_exact_tier and self.offset >= self.S + self.W
-                and self.n_store > 0):
-            return None
-        qs = q.float() * self._q_scale(1)
-        if self.n_encoded == self.n_store:
-            return self._attend_decode_step(layer, qs, k, v).to(q.dtype)
-        if self.layout.exact_keys:
-            return self._attend_exact_keys_step(layer, qs, k, v).to(q.dtype)
-        return None
-
     def _factors(self) -> tuple[np.ndarray, np.ndarray]:
         """Nibble pairs: the 16-centroid factor codebooks transposed, [L, Hkv, G, ds, 16] f32, and
         their norms [L, Hkv, G, 16] (made once per codebook set, with the fast-scan step's scratch
@@ -109,68 +95,6 @@ class HCACache(OneCallSteps, HCABase):
         if self._fs_lut is not None:
             arrs += self._fs_lut.arrays
         return arrs
-
-    def _levels(self, n: int) -> np.ndarray:
-        """The level scratch [Hq, n] uint16 of the CPU selection (kernels_cpu.level_select)."""
-        return self.lev.flat(n).view(np.uint16).reshape(self.Hq, n)
-
-    def _attend_store_hca(self, layer, qs):
-        """Per query: approximate scores, threshold selection, weighted sum of host values."""
-        T, n, ne = qs.shape[0], self.n_store, self.n_encoded
-        qn = qs.numpy() if qs.device.type == "cpu" else qs.cpu().numpy()
-        z = self.z.flat(n).reshape(self.Hq, n)
-        sel = self.sel.flat(n).reshape(self.Hq, n)
-        V = self.values.view(layer, self.values.cap_or(n)).numpy()
-        P = self.indices.view(layer, self.indices.cap_or(n)).numpy() if ne else None
-        Kx = self.exact_keys.view(layer, n - self.exact_base) if n > ne else None   # positions [ne, n)
-        Kh = self.host_keys.view(layer, self.host_keys.cap_or(n)).numpy() if self.host_keys is not None else None
-        os_, ms, ls = np.empty((T, self.Hq, self.hd), np.float32), np.empty((T, self.Hq), np.float32), np.empty((T, self.Hq), np.float32)
-        if ne and self._fast_scan:   # nibble pairs: levels from the fast-scan tables, as float scores
-            F = self._factors()[0][layer]
-            for t in range(T):
-                lut = fs.fs_lut(qn[t], F, self.q_to_kv, out=self._fs_lut)
-                lev, _, _ = fs.fs_levels(lut, P, ne, self.q_to_kv, scratch=(self._levels(ne), self._hist))
-                np.multiply(lev, lut.scale[:, None], out=z[:, :ne])
-                z[:, :ne] += lut.offset[:, None]
-                os_[t], ms[t], ls[t] = self._store_from_scores(qn[t], z, sel, V, Kx, Kh, n, ne, T)
-            return torch.from_numpy(os_), torch.from_numpy(ms), torch.from_numpy(ls)
-        C = self.codebooks.centroids[layer].numpy() if ne else None
-        Ct = self._codebooks_t()[layer] if ne else None
-        for t in range(T):
-            if ne:
-                lut = kc.build_lut(qn[t], C, self.q_to_kv, codebooks_t=Ct, out=self._lut)
-                packed = kc.pack_lut(lut, self.q_to_kv, out=self._packed)
-            if ne == n:   # the decode step's scores and selection (kernels_cpu.level_select)
-                idx, counts, _, _, zs = kc.packed_select(packed, P, n, self.tau, out_idx=sel, out_z=z,
-                                                         scratch=(self._levels(n), self._hist))
-                if self.max_select:
-                    cap_selection(idx, counts, zs, self.max_select, compact=True)
-                if self.record_selection is not None and T == 1:
-                    self.record_selection.append(counts / n)
-                if Kh is not None:
-                    kc.selected_scores(qn[t], Kh, idx, counts, self.q_to_kv, zs, compact=True)
-                os_[t], ms[t], ls[t] = kc.weighted_value_sum(zs, idx, counts, V, self.q_to_kv, compact=True)
-                continue
-            if ne:
-                kc.packed_scores(packed, P, ne, out=z)
-            os_[t], ms[t], ls[t] = self._store_from_scores(qn[t], z, sel, V, Kx, Kh, n, ne, T)
-        return torch.from_numpy(os_), torch.from_numpy(ms), torch.from_numpy(ls)
-
-    def _store_from_scores(self, q, z, sel, V, Kx, Kh, n, ne, T):
-        """One query's store partial (o, m, l) from approximate scores z[:, :ne] (and exact ones
-        for the keys not yet encoded, Kx): threshold selection and the weighted value sum, the
-        selected tokens rescored from the host keys Kh first where there are any."""
-        if n > ne:   # keys not yet encoded: exact scores
-            qt = torch.from_numpy(q).view(self.Hkv, -1, self.hd)
-            z[:, ne:] = torch.bmm(qt, Kx.transpose(1, 2)).reshape(self.Hq, -1).numpy()
-        idx, counts, _, _ = kc.threshold_select(z, self.tau, out_idx=sel)
-        if self.max_select:
-            cap_selection(idx, counts, z, self.max_select, compact=False)
-        if self.record_selection is not None and T == 1:
-            self.record_selection.append(counts / n)
-        if Kh is not None:
-            kc.selected_scores(q, Kh, idx, counts, self.q_to_kv, z)
-        return kc.weighted_value_sum(z, idx, counts, V, self.q_to_kv)
 
     def _take_pending(self, pos: int) -> torch.Tensor | None:
         """The codes [L, Hkv, 1, g] the decode steps encoded ahead, if they are position pos's (the

@@ -16,8 +16,8 @@ group. The exact part (sinks + ring + the chunk) and the store's part merge by l
 A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers
 (_make_exact_tier, _make_pool, _make_indices, _grow; their shapes and dtypes are those
 hca_layout.hca_tiers declares for `minirun plan` too), encodes keys (_encode), and attends: the
-one-token decode step (_decode_step, None where it does not apply) and several queries against
-the store in hca mode (_attend_store_hca). Prefill modes: "exact" (the store's keys kept in full precision until
+queries in hca mode (_attend_hca: CPU any number, GPU the one-token decode step; None where it
+does not apply) and, where it does not, the store's partial (_attend_store_hca). Prefill modes: "exact" (the store's keys kept in full precision until
 end_prefill: exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens,
 paper App. B: linear cost), "hca" (the store through the selection). What a prompt-cache file
 holds of the cache: kv/hca_state.py.
@@ -121,11 +121,14 @@ class HCABase(SavedState, KVCache):
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _decode_step(self, layer, q, k, v):
-        """The one-token step where the backend has one for the cache's state, else None."""
+    def _attend_hca(self, layer, q, k, v):
+        """hca mode with a store: the whole attention of q [T, Hq, hd] (k, v [T, Hkv, hd]) where the
+        backend has a step for it (CPU: any T; GPU: one token), else None: then the exact tier
+        and _attend_store_hca, merged."""
         return None
 
     def _attend_store_hca(self, layer, qs):
+        """The store's partial (o [T, Hq, hd], m, l [T, Hq]) for queries qs in hca mode."""
         raise NotImplementedError
 
     def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
@@ -186,8 +189,8 @@ class HCABase(SavedState, KVCache):
         """q [T, Hq, hd], k, v [T, Hkv, hd] at positions offset.. -> [T, Hq, hd]. Stages k, v."""
         T = q.shape[0]
         self._staged[layer] = (k, v)
-        if T == 1:
-            o = self._decode_step(layer, q, k, v)
+        if self.mode == "hca" and self.n_store:
+            o = self._attend_hca(layer, q, k, v)
             if o is not None:
                 return o
         qs = q.float() * self._q_scale(T)

@@ -1,10 +1,15 @@
-"""The CPU's one-call decode steps of the HCA cache (HCACache mixes this in).
+"""The CPU's attention to the HCA store: one kernel call per query (HCACache mixes this in).
 
-A decode step with the ring full and the store encoded runs in one kernel call on the CPU
-(kernels_cpu.hca_decode_attend, fastscan.hca_decode_attend_fs, hca_exact_decode_attend): sinks +
-ring exactly, the new token, the selected store tokens, merged by log-sum-exp. HCACache._decode_step
-decides when; these methods gather the call's numpy inputs and record what it did. They read the
-cache's state (kv/hca.py documents the tiers) and add none of their own.
+Every query in hca mode with a store, a decode token or one of a prompt chunk's, runs the key
+store's one-call step (kernels_cpu.hca_decode_attend for codebook indices,
+fastscan.hca_decode_attend_fs for nibble pairs on an AVX2 CPU, hca_exact_decode_attend for exact
+keys, also the store's keys before codebooks are fitted): the exact tier exactly, the query's own
+token, the selected store tokens (scored by the store, cut by tau and the cap), merged by
+log-sum-exp. A decode token reads the exact tier in place and encodes the ring key that leaves
+next; a chunk's queries read a float32 copy of the exact tier with the chunk's keys appended
+(query i sees the chunk's first i tokens, then itself). These methods gather the calls' numpy
+inputs and record what they did; they read the cache's state (kv/hca_base.py documents the
+tiers) and add none of their own.
 """
 from __future__ import annotations
 
@@ -16,40 +21,78 @@ from kernels_cpu import fastscan as fs
 
 
 class OneCallSteps:
-    """HCACache's one-call CPU decode steps (chosen in HCACache._decode_step)."""
+    """HCACache's attention in hca mode (HCABase.attend calls _attend_hca)."""
 
-    def _attend_decode_step(self, layer, qs, k, v):
-        """The common decode step (full ring, encoded store) in one kernel call: sinks + ring
-        exactly, the new token itself, and the selected store tokens, merged by log-sum-exp."""
-        n = self.n_store
+    def _attend_hca(self, layer, q, k, v):
+        """q [T, Hq, hd], k, v [T, Hkv, hd] -> [T, Hq, hd] (q's dtype and device); None without a store."""
+        if self.n_store == 0:
+            return None
+        if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
+            self._fit_and_encode()     # (a state loaded mid-prefill: the rest encoded before scoring)
+        T = q.shape[0]
+        qs = q.float().cpu() * self._q_scale(T)
+        if T == 1 and self._numpy_exact_tier:
+            q1, kn, EK = self._step_inputs(layer, qs, k)
+            o = self._one_call(layer, q1, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W,
+                               self._exact_valid(), decode=True)
+            return torch.from_numpy(o)[None].to(q.dtype)
+        return self._attend_chunk(layer, qs, k, v).to(device=q.device, dtype=q.dtype)
+
+    def _attend_chunk(self, layer, qs, k, v) -> torch.Tensor:
+        """Each of a chunk's T queries in one call: over a float32 copy of the exact tier with the
+        chunk's keys and values appended [Hkv, S + W + T, hd] (query i reads its first S + W + i
+        rows where live, row S + W + i as its own token); far positions turn the copy's rows past
+        the sinks by each query's angle, as a decode step turns the ring (FarFrame.step_inputs)."""
+        T, n0 = qs.shape[0], self.S + self.W
+        EK = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1).float().cpu().numpy()
+        EV = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ev.dtype)], 1).float().cpu().numpy()
+        valid = np.ones(n0 + T, np.uint8)
+        valid[:n0] = (self.slot_pos >= 0).numpy()
+        if self.far:
+            qs = self.far.queries(qs, self.offset)
+            c, s = (x.numpy() for x in self.far.turn_cos_sin(torch.arange(self.offset, self.offset + T)))
+            turned = np.empty_like(EK)
+        qn = qs.numpy()
+        out = np.empty((T, self.Hq, self.hd), np.float32)
+        for i in range(T):
+            EKi = kc.turn_rows(EK, self.S, c[i], s[i], out=turned) if self.far else EK
+            out[i] = self._one_call(layer, qn[i], EKi[:, n0 + i].copy(), EV[:, n0 + i].copy(), EKi, EV, n0 + i,
+                                    valid, decode=False)
+        return torch.from_numpy(out)
+
+    def _one_call(self, layer, q, kn, vn, EK, EV, n_exact, valid, decode: bool) -> np.ndarray:
+        """One query's call of the key store's step: q [Hq, hd] (pre-scaled), its own kn, vn
+        [Hkv, hd], the exact tier EK, EV [Hkv, >= n_exact, hd] (valid: uint8 live rows, or None)
+        -> o [Hq, hd] f32. A decode step also encodes the ring key that leaves next, and records
+        the selection where asked."""
+        n, cap = self.n_store, self.max_select or 0
+        V, z, PT, sel, lev, Kh = self._views_of(layer)
+        if self.layout.exact_keys or self.n_encoded == 0:          # exact keys (or none encoded yet)
+            if self._hist is None:
+                self._hist = kc.level_hist(self.Hq)
+            K = self.exact_keys.view(layer, self.exact_keys.cap).numpy()
+            o = kc.hca_exact_decode_attend(q, kn, vn, EK, EV, n_exact, K, n, V, self.tau, self.q_to_kv, self._lanes,
+                                           z, self._hist, self._counts, exact_valid=valid, cap=cap)
+            return self._step_done(o, decode)
         if self._fast_scan:
-            return self._attend_fast_scan_step(layer, qs, k, v)
-        cbt = self._codebooks_t()[layer]                          # (also makes the self._lut scratch)
-        # nibble pairs without fast scan encode no ring key ahead: their codes come from the
-        # factors, in _encode
-        cnorm = None if self.layout.pairs else self._codebook_norms()[layer]   # (also makes self._pending)
-        slot = None if self.layout.pairs or self.far else self._encode_ahead_slot()
-        encode = None if slot is None else (slot, cnorm, self._pending[layer])
-        PT, V, z, sel, lev, Kh = self._decode_views(layer)
-        q, kn, EK = self._step_inputs(layer, qs, k)
-        o = kc.hca_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, cbt, PT, n,
-                                 V, self.tau, self.q_to_kv, self._packed, self._lut, z, sel, self._counts,
-                                 encode=encode, levels=(lev, self._hist), exact_valid=self._exact_valid(),
-                                 host_keys=Kh, cap=self.max_select or 0)
-        return self._step_done(layer, o, encode is not None)
-
-    def _attend_fast_scan_step(self, layer, qs, k, v):
-        """_attend_decode_step for nibble-pair codes on a CPU with AVX2 (kernels_cpu.fastscan)."""
-        F, fnorm = self._factors()
-        slot = None if self.far else self._encode_ahead_slot()
-        encode = None if slot is None else (slot, self._pending[layer])
-        PT, V, z, sel, lev, Kh = self._decode_views(layer)
-        q, kn, EK = self._step_inputs(layer, qs, k)
-        o = fs.hca_decode_attend_fs(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, F[layer],
-                                    PT, self.n_store, V, self.tau, self.q_to_kv, self._fs_lut, z, sel, self._counts,
-                                    fnorm=fnorm[layer], encode=encode, levels=(lev, self._hist),
-                                    exact_valid=self._exact_valid(), host_keys=Kh, cap=self.max_select or 0)
-        return self._step_done(layer, o, encode is not None)
+            F, fnorm = self._factors()
+            slot = self._encode_ahead_slot() if decode and not self.far else None
+            encode = None if slot is None else (slot, self._pending[layer])
+            o = fs.hca_decode_attend_fs(q, kn, vn, EK, EV, n_exact, F[layer], PT, n, V, self.tau, self.q_to_kv,
+                                        self._fs_lut, z, sel, self._counts, fnorm=fnorm[layer], encode=encode,
+                                        levels=(lev, self._hist), exact_valid=valid, host_keys=Kh, cap=cap)
+        else:
+            cbt = self._codebooks_t()[layer]                       # (also makes the self._lut scratch)
+            # nibble pairs without fast scan encode no ring key ahead: their codes come from the factors, in _encode
+            cnorm = None if self.layout.pairs else self._codebook_norms()[layer]   # (also makes self._pending)
+            slot = self._encode_ahead_slot() if decode and not (self.layout.pairs or self.far) else None
+            encode = None if slot is None else (slot, cnorm, self._pending[layer])
+            o = kc.hca_decode_attend(q, kn, vn, EK, EV, n_exact, cbt, PT, n, V, self.tau, self.q_to_kv, self._packed,
+                                     self._lut, z, sel, self._counts, encode=encode, levels=(lev, self._hist),
+                                     exact_valid=valid, host_keys=Kh, cap=cap)
+        if encode is not None:
+            self._pending_done[layer] = True
+        return self._step_done(o, decode)
 
     def _encode_ahead_slot(self) -> int | None:
         """The slot of the ring token that leaves the ring next, whose codes the decode steps encode
@@ -62,51 +105,33 @@ class OneCallSteps:
             self._pending_done[:] = False
         return self._ring_slot(pos)
 
-    def _step_done(self, layer, o, encoded: bool) -> torch.Tensor:
-        """After a one-call step: its encode-ahead marked done, its selection recorded; -> [1, Hq, hd]."""
-        if encoded:
-            self._pending_done[layer] = True
-        if self.record_selection is not None:
+    def _step_done(self, o, decode: bool) -> np.ndarray:
+        """After a call: a decode step's selection recorded (the quality tools' probe)."""
+        if decode and self.record_selection is not None:
             self.record_selection.append(self._counts / self.n_store)
-        return torch.from_numpy(o)[None]
-
-    def _attend_exact_keys_step(self, layer, qs, k, v):
-        """The decode step of a store of exact keys (the 50% preset) in one kernel call
-        (kernels_cpu.exact_step): each store key read once, only the selected values."""
-        n = self.n_store
-        if self._hist is None:
-            self._hist = kc.level_hist(self.Hq)
-        K = self.exact_keys.view(layer, self.exact_keys.cap).numpy()    # full-capacity views: contiguous
-        V = self.values.view(layer, self.values.cap).numpy()
-        z = self.z.data[..., 0].numpy()
-        q, kn, EK = self._step_inputs(layer, qs, k)
-        o = kc.hca_exact_decode_attend(q, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W, K, n,
-                                       V, self.tau, self.q_to_kv, self._lanes, z, self._hist, self._counts,
-                                       exact_valid=self._exact_valid(), cap=self.max_select or 0)
-        return self._step_done(layer, o, False)
+        return o
 
     def _step_inputs(self, layer, qs, k):
-        """The one-call steps' query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
+        """A decode step's query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
         (numpy); with far positions FarFrame.step_inputs' far query and turned ring."""
         if not self.far:
             return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
         return self.far.step_inputs(qs, k, self._ek_np[layer], self.ek[layer], self.S, self.offset)
 
-    def _decode_views(self, layer: int) -> tuple:
-        """numpy views for the decode kernel, at full capacity (it reads the first n_store columns):
-        PT [Hkv, g, cap], V [Hkv, cap, hd], z / sel / lev [Hq, cap], and rescore's host keys
-        Kh [Hkv, cap, hd] (else None). Made again only when a buffer was reallocated (grown), not
-        six times per layer and step."""
-        bufs = [self.indices, self.values, self.z, self.sel, self.lev]
-        if self.host_keys is not None:
-            bufs.append(self.host_keys)
-        key = tuple(b.data.data_ptr() for b in bufs)
+    def _views_of(self, layer: int) -> tuple:
+        """numpy views for the steps, at full capacity (they read the first n_store columns; full
+        views are contiguous): V [Hkv, cap, hd], z [Hq, cap]; the codebook steps' PT [Hkv, g, cap],
+        sel / lev [Hq, cap] (None for exact keys), rescore's host keys Kh [Hkv, cap, hd] (else None).
+        Made again only when a buffer was reallocated (grown), not per layer and step."""
+        bufs = (self.values, self.z, self.indices, self.sel, self.lev, self.host_keys)
+        key = tuple(0 if b is None or b.data is None else b.data.data_ptr() for b in bufs)
         hit = self._views.get(layer)
         if hit is not None and hit[0] == key:
             return hit[1]
         cap = self.values.cap
-        views = (self.indices.view(layer, cap).numpy(), self.values.view(layer, cap).numpy(),
-                 self.z.data[..., 0].numpy(), self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16),
+        views = (self.values.view(layer, cap).numpy(), self.z.data[..., 0].numpy(),
+                 None if key[2] == 0 else self.indices.view(layer, cap).numpy(),
+                 self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16),
                  None if self.host_keys is None else self.host_keys.view(layer, self.host_keys.cap).numpy())
         self._views[layer] = (key, views)
         return views

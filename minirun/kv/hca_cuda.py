@@ -11,7 +11,7 @@ Where things live (CUDA device):
 - host: the value pool, page-locked and allocated once at capacity (minirun/kv/pinned.py says why),
   and small pinned staging buffers (the copied-back selection, the (o, m, l) stage).
 
-One decode step of one layer (`_decode_step`), in launch order on the current stream, every kernel
+One decode step of one layer (`_attend_hca`), in launch order on the current stream, every kernel
 launched by kernels_cuda.decode.DecodeStep on buffers allocated once (no torch allocation, no
 torch op on the device but the two copies):
   GPU: decode_prep (scaled query, far query, the new token's k, v into the exact tier's spare
@@ -172,10 +172,10 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return torch.empty(shape, dtype=dtype, pin_memory=self._gpu)
 
     # ---- attention ----------------------------------------------------------------------------
-    def _decode_step(self, layer, q, k, v):
+    def _attend_hca(self, layer, q, k, v):
         """One token in hca mode with a store (a short ring: its dead slots masked): q [1, Hq, hd],
         k, v [1, Hkv, hd] (model dtype) -> [1, Hq, hd] (model dtype); None otherwise."""
-        if self.mode != "hca" or self.n_store == 0:
+        if self.mode != "hca" or self.n_store == 0 or q.shape[0] != 1:
             return None
         ds = self._decode_kernels()
         S, W = self.S, self.W

@@ -85,7 +85,7 @@ class CapturedSteps:
         self.values.device_wait()
 
     def attend_at(self, layer, q, k, v, pos, n_keys):
-        """_decode_step with the GPU's value sum, every per-token value read from the device state:
+        """_attend_hca with the GPU's value sum, every per-token value read from the device state:
         q [1, Hq, hd], k, v [1, Hkv, hd] -> [1, Hq, hd] (model dtype). pos: unused (the state has it)."""
         ds = self._decode_kernels()
         S, W = self.S, self.W
