@@ -336,6 +336,9 @@ def test_caches_allocate_the_declared_tiers(tiny_model_dir, gpu_engine, kw):
         ek = c._ekx if c.backend == "cuda" else c.ek
         assert (tuple(ek.shape), ek.dtype) == ((*ring.lead, ring.rows, ring.width), ring.dtype)
         assert c.rewind_points.nbytes == t["sinks+ring copies"].nbytes
+        for name, copy in c.rewind_points.copies.items():
+            spec = t["sinks+ring copies"].buffers[f"{name}.ek"]
+            assert (tuple(copy.ek.shape), copy.ek.dtype) == ((*spec.lead, spec.rows, spec.width), spec.dtype)
         assert dict(plan(eng.args, dataclasses.replace(eng.config, device=c.backend)).tiers)["value pool"][0] == \
             t["value pool"].nbytes
 

@@ -1,4 +1,28 @@
-"""KV caches behind one interface (see base.KVCache)."""
+"""KV caches behind one interface (base.KVCache: attend, advance, truncate, reset, the prefill
+modes, stats, and the state a prompt-cache file holds).
+
+Reading order:
+- dense.py: K, V for every position (DenseCache).
+- The HCA cache: hca_layout.py (the geometry a config asks for, and the one declaration of every
+  tier's buffers that the backends allocate and `minirun plan` counts) -> hca_base.py (HCABase:
+  the tiers -- sinks, ring, store -- and how tokens move between them; store.py and pinned.py
+  hold the buffers) -> a backend: hca.py with hca_cpu_step.py (the CPU) or hca_cuda.py with
+  hca_graph.py (a GPU). Beside them: codebooks.py (the key store's codebooks), far_positions.py,
+  ring_checkpoint.py (rewind points), hca_state.py (prompt-cache state), attention.py (partial
+  attention and the log-sum-exp merge).
+
+One decode step of one layer in an HCA cache (HCABase.attend -> the backend's _attend_hca):
+1. the key store scores every store token for each query head (codebook indices through a lookup
+   table of the query, nibble pairs by fast scan, or exact keys);
+2. the selector keeps, per query head, the smallest top set holding tau of the scores' softmax
+   mass, then at most max_select tokens;
+3. the value sum adds the selected tokens' values from the host pool (CPU: Numba; GPU: a kernel
+   reading the mapped pool, or the host);
+4. exact attention over sinks + ring + the token itself, merged with the store's part by log-sum-exp;
+then advance moves the ring's oldest token to the store (its key encoded, its value to the pool).
+The CPU runs 1-4 in one kernel call per query, the GPU in ten launches captured in one CUDA graph
+per token.
+"""
 from __future__ import annotations
 
 from .base import KVCache

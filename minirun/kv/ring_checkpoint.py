@@ -27,16 +27,19 @@ import torch
 class RingCheckpoint:
     """The copy of one HCA cache's exact tier at its last checkpoint, and its counters."""
 
-    def __init__(self):
+    def __init__(self, name: str):
+        self.name = name                            # its buffers in the cache's tier "sinks+ring copies"
         self.ek = self.ev = self.slot_pos = None   # copies of the cache's ek, ev [L, Hkv, S+W, hd], slot_pos [S+W]
         self.counters = None                        # (offset, n_store, n_encoded, exact_base) at the copy
         self.codebooks = None                       # the codebooks the store's codes were made with then
         self.valid_to = -1                          # the copy may restore positions < valid_to + 1; -1: none
 
     def take(self, cache) -> None:
-        """Copy `cache`'s exact tier and counters (buffers allocated on the first call, then reused)."""
+        """Copy `cache`'s exact tier and counters (buffers allocated on the first call as the cache's
+        tiers declare them, then reused)."""
         if self.ek is None:
-            self.ek, self.ev = torch.empty_like(cache.ek), torch.empty_like(cache.ev)
+            spec = cache.tiers["sinks+ring copies"].buffers
+            self.ek, self.ev = (spec[f"{self.name}.{t}"].zeros(cache.ek.device) for t in ("ek", "ev"))
             self.slot_pos = torch.empty_like(cache.slot_pos)
         self.ek.copy_(cache.ek)
         self.ev.copy_(cache.ev)
@@ -76,7 +79,7 @@ class RewindPoints:
     """An HCA cache's named copies ("prompt", "shared": Engine.prefill names them)."""
 
     def __init__(self, names=("prompt", "shared")):
-        self.copies = {name: RingCheckpoint() for name in names}
+        self.copies = {name: RingCheckpoint(name) for name in names}
 
     def take(self, name: str, cache) -> None:
         self.copies[name].take(cache)
