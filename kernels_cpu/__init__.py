@@ -4,24 +4,23 @@ Public API (used by the runtime); shapes and dtypes are documented on each
 function in :mod:`kernels_cpu.numba_kernels`:
 
 * ``build_lut(q, codebooks, q_to_kv) -> T``
-* ``pack_lut(T, q_to_kv) -> PackedLUT``, ``packed_scores(packed, PT, n, out=None) -> z``: the
-  scores from integer-quantized tables, 4 query heads per uint64 (the CPU cache's path;
-  :mod:`kernels_cpu.packed`), over indices stored group-major (PT [Hkv, g, n])
-* ``packed_select(packed, PT, n, tau) -> (idx, counts, m, l_sel, z_sel)``: the same scores kept as
-  integer levels and the threshold selection made on them (:mod:`kernels_cpu.level_select`)
 * ``threshold_select(z, tau, out_idx=None) -> (idx, counts, m, l_sel)``
-* ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``
+* ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``: the GPU cache's value sum on
+  the host
 * ``selected_scores(q, K, idx, counts, q_to_kv, z)``: the selected tokens' exact scores from
   host keys, written over z in place (the ``rescore`` setting; :mod:`kernels_cpu.rescore`)
 * ``encode_keys(K, codebooks, out=None) -> P``
 * ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,
-  the store through LUT, scores, selection and value sum, merged) in one call; the value sum
-  reads the selection from the levels, with no list (:mod:`kernels_cpu.level_sum`)
+  the store through LUT, scores, selection and value sum, merged) in one call: the LUT packed as
+  integers, 4 query heads per uint64 (:mod:`kernels_cpu.packed`; scratch ``PackedLUT``, its
+  ``lane_map``), the scores kept as integer levels over indices stored group-major (PT [Hkv, g, n])
+  and the selection made on them (:mod:`kernels_cpu.level_select`; scratch ``level_hist``), the
+  value sum reading the selection from the levels, with no list (:mod:`kernels_cpu.level_sum`)
 * ``hca_exact_decode_attend(...) -> o``: the same for a store of exact keys (the 50% preset:
   :mod:`kernels_cpu.exact_step`)
-* :mod:`kernels_cpu.fastscan`: codebooks of 16 centroids, two 4-bit codes per byte; ``fs_lut``,
-  ``fs_levels`` (AVX2 ``pshufb`` lookups, 32 tokens per instruction), ``encode_pairs`` and
-  ``hca_decode_attend_fs``, the decode step for those codes
+* :mod:`kernels_cpu.fastscan`: codebooks of 16 centroids, two 4-bit codes per byte;
+  ``encode_pairs`` and ``hca_decode_attend_fs``, the decode step for those codes (its levels by
+  AVX2 ``pshufb`` lookups, 32 tokens per instruction)
 * ``attn_in``, ``attn_out``, ``norm_gemv``: a Llama layer's one-token step around its attention
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
@@ -53,9 +52,6 @@ from .numba_kernels import (
     hca_exact_decode_attend,
     PackedLUT,
     lane_map,
-    pack_lut,
-    packed_scores,
-    packed_select,
     level_hist,
     attn_out,
     dense_attend,

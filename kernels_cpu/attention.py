@@ -192,7 +192,7 @@ def chunk_items(counts, chunk):
 
 @njit(cache=True, parallel=True)
 def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l, compact=False):
-    # compact: z[h, t] is the score of token idx[h, t] (packed_select's z_sel), else z[h, idx[h, t]]
+    # compact: z[h, t] is the score of token idx[h, t], else z[h, idx[h, t]]
     Hq = z.shape[0]
     Hkv, ncap, d = V.shape
     Vflat = V.reshape(Hkv * ncap * d)
@@ -240,7 +240,7 @@ def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l, compact=Fa
 
 
 def weighted_value_sum(z, idx, counts, V, q_to_kv, compact=False):
-    """Softmax-weighted sum of selected value rows (the hot CPU decode kernel).
+    """Softmax-weighted sum of selected value rows (the GPU cache's value sum on the host).
 
     z [Hq, >=n] f32 scores, idx int32 [Hq, >=max(counts)] token indices,
     counts int32 [Hq], V [Hkv, n_cap, d] f32 or f16 (host value pool, must be
@@ -252,7 +252,8 @@ def weighted_value_sum(z, idx, counts, V, q_to_kv, compact=False):
     2048 tokens processed in parallel (float32 accumulation inside a chunk,
     value rows software-prefetched 16 ahead), chunks merged exactly by
     log-sum-exp in float64.  Indices are not bounds-checked.
-    compact=True: z[h, t] is the score of token idx[h, t] (as packed_select returns them).
+    compact=True: z[h, t] is the score of token idx[h, t] (the selected scores compacted, as the
+    GPU cache copies them to the host).
     """
     z = _rows_in(z, np.float32)
     idx = np.asarray(idx, dtype=np.int32)

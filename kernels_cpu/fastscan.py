@@ -8,7 +8,7 @@ so every generic path (build_lut / packed scores / the GPU kernels) reads these 
 here the product is used: a query head's table for one group is 16 bytes, which one AVX2 `pshufb`
 looks up for 32 tokens at once (x86's byte shuffle, reached through llvm.x86.avx2.pshuf.b).
 
-Tables (fs_lut): T[h, i, c] = q_h[group i] . F[kv, i, c], quantized per head as in
+Tables (`_k_fs_lut`): T[h, i, c] = q_h[group i] . F[kv, i, c], quantized per head as in
 kernels_cpu.packed with qmax = 127 (two entries, one per nibble, add in a byte without carry):
   lo[h, i] = min_c T[h, i, c];  s[h] = max_i (max_c T[h, i, c] - lo[h, i]) / 127
   Q[h, i, c] = floor((T[h, i, c] - lo[h, i]) / s[h] + 1/2) in [0, 127]
@@ -27,7 +27,6 @@ fs_levels_ref, hca_decode_attend_fs_ref.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -35,7 +34,7 @@ from numba.extending import intrinsic
 
 from ._common import _as_f32, _as_pool, _prefetch
 from .hca_step import _check_encode_slot, _host_keys, _step_partials, _step_scratch, _sum_and_merge, _valid_mask
-from .level_select import _count_levels, level_hist
+from .level_select import _count_levels
 from .level_sum import _k_level_cuts
 from .packed import _head_step, _quantize
 from .pq import _nearest
@@ -279,35 +278,6 @@ def heads_per_kv(q_to_kv) -> int:
 def factor_norms(F) -> np.ndarray:
     """F [..., G, ds, 16] transposed factor codebooks -> ||c||^2 [..., G, 16] f32 (encoder scratch)."""
     return np.ascontiguousarray((np.asarray(F, np.float32) ** 2).sum(-2), np.float32)
-
-
-def fs_lut(q, F, q_to_kv, out: FastScanLUT | None = None) -> FastScanLUT:
-    """q [Hq, d] f32, F [Hkv, G, ds, 16] f32 -> the quantized tables (module docstring)."""
-    q, F = _as_f32(q), np.ascontiguousarray(F, np.float32)
-    nh = heads_per_kv(q_to_kv)
-    if F.shape[-1] != 16 or F.shape[1] % 2 or F.shape[1] * F.shape[2] != q.shape[1]:
-        raise ValueError(f"factor codebooks {F.shape} do not fit queries {q.shape} (need [Hkv, G, ds, 16], G even)")
-    if out is None:
-        from .packed import lane_map
-        out = FastScanLUT(q.shape[0], F.shape[1], lane_map(q_to_kv, F.shape[0]))
-    _k_fs_lut(q, F, nh, out.T, out.tabs, out.scale, out.offset, out.top, out.shift)
-    return out
-
-
-def fs_levels(lut: FastScanLUT, PT, n: int, q_to_kv, scratch=None):
-    """Levels of every store token: PT [Hkv, G/2, >=n] uint8 nibble pairs (C-contiguous) ->
-    (lev uint16 [Hq, n], hist int32 [threads, Hq, NB] bucket counts, nt slots used). Needs available()."""
-    PT = np.ascontiguousarray(PT)
-    if PT.dtype != np.uint8 or PT.ndim != 3 or PT.shape[1] * 2 != lut.tabs.shape[1] or n > PT.shape[2]:
-        raise ValueError(f"codes {PT.dtype} {PT.shape} do not fit tables {lut.tabs.shape} with n={n}")
-    Hq = lut.tabs.shape[0]
-    lev, hist = scratch if scratch is not None else (np.empty((Hq, max(n, 1)), np.uint16), level_hist(Hq))
-    nt = min(numba.get_num_threads(), hist.shape[0])
-    if n > 0:
-        _k_fs_levels(PT, int(n), lut.tabs, heads_per_kv(q_to_kv), lut.top, lut.shift, lev, hist, nt)
-    else:
-        hist[:nt] = 0
-    return lev[:, :n], hist, nt
 
 
 def encode_pairs(K, F, fnorm=None) -> np.ndarray:

@@ -86,9 +86,10 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store] (scratch of the selection's exact fallback),
     counts int32 [Hq]; levels optional (lev uint16 [Hq, >=n_store], level_hist(Hq)).
     -> o [Hq, d] f32, the log-sum-exp merge of exact attention over EK, EV, the token itself, and
-    weighted_value_sum over packed_select(pack_lut(build_lut(q))) (kernels_cpu.level_select; the
-    value sum is read from the levels by kernels_cpu.level_sum, the same up to float rounding);
-    afterwards counts holds the selection size per head.
+    weighted_value_sum over the level selection (kernels_cpu.level_select) on build_lut(q)'s tables
+    packed as integers (kernels_cpu.packed; reference: packed_select_ref); the value sum reads the
+    selection from the levels (kernels_cpu.level_sum). Afterwards counts holds the selection size
+    per head, packed and lut the step's tables, levels (when given) the store's levels and counts.
     encode: optional (slot, cnorm [Hkv, g, c] f32, codes [Hkv, 1, g] of the index dtype): also
     writes encode_keys(EK[:, slot:slot + 1]) into codes (the ring key that leaves next; the cache
     encodes it here because the codebooks were just read for the LUT). Needs n_store > 0.

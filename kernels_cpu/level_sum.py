@@ -9,9 +9,10 @@ selections per distinct token on SmolLM2's real K/V at 16K), weighted by exp(z -
 z = scale * level + offset, 0 for a head that did not select it.
 
 m[h] is the top non-empty level bucket's highest level as a score (the highest level itself when
-that is the catch-all bucket): >= every score, within one bucket (<= 1/32 logit) of the highest, so the partial sums of all tasks share it and add without
-a log-sum-exp merge. The result is (o, m, l) as weighted_value_sum returns them over
-packed_select's selection, with this m (the same softmax, another reference point).
+that is the catch-all bucket): >= every score, within one bucket (<= 1/32 logit) of the highest,
+so the partial sums of all tasks share it and add without a log-sum-exp merge. The result is
+(o, m, l) as weighted_value_sum returns them over a list of the same selection, with this m (the
+same softmax, another reference point).
 The fused decode steps run it: kernels_cpu.hca_step and fastscan on the levels, kernels_cpu.exact_step
 with float32 scores in place of the levels (scale 1, offset 0, m the exact max score).
 Reference: weighted_value_sum_ref over packed_select_ref, inside hca_decode_attend_ref

@@ -10,8 +10,8 @@ from .attention import weighted_value_sum  # noqa: F401
 from .decode import attn_in, attn_out, dense_attend, norm_gemv, turn_rows  # noqa: F401
 from .exact_step import hca_exact_decode_attend  # noqa: F401
 from .hca_step import hca_decode_attend  # noqa: F401
-from .level_select import level_hist, packed_select  # noqa: F401
-from .packed import PackedLUT, lane_map, pack_lut, packed_scores  # noqa: F401
+from .level_select import level_hist  # noqa: F401
+from .packed import PackedLUT, lane_map  # noqa: F401
 from .rescore import selected_scores  # noqa: F401
 from .pq import build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
 from .select import threshold_select  # noqa: F401
@@ -35,9 +35,6 @@ __all__ = [
     "hca_exact_decode_attend",
     "PackedLUT",
     "lane_map",
-    "pack_lut",
-    "packed_scores",
-    "packed_select",
     "level_hist",
     "set_num_threads",
 ]

@@ -21,10 +21,9 @@ Accuracy: |z - z_float| <= g * s[h] / 2 plus float32 rounding of the final multi
 the widest group's range / qmax (g = 16: 1/4095 of it). That is far below the error of the
 product quantization itself (the codebooks), and the selection that follows is approximate anyway.
 
-Speed (`scripts/bench_kernels_cpu.py --n 16384 --centroids 1024 [--groups 32]`, 9 query heads,
-3 kv-heads, 2 cores of a Zen 4): packed_scores 257 us at g = 16 and 463 us at g = 32, where a
-Numba loop over the float lookups took 766 us and ~1.7 ms; pack_lut 82 / 186 us per layer and
-step.
+The fused step (kernels_cpu.hca_step) makes the tables with the lookup table itself (`_k_lut_pack`)
+and sums them per token block (`_accumulate_block`, in kernels_cpu.level_select's scoring pass,
+which keeps the sums as integer levels).
 Reference: pack_lut_ref, packed_scores_ref in tests/references/cpu.py.
 """
 from __future__ import annotations
@@ -32,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import _as_f32, _as_i32, _c_rows, _min_max, _prefetch
+from ._common import _as_i32, _min_max, _prefetch
 from .pq import _nearest
 
 LANES = 4            # 16-bit lanes of a uint64
@@ -43,7 +42,8 @@ class PackedLUT:
     """tables uint64 [R, g, c] (row r serves kv-head r // (R // Hkv)); lanes int32 [R, 4]: the query
     head in each 16-bit lane (-1: empty); scale, offset f32 [Hq]: z = scale * lane_sum + offset;
     top int64 [Hq]: sum over groups of the largest table entry (no lane sum exceeds it); shift int64
-    [Hq]: the level buckets of kernels_cpu.level_select. top and shift are filled by pack_lut."""
+    [Hq]: the level buckets of kernels_cpu.level_select. The fused step fills the tables, scale,
+    offset, top and shift (`_k_lut_pack`); lanes are lane_map's."""
     __slots__ = ("tables", "lanes", "scale", "offset", "top", "shift")
 
     def __init__(self, tables: np.ndarray, lanes: np.ndarray, scale: np.ndarray, offset: np.ndarray):
@@ -79,21 +79,8 @@ def lane_map(q_to_kv, Hkv: int) -> np.ndarray:
 
 
 @njit(cache=True, parallel=True)
-def _k_pack_lut(T, lanes, tables, scale, offset, top, shift):
-    # T [Hq, g, c] f32 -> tables [R, g, c] uint64, scale / offset / top / shift [Hq].
-    Hq, g, c = T.shape
-    lo = np.empty((Hq, g), np.float32)
-    width = np.empty((Hq, g), np.float32)
-    for t in prange(Hq * g):                       # 1. each row's min and range
-        h, i = t // g, t % g
-        lo[h, i], hi = _min_max(T[h, i], c)
-        width[h, i] = hi - lo[h, i]
-    _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift)
-
-
-@njit(cache=True, parallel=True)
 def _k_lut_pack(q, cbt, lanes, T, tables, scale, offset, top, shift, encode, key, cnorm, codes):
-    # build_lut and pack_lut in one pass over the codebooks, one task per (kv-head, group) for all
+    # build_lut and the packing in one pass over the codebooks, one task per (kv-head, group) for all
     # of its query heads (build_lut reads each group's codebook once per query head, serially);
     # with `encode`, the same task also encodes group i of key [Hkv, d] into codes [Hkv, 1, g]
     # (the ring key that leaves next). T [Hq, g, c] f32 is written as build_lut writes it.
@@ -152,7 +139,7 @@ def _quantize(x, lo, inv, qmax):
 
 @njit(cache=True, parallel=True)
 def _k_quantize(T, lanes, lo, width, tables, scale, offset, top, shift):
-    # pack_lut after its row minima / ranges: per-head steps, then the packed tables.
+    # The packing after the rows' minima / ranges: per-head steps, then the packed tables.
     Hq, g, c = T.shape
     qmax = 65535 // g
     inv = np.empty(Hq, np.float32)
@@ -213,88 +200,3 @@ def _accumulate_block(tables, r, PT, kv, j0, L, acc):
             for u in range(L):
                 acc[u] += Ti[np.int32(Pi[u]) & 0x7FFF]
             i += 1
-
-
-@njit(cache=True, parallel=True)
-def _k_packed_scores(tables, lanes, scale, offset, PT, n, z):
-    # tables [R, g, c] uint64, PT [Hkv, g, >=n] uint8/int16 (group-major), z [Hq, >=n] f32.
-    # One task per (token block, table row); inside, one group at a time over the block.
-    R, g = tables.shape[0], tables.shape[1]
-    npass = R // PT.shape[0]
-    nb = (n + _BLOCK - 1) // _BLOCK
-    for t in prange(nb * R):
-        b, r = t // R, t % R
-        kv = r // npass
-        j0 = b * _BLOCK
-        L = min(n, j0 + _BLOCK) - j0
-        acc = np.empty(_BLOCK, np.uint64)
-        _accumulate_block(tables, r, PT, kv, j0, L, acc)
-        for e in range(LANES):
-            h = lanes[r, e]
-            if h < 0:
-                continue
-            s = scale[h]
-            o = offset[h]
-            zh = z[h]
-            shift = np.uint64(16 * e)
-            for u in range(L):
-                zh[j0 + u] = np.float32((acc[u] >> shift) & np.uint64(0xFFFF)) * s + o
-
-
-def pack_lut(T, q_to_kv, lanes=None, out: PackedLUT | None = None) -> PackedLUT:
-    """Quantize and pack per-head lookup tables (module docstring).
-
-    T [Hq, g, c] f32 (build_lut), q_to_kv int32 [Hq] -> PackedLUT. lanes: lane_map(q_to_kv, Hkv),
-    passed by callers that reuse it (default: made here, with Hkv = max(q_to_kv) + 1);
-    out: a PackedLUT of preallocated arrays to fill.
-    """
-    T = _as_f32(T)
-    Hq, g, c = T.shape
-    if g > 65535:
-        raise ValueError(f"at most 65535 groups, got {g}")
-    q_to_kv = _as_i32(q_to_kv)
-    if lanes is None:
-        lanes = lane_map(q_to_kv, int(q_to_kv.max()) + 1)
-    if out is None:
-        out = PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes,
-                        np.empty(Hq, np.float32), np.empty(Hq, np.float32))
-    _k_pack_lut(T, out.lanes, out.tables, out.scale, out.offset, out.top, out.shift)
-    return out
-
-
-def packed_scores(packed: PackedLUT, PT, n: int, out=None) -> np.ndarray:
-    """Approximate scores from a PackedLUT over group-major indices.
-
-    PT [Hkv, g, n_cap] uint8/int16 group-major indices (only the first n columns are read; the
-    token-major P [Hkv, n, g] transposed) -> z [Hq, n] f32 (a view of out [Hq, >=n] when given),
-    z[h, j] = scale[h] * sum_i Q[h, i, PT[kv(h), i, j]] + offset[h].
-    """
-    PT, n = _check_indices(packed, PT, n)
-    Hq = packed.scale.shape[0]
-    if out is None:
-        out = np.empty((Hq, n), np.float32)
-    buf = _c_rows(out) if isinstance(out, np.ndarray) and out.ndim == 2 else None
-    if buf is None or out.dtype != np.float32 or out.shape[0] != Hq or out.shape[1] < n:
-        raise ValueError("out must be float32 [Hq, >=n] with unit-stride rows")
-    if n > 0:
-        _k_packed_scores(packed.tables, packed.lanes, packed.scale, packed.offset, PT, n, buf)
-    return out[:, :n]
-
-
-def _check_indices(packed: PackedLUT, PT, n: int):
-    """PT as the kernels read it (C-contiguous [Hkv, g, n_cap], uint8/int16, matching the tables)
-    and n as an int, or a one-line error."""
-    PT = np.asarray(PT)
-    if PT.dtype not in (np.uint8, np.int16):
-        raise TypeError(f"indices must be uint8 or int16, got {PT.dtype}")
-    if PT.ndim != 3:
-        raise ValueError(f"indices must be [Hkv, g, >=n], got shape {PT.shape}")
-    if not PT.flags.c_contiguous:
-        PT = np.ascontiguousarray(PT)
-    R, g, c = packed.tables.shape
-    if PT.shape[1] != g or R % PT.shape[0]:
-        raise ValueError(f"indices {PT.shape} do not match tables {packed.tables.shape}")
-    n = int(n)
-    if n > PT.shape[2]:
-        raise ValueError(f"n={n} exceeds the indices' capacity {PT.shape[2]}")
-    return PT, n

@@ -229,7 +229,7 @@ class EngineConfig:
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
     far_positions: str = "auto"       # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
-    max_select: int | None = None     # HCA: at most this many store tokens per head and step (kv/select_cap.py)
+    max_select: int | None = None     # HCA: at most this many store tokens per head and step (those of highest score)
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     rescore: bool = False             # HCA: exact keys on the host beside the values weight the selected tokens
     threads: int | None = None

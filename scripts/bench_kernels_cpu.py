@@ -3,9 +3,11 @@
 
 SmolLM2-style shapes: Hq=9, Hkv=3, d=64, g=16, c=256; n = 16384 and 131072
 by default.  Times are the best of several runs after a warm-up call (so Numba
-compilation, or loading from the on-disk cache, is excluded).  References
-that would take too long at large n (encode_keys_ref) are timed on a prefix
-of the tokens and scaled linearly; those rows are marked with '*'.
+compilation, or loading from the on-disk cache, is excluded).  The one-call
+decode steps attend over 272 exact tokens besides the store of n.  References
+that would take too long at large n (encode_keys_ref, hca_exact_decode_attend_ref)
+are timed on a prefix of the tokens and scaled linearly; those rows are marked
+with '*'.
 
     PYTHONPATH=. python scripts/bench_kernels_cpu.py [--n 16384 131072] [--tau 0.9] [--groups 16 --centroids 256]
 """
@@ -65,17 +67,28 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
     row("build_lut", lambda: kc.build_lut(q, cb, q2k), lambda: ref.build_lut_ref(q, cb, q2k), reps=50, ref_reps=5)
     T = kc.build_lut(q, cb, q2k)
     P = kc.encode_keys(K, cb)
-    zbuf = np.empty((Hq, n), np.float32)
     PT = ref.group_major(P)
-    row("pack_lut", lambda: kc.pack_lut(T, q2k), lambda: ref.pack_lut_ref(T), reps=50, ref_reps=3)
-    packed = kc.pack_lut(T, q2k)
-    row("packed_scores", lambda: kc.packed_scores(packed, PT, n, out=zbuf),
-        lambda: ref.packed_scores_ref(T, P, q2k, n))
-    ibuf = np.empty((Hq, n), np.int32)
-    scratch = (np.empty((Hq, n), np.uint16), kc.level_hist(Hq))
-    row(f"packed_select tau={tau}", lambda: kc.packed_select(packed, PT, n, tau, out_idx=ibuf, out_z=zbuf, scratch=scratch),
-        lambda: ref.packed_select_ref(T, P, q2k, n, tau))
-    z = kc.packed_scores(packed, PT, n)
+    nr = min(n, ref_cap)
+    # the one-call decode steps: sinks + ring (n_exact tokens), the token itself, the store of n
+    n_exact = 272
+    EK, EV = rng.standard_normal((2, Hkv, n_exact, d)).astype(np.float32)
+    kn, vn = rng.standard_normal((2, Hkv, d)).astype(np.float32)
+    lanes = kc.lane_map(q2k, Hkv)
+    packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(Hq, np.float32),
+                          np.empty(Hq, np.float32))
+    zbuf, ibuf, counts = np.empty((Hq, n), np.float32), np.empty((Hq, n), np.int32), np.zeros(Hq, np.int32)
+    lut, hist = np.empty((Hq, g, c), np.float32), kc.level_hist(Hq)
+    levels = (np.empty((Hq, n), np.uint16), hist)
+    cbt = kc.transpose_codebooks(cb)
+    row(f"hca_decode_attend f16 tau={tau}",
+        lambda: kc.hca_decode_attend(q, kn, vn, EK, EV, n_exact, cbt, PT, n, V16, tau, q2k, packed, lut, zbuf, ibuf,
+                                     counts, levels=levels),
+        lambda: ref.hca_decode_attend_ref(q, kn, vn, EK, EV, n_exact, cb, P, n, V16, tau, q2k))
+    row(f"hca_exact_decode_attend f16 tau={tau}",
+        lambda: kc.hca_exact_decode_attend(q, kn, vn, EK, EV, n_exact, K, n, V16, tau, q2k, lanes, zbuf, hist, counts),
+        lambda: ref.hca_exact_decode_attend_ref(q, kn, vn, EK, EV, n_exact, K[:, :nr], nr, V16, tau, q2k),
+        ref_scale=n / nr)
+    z = ref.packed_scores_ref(T, P, q2k, n)        # the store's scores as the codebook step makes them
     row(f"threshold_select tau={tau}", lambda: kc.threshold_select(z, tau, out_idx=ibuf), lambda: ref.threshold_select_ref(z, tau))
     idx, cnt, m, l = kc.threshold_select(z, tau)
     frac = cnt.mean() / n
@@ -86,7 +99,6 @@ def bench(n, tau, Hq=9, Hkv=3, d=64, g=16, c=256, seed=0, ref_cap=16384):
             lambda V=V: ref.weighted_value_sum_ref(z, idx, cnt, V, q2k),
         )
     K16 = K.astype(np.float16)
-    nr = min(n, ref_cap)
     Kr = np.ascontiguousarray(K[:, :nr])
     row("encode_keys f32", lambda: kc.encode_keys(K, cb), lambda: ref.encode_keys_ref(Kr, cb), reps=3, ref_scale=n / nr)
     row("encode_keys f16", lambda: kc.encode_keys(K16, cb), lambda: ref.encode_keys_ref(K16[:, :nr], cb), reps=3, ref_scale=n / nr)

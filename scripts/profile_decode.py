@@ -6,11 +6,11 @@ The cache is filled through its own append path with the K/V of a dense prefill 
 (computed once, cached in /tmp) or with random K/V, or by prefilling random token ids through the
 engine ("tokens", what `minirun bench` does); then decode steps are timed. Prints ms/step and the
 top operators (torch profiler) or functions (cProfile). --breakdown (HCA, CPU): captures the
-arguments of every layer's fused HCA call in one real step and times each kernel of that step on
-them (LUT, its packing, scores + selection as a list (packed_select, the multi-token path's),
-the value sum over that list, sinks + ring (the fused call with an empty store: the exact tier,
-the token itself and the merge)) and the fused call itself (with the ring-key encode the real step
-does), summed over the layers.
+arguments of every layer's fused HCA call in one real step and times parts of that step on them
+(the float LUT alone (build_lut), sinks + ring (the fused call with an empty store: the exact
+tier, the token itself and the merge), the fused call itself (with the ring-key encode the real
+step does) and the store's part as the difference), summed over the layers, with the selected
+fraction beside threshold_select's exact minimal sets on the same scores (the call's levels).
 --attention-time: the attention kernel's own time inside the timed steps (dense or HCA), so the
 two modes' attention can be compared apart from the rest of the step, which both share.
 PROFILE_ROWS=N prints N rows of the cProfile table.
@@ -217,24 +217,21 @@ def breakdown(eng: Engine, cold: bool = False) -> None:
             f()
             t += time.perf_counter() - t0
         return t / k * 1e3
-    tot = dict.fromkeys(["lut", "pack", "scores+select", "value sum", "sinks+ring", "fused call"], 0.0)
+    tot = dict.fromkeys(["lut", "sinks+ring", "fused call"], 0.0)
     cache, sel = eng.cache, []
     for layer, (args, kw) in enumerate(calls):
         q, k, v, EK, EV, n_exact, cbt, PT, n, V, tau, q2k, packed, lut, z, idx, counts = args
         C = cache.codebooks.centroids[layer].numpy()
         tot["lut"] += ms(lambda: kc.build_lut(q, C, q2k, codebooks_t=cbt, out=lut))
-        tot["pack"] += ms(lambda: kc.pack_lut(lut, q2k, out=packed))
-        scratch = (np.empty((len(q), n), np.uint16), kc.level_hist(len(q)))
-        tot["scores+select"] += ms(lambda: kc.packed_select(packed, PT, n, tau, scratch=scratch))
-        ii, cc, _, _, zs = kc.packed_select(packed, PT, n, tau)
-        exact = kc.threshold_select(kc.packed_scores(packed, PT, n), tau)[1]   # the exact minimal sets
-        sel.append((cc.mean() / n, exact.mean() / n))
-        tot["value sum"] += ms(lambda: kc.weighted_value_sum(zs, ii, cc, V, q2k, compact=True))
         no_store = {key: val for key, val in kw.items() if key != "encode"}   # (an encode needs a store)
         tot["sinks+ring"] += ms(lambda: real(q, k, v, EK, EV, n_exact, cbt, PT, 0, V, tau, q2k, packed, lut, z, idx,
                                              counts, **no_store))
         tot["fused call"] += ms(lambda: real(*args, **kw))
-    print(f"kernels of one step, summed over {len(calls)} layers (store of {calls[0][0][8]} tokens, "
+        # what the last call selected, and the exact minimal sets on its scores (levels as floats)
+        zs = kw["levels"][0][:, :n].astype(np.float32) * packed.scale[:, None] + packed.offset[:, None]
+        sel.append((counts.mean() / n, kc.threshold_select(zs, tau)[1].mean() / n))
+    tot["store (rest)"] = tot["fused call"] - tot["sinks+ring"]
+    print(f"parts of one step, summed over {len(calls)} layers (store of {calls[0][0][8]} tokens, "
           f"mean selected fraction {sum(a for a, _ in sel) / len(sel):.4f}; exact minimal sets on the same "
           f"scores {sum(b for _, b in sel) / len(sel):.4f}):")
     for name, t in tot.items():

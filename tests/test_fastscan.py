@@ -1,10 +1,13 @@
-"""kernels_cpu.fastscan (4-bit codes, pshufb lookups) against its NumPy references, and the nibble
-pairs against the product codebook they index."""
+"""kernels_cpu.fastscan (4-bit codes, pshufb lookups) against its NumPy references (its tables and
+levels as the one-call step leaves them in its scratch), and the nibble pairs against the product
+codebook they index."""
+import numba
 import numpy as np
 import pytest
 
 import kernels_cpu as kc
 from kernels_cpu import fastscan as fs
+from kernels_cpu.level_select import NB
 from references import fs_levels_ref, fs_lut_ref, hca_decode_attend_fs_ref, levels_select_ref
 
 pytestmark = pytest.mark.skipif(not fs.available(), reason="fast scan needs AVX2 (the generic path is tested "
@@ -15,13 +18,27 @@ def factors(rng, Hkv, G, ds):
     return rng.standard_normal((Hkv, G, ds, 16)).astype(np.float32)
 
 
+def store_step(q, F, PT, n, q2k):
+    """One hca_decode_attend_fs call over the store PT (no exact tier, zero values) -> (lut, lev int64
+    [Hq, n], bucket counts int64 [Hq, NB] summed over the threads): the step's tables and levels."""
+    Hq, d = q.shape
+    Hkv, cap = F.shape[0], PT.shape[2]
+    lut = fs.FastScanLUT(Hq, F.shape[1], kc.lane_map(q2k, Hkv))
+    lev, hist = np.zeros((Hq, cap), np.uint16), kc.level_hist(Hq)
+    kv, E = np.zeros((Hkv, d), np.float32), np.zeros((Hkv, 1, d), np.float32)
+    fs.hca_decode_attend_fs(q, kv, kv, E, E, 0, F, PT, n, np.zeros((Hkv, cap, d), np.float32), 0.9, q2k, lut,
+                            np.zeros((Hq, cap), np.float32), np.zeros((Hq, cap), np.int32), levels=(lev, hist))
+    nt = min(numba.get_num_threads(), hist.shape[0])
+    return lut, lev[:, :n].astype(np.int64), hist[:nt].sum(0, dtype=np.int64)
+
+
 @pytest.mark.parametrize("Hq,Hkv,G,ds", [(9, 3, 64, 1), (8, 2, 32, 2), (4, 4, 64, 1), (10, 2, 16, 1)])
 def test_lut_matches_reference(Hq, Hkv, G, ds):
     rng = np.random.default_rng([Hq, G, ds])
     q2k = np.arange(Hq) // (Hq // Hkv)
     q = rng.standard_normal((Hq, G * ds)).astype(np.float32)
     F = factors(rng, Hkv, G, ds)
-    lut = fs.fs_lut(q, F, q2k)
+    lut, _, _ = store_step(q, F, rng.integers(0, 256, (Hkv, G // 2, 64), dtype=np.uint8), 64, q2k)
     Q, scale, offset = fs_lut_ref(q, F, q2k)
     np.testing.assert_array_equal(lut.tabs, Q)
     np.testing.assert_array_equal(lut.scale, scale)
@@ -30,20 +47,18 @@ def test_lut_matches_reference(Hq, Hkv, G, ds):
     assert lut.tabs.max() <= fs.QMAX and (lut.tabs.max(axis=2) == fs.QMAX).any(axis=1).all()   # widest row spans all
 
 
-@pytest.mark.parametrize("n", [0, 5, 32, 1000, 1024, 4133])
+@pytest.mark.parametrize("n", [5, 32, 1000, 1024, 4133])
 @pytest.mark.parametrize("Hq,Hkv,G", [(9, 3, 64), (10, 2, 64), (8, 1, 32), (2, 2, 64), (4, 2, 64)])
 def test_levels_match_reference(n, Hq, Hkv, G):
     """Every block kernel (heads per kv-head 1, 2, 3, 5 = 4 + 1 and 8 = 4 + 4),
     tails that are not a block, and codes beyond n that must not be read into the counts."""
     rng = np.random.default_rng([n, Hq, G])
     q2k = np.arange(Hq) // (Hq // Hkv)
-    lut = fs.fs_lut(rng.standard_normal((Hq, G)).astype(np.float32), factors(rng, Hkv, G, 1), q2k)
     PT = rng.integers(0, 256, (Hkv, G // 2, n + 40), dtype=np.uint8)
-    lev, hist, nt = fs.fs_levels(lut, PT, n, q2k)
+    lut, lev, counts = store_step(rng.standard_normal((Hq, G)).astype(np.float32), factors(rng, Hkv, G, 1), PT,
+                                  n, q2k)
     want = fs_levels_ref(lut.tabs.astype(np.int64), PT, q2k, n)
     np.testing.assert_array_equal(lev, want)
-    from kernels_cpu.level_select import NB
-    counts = hist[:nt].sum(0)                                     # [Hq, NB]
     for h in range(Hq):
         b = np.minimum((lut.top[h] - want[h]) >> lut.shift[h], NB - 1)
         np.testing.assert_array_equal(counts[h], np.bincount(b, minlength=NB))
@@ -111,8 +126,7 @@ def test_scores_track_the_float_scores():
     q = rng.standard_normal((Hq, G)).astype(np.float32)
     F = factors(rng, Hkv, G, 1)
     PT = rng.integers(0, 256, (Hkv, G // 2, n), dtype=np.uint8)
-    lut = fs.fs_lut(q, F, q2k)
-    lev, _, _ = fs.fs_levels(lut, PT, n, q2k)
+    lut, lev, _ = store_step(q, F, PT, n, q2k)
     z = lev.astype(np.float64) * lut.scale[:, None] + lut.offset[:, None]
     codes = np.stack([PT & 15, PT >> 4], 2).reshape(Hkv, G, n)      # groups 2p, 2p + 1
     exact = np.stack([(q[h][:, None] * F[q2k[h], np.arange(G), 0][np.arange(G)[:, None], codes[q2k[h]]]).sum(0)

@@ -1,5 +1,5 @@
 """kernels_cpu.hca_decode_attend (one decode token's whole HCA attention in one call) against the
-composition of the NumPy references, and against the store's part made by the public kernels."""
+composition of the NumPy references, and against the store's part summed by weighted_value_sum."""
 import numpy as np
 import pytest
 
@@ -35,7 +35,7 @@ def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=No
     counts = np.zeros(HQ, np.int32)
     o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), ref.group_major(P), n_store, V,
                              tau, Q2K, packed, lut, z, idx, counts, host_keys=host_keys)
-    return o, counts
+    return o, counts, packed, lut
 
 
 @pytest.mark.parametrize("pool_dtype", [np.float32, np.float16])
@@ -45,17 +45,17 @@ def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=No
 def test_hca_decode_attend(pool_dtype, n_exact, n_store, tau, g, c):
     rng = np.random.default_rng([n_exact, n_store, g, c, int(tau * 10)])
     q, k, v, EK, EV, C, P, V, cap = setup(rng, n_exact, n_store, g, c, pool_dtype)
-    o, counts = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap)
+    o, counts, _, T = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap)
     assert o.shape == (HQ, D) and o.dtype == np.float32 and np.isfinite(o).all()
     want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
-    # the same step with the store's part through the public kernels, one call each (what the
-    # cache did before), the exact tier and the merge by their references
+    # the same step with the store's part selected by the reference on the step's own table T
+    # (bit for bit the same selection) and summed by weighted_value_sum, the exact tier and the
+    # merge by their references
     parts = [ref.attend_exact_ref(q, EK, EV, Q2K, n_exact)]
     parts.append((v[Q2K], np.einsum("hd,hd->h", q, k[Q2K]), np.ones(HQ, np.float32)))
     if n_store:
-        packed = kc.pack_lut(kc.build_lut(q, C, Q2K), Q2K)
-        idx, cnt, _, _, zs = kc.packed_select(packed, ref.group_major(P), n_store, tau)
+        idx, cnt, _, _, zs = ref.packed_select_ref(T, P, Q2K, n_store, tau)
         parts.append(kc.weighted_value_sum(zs, idx, cnt, V, Q2K, compact=True))
         np.testing.assert_array_equal(counts, cnt)
     step = ref.lse_merge_ref(*[np.stack(x) for x in zip(*parts)])[0]
@@ -99,11 +99,10 @@ def test_hca_decode_attend_exact_fallback():
     C[:, :, 0] = 50.0                                                # never indexed: top far above
     P[P == 0] = 1
     T = ref.build_lut_ref(q, C, Q2K)
-    packed = kc.pack_lut(T, Q2K)
+    o, counts, packed, _ = run_fused(q, k, v, EK, EV, 272, C, P, n, V, 0.9, cap)
     w = packed.scale.astype(np.float64) * 2.0 ** packed.shift
     z = ref.packed_scores_ref(T, P, Q2K, n)
     assert ((packed.top * packed.scale - (z.max(axis=1) - packed.offset)) > NB * w).all()   # really loose
-    o, counts = run_fused(q, k, v, EK, EV, 272, C, P, n, V, 0.9, cap)
     want = ref.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, n, V, 0.9, Q2K)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(counts, ref.packed_select_ref(T, P, Q2K, n, 0.9)[1])

@@ -397,18 +397,18 @@ def test_select_all_then_value_sum_equals_exact(n, vdt):
 
 @pytest.mark.parametrize("tau", [0.5, 0.9, 0.99])
 def test_pipeline_selection_mass(tau):
-    """encode -> lut -> packed scores -> select: selected mass >= tau, near-minimal."""
+    """encode -> lut -> packed scores (their reference) -> select: selected mass >= tau, near-minimal."""
     rng = rng_for("pipe", tau)
     g, c, n = 16, 256, 20000
     q, K, _ = make_qkv(rng, n)
     cb = make_codebooks(rng, g, c)
     P = kc.encode_keys(K, cb)
-    z = kc.packed_scores(kc.pack_lut(kc.build_lut(q, cb, Q2K), Q2K), ref.group_major(P), n)
+    z = ref.packed_scores_ref(kc.build_lut(q, cb, Q2K), P, Q2K, n)
     check_selection(z, tau, *kc.threshold_select(z, tau))
 
 
 def test_preallocated_buffers_and_row_views():
-    """The runtime's hot path: preallocated wider buffers and row views of them
+    """Preallocated wider buffers and row views of them
     (z = zbuf[:, :n], idx = ibuf[:, :n], indices of a wider capacity) give the same results as
     fresh arrays, including views that cannot be widened in place (offset columns)."""
     rng = rng_for("views")
@@ -418,13 +418,14 @@ def test_preallocated_buffers_and_row_views():
     Pbuf = np.zeros((HKV, cap, g), dtype=np.uint8)
     P = kc.encode_keys(K[:, :n], cb, out=Pbuf)
     np.testing.assert_array_equal(P, kc.encode_keys(K[:, :n], cb))
-    packed = kc.pack_lut(kc.build_lut(q, cb, Q2K), Q2K)
+    T = kc.build_lut(q, cb, Q2K)
     zbuf = np.empty((HQ, cap), dtype=np.float32)
     ibuf = np.empty((HQ, cap), dtype=np.int32)
-    z = kc.packed_scores(packed, ref.group_major(Pbuf), n, out=zbuf)
+    zbuf[:, :n] = ref.packed_scores_ref(T, Pbuf, Q2K, n)
+    z = zbuf[:, :n]
     sel = kc.threshold_select(z, 0.9, out_idx=ibuf)
     res = kc.weighted_value_sum(z, sel[0], sel[1], V, Q2K)
-    z_fresh = kc.packed_scores(packed, ref.group_major(P), n)
+    z_fresh = ref.packed_scores_ref(T, P, Q2K, n)
     sel_fresh = kc.threshold_select(z_fresh, 0.9)
     res_fresh = kc.weighted_value_sum(z_fresh, sel_fresh[0], sel_fresh[1], V, Q2K)
     np.testing.assert_array_equal(z, z_fresh)
@@ -450,8 +451,7 @@ def test_non_contiguous_head_mapping():
     T = kc.build_lut(q, cb, q2k)
     close(T, ref.build_lut_ref(q, cb, q2k), scale=np.abs(T).max())
     P = kc.encode_keys(K, cb)
-    z = kc.packed_scores(kc.pack_lut(T, q2k), ref.group_major(P), n)
-    np.testing.assert_array_equal(z, ref.packed_scores_ref(T, P, q2k, n))
+    z = ref.packed_scores_ref(T, P, q2k, n)
     idx, counts, _, _ = kc.threshold_select(z, 0.8)
     check_oml(
         kc.weighted_value_sum(z, idx, counts, V, q2k),

@@ -74,7 +74,7 @@ def test_one_call_step_rescores_as_the_reference(pool_dtype, n_exact, n_store, t
     rng = np.random.default_rng([n_exact, n_store, int(tau * 10), 1])
     q, k, v, EK, EV, C, P, V, cap = setup(rng, n_exact, n_store, 16, 1024, pool_dtype)
     K = rng.standard_normal(V.shape).astype(pool_dtype)
-    o, counts = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=K)
+    o, counts, _, _ = run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=K)
     want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, Q2K, host_keys=K)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
     if n_store:   # (the codebook weights give another answer)

@@ -4,8 +4,12 @@ These are written for clarity, not speed; the tests compare every Numba kernel
 against the function here with the same name plus ``_ref``.  ``approx_scores_ref``,
 ``attend_exact_ref`` and ``lse_merge_ref`` have no Numba kernel of their own: they are the
 parts the composed references (``hca_decode_attend_ref`` ...) are built from, and the
-references of kernels_cuda's kernels of those names.  ``group_major`` is the index layout
-helper the tests pass to the kernels.  Conventions (shared with the kernels):
+references of kernels_cuda's kernels of those names.  Nor have ``pack_lut_ref``,
+``packed_scores_ref``, ``packed_select_ref`` / ``levels_select_ref``, ``fs_lut_ref`` and
+``fs_levels_ref``: the stages inside the one-call steps (hca_decode_attend,
+hca_decode_attend_fs), which the tests check on the tables and levels the steps leave in
+their scratch.  ``group_major`` is the index layout helper the tests pass to the kernels.
+Conventions (shared with the kernels):
 
 * ``Hq`` query heads, ``Hkv`` kv-heads, ``q_to_kv`` int32 [Hq] maps a query
   head to its kv-head (GQA).
@@ -86,15 +90,17 @@ def packed_scores_ref(T, P, q_to_kv, n):
 
 def group_major(P):
     """Indices P [Hkv, n, g] (token-major, as the references take them) -> contiguous [Hkv, g, n]:
-    the group-major layout the kernels read (packed_scores, packed_select, hca_decode_attend)."""
+    the group-major layout the kernels read (hca_decode_attend)."""
     return np.ascontiguousarray(np.asarray(P).transpose(0, 2, 1))
 
 
 def packed_select_ref(T, P, q_to_kv, n, tau, cap=0):
     """The selection of kernels_cpu.level_select on the levels of pack_lut_ref's tables.
 
-    T [Hq, g, c] f32, P [Hkv, n_cap, g] (token-major) -> (idx int32 [Hq, n], counts, m f32, l_sel f32,
-    z_sel f32 [Hq, n]) as packed_select returns them (rows past counts[h] are 0 here)."""
+    T [Hq, g, c] f32, P [Hkv, n_cap, g] (token-major) -> (idx int32 [Hq, n], counts int32 [Hq],
+    m f32 [Hq] = max score, l_sel f32 [Hq] = sum of exp(z - m) over the selection, z_sel f32
+    [Hq, n]): row h's first counts[h] entries of idx are the selected tokens in increasing order
+    and those of z_sel their scores (packed_scores_ref's); the rest is 0."""
     Q, scale, offset = pack_lut_ref(T)
     g = Q.shape[1]
     levels = np.stack([Q[h, np.arange(g)[None, :], P[q_to_kv[h], :n].astype(np.int64)].sum(axis=1)
@@ -401,7 +407,7 @@ def dense_attend_ref(q, K, V, n, scale=1.0):
 def hca_decode_attend_ref(q, k, v, EK, EV, n_exact, codebooks, P, n_store, V, tau, q_to_kv, host_keys=None, cap=0):
     """One decode token's HCA attention (see kernels_cpu.hca_step): the exact lse_merge of
     attend_exact over EK/EV[:, :n_exact], the token's own k, v, and weighted_value_sum over
-    packed_select(pack_lut(build_lut(q))). codebooks [Hkv, g, c, ds],
+    packed_select_ref(build_lut(q)). codebooks [Hkv, g, c, ds],
     P [Hkv, >=n_store, g] (token-major here; the kernel reads it group-major) -> o [Hq, d] f32.
     host_keys [Hkv, >=n_store, d] (rescore): the selection's scores made exact first
     (selected_scores_ref). cap: the selection's cap (levels_select_ref)."""
