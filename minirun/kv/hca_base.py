@@ -52,7 +52,7 @@ class HCABase(SavedState, KVCache):
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
         self.layout, self.tau, self.dtype, self.device = layout, tau, dtype, device
-        self.max_select = max_select   # top tokens per head and step at most (kv/select_cap.py); None: tau alone
+        self.max_select = max_select   # top tokens per head and step at most (whole score bins from the top); None: tau alone
         self.S, self.W = sinks, window
         self.scale = 1.0 / math.sqrt(hd)
         self.length_ctx = length_ctx   # length scaling on: the trained context N (see _q_scale); None: off
