@@ -224,13 +224,13 @@ class Engine:
         todo = torch.tensor(ids[start:end], dtype=torch.long, device=self.device)
         chunk = self.config.chunk_for(self.device.type)
         mode = self.config.prefill_mode
-        if mode == "auto":
-            mode = "hca" if start > 0 else "exact" if end <= self.config.exact_prefill_max else "anchor"
+        if mode == "auto":   # (an HCA cache that holds a store takes "hca": begin_prefill says)
+            mode = "exact" if end <= self.config.exact_prefill_max else "anchor"
+        mode = self.cache.begin_prefill(mode)
         if mode == "hca" and self.config.kv == "hca" and self.device.type == "cuda" and todo.numel() <= HCA_STEPS_MAX:
             chunk = 1   # a question after a document on a GPU: the decode step per token (a chunk's
             #             queries take a selection round trip to the host each; the CPU's chunk
             #             runs its matrices once and each query through the one-call step)
-        self.cache.begin_prefill(mode)
         x = None
         done = 0
         for i in range(0, todo.numel(), chunk):

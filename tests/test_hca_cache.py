@@ -364,3 +364,23 @@ def test_planner_matches_kv_stats_with_exact_keys(tiny_model_dir, dtype):
     assert p["value pool"][0] == s["host_values_bytes"]
     assert p["decode scratch"][0] == s["decode_scratch_bytes"] == eng.cache._hist.nbytes
     assert p["scratch"][0] == s["scratch_bytes"]
+
+
+def test_long_prompt_after_a_short_exchange_prefills_exactly(tiny_model_dir):
+    """A prompt that shares a few tokens with a cache holding no store yet (a short exchange: sinks
+    + ring) prefills in exact mode, as an empty cache would, not through the HCA path (a server's
+    long document after small talk took 4x longer that way): the logits of a fresh engine's exact
+    prefill. Once a store exists, a question after it goes through the store."""
+    d = tiny_model_dir("gqa-untied")
+    kw = dict(device="cpu", ctx=1024, kv="hca", kv_budget=0.25, centroids=32, window=32, sinks=4, fit_min_tokens=64)
+    eng = Engine.load(d, **kw)
+    head = random_ids(10, seed=5)
+    eng.prefill(head + random_ids(20, seed=6))
+    assert eng.cache.n_store == 0
+    ids = head + random_ids(400, seed=7)
+    logits, cached = eng.prefill(ids)
+    assert cached == 10 and eng.last_prefill["mode"] == "exact" and eng.cache.n_store > 0
+    want = Engine.load(d, **kw).prefill(ids)[0]
+    assert (logits - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    eng.prefill(ids + random_ids(5, seed=8))
+    assert eng.last_prefill["mode"] == "hca"

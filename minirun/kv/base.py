@@ -37,8 +37,10 @@ class KVCache:
         engine names two: "prompt" (after each prompt) and "shared" (where a prompt left the
         cached tokens); each replaces the last one of its name."""
 
-    def begin_prefill(self, mode: str) -> None:
-        """A prompt of several chunks follows; mode "exact" | "hca" | "anchor" (caches may ignore it)."""
+    def begin_prefill(self, mode: str) -> str:
+        """A prompt of several chunks follows; mode "exact" | "hca" | "anchor" (caches may ignore it)
+        -> the mode the cache takes."""
+        return mode
 
     def end_prefill(self) -> None:
         """The prompt is in; the next call is a decode step."""

@@ -355,12 +355,14 @@ class HCABase(SavedState, KVCache):
         self.n_encoded = n
         self.exact_keys.free()
 
-    def begin_prefill(self, mode: str) -> None:
+    def begin_prefill(self, mode: str) -> str:
         """The coming chunks attend to the store exactly ("exact"), to an anchor block ("anchor") or
-        through the HCA path ("hca"). exact and anchor need the store's keys from the start: an empty cache."""
+        through the HCA path ("hca") -> the mode taken: exact and anchor need the store's keys from
+        the start, so with a store (older tokens than sinks + ring) it is "hca"."""
         self.mode = mode if (mode in ("exact", "anchor") and self.n_store == 0) else "hca"
         if self.mode == "anchor":
             self.anchor_k = self.prefill_specs["anchor_k"].zeros(self.ek.device)
+        return self.mode
 
     def end_prefill(self) -> None:
         """Encode the prompt's store keys (fitting codebooks on them when there are none)."""

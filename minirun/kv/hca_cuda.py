@@ -385,10 +385,11 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             cnt = min(m, self.anchor_v.shape[2] - j0)
             self.anchor_v[:, :, j0:j0 + cnt] = V[:, :, :cnt]
 
-    def begin_prefill(self, mode: str) -> None:
+    def begin_prefill(self, mode: str) -> str:
         super().begin_prefill(mode)
         if self.mode == "anchor":
             self.anchor_v = self.prefill_specs["anchor_v"].zeros(self.device)
+        return self.mode
 
     def end_prefill(self) -> None:
         super().end_prefill()
