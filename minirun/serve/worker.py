@@ -1,7 +1,8 @@
 """One engine, one thread, a bounded FIFO queue of requests.
 
 The Engine is not thread-safe and owns one sequence's KV cache, so requests are answered one at a
-time, in order, by a single worker thread; each one reuses the cache for its longest common prefix
+time, in order, by one thread (`minirun serve`: the main thread, where the engine was loaded;
+`start` runs it in a thread of its own); each one reuses the cache for its longest common prefix
 with what the cache holds (Engine.prefill). The HTTP side (asyncio) hands a Job to `submit` and
 reads its events from an asyncio queue the worker feeds through the event loop:
   ("text", piece)* then ("done", GenerationResult) | ("error", Exception).
@@ -66,7 +67,7 @@ class Job:
 
 
 class EngineWorker:
-    """Runs Jobs on `engine` one at a time, in order, in its own thread."""
+    """Runs Jobs on `engine` one at a time, in order: in the calling thread (`run`) or its own (`start`)."""
 
     def __init__(self, engine, max_queue: int = 16):
         if max_queue < 1:
@@ -77,7 +78,7 @@ class EngineWorker:
         self.busy = False
         self.served = 0
         self._seconds = deque(maxlen=8)     # the last jobs' durations: the Retry-After estimate
-        self._thread = threading.Thread(target=self._run, name="minirun-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="minirun-engine", daemon=True)
 
     def start(self) -> "EngineWorker":
         self._thread.start()
@@ -107,9 +108,10 @@ class EngineWorker:
         if timeout is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
-    # ---- the worker thread --------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self.stopping.is_set():
+    # ---- the worker's loop ---------------------------------------------------------------------------
+    def run(self, alive=None) -> None:
+        """Answer jobs until `stop` (or until alive(), when given, says False: the HTTP side ended)."""
+        while not self.stopping.is_set() and (alive is None or alive()):
             try:
                 job = self.jobs.get(timeout=0.25)   # (wakes up to see `stopping`)
             except queue.Empty:
