@@ -3,13 +3,11 @@
 Public API (used by the runtime); shapes and dtypes are documented on each
 function in :mod:`kernels_cpu.numba_kernels`:
 
-* ``build_lut(q, codebooks, q_to_kv) -> T``
-* ``threshold_select(z, tau, out_idx=None) -> (idx, counts, m, l_sel)``
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``: the GPU cache's value sum on
   the host
 * ``selected_scores(q, K, idx, counts, q_to_kv, z)``: the selected tokens' exact scores from
   host keys, written over z in place (the ``rescore`` setting; :mod:`kernels_cpu.rescore`)
-* ``encode_keys(K, codebooks, out=None) -> P``
+* ``encode_keys(K, codebooks) -> P``, ``codebook_norms``
 * ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,
   the store through LUT, scores, selection and value sum, merged) in one call: the LUT packed as
   integers, 4 query heads per uint64 (:mod:`kernels_cpu.packed`; scratch ``PackedLUT``, its
@@ -43,9 +41,7 @@ This package imports only numpy and numba.
 from .numba_kernels import (
     HALF_CONVERSION,
     set_num_threads,
-    build_lut,
     codebook_norms,
-    transpose_codebooks,
     encode_keys,
     attn_in,
     hca_decode_attend,
@@ -57,9 +53,7 @@ from .numba_kernels import (
     dense_attend,
     turn_rows,
     norm_gemv,
-    half_to_float,
     selected_scores,
-    threshold_select,
     weighted_value_sum,
 )
 

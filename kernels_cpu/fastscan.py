@@ -4,7 +4,7 @@ CPU's scoring path for codebooks of 16 centroids.
 With c = 16, two groups' codes share a byte: PT [Hkv, P, n] uint8 (P = g / 2 "pair groups",
 group-major like every index store), byte = code[2p] | code[2p + 1] << 4. That is the index of the
 pair's product codebook (256 centroids over 2 sub-vectors, minirun.kv.codebooks.Codebooks.paired),
-so every generic path (build_lut / packed scores / the GPU kernels) reads these codes unchanged;
+so every generic path (the packed tables / the GPU kernels) reads these codes unchanged;
 here the product is used: a query head's table for one group is 16 bytes, which one AVX2 `pshufb`
 looks up for 32 tokens at once (x86's byte shuffle, reached through llvm.x86.avx2.pshuf.b).
 

@@ -79,16 +79,16 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     """Attention of one decode token over sinks + ring (exact), itself, and the store (HCA).
 
     q [Hq, d] f32 (pre-scaled by 1/sqrt(d)); k, v [Hkv, d] (the token's own key and value);
-    EK, EV [Hkv, >=n_exact, d] the exact tier; codebooks_t [Hkv, g, ds, c] f32
-    (transpose_codebooks); PT [Hkv, g, >=n_store] uint8/int16 indices, group-major, C-contiguous;
-    V [Hkv, >=n_store, d] the value pool. K/V arrays f32 or f16. Scratch (C-contiguous rows):
+    EK, EV [Hkv, >=n_exact, d] the exact tier; codebooks_t [Hkv, g, ds, c] f32 (the codebooks
+    [Hkv, g, c, ds] transposed, contiguous); PT [Hkv, g, >=n_store] uint8/int16 indices,
+    group-major, C-contiguous; V [Hkv, >=n_store, d] the value pool. K/V arrays f32 or f16. Scratch (C-contiguous rows):
     packed (a PackedLUT of preallocated arrays, its lanes from lane_map), lut f32 [Hq, g, c],
     z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store] (scratch of the selection's exact fallback),
     counts int32 [Hq]; levels optional (lev uint16 [Hq, >=n_store], level_hist(Hq)).
     -> o [Hq, d] f32, the log-sum-exp merge of exact attention over EK, EV, the token itself, and
-    weighted_value_sum over the level selection (kernels_cpu.level_select) on build_lut(q)'s tables
-    packed as integers (kernels_cpu.packed; reference: packed_select_ref); the value sum reads the
-    selection from the levels (kernels_cpu.level_sum). Afterwards counts holds the selection size
+    weighted_value_sum over the level selection (kernels_cpu.level_select) on q's lookup table
+    (lut) packed as integers (kernels_cpu.packed; reference: packed_select_ref); the value sum
+    reads the selection from the levels (kernels_cpu.level_sum). Afterwards counts holds the selection size
     per head, packed and lut the step's tables, levels (when given) the store's levels and counts.
     encode: optional (slot, cnorm [Hkv, g, c] f32, codes [Hkv, 1, g] of the index dtype): also
     writes encode_keys(EK[:, slot:slot + 1]) into codes (the ring key that leaves next; the cache

@@ -20,7 +20,7 @@ softmax mass over these scores, and the selection without its boundary bucket le
 tau * exp(w) (0.872 and 0.929 at tau = 0.9, w = 1/32); one level per bucket (sh = 0) is exact.
 The NB buckets reach NB * w >= 64 logits below top, but top only bounds the best score from
 above: when the last (catch-all) bucket is within 40 logits of the top non-empty bucket, that
-head is selected by threshold_select on its float scores instead (the exact minimal set).
+head is selected on its float scores instead (kernels_cpu.select: the exact minimal set).
 
 tau >= 1 selects every token, tau <= 0 none. The fused steps run these kernels (kernels_cpu.hca_step,
 kernels_cpu.fastscan). Reference: packed_select_ref / levels_select_ref in tests/references/cpu.py.
@@ -126,7 +126,7 @@ def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row, cap=0):
     bt = _top_bucket(H)
     w = np.float64(s) * (1 << sh)
     if tau < 1.0 and H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:   # top too loose: exact float selection
-        # threshold_select keeps every token whose score reaches its cut, and the scores grow with
+        # _select_head keeps every token whose score reaches its cut, and the scores grow with
         # the level, so its set is every level >= the least selected one
         for j in range(n):
             z_row[j] = np.float32(lh[j]) * s + o

@@ -5,7 +5,7 @@ vectorized dot products) only in kernels_cpu.decode and the multi-head dots of
 kernels_cpu.attention (`_row_dots`, also the exact_step's scoring). Shapes and dtypes are in each
 function's docstring.
 """
-from ._common import HALF_CONVERSION, half_to_float, set_num_threads  # noqa: F401
+from ._common import HALF_CONVERSION, set_num_threads  # noqa: F401
 from .attention import weighted_value_sum  # noqa: F401
 from .decode import attn_in, attn_out, dense_attend, norm_gemv, turn_rows  # noqa: F401
 from .exact_step import hca_exact_decode_attend  # noqa: F401
@@ -13,18 +13,13 @@ from .hca_step import hca_decode_attend  # noqa: F401
 from .level_select import level_hist  # noqa: F401
 from .packed import PackedLUT, lane_map  # noqa: F401
 from .rescore import selected_scores  # noqa: F401
-from .pq import build_lut, codebook_norms, encode_keys, transpose_codebooks  # noqa: F401
-from .select import threshold_select  # noqa: F401
+from .pq import codebook_norms, encode_keys  # noqa: F401
 
 __all__ = [
-    "build_lut",
-    "threshold_select",
     "weighted_value_sum",
     "selected_scores",
     "encode_keys",
     "codebook_norms",
-    "transpose_codebooks",
-    "half_to_float",
     "HALF_CONVERSION",
     "attn_in",
     "attn_out",

@@ -80,10 +80,11 @@ def lane_map(q_to_kv, Hkv: int) -> np.ndarray:
 
 @njit(cache=True, parallel=True)
 def _k_lut_pack(q, cbt, lanes, T, tables, scale, offset, top, shift, encode, key, cnorm, codes):
-    # build_lut and the packing in one pass over the codebooks, one task per (kv-head, group) for all
-    # of its query heads (build_lut reads each group's codebook once per query head, serially);
+    # The lookup table and its packing in one pass over the codebooks, one task per (kv-head, group)
+    # for all of its query heads (each group's codebook read once for them all);
     # with `encode`, the same task also encodes group i of key [Hkv, d] into codes [Hkv, 1, g]
-    # (the ring key that leaves next). T [Hq, g, c] f32 is written as build_lut writes it.
+    # (the ring key that leaves next). T [Hq, g, c] f32 <- T[h, i, j] =
+    # q[h, i*ds:(i+1)*ds] . codebooks[q_to_kv[h], i, j] (reference: build_lut_ref).
     Hkv, g, ds, c = cbt.shape
     Hq = T.shape[0]
     npass = lanes.shape[0] // Hkv

@@ -1,67 +1,14 @@
-"""Product-quantization kernels: lookup tables and key encoding (the scores from the tables:
+"""Product-quantization kernels: key encoding (the lookup tables and the scores from them:
 kernels_cpu.packed, kernels_cpu.level_select)."""
 
 import numpy as np
 from numba import njit, prange
 
-from ._common import _ld, _as_pool, _as_f32, _as_i32, _min_max
+from ._common import _ld, _as_pool, _as_f32, _min_max
 
 
 # ---------------------------------------------------------------------------
-# 1. build_lut
-# ---------------------------------------------------------------------------
-
-
-def build_lut(q, codebooks, q_to_kv, codebooks_t=None, out=None):
-    """Per-query-head lookup table of sub-vector dot products.
-
-    q [Hq, d] f32 (pre-scaled), codebooks [Hkv, g, c, ds] f32, q_to_kv int32 [Hq]
-    -> T [Hq, g, c] f32, T[h, i, j] = q[h, i*ds:(i+1)*ds] . codebooks[q_to_kv[h], i, j].
-    The kernel runs over codebooks laid out [Hkv, g, ds, c], so its centroid loop is unit-stride and
-    vectorizes; callers that reuse the codebooks pass that layout once made as `codebooks_t`
-    (see `transpose_codebooks`; 53 vs 181 us at c = 1024). out: optional preallocated T.
-    """
-    q = _as_f32(q)
-    cb = _as_f32(codebooks)
-    q_to_kv = _as_i32(q_to_kv)
-    Hq, d = q.shape
-    Hkv, g, c, ds = cb.shape
-    if g * ds != d:
-        raise ValueError(f"codebooks {cb.shape} do not match head dim {d}")
-    T = np.empty((Hq, g, c), dtype=np.float32) if out is None else out
-    cbt = transpose_codebooks(cb) if codebooks_t is None else _as_f32(codebooks_t)
-    _k_build_lut_t(q, cbt, q_to_kv, T)
-    return T
-
-
-def transpose_codebooks(codebooks):
-    """[Hkv, g, c, ds] -> contiguous [Hkv, g, ds, c] for build_lut's fast path."""
-    return np.ascontiguousarray(np.asarray(codebooks, dtype=np.float32).transpose(0, 1, 3, 2))
-
-
-@njit(cache=True)
-def _k_build_lut_t(q, cbt, q_to_kv, T):
-    # cbt [Hkv, g, ds, c]: every inner loop runs over contiguous centroids. Serial: ~50 us of
-    # work at SmolLM2 shapes, below what a parallel launch pays for.
-    Hq = q.shape[0]
-    g = cbt.shape[1]
-    ds = cbt.shape[2]
-    c = cbt.shape[3]
-    for h in range(Hq):
-        kv = q_to_kv[h]
-        for i in range(g):
-            Thi = T[h, i]
-            for j in range(c):
-                Thi[j] = 0.0
-            for k in range(ds):
-                qk = q[h, i * ds + k]
-                row = cbt[kv, i, k]
-                for j in range(c):
-                    Thi[j] += qk * row[j]
-
-
-# ---------------------------------------------------------------------------
-# 4. encode_keys
+# encode_keys
 # ---------------------------------------------------------------------------
 
 _ENC_TILE = 128  # tokens per tile: the vector lanes of the encode loops
@@ -217,22 +164,21 @@ def codebook_norms(codebooks):
     return np.einsum("hgcs,hgcs->hgc", cb, cb).astype(np.float32)
 
 
-def encode_keys(K, codebooks, out=None, cnorm=None, codebooks_t=None):
+def encode_keys(K, codebooks, cnorm=None, codebooks_t=None):
     """Product-quantize keys: nearest centroid per group.
 
-    K [Hkv, n, d] f32 or f16, codebooks [Hkv, g, c, ds] f32, out optional
-    C-contiguous [Hkv, >=n, g] of the result dtype (rows [0, n) written)
-    -> P [Hkv, n, g] (a view of out when given), uint8 if c <= 256 else
-    int16 (c <= 32768); P[kv, t, i] = argmin_j ||K[kv, t, i*ds:(i+1)*ds] -
+    K [Hkv, n, d] f32 or f16, codebooks [Hkv, g, c, ds] f32
+    -> P [Hkv, n, g], uint8 if c <= 256 else int16 (c <= 32768);
+    P[kv, t, i] = argmin_j ||K[kv, t, i*ds:(i+1)*ds] -
     codebooks[kv, i, j]||^2 via the expansion ||c||^2 - 2 x.c (the ||x||^2
     term is constant per argmin and skipped), float32, ties -> lowest index.
     Parallel over (kv-head, 128-token tile); the tile's tokens are the vector
     lanes.  cnorm: optional precomputed ||c||^2 [Hkv, g, c] f32 (callers that encode
     with the same codebooks every step pass it to skip recomputing it). codebooks_t: optional
-    transpose_codebooks(codebooks); with it, up to 8 tokens (a decode step's one token leaving
-    the ring) are encoded with the centroids as the vector lanes (same result; the tile path runs
-    scalar for so few tokens).  (As with any float32 expansion, near-ties whose squared distances
-    differ by less than ~1e-6 x (||x||^2 + ||c||^2) may be resolved
+    codebooks laid out [Hkv, g, ds, c] (contiguous); with it, up to 8 tokens (a decode step's one
+    token leaving the ring) are encoded with the centroids as the vector lanes (same result; the
+    tile path runs scalar for so few tokens).  (As with any float32 expansion, near-ties whose
+    squared distances differ by less than ~1e-6 x (||x||^2 + ||c||^2) may be resolved
     differently from exact arithmetic.)
     """
     K = _as_pool(K)
@@ -243,22 +189,11 @@ def encode_keys(K, codebooks, out=None, cnorm=None, codebooks_t=None):
         raise ValueError(f"codebooks {cb.shape} do not match K {K.shape}")
     if c > 32768:
         raise ValueError("at most 32768 centroids per group")
-    dtype = np.uint8 if c <= 256 else np.int16
-    if out is None:
-        out = np.empty((Hkv, n, g), dtype=dtype)
-    elif (
-        out.dtype != dtype
-        or out.ndim != 3
-        or out.shape[0] != Hkv
-        or out.shape[1] < n
-        or out.shape[2] != g
-        or not out.flags.c_contiguous
-    ):
-        raise ValueError(f"out must be a C-contiguous {np.dtype(dtype).name} [Hkv, >=n, g] array")
+    out = np.empty((Hkv, n, g), dtype=np.uint8 if c <= 256 else np.int16)
     if n > 0:
         cn = codebook_norms(cb) if cnorm is None else _as_f32(cnorm)
         if codebooks_t is not None and n <= _FEW:
             _k_encode_few(K, _as_f32(codebooks_t), cn, out)
         else:
-            _k_encode_keys(K, cb, cn, out)  # writes rows [0, n) of the full buffer
-    return out[:, :n]
+            _k_encode_keys(K, cb, cn, out)
+    return out

@@ -1,14 +1,26 @@
-"""Cumulative-mass threshold selection without a full sort."""
+"""Cumulative-mass threshold selection without a full sort: one head's float scores (the exact
+fallback of kernels_cpu.level_select's level cut).
+
+Algorithm of `_select_head` (no full sort): pass 1 max/min; pass 2 float32 weights
+w = exp(z - m), S = sum w (float64) and a 2048-bucket mass histogram over z in
+[max(min z, m - 104), m]; scan from the top to the bucket where the cumulative mass reaches
+tau*S; pass 3 gathers that bucket's tokens and it is re-histogrammed over its own value range
+until <= 512 candidates remain (then sorted) or all are tied. This yields the cut value
+zcut = the largest z at which the mass of {z >= zcut} reaches tau*S; pass 4 writes
+{j : z[j] >= zcut} in increasing token order.
+
+Bound: the selection is the minimal set plus the tokens tied with zcut (count <= minimal +
+ties(zcut) - 1), identical to a full-sort reference (threshold_select_ref in
+tests/references/cpu.py) up to float64 summation-order rounding (the mass sums use the same
+float32 weights). If rounding keeps the cumulative mass just below tau*S the boundary bucket (or
+everything) is included. tau >= 1 selects all n; tau <= 0 nothing; n == 0 (or all z == -inf)
+-> count 0, l_sel 0, m = -inf. NaN scores are never selected (unless tau >= 1).
+"""
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from ._common import _NEG_INF, _c_rows, _exp32, _min_max, _rows_in
-
-
-# ---------------------------------------------------------------------------
-# 2. threshold_select
-# ---------------------------------------------------------------------------
+from ._common import _NEG_INF, _exp32, _min_max
 
 _NBUCKETS = 2048  # histogram buckets per refinement level
 _SMALL = 512  # candidate count at which the last bucket is simply sorted
@@ -33,7 +45,9 @@ def _bucket(v, hi, lo, scale):
 
 @njit(cache=True)
 def _select_head(zh, n, tau, idx_row):
-    """One head of threshold_select.  Returns (count, m, l_sel)."""
+    """The smallest set of the tokens of zh f32 [>= n] (the first n scores) holding >= tau of their
+    softmax mass -> (count, m = max z, l_sel = sum over the selection of exp(z - m)); the selected
+    indices go into idx_row int32 [>= n] (first count entries, increasing; the rest scratch)."""
     mn, mx = _min_max(zh, n)                          # pass 1: max / min (NaN ignored)
     if n == 0 or mx == _NEG_INF or not (mx < np.inf):
         return 0, mx, 0.0
@@ -179,58 +193,3 @@ def _select_head(zh, n, tau, idx_row):
             idx_row[cnt] = j
             cnt += 1
     return cnt, mx, acc
-
-
-@njit(cache=True, parallel=True)
-def _k_threshold_select(z, n, tau, idx, counts, m, l_sel):
-    Hq = z.shape[0]
-    for h in prange(Hq):
-        cnt, mh, lh = _select_head(z[h], n, tau, idx[h])
-        counts[h] = cnt
-        m[h] = mh
-        l_sel[h] = np.float32(lh)
-
-
-def threshold_select(z, tau, out_idx=None):
-    """Per query head, the smallest set of tokens holding >= tau of the softmax mass.
-
-    z [Hq, n] f32 scores, tau float, out_idx optional int32 [Hq, >=n]
-    -> (idx int32 [Hq, n] (first counts[h] entries of row h valid, increasing
-    token order; the rest is scratch), counts int32 [Hq], m f32 [Hq] = max z[h],
-    l_sel f32 [Hq] = sum over the selection of exp(z - m)).
-
-    Algorithm (no full sort): pass 1 max/min; pass 2 float32 weights
-    w = exp(z - m), S = sum w (float64) and a 2048-bucket mass histogram over z
-    in [max(min z, m - 104), m]; scan from the top to the bucket where the
-    cumulative mass reaches tau*S; pass 3 gathers that bucket's tokens and it
-    is re-histogrammed over its own value range until <= 512 candidates remain
-    (then sorted) or all are tied.  This yields the cut value
-    zcut = the largest z at which the mass of {z >= zcut} reaches tau*S; pass 4
-    writes {j : z[h, j] >= zcut}.
-
-    Bound: the selection is the minimal set plus the tokens tied with zcut
-    (count <= minimal + ties(zcut) - 1), identical to a full-sort reference
-    up to float64 summation-order rounding (the mass sums use the same float32
-    weights).  If rounding keeps the cumulative mass just below tau*S the
-    boundary bucket (or everything) is included.  tau >= 1 selects all n;
-    tau <= 0 selects nothing; n == 0 (or all z == -inf) -> counts 0, l_sel 0,
-    m = -inf.  NaN scores are never selected (unless tau >= 1).
-    """
-    z = np.asarray(z, dtype=np.float32)
-    if z.ndim != 2:
-        raise ValueError("z must be [Hq, n]")
-    Hq, n = z.shape
-    z = _rows_in(z, np.float32)
-    if out_idx is None:
-        out_idx = np.empty((Hq, n), dtype=np.int32)
-    buf = _c_rows(out_idx) if isinstance(out_idx, np.ndarray) and out_idx.ndim == 2 else None
-    if buf is None or out_idx.dtype != np.int32 or out_idx.shape[0] != Hq or out_idx.shape[1] < n:
-        raise ValueError("out_idx must be int32 [Hq, >=n] with unit-stride rows")
-    counts = np.zeros(Hq, dtype=np.int32)
-    m = np.full(Hq, -np.inf, dtype=np.float32)
-    l_sel = np.zeros(Hq, dtype=np.float32)
-    if n > 0:
-        _k_threshold_select(z, n, float(tau), buf, counts, m, l_sel)
-    return out_idx[:, :n], counts, m, l_sel
-
-

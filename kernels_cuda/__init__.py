@@ -2,7 +2,7 @@
 
 Torch CUDA tensors in and out, launched on torch's current stream:
 
-* ``encode_keys(K, codebooks, out=None) -> P`` (:mod:`kernels_cuda.ops`)
+* ``encode_keys(K, codebooks) -> P`` (:mod:`kernels_cuda.ops`)
 * ``kernels_cuda.decode.DecodeStep``: one HCA decode step's launches on persistent buffers
   (scores, selection, copy-back pack, exact tier, value gather, merge)
 * ``kernels_cuda.dense_decode.DenseDecodeAttention``: the dense cache's split-K decode attention

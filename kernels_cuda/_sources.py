@@ -103,11 +103,6 @@ HEADERS = ("common.cuh",)
 _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
 
 
-def cu_files() -> list[Path]:
-    """Every .cu file of the package (sorted)."""
-    return sorted(HERE.glob("*.cu"))
-
-
 def raw_text(name: str) -> str:
     return (HERE / name).read_text(encoding="utf-8")
 

@@ -2,7 +2,7 @@
 launch helper per kernel without argument checks.
 
 A backend compiles and launches (CuPy's RawModule on torch's current stream; the tests install
-the CPU emulator of tests/cuda_emu.py with `_set_backend`). The checked wrappers of ops.py and the
+the CPU emulator of tests/cuda_emu.py as `_backend_override`). The checked wrappers of ops.py and the
 decode step's persistent-buffer launches (decode.DecodeStep) both go through the `launch_*`
 helpers here, so each kernel's argument list is written once.
 """
@@ -121,7 +121,7 @@ class _CupyBackend:
         return a  # numpy scalar of the kernel's parameter type
 
 
-_backend_override = None
+_backend_override = None   # a backend installed in place of CuPy's (the tests' emulator, tests/cuda_emu.py)
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,14 +131,6 @@ def _cupy_backend():
 
 def _backend():
     return _backend_override if _backend_override is not None else _cupy_backend()
-
-
-def _set_backend(be):
-    """Install a launch backend (tests: tests/cuda_emu.py); returns the previous one."""
-    global _backend_override
-    prev = _backend_override
-    _backend_override = be
-    return prev
 
 
 # ---------------------------------------------------------------------------

@@ -20,11 +20,9 @@ from .launch import (_ENC_THREADS, _ENC_TOK, _KV_SUFFIX, _MAX_GRID_YZ, _SMEM_MAR
 __all__ = ["encode_keys"]
 
 
-def encode_keys(K, codebooks, out=None):
+def encode_keys(K, codebooks):
     """K [Hkv, n, d] f32 / f16 / bf16 (any strides with a contiguous last axis),
-    codebooks [Hkv, g, c, ds] f32, out optional [Hkv, >=n, g] of the code dtype with a
-    contiguous last axis (e.g. a slice of the cache's code pool)
-    -> P [Hkv, n, g] (view of out when given), uint8 if c <= 256 else int16 (c <= 32768):
+    codebooks [Hkv, g, c, ds] f32 -> P [Hkv, n, g], uint8 if c <= 256 else int16 (c <= 32768):
     nearest centroid per group by squared L2, evaluated as argmax(x.c - |c|^2/2) in
     float32, ties -> lowest index."""
     torch = _torch()
@@ -41,17 +39,8 @@ def encode_keys(K, codebooks, out=None):
         raise ValueError(f"c={c} outside [1, 32768]")
     if g > _MAX_GRID_YZ or Hkv > _MAX_GRID_YZ:
         raise ValueError("g and Hkv must be <= 65535")
-    cdtype = torch.uint8 if c <= 256 else torch.int16
     dev = K.device
-    if out is None:
-        out = be.empty((Hkv, n, g), cdtype, dev)
-    else:
-        _check(be, out, "out", 3, dev)
-        if out.dtype != cdtype or out.shape[0] != Hkv or out.shape[1] < n or out.shape[2] != g or (
-            g > 1 and out.stride(2) != 1
-        ):
-            raise ValueError(f"out must be {cdtype} [Hkv, >=n, g] with a contiguous last axis")
-    res = out[:, :n]
+    res = be.empty((Hkv, n, g), torch.uint8 if c <= 256 else torch.int16, dev)
     if res.numel() == 0:
         return res
     _, optin = be.device_info(dev)

@@ -7,10 +7,11 @@ The cache is filled through its own append path with the K/V of a dense prefill 
 engine ("tokens", what `minirun bench` does); then decode steps are timed. Prints ms/step and the
 top operators (torch profiler) or functions (cProfile). --breakdown (HCA, CPU): captures the
 arguments of every layer's fused HCA call in one real step and times parts of that step on them
-(the float LUT alone (build_lut), sinks + ring (the fused call with an empty store: the exact
-tier, the token itself and the merge), the fused call itself (with the ring-key encode the real
-step does) and the store's part as the difference), summed over the layers, with the selected
-fraction beside threshold_select's exact minimal sets on the same scores (the call's levels).
+(the lookup table and its packing alone (the step's LUT kernel), sinks + ring (the fused call with
+an empty store: the exact tier, the token itself and the merge), the fused call itself (with the
+ring-key encode the real step does) and the store's part as the difference), summed over the
+layers, with the selected fraction beside the exact minimal sets on the same scores (the call's
+levels).
 --attention-time: the attention kernel's own time inside the timed steps (dense or HCA), so the
 two modes' attention can be compared apart from the rest of the step, which both share.
 PROFILE_ROWS=N prints N rows of the cProfile table.
@@ -217,19 +218,31 @@ def breakdown(eng: Engine, cold: bool = False) -> None:
             f()
             t += time.perf_counter() - t0
         return t / k * 1e3
+    from kernels_cpu._common import _as_f32, _as_pool
+    from kernels_cpu.hca_step import _NO_CNORM, _NO_CODES
+    from kernels_cpu.packed import _k_lut_pack
+
+    def minimal_fraction(zs, tau):
+        """The mean over heads of the fraction of zs's tokens in the smallest set holding tau of the
+        head's softmax mass (a full sort)."""
+        w = -np.sort(-np.exp(zs - zs.max(axis=1, keepdims=True)).astype(np.float64), axis=1)
+        cum = np.cumsum(w, axis=1)
+        k = [min(int(np.searchsorted(c, tau * c[-1])) + 1, zs.shape[1]) for c in cum]
+        return float(np.mean(k)) / zs.shape[1]
     tot = dict.fromkeys(["lut", "sinks+ring", "fused call"], 0.0)
-    cache, sel = eng.cache, []
-    for layer, (args, kw) in enumerate(calls):
+    sel = []
+    for args, kw in calls:
         q, k, v, EK, EV, n_exact, cbt, PT, n, V, tau, q2k, packed, lut, z, idx, counts = args
-        C = cache.codebooks.centroids[layer].numpy()
-        tot["lut"] += ms(lambda: kc.build_lut(q, C, q2k, codebooks_t=cbt, out=lut))
+        qf, ek0, codes = _as_f32(q), _as_pool(EK)[:, 0], _NO_CODES[PT.dtype.itemsize]   # (no encode)
+        tot["lut"] += ms(lambda: _k_lut_pack(qf, cbt, packed.lanes, lut, packed.tables, packed.scale, packed.offset,
+                                             packed.top, packed.shift, False, ek0, _NO_CNORM, codes))
         no_store = {key: val for key, val in kw.items() if key != "encode"}   # (an encode needs a store)
         tot["sinks+ring"] += ms(lambda: real(q, k, v, EK, EV, n_exact, cbt, PT, 0, V, tau, q2k, packed, lut, z, idx,
                                              counts, **no_store))
         tot["fused call"] += ms(lambda: real(*args, **kw))
         # what the last call selected, and the exact minimal sets on its scores (levels as floats)
         zs = kw["levels"][0][:, :n].astype(np.float32) * packed.scale[:, None] + packed.offset[:, None]
-        sel.append((counts.mean() / n, kc.threshold_select(zs, tau)[1].mean() / n))
+        sel.append((counts.mean() / n, minimal_fraction(zs, tau)))
     tot["store (rest)"] = tot["fused call"] - tot["sinks+ring"]
     print(f"parts of one step, summed over {len(calls)} layers (store of {calls[0][0][8]} tokens, "
           f"mean selected fraction {sum(a for a, _ in sel) / len(sel):.4f}; exact minimal sets on the same "

@@ -231,7 +231,7 @@ def check_attend(env, Hq, Hkv, d, n, n_cap=None, dtype=torch.float32, layout="hn
     return names
 
 
-def check_encode(env, Hkv, d, g, c, n, dtype=torch.float32, pool_extra=0, chunk=4096, seed=4):
+def check_encode(env, Hkv, d, g, c, n, dtype=torch.float32, chunk=4096, seed=4):
     R = _ref()
     rng = np.random.default_rng(seed)
     ds = d // g
@@ -243,14 +243,9 @@ def check_encode(env, Hkv, d, g, c, n, dtype=torch.float32, pool_extra=0, chunk=
     Kt = env.t(K, dtype)
     Kr = np_(Kt).astype(np.float32)  # the values the kernel sees
     cdt = torch.uint8 if c <= 256 else torch.int16
-    out = None
-    if pool_extra:
-        out = torch.full((Hkv, n + pool_extra, g), 9, dtype=cdt, device=env.device)
     with env.ctx():
-        P = kernels_cuda.encode_keys(Kt, env.t(cb), out=out)
+        P = kernels_cuda.encode_keys(Kt, env.t(cb))
     assert P.shape == (Hkv, n, g) and P.dtype == cdt
-    if out is not None:
-        assert (np_(out)[:, n:] == 9).all()
     if n == 0:
         return
     Pg = np_(P).astype(np.int64)

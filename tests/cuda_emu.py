@@ -22,7 +22,7 @@ are copied back.  Wrapper allocations (backend ``empty``)
 are filled with 0xff so that entries a kernel should write but does not
 surface as NaN / -1.
 
-The runtime never imports it (it installs itself through kernels_cuda.launch._set_backend).
+The runtime never imports it (it installs itself as kernels_cuda.launch._backend_override).
 Scripts that rehearse on the CPU put tests/ on sys.path.  Needs g++ (C++17) and glibc ucontext.
 """
 
@@ -292,11 +292,11 @@ class EmuBackend:
 def emulated(**kw):
     """Route kernels_cuda launches (ops, decode, layer) to the CPU emulator inside the block."""
     be = EmuBackend(**kw)
-    prev = launch._set_backend(be)
+    prev, launch._backend_override = launch._backend_override, be
     try:
         yield be
     finally:
-        launch._set_backend(prev)
+        launch._backend_override = prev
 
 
 @contextlib.contextmanager

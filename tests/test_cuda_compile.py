@@ -21,7 +21,7 @@ import kernels_cuda
 from kernels_cuda import _sources
 
 ROOT = Path(__file__).resolve().parents[1]
-CU_FILES = [p.name for p in _sources.cu_files()]
+CU_FILES = sorted(p.name for p in _sources.HERE.glob("*.cu"))
 HAVE_GPU = kernels_cuda.available()
 
 # ---------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def test_import_without_cupy_or_torch():
 def test_runtime_imports_nothing_from_the_tests():
     """The CPU emulator (tests/cuda_emu.py) and the NumPy references (tests/references) serve the
     tests only: no runtime module imports them (the emulator is installed from outside through
-    kernels_cuda.launch._set_backend)."""
+    kernels_cuda.launch._backend_override)."""
     from_tests = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"references"}
     for pkg in ("minirun", "kernels_cpu", "kernels_cuda"):
         for f in (ROOT / pkg).rglob("*.py"):

@@ -141,7 +141,7 @@ def test_exact_valid_mask_skips_slots():
     Hq = 9
     packed = kc.PackedLUT(np.empty((3, g, c), np.uint64), kc.lane_map(q2k, 3), np.empty(Hq, np.float32),
                           np.empty(Hq, np.float32))
-    o2 = kc.hca_decode_attend(q, k, v, EK, EV, ne, kc.transpose_codebooks(cb), ref.group_major(P), n, V, 0.9, q2k,
+    o2 = kc.hca_decode_attend(q, k, v, EK, EV, ne, ref.codebooks_t(cb), ref.group_major(P), n, V, 0.9, q2k,
                               packed, np.empty((Hq, g, c), np.float32), np.empty((Hq, n), np.float32),
                               np.empty((Hq, n), np.int32), exact_valid=valid)
     want2 = ref.hca_decode_attend_ref(q, k, v, EK[:, live], EV[:, live], int(live.sum()), cb, P, n, V, 0.9, q2k)

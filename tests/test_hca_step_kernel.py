@@ -33,7 +33,7 @@ def run_fused(q, k, v, EK, EV, n_exact, C, P, n_store, V, tau, cap, host_keys=No
     z = np.full((HQ, cap), np.nan, np.float32)
     idx = np.zeros((HQ, cap), np.int32)
     counts = np.zeros(HQ, np.int32)
-    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), ref.group_major(P), n_store, V,
+    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, ref.codebooks_t(C), ref.group_major(P), n_store, V,
                              tau, Q2K, packed, lut, z, idx, counts, host_keys=host_keys)
     return o, counts, packed, lut
 
@@ -80,17 +80,19 @@ def test_hca_decode_attend_other_shapes(hq, hkv, d, n_exact, n_store):
     lanes = kc.lane_map(q2k, hkv)
     packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(hq, np.float32),
                           np.empty(hq, np.float32))
-    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, kc.transpose_codebooks(C), ref.group_major(P), n_store, V,
+    o = kc.hca_decode_attend(q, k, v, EK, EV, n_exact, ref.codebooks_t(C), ref.group_major(P), n_store, V,
                              0.9, q2k, packed, np.empty((hq, g, c), np.float32), np.empty((hq, n_store), np.float32),
                              np.empty((hq, n_store), np.int32))
     want = ref.hca_decode_attend_ref(q, k, v, EK, EV, n_exact, C, P, n_store, V, 0.9, q2k)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
 
 
-def test_hca_decode_attend_exact_fallback():
+@pytest.mark.parametrize("tau", [0.5, 0.9, 0.99])
+def test_hca_decode_attend_exact_fallback(tau):
     """Tables whose top is far above every store score (a centroid no key uses scores high): each
-    head selects by the exact fallback on the float scores, and the value sum then reads the same
-    set from the levels (every level >= the least selected one)."""
+    head selects by the exact fallback on the float scores (kernels_cpu.select, the minimal set of
+    threshold_select_ref), and the value sum then reads the same set from the levels (every level
+    >= the least selected one)."""
     rng = np.random.default_rng(5)
     n = 3000
     q, k, v, EK, EV, C, P, V, cap = setup(rng, 272, n, 16, 256, np.float32)
@@ -99,14 +101,14 @@ def test_hca_decode_attend_exact_fallback():
     C[:, :, 0] = 50.0                                                # never indexed: top far above
     P[P == 0] = 1
     T = ref.build_lut_ref(q, C, Q2K)
-    o, counts, packed, _ = run_fused(q, k, v, EK, EV, 272, C, P, n, V, 0.9, cap)
+    o, counts, packed, _ = run_fused(q, k, v, EK, EV, 272, C, P, n, V, tau, cap)
     w = packed.scale.astype(np.float64) * 2.0 ** packed.shift
     z = ref.packed_scores_ref(T, P, Q2K, n)
     assert ((packed.top * packed.scale - (z.max(axis=1) - packed.offset)) > NB * w).all()   # really loose
-    want = ref.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, n, V, 0.9, Q2K)
+    want = ref.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, n, V, tau, Q2K)
     np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(counts, ref.packed_select_ref(T, P, Q2K, n, 0.9)[1])
-    np.testing.assert_array_equal(counts, ref.threshold_select_ref(z, 0.9)[1])
+    np.testing.assert_array_equal(counts, ref.packed_select_ref(T, P, Q2K, n, tau)[1])
+    np.testing.assert_array_equal(counts, ref.threshold_select_ref(z, tau)[1])
 
 
 @pytest.mark.parametrize("tau,sel_cap", [(0.9, 40), (1.0, 7), (0.5, 1), (0.9, 100000)])
@@ -120,7 +122,7 @@ def test_hca_decode_attend_capped(tau, sel_cap):
     packed = kc.PackedLUT(np.empty((lanes.shape[0], g, c), np.uint64), lanes, np.empty(HQ, np.float32),
                           np.empty(HQ, np.float32))
     counts = np.zeros(HQ, np.int32)
-    o = kc.hca_decode_attend(q, k, v, EK, EV, 272, kc.transpose_codebooks(C), ref.group_major(P), 5000, V, tau, Q2K,
+    o = kc.hca_decode_attend(q, k, v, EK, EV, 272, ref.codebooks_t(C), ref.group_major(P), 5000, V, tau, Q2K,
                              packed, np.empty((HQ, g, c), np.float32), np.zeros((HQ, cap), np.float32),
                              np.zeros((HQ, cap), np.int32), counts, cap=sel_cap)
     want = ref.hca_decode_attend_ref(q, k, v, EK, EV, 272, C, P, 5000, V, tau, Q2K, cap=sel_cap)

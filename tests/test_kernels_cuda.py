@@ -233,7 +233,7 @@ def test_emu_attend_exact_head_dims(d):
     [
         (64, 16, 256, 0, {}),
         (64, 16, 256, 1, {}),
-        (64, 16, 256, 1500, {"pool_extra": 7}),
+        (64, 16, 256, 1500, {}),
         (64, 32, 256, 700, {"dtype": torch.float16}),
         (128, 16, 256, 500, {"dtype": torch.bfloat16}),
         (64, 16, 1024, 300, {}),
@@ -291,8 +291,7 @@ def test_emu_argument_errors():
                 cw.attend_exact(torch.zeros((2, 64)), torch.zeros((1, 4, 64)), torch.zeros((1, 4, 64)),
                                           [0, 0], 4, valid=bad)  # fmt: skip
         with pytest.raises(ValueError):
-            kernels_cuda.encode_keys(torch.zeros((1, 4, 64)), torch.zeros((1, 16, 256, 4)),
-                                     out=torch.zeros((1, 4, 16), dtype=torch.int16))  # fmt: skip
+            kernels_cuda.encode_keys(torch.zeros((1, 4, 64)), torch.zeros((2, 16, 256, 4)))  # Hkv differs
         with pytest.raises(ValueError):
             cw.threshold_select(torch.zeros((2, 5)), float("nan"))
         # degenerate sizes: no launch with an empty grid
@@ -403,7 +402,7 @@ def test_gpu_attend_exact_strided(d):
     ],
 )
 def test_gpu_encode_keys(g, c, n, dtype):
-    check_encode(Env(GPU_KIND, num_sms=132), 3, 64, g, c, n, dtype=dtype, pool_extra=5)
+    check_encode(Env(GPU_KIND, num_sms=132), 3, 64, g, c, n, dtype=dtype)
 
 
 @gpu_only

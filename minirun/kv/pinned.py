@@ -112,9 +112,6 @@ class PinnedPool:
     def token_rows(self, layer: int, n: int) -> torch.Tensor:
         return self.view(layer, n)
 
-    def cap_or(self, n: int) -> int:
-        return self.cap if self.data is not None else n
-
     def free(self) -> None:
         self.wait()
         if self._registered:

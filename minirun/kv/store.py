@@ -53,16 +53,6 @@ class GrowingBuffer:
         """The first n rows of `layer`, token-major [Hkv, n, width] (a view: also written through)."""
         return self.view(layer, n)
 
-    def cap_or(self, n: int) -> int:
-        return self.cap if self.data is not None else n
-
-    def flat(self, n: int) -> torch.Tensor:
-        """Scratch: a contiguous [*lead * n] numpy-able block (for [Hq, n] score rows)."""
-        numel = n
-        for d in self.lead:
-            numel *= d
-        return self.data.view(-1)[:numel].numpy()
-
     def free(self) -> None:
         self.data, self.cap = None, 0
 

@@ -94,6 +94,12 @@ def group_major(P):
     return np.ascontiguousarray(np.asarray(P).transpose(0, 2, 1))
 
 
+def codebooks_t(codebooks):
+    """Codebooks [Hkv, g, c, ds] -> contiguous f32 [Hkv, g, ds, c]: the layout the LUT kernels read
+    (hca_decode_attend's codebooks_t, encode_keys')."""
+    return np.ascontiguousarray(np.asarray(codebooks, dtype=np.float32).transpose(0, 1, 3, 2))
+
+
 def packed_select_ref(T, P, q_to_kv, n, tau, cap=0):
     """The selection of kernels_cpu.level_select on the levels of pack_lut_ref's tables.
 
