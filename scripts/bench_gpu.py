@@ -36,6 +36,7 @@ from minirun.engine import Engine  # noqa: E402
 from minirun.evaluate import selection_probe  # noqa: E402
 from minirun.planner import plan_report  # noqa: E402
 from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
+from gpu_profiles import prefill_profile, profile_steps, sync  # noqa: E402  (scripts/, beside this file)
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
@@ -71,11 +72,6 @@ def log(*a):
 
 
 # ---- measuring -------------------------------------------------------------------------------------
-def sync(eng):
-    if eng.device.type == "cuda":
-        torch.cuda.synchronize(eng.device)
-
-
 def decode_samples(eng, ids: list[int], n: int, reps: int, rep_s: float) -> list[float]:
     """tokens/s of `reps` runs of up to n greedy steps after the context `ids` (each run stopped after
     rep_s seconds once 2 tokens are done), after one untimed run of WARM steps; the cache is rewound
@@ -96,90 +92,6 @@ def decode_samples(eng, ids: list[int], n: int, reps: int, rep_s: float) -> list
             samples.append(k / (time.perf_counter() - t0))
         eng.rewind(len(ids))
     return samples
-
-
-def profile_steps(eng, ids: list[int], k: int = 3) -> str:
-    """k decode steps under torch.profiler: wall and summed GPU kernel time per token, top ops (what
-    a step is bound by: the GPU's work, or the host's launches and waits)."""
-    from torch.profiler import ProfilerActivity, profile
-    logits, _ = eng.prefill(ids)
-    tok = int(logits[-1].argmax())
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        for _ in range(k):
-            tok = int(eng.step(tok)[-1].argmax())
-        sync(eng)
-        wall = (time.perf_counter() - t0) / k
-    eng.rewind(len(ids))
-    ev = prof.key_averages()
-    gpu_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev) / k
-    table = ev.table(sort_by="self_cuda_time_total" if eng.device.type == "cuda" else "self_cpu_time_total",
-                     row_limit=12, max_name_column_width=48)
-    return (f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels {gpu_us / 1e3:.2f} ms/token\n{table}\n"
-            + host_profile(eng, ids, tok, k))
-
-
-def prefill_profile(eng, ids: list[int]) -> str:
-    """The prefill of ids from an empty cache (the long prompt's mode: anchor, codebooks fitted on
-    its first keys) under torch.profiler, then again under cProfile: wall and GPU kernel seconds,
-    the top kernels, the host's Python -- what bounds a prefill chunk. Resets the cache."""
-    import cProfile
-    import io
-    import pstats
-
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
-    out = []
-    for how in ("torch", "cprofile"):
-        eng.reset()
-        mb._forget_fitted_codebooks(eng)
-        sync(eng)
-        prof = profile(activities=acts) if how == "torch" else cProfile.Profile()
-        t0 = time.perf_counter()
-        with prof if how == "torch" else contextlib.nullcontext():
-            if how == "cprofile":
-                prof.enable()
-            eng.prefill(ids)
-            sync(eng)
-            if how == "cprofile":
-                prof.disable()
-        wall = time.perf_counter() - t0
-        if how == "torch":
-            ev = prof.key_averages()
-            gpu = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev) / 1e6
-            out.append(f"prefill profile: {len(ids)} tokens ({eng.last_prefill['mode']}): wall {wall:.2f} s under "
-                       f"the profiler, GPU kernels {gpu:.2f} s\n" + ev.table(
-                           sort_by="self_cuda_time_total" if eng.device.type == "cuda" else "self_cpu_time_total",
-                           row_limit=15, max_name_column_width=48))
-        else:
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)
-            out.append(f"prefill host profile (cProfile, wall {wall:.2f} s):\n" + buf.getvalue())
-    eng.reset()
-    return "\n".join(out)
-
-
-def host_profile(eng, ids: list[int], tok: int, k: int) -> str:
-    """The host's side of k decode steps (after the profiled ones: graphs captured), under cProfile:
-    the Python functions by their own and their cumulative time, to tell what keeps the host busy
-    around each token."""
-    import cProfile
-    import io
-    import pstats
-    eng.prefill(ids)
-    tok = int(eng.step(tok)[-1].argmax())   # (any capture happens here, outside the profile)
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(k):
-        tok = int(eng.step(tok)[-1].argmax())
-    sync(eng)
-    pr.disable()
-    eng.rewind(len(ids))
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(15)
-    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(15)
-    return f"host profile ({k} steps, cProfile, by own time, then cumulative):\n" + buf.getvalue()
 
 
 class Rows:

@@ -44,6 +44,9 @@ def test_bench_gpu_rehearsal(tmp_path):
     assert {t["tier"] for t in plan["tiers"]} >= {"weights", "key store", "value pool"}
     assert [r["test"] for r in json.loads((out / "dense.json").read_text())] == ["tg4 @ d256"] * 2 + ["tg4 @ d1024"] * 2
     assert "targets (best variant):" in summary
+    log = (out / "deep-g64c16.log").read_text()   # what bounds a step and a prefill (scripts/gpu_profiles.py)
+    for part in ("profile: wall", "host profile (3 steps", "prefill profile: 1536 tokens", "prefill host profile"):
+        assert part in log, part
 
 
 def test_chat_4m_rehearsal(tmp_path, tiny_model_dir):
