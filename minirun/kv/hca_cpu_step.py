@@ -24,9 +24,7 @@ class OneCallSteps:
     """HCACache's attention in hca mode (HCABase.attend calls _attend_hca)."""
 
     def _attend_hca(self, layer, q, k, v):
-        """q [T, Hq, hd], k, v [T, Hkv, hd] -> [T, Hq, hd] (q's dtype and device); None without a store."""
-        if self.n_store == 0:
-            return None
+        """q [T, Hq, hd], k, v [T, Hkv, hd] -> [T, Hq, hd] (q's dtype and device), in hca mode with a store."""
         if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
             self._fit_and_encode()     # (a state loaded mid-prefill: the rest encoded before scoring)
         T = q.shape[0]

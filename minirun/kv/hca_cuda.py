@@ -174,8 +174,8 @@ class HCACacheCUDA(CapturedSteps, HCABase):
     # ---- attention ----------------------------------------------------------------------------
     def _attend_hca(self, layer, q, k, v):
         """One token in hca mode with a store (a short ring: its dead slots masked): q [1, Hq, hd],
-        k, v [1, Hkv, hd] (model dtype) -> [1, Hq, hd] (model dtype); None otherwise."""
-        if self.mode != "hca" or self.n_store == 0 or q.shape[0] != 1:
+        k, v [1, Hkv, hd] (model dtype) -> [1, Hq, hd] (model dtype); None for several queries."""
+        if q.shape[0] != 1:
             return None
         ds = self._decode_kernels()
         S, W = self.S, self.W
