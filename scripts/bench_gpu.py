@@ -2,6 +2,7 @@
 and 1M of context with every decode variant (where the selected values are summed, CUDA graphs,
 the selection cap), prefill throughput at 1M, and Llama-3-8B's shape at 1M. Random weights: speed
 and memory do not depend on their values (what HCA selects does: random weights attend diffusely).
+The step "kernels" times the decode step's kernel variants alone (scripts/gpu_kernels.py).
 
     python scripts/bench_gpu.py run OUT [--device cuda] [--scale full|tiny] [--budget S] [--steps a,b]
     python scripts/bench_gpu.py summary OUT
@@ -62,7 +63,7 @@ SCALES = {
                                                      exact_prefill_max=1024, prefill_chunk=512), prof_span=1536),
 }
 # (name, time limit in s at full scale): in the order they run, the most wanted first
-STEPS = [("dense", 70), ("quant", 90), ("deep-g64c16", 240), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 440),
+STEPS = [("kernels", 45), ("dense", 70), ("quant", 90), ("deep-g64c16", 240), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 440),
          ("deep-0.125", 200)]
 WARM = 3          # untimed steps first: graphs are captured and kernels compiled there
 
@@ -252,7 +253,15 @@ def step_deep(a, sc, rows, budget, big=False):
     tg_variants(eng, rows, d, "hca", budget, ids, sc, variants[:3] if big else variants, sc["deep"], prof=True)
 
 
+def step_kernels(a, sc, rows):
+    """Kernel variants timed alone at the deep and long depths (scripts/gpu_kernels.py; log lines)."""
+    from gpu_kernels import kernel_variants
+    for n in (sc["deep"], sc["long"]):
+        kernel_variants(torch.device(a.device), n, 20 if a.scale == "full" else 1, log=log)
+
+
 STEP_RUN = {
+    "kernels": step_kernels,
     "dense": step_dense,
     "quant": step_quant,
     "hca-g64c16": lambda a, sc, rows: step_hca(a, sc, rows, "g64c16"),
@@ -330,21 +339,24 @@ def targets(rows) -> str:
     def best(pred):
         xs = [r["tps_mean"] for r in rows if r["n_gen"] and pred(r)]
         return max(xs) if xs else None
-    depths = sorted({r["depth"] for r in rows if r["n_gen"] and "llama3" not in r["model"]}) + [None] * 3
-    short, long_, deep = depths[:3]
-    dense_s = best(lambda r: r["kv"] == "dense" and r["depth"] == short and not r.get("weights", "").startswith("Q"))
-    dense_l = best(lambda r: r["kv"] == "dense" and r["depth"] == long_)
-    hca_l = best(lambda r: r["kv"] == "hca" and r["depth"] == long_ and "llama3" not in r["model"])
-    hca_d = best(lambda r: r["kv"] == "hca" and r["depth"] == deep and "llama3" not in r["model"])
+    def depth(steps, pick):   # a step's shallowest / deepest decode depth (steps: name prefixes)
+        ds = [r["depth"] for r in rows if r["n_gen"] and r["step"].startswith(steps)]
+        return pick(ds) if ds else None
+    short, long_, deep = depth(("dense",), min), depth(("dense", "hca-"), max), depth(("deep-",), max)
+    dense_s = best(lambda r: r["step"] == "dense" and r["depth"] == short and not r.get("weights", "").startswith("Q"))
+    dense_l = best(lambda r: r["step"] == "dense" and r["depth"] == long_)
+    hca_l = best(lambda r: r["step"].startswith("hca-") and r["depth"] == long_)
+    hca_d = best(lambda r: r["step"].startswith("deep-") and r["depth"] == deep)
     big = best(lambda r: "llama3" in r["model"])
 
     def fmt(x):
         return "not measured" if x is None else f"{x:.1f}"
+    short, long_, deep = (f"d{d}" if d else "(not run)" for d in (short, long_, deep))
     ratio = f"{hca_l / dense_l:.2f}x" if hca_l and dense_l else "not measured"
     return "\n".join(["targets (best variant):",
-                      f"- dense decode @ d{short}: {fmt(dense_s)} tok/s (target >= 800)",
-                      f"- HCA decode @ d{long_}: {ratio} dense (target >= 2x)",
-                      f"- HCA decode @ d{deep}: {fmt(hca_d)} tok/s (target >= 100)",
+                      f"- dense decode @ {short}: {fmt(dense_s)} tok/s (target >= 800)",
+                      f"- HCA decode @ {long_}: {ratio} dense (target >= 2x)",
+                      f"- HCA decode @ {deep}: {fmt(hca_d)} tok/s (target >= 100)",
                       f"- Llama-3-8B shape, HCA g64c16 @ 1M: {fmt(big)} tok/s (target >= 20)"])
 
 

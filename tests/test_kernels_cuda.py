@@ -89,23 +89,35 @@ def test_emu_build_lut(order, g, c):
         (16, 256, 999, {"misalign": True}),  # odd address: scalar path
     ],
 )
-@pytest.mark.parametrize("grouped", [False, True], ids=["per-head", "grouped"])
-def test_emu_approx_scores(order, g, c, n, kw, grouped):
-    """Per query head, or a kv head's three heads in one pass over its codes (approx_scores_grouped
-    where its three tables fit in shared memory: all but g=32, c=1024, which falls back)."""
-    check_approx_scores(Env("emu", order=order), 9, 3, g, c, n, grouped=grouped, **kw)
+def test_emu_approx_scores(order, g, c, n, kw):
+    check_approx_scores(Env("emu", order=order), 9, 3, g, c, n, **kw)
 
 
-def test_scores_grouped_takes_the_groups_whose_tables_fit():
-    """approx_scores_grouped for G = Hq / Hkv in 2..8 whose G tables fit in an H100's 227 KiB of
-    shared memory: SmolLM2's g64c16 (pairs: 32 x 256) and 0.125 (16 x 1024) presets, Llama-3-8B's
-    g64c16; not the 0.25 preset's 32 x 1024 tables, not one head per kv head."""
-    from kernels_cuda.launch import scores_grouped
-    optin = 227 * 1024
-    assert scores_grouped(9, 3, 32, 256, optin) == 3 and scores_grouped(9, 3, 16, 1024, optin) == 3
-    assert scores_grouped(32, 8, 32, 256, optin) == 4 and scores_grouped(32, 8, 16, 1024, optin) == 0
-    assert scores_grouped(9, 3, 32, 1024, optin) == 0 and scores_grouped(8, 8, 32, 256, optin) == 0
-    assert scores_grouped(48, 4, 8, 16, optin) == 0                          # G = 12: more than 8
+@emu_only
+@pytest.mark.parametrize("order", EMU_ORDERS)
+@pytest.mark.parametrize(
+    "Hq,Hkv,g,n,kw",
+    [
+        (9, 3, 64, 0, {}),
+        (9, 3, 64, 2500, {"n_cap": 2600, "out_extra": 5}),   # SmolLM2's g64c16: two 16-byte loads a row
+        (32, 8, 64, 700, {}),                                # Llama-3-8B's: G = 4
+        (16, 2, 32, 300, {}),                                # G = 8
+        (4, 4, 32, 200, {}),                                 # G = 1
+        (9, 3, 24, 333, {}),                                 # 12 bytes a row: scalar path
+        (9, 3, 64, 999, {"misalign": True}),                 # odd address: scalar path
+    ],
+)
+def test_emu_approx_scores_nibbles(order, Hq, Hkv, g, n, kw):
+    """Nibble pairs scored from the groups' 16-entry tables, a kv head's query heads in one pass,
+    equal to the scores of the pairs' 256-entry tables."""
+    check_approx_scores(Env("emu", order=order), Hq, Hkv, g, 16, n, nibbles=True, **kw)
+
+
+def test_nibble_group():
+    """approx_scores_nibbles takes G = Hq / Hkv query heads a kv head, 1 to 8."""
+    from kernels_cuda.launch import nibble_group
+    assert nibble_group(9, 3) == 3 and nibble_group(32, 8) == 4 and nibble_group(8, 8) == 1
+    assert nibble_group(48, 4) == 0 and nibble_group(9, 2) == 0
 
 
 @emu_only
@@ -113,7 +125,7 @@ def test_scores_grouped_takes_the_groups_whose_tables_fit():
 def test_emu_approx_scores_profiles(num_sms, optin):
     """Many blocks per head; T too large for shared memory -> global-memory path."""
     check_approx_scores(Env("emu", num_sms=num_sms, smem_optin=optin), 9, 3, 16, 256, 5000)
-    check_approx_scores(Env("emu", num_sms=num_sms, smem_optin=optin), 9, 3, 16, 256, 5000, grouped=True)
+    check_approx_scores(Env("emu", num_sms=num_sms, smem_optin=optin), 9, 3, 64, 16, 5000, nibbles=True)
 
 
 def _z_cases(rng, Hq, n):
@@ -126,10 +138,18 @@ def _z_cases(rng, Hq, n):
     return z
 
 
+@pytest.fixture(params=[True, False], ids=["by-match", "per-lane"])
+def zhist_adds(request, monkeypatch):
+    """zhist's two ways of adding to its histogram (launch.ZHIST_BY_MATCH)."""
+    import kernels_cuda.launch as launch
+    monkeypatch.setattr(launch, "ZHIST_BY_MATCH", request.param)
+    return request.param
+
+
 @emu_only
 @pytest.mark.parametrize("order", EMU_ORDERS)
 @pytest.mark.parametrize("n", [1, 7, 3000])
-def test_emu_threshold_select(order, n):
+def test_emu_threshold_select(order, n, zhist_adds):
     rng = np.random.default_rng(10 + n)
     z = _z_cases(rng, 9, n)
     check_threshold(Env("emu", order=order), z, [0.0, 0.3, 0.9, 0.99, 1.0, 1.5])
@@ -139,7 +159,7 @@ def test_emu_threshold_select(order, n):
 @pytest.mark.parametrize("order", EMU_ORDERS)
 @pytest.mark.parametrize("cap", [1, 5, 40, 2999])
 @pytest.mark.parametrize("tau", [0.9, 1.0])
-def test_emu_threshold_select_cap(order, cap, tau):
+def test_emu_threshold_select_cap(order, cap, tau, zhist_adds):
     rng = np.random.default_rng(30 + cap)
     z = _z_cases(rng, 9, 3000)
     z[4, :200] = 3.0                       # a top bin of 200 tokens: alone above small caps
@@ -331,8 +351,16 @@ def test_gpu_approx_scores_misaligned():
 
 
 @gpu_only
+@pytest.mark.parametrize("n", GPU_N)
+@pytest.mark.parametrize("Hq,Hkv", [(9, 3), (32, 8)])
+def test_gpu_approx_scores_nibbles(n, Hq, Hkv):
+    check_approx_scores(Env(GPU_KIND, num_sms=132), Hq, Hkv, 64, 16, n, n_cap=n + 17, out_extra=3 if n else 0,
+                        nibbles=True)
+
+
+@gpu_only
 @pytest.mark.parametrize("n", [1, 1000, 70000])
-def test_gpu_threshold_select(n):
+def test_gpu_threshold_select(n, zhist_adds):
     rng = np.random.default_rng(20 + n)
     z = _z_cases(rng, 9, n)
     check_threshold(Env(GPU_KIND, num_sms=132), z, [0.0, 0.5, 0.9, 0.99, 1.0])
@@ -343,7 +371,7 @@ def test_gpu_threshold_select(n):
 @gpu_only
 @pytest.mark.parametrize("cap", [1, 64, 4096])
 @pytest.mark.parametrize("tau", [0.9, 1.0])
-def test_gpu_threshold_select_cap(cap, tau):
+def test_gpu_threshold_select_cap(cap, tau, zhist_adds):
     rng = np.random.default_rng(40 + cap)
     z = _z_cases(rng, 9, 70000)
     z[4, :5000] = 3.0
