@@ -17,7 +17,6 @@ HERE = Path(__file__).resolve().parent
 OPTIONS: dict[str, tuple[str, ...]] = {
     "pq.cu": ("-std=c++17", "--use_fast_math"),
     "scores.cu": ("-std=c++17",),
-    "scores_nibbles.cu": ("-std=c++17",),
     "attention.cu": ("-std=c++17",),
     "decode.cu": ("-std=c++17",),
     "gather.cu": ("-std=c++17",),
@@ -35,10 +34,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "encode_keys_f16_i16",
         "encode_keys_bf16_u8",
         "encode_keys_bf16_i16",
-    ),
-    "scores_nibbles.cu": (
-        "approx_scores_nibbles_g4",
-        "approx_scores_nibbles_g8",
     ),
     "scores.cu": (
         "approx_scores_u8",

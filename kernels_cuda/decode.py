@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _sources
 from .launch import (_ATT_THREADS, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _attend_split_max, _backend, _cdiv, _i32, _i64,
-                     _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, nibble_group, score_parts, select_mode, zcut_tau,
+                     _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, score_parts, select_mode, zcut_tau,
                      launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
 __all__ = ["DecodeStep", "gather_splits", "group_size", "grouped_layout", "host_pool_readable"]
@@ -134,7 +134,7 @@ class DecodeStep:
 
         def new(*shape, dtype=f32):
             return torch.zeros(shape, dtype=dtype, device=device)
-        nblk = max(score_parts(max(capacity, 1), Hq, Hkv, self.num_sms), _cdiv(4 * self.num_sms, max(1, Hq))) + 1
+        nblk = max(score_parts(max(capacity, 1), Hq, self.num_sms), _cdiv(4 * self.num_sms, max(1, Hq))) + 1
         self.qs, self.qf, self.cs = new(Hq, d), new(Hq, d), new(d)
         self.T = new(1)   # the LUT [Hq, g, c]: sized by the first codebooks scored
         self.part_m, self.part_l = new(Hq * nblk), new(Hq * nblk)
@@ -163,18 +163,15 @@ class DecodeStep:
                      self.hists.numel() if zero_hist else 0)
         return self.qs, (self.qf if far else self.qs)
 
-    def scores(self, L, q, q2k, codebooks, P, n, z, n_live=None, factors=None):
+    def scores(self, L, q, q2k, codebooks, P, n, z, n_live=None):
         """q [Hq, d] f32, codebooks [Hkv, g, c, ds] f32, P [Hkv, cap, g] codes (contiguous), z f32
         [Hq, >= n] (rows contiguous) <- approximate scores of the first n tokens; m, l <- their stats.
-        n_live: int32 [1] on the device: only its first n_live[0] (<= n) tokens (a captured step).
-        factors: [Hkv, 2 g, 16, ds / 2] f32, the 16-centroid codebooks of nibble-pair codes, given
-        where q2k is h // (Hq / Hkv): scored from their tables (approx_scores_nibbles)."""
-        nib = factors is not None and nibble_group(self.Hq, P.shape[0]) > 0
-        tables = factors if nib else codebooks
-        self.reserve_lut(*tables.shape[1:3])
-        launch_build_lut(L, q, tables, q2k, self.T)
+        n_live: int32 [1] on the device: only its first n_live[0] (<= n) tokens (a captured step)."""
+        _, g, c, _ = codebooks.shape
+        self.reserve_lut(g, c)
+        launch_build_lut(L, q, codebooks, q2k, self.T)
         launch_approx_scores(L, self.T, P, q2k, z, n, self.part_m, self.part_l, self.m, self.l, self.num_sms,
-                             self.optin, n_live, nib)
+                             self.optin, n_live)
 
     def reserve_lut(self, g, c):
         """The LUT T [Hq, g, c] for codebooks of g groups of c centroids (made again on a change)."""

@@ -29,7 +29,6 @@ _MAX_GRID_YZ = 65535
 
 N_BINS = 2048  # threshold_select histogram bins
 Z_RANGE = 32.0  # histogram covers [m - Z_RANGE, m]; lower scores share bin 0
-ZHIST_BY_MATCH = True  # zhist's adds: once per bin and warp (True) or per lane (scripts/gpu_kernels.py times both)
 _KV_SUFFIX = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
 
 
@@ -252,42 +251,25 @@ def _live(n_live, dummy):
     return (n_live, _i32(1)) if n_live is not None else (dummy, _i32(0))
 
 
-def nibble_group(Hq: int, Hkv: int) -> int:
-    """The query heads per kv head approx_scores_nibbles takes at once (0: none): G = Hq / Hkv <= 8.
-    The caller vouches that query head h reads kv head h // G."""
-    G = Hq // Hkv if Hkv and Hq % Hkv == 0 else 0
-    return G if 1 <= G <= 8 else 0
+def score_parts(n: int, Hq: int, num_sms: int) -> int:
+    """The part_m / part_l entries per query head an approx_scores launch over n tokens writes."""
+    return _score_blocks(n, Hq, num_sms)[1]
 
 
-def score_parts(n: int, Hq: int, Hkv: int, num_sms: int) -> int:
-    """The part_m / part_l entries per query head any approx_scores launch over n tokens writes."""
-    return max(_score_blocks(n, Hq, num_sms)[1], _score_blocks(n, max(Hkv, 1), num_sms)[1])
-
-
-def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin, n_live=None, nibbles=False):
-    """z[:, :n] <- scores of T over codes P (rows contiguous), m, l <- their stats; part_m, part_l
-    hold >= Hq * score_parts(n) floats. n_live: int32 [1] on the device, the tokens actually
-    scored (min(n, n_live[0])) when the grid is sized for a bucket n (a captured decode token).
-    nibbles: P [Hkv, n_cap, gp] uint8 nibble pairs, T [Hq, 2 gp, 16] the groups' 16-entry tables,
-    q2k h // G with nibble_group(Hq, Hkv) = G (approx_scores_nibbles: a kv head's G query heads in
-    one pass over its codes, lookups without bank conflicts); else T [Hq, g, c] per query head."""
+def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin, n_live=None):
+    """z[:, :n] <- scores of T [Hq, g, c] over codes P (rows contiguous), m, l <- their stats;
+    part_m, part_l hold >= Hq * score_parts(n) floats. n_live: int32 [1] on the device, the tokens
+    actually scored (min(n, n_live[0])) when the grid is sized for a bucket n (a captured decode
+    token)."""
     Hq, g, c = T.shape
-    Hkv = P.shape[0]
     isz = P.element_size()
-    vec16 = (P.shape[2] * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
-    if nibbles:
-        G = nibble_group(Hq, Hkv)
-        tpb, nblk = _score_blocks(n, Hkv, num_sms)
-        L.launch("scores_nibbles.cu", f"approx_scores_nibbles_g{4 if G <= 4 else 8}", (nblk, Hkv), (_THREADS,),
-                 (T, P, _i64(P.stride(0)), z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(P.shape[2]), _i32(G),
-                  _i32(tpb), _i32(vec16), *_live(n_live, q2k)), shared_mem=G * g * c * 4)  # fmt: skip
-    else:
-        tpb, nblk = _score_blocks(n, Hq, num_sms)
-        smem = g * c * 4
-        use_smem = smem <= optin - _SMEM_MARGIN
-        L.launch("scores.cu", "approx_scores_u8" if isz == 1 else "approx_scores_i16", (nblk, Hq), (_THREADS,),
-                 (T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c),
-                  _i32(tpb), _i32(use_smem), _i32(vec16), *_live(n_live, q2k)), shared_mem=smem if use_smem else 0)  # fmt: skip
+    vec16 = (g * isz) % 16 == 0 and P.data_ptr() % 16 == 0 and (P.stride(0) * isz) % 16 == 0
+    tpb, nblk = _score_blocks(n, Hq, num_sms)
+    smem = g * c * 4
+    use_smem = smem <= optin - _SMEM_MARGIN
+    L.launch("scores.cu", "approx_scores_u8" if isz == 1 else "approx_scores_i16", (nblk, Hq), (_THREADS,),
+             (T, P, _i64(P.stride(0)), q2k, z, _i64(z.stride(0)), part_m, part_l, _i32(n), _i32(g), _i32(c),
+              _i32(tpb), _i32(use_smem), _i32(vec16), *_live(n_live, q2k)), shared_mem=smem if use_smem else 0)  # fmt: skip
     L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
 
 
@@ -300,16 +282,13 @@ def launch_zstats(L, z, n, part_m, part_l, m, l, num_sms):
     L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
 
 
-def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count, n_live=None, by_match=None):
+def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count, n_live=None):
     """zhist over z's first n columns (grid from tpb; n_live as launch_approx_scores); hist [Hq,
-    n_bins] f32 and hcount [Hq, n_bins] int32 zeroed by the caller (hcount only written with_count).
-    by_match: a warp's lanes in one bin add once (else one add per lane; bin 0 per thread); None:
-    ZHIST_BY_MATCH."""
+    n_bins] f32 and hcount [Hq, n_bins] int32 zeroed by the caller (hcount only written with_count)."""
     Hq = z.shape[0]
-    by_match = ZHIST_BY_MATCH if by_match is None else by_match
     L.launch("scores.cu", "zhist", (_cdiv(n, tpb), Hq), (_THREADS,),
              (z, _i64(z.stride(0)), _i32(n), _i32(tpb), m, np.float32(z_range), _i32(n_bins), hist, hcount,
-              _i32(with_count), *_live(n_live, m.view(_torch().int32)), _i32(by_match)),
+              _i32(with_count), *_live(n_live, m.view(_torch().int32))),
              shared_mem=n_bins * 4 * (2 if with_count else 1))  # fmt: skip
 
 

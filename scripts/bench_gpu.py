@@ -2,7 +2,6 @@
 and 1M of context with every decode variant (where the selected values are summed, CUDA graphs,
 the selection cap), prefill throughput at 1M, and Llama-3-8B's shape at 1M. Random weights: speed
 and memory do not depend on their values (what HCA selects does: random weights attend diffusely).
-The step "kernels" times the decode step's kernel variants alone (scripts/gpu_kernels.py).
 
     python scripts/bench_gpu.py run OUT [--device cuda] [--scale full|tiny] [--budget S] [--steps a,b]
     python scripts/bench_gpu.py summary OUT
@@ -63,7 +62,7 @@ SCALES = {
                                                      exact_prefill_max=1024, prefill_chunk=512), prof_span=1536),
 }
 # (name, time limit in s at full scale): in the order they run, the most wanted first
-STEPS = [("kernels", 45), ("dense", 70), ("quant", 90), ("deep-g64c16", 240), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 440),
+STEPS = [("dense", 70), ("quant", 90), ("deep-g64c16", 240), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 440),
          ("deep-0.125", 200)]
 WARM = 3          # untimed steps first: graphs are captured and kernels compiled there
 
@@ -253,15 +252,7 @@ def step_deep(a, sc, rows, budget, big=False):
     tg_variants(eng, rows, d, "hca", budget, ids, sc, variants[:3] if big else variants, sc["deep"], prof=True)
 
 
-def step_kernels(a, sc, rows):
-    """Kernel variants timed alone at the deep and long depths (scripts/gpu_kernels.py; log lines)."""
-    from gpu_kernels import kernel_variants
-    for n in (sc["deep"], sc["long"]):
-        kernel_variants(torch.device(a.device), n, 20 if a.scale == "full" else 1, log=log)
-
-
 STEP_RUN = {
-    "kernels": step_kernels,
     "dense": step_dense,
     "quant": step_quant,
     "hca-g64c16": lambda a, sc, rows: step_hca(a, sc, rows, "g64c16"),

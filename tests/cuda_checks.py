@@ -85,23 +85,11 @@ def _pq_data(rng, Hq, Hkv, g, c, n_cap):
     return T, P
 
 
-def nibble_pair_tables(T16: np.ndarray) -> np.ndarray:
-    """The 16-entry tables of groups T16 [Hq, 2 gp, 16] -> the 256-entry tables of their pairs
-    [Hq, gp, 256]: entry a | b << 4 of pair p is T16[2p, a] + T16[2p + 1, b] (codebooks.pair_product)."""
-    return (T16[:, 0::2, None, :] + T16[:, 1::2, :, None]).reshape(T16.shape[0], -1, 256)
-
-
-def check_approx_scores(env, Hq, Hkv, g, c, n, n_cap=None, out_extra=0, misalign=False, seed=1, nibbles=False):
-    """nibbles: g groups of c = 16 centroids stored as g / 2 nibble pairs (approx_scores_nibbles),
-    checked against the pairs' 256-entry tables."""
+def check_approx_scores(env, Hq, Hkv, g, c, n, n_cap=None, out_extra=0, misalign=False, seed=1):
     R = _ref()
     rng = np.random.default_rng(seed)
     n_cap = n if n_cap is None else n_cap
-    T, P = _pq_data(rng, Hq, Hkv, g // 2 if nibbles else g, 256 if nibbles else c, max(n_cap, 1))
-    T_ref = T
-    if nibbles:
-        T = (rng.standard_normal((Hq, g, c)) * 0.5).astype(np.float32)
-        T_ref = nibble_pair_tables(T)
+    T, P = _pq_data(rng, Hq, Hkv, g, c, max(n_cap, 1))
     q2k = q2k_for(Hq, Hkv)
     Pt = env.t(P)
     if misalign:  # same values at an odd byte address: forces the scalar (non-vec16) path
@@ -114,9 +102,9 @@ def check_approx_scores(env, Hq, Hkv, g, c, n, n_cap=None, out_extra=0, misalign
     if out_extra:
         out = torch.full((Hq, n + out_extra), 7.0, device=env.device)
     with env.ctx():
-        z, (m, l) = cw.approx_scores(env.t(T), Pt, env.t(q2k), n, out=out, nibbles=nibbles)
+        z, (m, l) = cw.approx_scores(env.t(T), Pt, env.t(q2k), n, out=out)
     assert z.shape == (Hq, n) and z.dtype == torch.float32
-    ref = R.approx_scores_ref(T_ref, P, q2k, n)
+    ref = R.approx_scores_ref(T, P, q2k, n)
     atol = 1e-5 * g
     np.testing.assert_allclose(np_(z), ref, rtol=1e-5, atol=atol)
     if out is not None:

@@ -15,7 +15,7 @@ from kernels_cuda.decode import (_GATHER_MAX_GROUP, _GATHER_THREADS, _OUT_SUFFIX
                                  _launch_gather_grouped, _launch_merge, _launch_pack, _launch_prep, _launch_store_rows,
                                  group_size, grouped_layout)
 from kernels_cuda.launch import (N_BINS, Z_RANGE, _ATT_THREADS, _KV_SUFFIX, _MAX_GRID_YZ, _SMEM_MARGIN, _attend_split,
-                                 _backend, _check, _f32c, _rows, _score_blocks, _torch, launch_approx_scores, nibble_group,
+                                 _backend, _check, _f32c, _rows, _score_blocks, _torch, launch_approx_scores,
                                  launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist,
                                  launch_zstats, score_parts, select_mode, zcut_tau)
 
@@ -72,10 +72,9 @@ def build_lut(q, codebooks, q_to_kv):
     return T
 
 
-def approx_scores(T, P, q_to_kv, n, out=None, nibbles=False):
+def approx_scores(T, P, q_to_kv, n, out=None):
     """T [Hq, g, c] f32, P [Hkv, n_cap, g] uint8 (c <= 256) / int16 codes (first n valid),
-    q_to_kv int32 [Hq], out optional f32 [Hq, >=n] with contiguous rows; nibbles: P [Hkv, n_cap,
-    g / 2] uint8 nibble pairs of T's 16-entry tables, q_to_kv h // (Hq / Hkv) (approx_scores_nibbles)
+    q_to_kv int32 [Hq], out optional f32 [Hq, >=n] with contiguous rows
     -> (z [Hq, n] f32 (a view of out when given), (m [Hq], l [Hq]))
     with z[h, t] = sum_j T[h, j, P[q_to_kv[h], t, j]], m = max_t z, l = sum_t exp(z - m)
     (NaN scores are left out of m and l).  n = 0 -> m = -inf, l = 0."""
@@ -85,9 +84,7 @@ def approx_scores(T, P, q_to_kv, n, out=None, nibbles=False):
     _check(be, P, "P", 3, T.device)
     Hq, g, c = T.shape
     Hkv, n_cap, g2 = P.shape
-    if nibbles and not (P.dtype == torch.uint8 and c == 16 and g == 2 * g2 and nibble_group(Hq, Hkv)):
-        raise ValueError(f"nibble pairs need uint8 codes of 16-entry tables, T [Hq, 2 g, 16], Hq / Hkv <= 8")
-    if g2 != (g // 2 if nibbles else g):
+    if g2 != g:
         raise ValueError(f"P has {g2} groups, T has {g}")
     if P.dtype == torch.uint8:
         if c > 256:
@@ -113,16 +110,16 @@ def approx_scores(T, P, q_to_kv, n, out=None, nibbles=False):
         return z, (torch.full((Hq,), -math.inf, device=T.device), torch.zeros(Hq, device=T.device))
     q2k = _q2k(be, q_to_kv, Hq, Hkv, T.device)
     Tc = _f32c(T)
-    if P.stride(2) != 1 or P.stride(1) != g2:
+    if P.stride(2) != 1 or P.stride(1) != g:
         P = P.contiguous()
     num_sms, optin = be.device_info(T.device)
-    nblk = score_parts(n, Hq, Hkv, num_sms)
+    nblk = score_parts(n, Hq, num_sms)
     part_m = be.empty((Hq, nblk), torch.float32, T.device)
     part_l = be.empty((Hq, nblk), torch.float32, T.device)
     m = be.empty((Hq,), torch.float32, T.device)
     l = be.empty((Hq,), torch.float32, T.device)
     with be.session(T.device) as L:
-        launch_approx_scores(L, Tc, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin, nibbles=nibbles)
+        launch_approx_scores(L, Tc, P, q2k, z, n, part_m, part_l, m, l, num_sms, optin)
     return z, (m, l)
 
 

@@ -25,11 +25,10 @@ def run(cmd, **env):
 @needs_gxx
 def test_bench_gpu_rehearsal(tmp_path):
     out = tmp_path / "out"
-    p = run(["bash", "scripts/bench_gpu.sh", str(out)], STEPS="kernels,dense,deep-g64c16,llama8b")
+    p = run(["bash", "scripts/bench_gpu.sh", str(out)], STEPS="dense,deep-g64c16,llama8b")
     assert p.returncode == 0, p.stderr[-2000:]
     status = json.loads((out / "steps.json").read_text())
-    assert {k: v.split(",")[0] for k, v in status.items()} == {"kernels": "ok", "dense": "ok", "deep-g64c16": "ok",
-                                                                   "llama8b": "ok"}
+    assert {k: v.split(",")[0] for k, v in status.items()} == {"dense": "ok", "deep-g64c16": "ok", "llama8b": "ok"}
     summary = (out / "summary.md").read_text()
     assert summary == p.stdout[p.stdout.index("# bench_gpu"):].rstrip("\n") + "\n"    # printed last
     deep = json.loads((out / "deep-g64c16.json").read_text())
@@ -45,9 +44,6 @@ def test_bench_gpu_rehearsal(tmp_path):
     assert {t["tier"] for t in plan["tiers"]} >= {"weights", "key store", "value pool"}
     assert [r["test"] for r in json.loads((out / "dense.json").read_text())] == ["tg4 @ d256"] * 2 + ["tg4 @ d1024"] * 2
     assert "targets (best variant):" in summary
-    kernels = (out / "kernels.log").read_text()   # the kernel variants timed alone (scripts/gpu_kernels.py)
-    for part in ("approx_scores @ 2048: pair tables", "zhist @ 2048, spread scores", "zhist @ 1024, peaked scores"):
-        assert part in kernels, part
     log = (out / "deep-g64c16.log").read_text()   # what bounds a step and a prefill (scripts/gpu_profiles.py)
     for part in ("profile: wall", "host profile (3 steps", "prefill profile: 1536 tokens", "prefill host profile"):
         assert part in log, part

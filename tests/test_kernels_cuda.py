@@ -94,38 +94,10 @@ def test_emu_approx_scores(order, g, c, n, kw):
 
 
 @emu_only
-@pytest.mark.parametrize("order", EMU_ORDERS)
-@pytest.mark.parametrize(
-    "Hq,Hkv,g,n,kw",
-    [
-        (9, 3, 64, 0, {}),
-        (9, 3, 64, 2500, {"n_cap": 2600, "out_extra": 5}),   # SmolLM2's g64c16: two 16-byte loads a row
-        (32, 8, 64, 700, {}),                                # Llama-3-8B's: G = 4
-        (16, 2, 32, 300, {}),                                # G = 8
-        (4, 4, 32, 200, {}),                                 # G = 1
-        (9, 3, 24, 333, {}),                                 # 12 bytes a row: scalar path
-        (9, 3, 64, 999, {"misalign": True}),                 # odd address: scalar path
-    ],
-)
-def test_emu_approx_scores_nibbles(order, Hq, Hkv, g, n, kw):
-    """Nibble pairs scored from the groups' 16-entry tables, a kv head's query heads in one pass,
-    equal to the scores of the pairs' 256-entry tables."""
-    check_approx_scores(Env("emu", order=order), Hq, Hkv, g, 16, n, nibbles=True, **kw)
-
-
-def test_nibble_group():
-    """approx_scores_nibbles takes G = Hq / Hkv query heads a kv head, 1 to 8."""
-    from kernels_cuda.launch import nibble_group
-    assert nibble_group(9, 3) == 3 and nibble_group(32, 8) == 4 and nibble_group(8, 8) == 1
-    assert nibble_group(48, 4) == 0 and nibble_group(9, 2) == 0
-
-
-@emu_only
 @pytest.mark.parametrize("num_sms,optin", [(4, 227 * 1024), (132, 8 * 1024)])
 def test_emu_approx_scores_profiles(num_sms, optin):
     """Many blocks per head; T too large for shared memory -> global-memory path."""
     check_approx_scores(Env("emu", num_sms=num_sms, smem_optin=optin), 9, 3, 16, 256, 5000)
-    check_approx_scores(Env("emu", num_sms=num_sms, smem_optin=optin), 9, 3, 64, 16, 5000, nibbles=True)
 
 
 def _z_cases(rng, Hq, n):
@@ -138,18 +110,10 @@ def _z_cases(rng, Hq, n):
     return z
 
 
-@pytest.fixture(params=[True, False], ids=["by-match", "per-lane"])
-def zhist_adds(request, monkeypatch):
-    """zhist's two ways of adding to its histogram (launch.ZHIST_BY_MATCH)."""
-    import kernels_cuda.launch as launch
-    monkeypatch.setattr(launch, "ZHIST_BY_MATCH", request.param)
-    return request.param
-
-
 @emu_only
 @pytest.mark.parametrize("order", EMU_ORDERS)
 @pytest.mark.parametrize("n", [1, 7, 3000])
-def test_emu_threshold_select(order, n, zhist_adds):
+def test_emu_threshold_select(order, n):
     rng = np.random.default_rng(10 + n)
     z = _z_cases(rng, 9, n)
     check_threshold(Env("emu", order=order), z, [0.0, 0.3, 0.9, 0.99, 1.0, 1.5])
@@ -159,7 +123,7 @@ def test_emu_threshold_select(order, n, zhist_adds):
 @pytest.mark.parametrize("order", EMU_ORDERS)
 @pytest.mark.parametrize("cap", [1, 5, 40, 2999])
 @pytest.mark.parametrize("tau", [0.9, 1.0])
-def test_emu_threshold_select_cap(order, cap, tau, zhist_adds):
+def test_emu_threshold_select_cap(order, cap, tau):
     rng = np.random.default_rng(30 + cap)
     z = _z_cases(rng, 9, 3000)
     z[4, :200] = 3.0                       # a top bin of 200 tokens: alone above small caps
@@ -351,16 +315,8 @@ def test_gpu_approx_scores_misaligned():
 
 
 @gpu_only
-@pytest.mark.parametrize("n", GPU_N)
-@pytest.mark.parametrize("Hq,Hkv", [(9, 3), (32, 8)])
-def test_gpu_approx_scores_nibbles(n, Hq, Hkv):
-    check_approx_scores(Env(GPU_KIND, num_sms=132), Hq, Hkv, 64, 16, n, n_cap=n + 17, out_extra=3 if n else 0,
-                        nibbles=True)
-
-
-@gpu_only
 @pytest.mark.parametrize("n", [1, 1000, 70000])
-def test_gpu_threshold_select(n, zhist_adds):
+def test_gpu_threshold_select(n):
     rng = np.random.default_rng(20 + n)
     z = _z_cases(rng, 9, n)
     check_threshold(Env(GPU_KIND, num_sms=132), z, [0.0, 0.5, 0.9, 0.99, 1.0])
@@ -371,7 +327,7 @@ def test_gpu_threshold_select(n, zhist_adds):
 @gpu_only
 @pytest.mark.parametrize("cap", [1, 64, 4096])
 @pytest.mark.parametrize("tau", [0.9, 1.0])
-def test_gpu_threshold_select_cap(cap, tau, zhist_adds):
+def test_gpu_threshold_select_cap(cap, tau):
     rng = np.random.default_rng(40 + cap)
     z = _z_cases(rng, 9, 70000)
     z[4, :5000] = 3.0

@@ -95,8 +95,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         Hq, hd = self.Hq, self.hd
         if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
-        # query head h on kv head h // G: a kv head's codes scored once for its G heads
-        self._grouped_layout = kcu_decode.grouped_layout(self.q_to_kv, Hq, self.Hkv)
         # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut
         self._grouped_gather = self._groups_gather(self.value_sum)
         self.prefill_values = self._grow(self.prefill_specs["prefill_values"])
@@ -297,8 +295,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         n, ne = self.n_store, self.n_encoded
         zb = self.z.data[..., 0]                                                  # [Hq, cap]
         if ne:
-            C, F = self._score_tables(layer)
-            ds.scores(L, q, self.q2k_dev, C, self.indices.data[layer], ne, zb, factors=F)
+            ds.scores(L, q, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], ne, zb)
         if n > ne:   # keys not (yet) encoded: exact scores, positions [ne, n)
             Kx = self.exact_keys.view(layer, n - self.exact_base)
             zb[:, ne:n] = torch.bmm(q.view(self.Hkv, -1, self.hd), Kx.transpose(1, 2)).reshape(self.Hq, -1)
@@ -358,20 +355,12 @@ class HCACacheCUDA(CapturedSteps, HCABase):
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
     def _codebooks_dev(self) -> torch.Tensor:
-        """The codebooks (and a nibble-pair store's factors) as contiguous float32 on the device."""
-        cb = self.codebooks
-        on = [t for t in (cb.centroids, cb.factors) if t is not None]
-        if any(t.device != self.device or t.dtype != torch.float32 or not t.is_contiguous() for t in on):
-            dev = [t.float().to(self.device).contiguous() for t in on]
-            self.codebooks = Codebooks(dev[0], cb.source)
-            self.codebooks.factors = dev[1] if len(dev) > 1 else None
+        C = self.codebooks.centroids
+        # (nibble pairs: the GPU reads the product codebooks only, so their factors are not kept)
+        if (C.device != self.device or C.dtype != torch.float32 or not C.is_contiguous()
+                or self.codebooks.factors is not None):
+            self.codebooks = Codebooks(C.float().to(self.device).contiguous(), self.codebooks.source)
         return self.codebooks.centroids
-
-    def _score_tables(self, layer: int):
-        """(codebooks, factors or None) of one layer for DecodeStep.scores: nibble pairs on the
-        grouped layout are scored from their 16-centroid factors (approx_scores_nibbles)."""
-        C, F = self._codebooks_dev(), self.codebooks.factors
-        return C[layer], (F[layer] if F is not None and self._grouped_layout else None)
 
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         """K [L, Hkv, m, hd] (device) -> indices [L, Hkv, m, g] (device), one launch for all layers."""

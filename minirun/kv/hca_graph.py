@@ -65,12 +65,11 @@ class CapturedSteps:
         self.indices.reserve(n + 1)
         self._graph_state()
         self._live_mask(graph=True)
-        C, F = self._score_tables(0)
-        tables = F if F is not None else C   # (what DecodeStep.scores builds its LUT from)
-        T = self._decode_kernels().reserve_lut(tables.shape[1], tables.shape[2])
+        C = self._codebooks_dev()
+        T = self._decode_kernels().reserve_lut(C.shape[2], C.shape[3])
         # what a graph bakes in: the addresses (and strides) of everything that can be reallocated
         key = ("hca", nb) + tuple((t.data_ptr(), tuple(t.shape)) for t in (
-            self.z.data, self.sel.data, self.indices.data, self.values.data, self.codebooks.centroids, tables, T))
+            self.z.data, self.sel.data, self.indices.data, self.values.data, C, T))
         return key, nb
 
     def graph_prepare(self) -> None:
@@ -103,8 +102,8 @@ class CapturedSteps:
                 if far:
                     qf.mul_(self._length_factor)
             zb, idx = self.z.data[..., 0], self.sel.data[..., 0]
-            C, F = self._score_tables(layer)
-            ds.scores(L, qf, self.q2k_dev, C, self.indices.data[layer], n_keys, zb, n_live=self._n_live, factors=F)
+            ds.scores(L, qf, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], n_keys, zb,
+                      n_live=self._n_live)
             # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
             cap = self.max_select or 0
             ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live)
