@@ -66,9 +66,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "store_rows_b32",
     ),
     "gather.cu": (
-        "gather_value_sum_f32_i32",
-        "gather_value_sum_f16_i32",
-        "gather_value_sum_bf16_i32",
         "gather_value_sum_grouped_f32_g3",
         "gather_value_sum_grouped_f32_g4",
         "gather_value_sum_grouped_f32_g8",

@@ -21,7 +21,7 @@ from .launch import (_ATT_THREADS, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _
                      _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, score_parts, select_mode, zcut_tau,
                      launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
 
-__all__ = ["DecodeStep", "gather_splits", "group_size", "grouped_layout", "host_pool_readable"]
+__all__ = ["DecodeStep", "gather_splits", "group_size", "host_pool_readable"]
 
 _PREP_THREADS = _sources.constant("decode.cu", "MR_PREP_THREADS")
 _PACK_THREADS = _sources.constant("decode.cu", "MR_PACK_THREADS")
@@ -58,34 +58,17 @@ def _launch_store_rows(L, src, dst, row):
              (src, _i64(src.stride(0)), row, dst, _i64(dst.stride(0)), _i64(dst.stride(1)), _i32(src.shape[1])))
 
 
-def gather_splits(width: int, Hq: int, num_sms: int) -> int:
-    """nsplit of gather_value_sum for lists of at most `width` tokens: about 4 blocks per SM (every
-    row read crosses the host bus, so many reads in flight), each block >= 64 tokens of a full list."""
-    return max(1, min(_cdiv(4 * num_sms, max(1, Hq)), _cdiv(max(width, 1), _GATHER_MIN_SHARE)))
-
-
 def group_size(Hq: int, Hkv: int) -> int:
-    """Query heads per kv head the grouped gather takes (0: none, only the per-head gather)."""
+    """Query heads per kv head the GPU's gather takes (0: it cannot: the value sum is the host's)."""
     g = Hq // Hkv if Hkv and Hq % Hkv == 0 else 0
     return g if g <= _GATHER_MAX_GROUP else 0
 
 
-def grouped_layout(q_to_kv, Hq: int, Hkv: int) -> bool:
-    """Whether q_to_kv is the grouped gather's layout: query head h reads kv head h // g."""
-    g = group_size(Hq, Hkv)
-    return g > 0 and bool(np.array_equal(np.asarray(q_to_kv), np.arange(Hq) // g))
-
-
-def _gather_nsplit(width: int, Hq: int, group: int, num_sms: int) -> int:
-    """nsplit of a gather over lists of at most `width` tokens: per query head (group 0), or per kv
-    group over its group * width entries (gather_value_sum_grouped)."""
-    return gather_splits(width * group, Hq // group, num_sms) if group else gather_splits(width, Hq, num_sms)
-
-
-def _launch_gather(L, idx, z, counts, cap, n, m, V, q2k, nsplit, o_p, m_p, l_p):
-    L.launch("gather.cu", f"gather_value_sum_{_KV_SUFFIX[str(V.dtype)]}_i32", (nsplit, z.shape[0]), (_GATHER_THREADS,),
-             (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, V, _i64(V.stride(0)),
-              _i64(V.stride(1)), q2k, _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip
+def gather_splits(width: int, Hq: int, group: int, num_sms: int) -> int:
+    """nsplit of gather_value_sum_grouped over lists of at most `width` tokens (each kv group's
+    group * width entries): about 4 blocks per SM (every row read crosses the host bus, so many
+    reads in flight), each block >= 64 entries of full lists."""
+    return max(1, min(_cdiv(4 * num_sms, max(1, Hq // group)), _cdiv(max(width * group, 1), _GATHER_MIN_SHARE)))
 
 
 def _launch_gather_grouped(L, idx, z, counts, cap, n, m, cut, z_range, n_bins, g, V, nsplit, o_p, m_p, l_p):
@@ -143,8 +126,8 @@ class DecodeStep:
         self.hist, self.hcount = self.hists[0], self.hists[1].view(torch.int32)
         self.cut, self.counts = new(Hq, dtype=torch.int32), new(Hq, dtype=torch.int32)
         # partials: the exact tier's attend launches (two with far positions), then the gather's
-        self.group = group_size(Hq, Hkv)          # (0: no grouped gather)
-        gmax = max(_gather_nsplit(capacity, Hq, g, self.num_sms) for g in (0, self.group))
+        self.group = group_size(Hq, Hkv)          # (0: no GPU gather: the value sum is the host's)
+        gmax = gather_splits(capacity, Hq, self.group, self.num_sms) if self.group else 0
         p_max = 2 * _attend_split_max(exact_rows, Hq, self.num_sms, Hkv, d) + 2 + gmax
         self.os, self.ms, self.ls = new(p_max, Hq, d), new(p_max, Hq), new(p_max, Hq)
         self.no_stage = new(Hq, d + 2)            # an empty host part (l = 0) for merge after a gather
@@ -216,23 +199,16 @@ class DecodeStep:
                               self.ls[part0:], grouped=True)
         return part0 + nsplit
 
-    def gather(self, L, idx, z, n, cap, V, q2k, part0, grouped=False):
+    def gather(self, L, idx, z, n, cap, V, part0):
         """The selection's value sum read from the host pool V [Hkv, >= n, d] (pinned, mapped) into
-        os / ms / ls [part0:], on the stats in m and the counts `select` left; returns the next free
-        part. idx: select's int32 rows; cap: 0 = none. grouped: the selection was select's
-        histogram cut (select_mode 0) and q2k is h // group: each row is read once per kv group
-        (gather_value_sum_grouped)."""
+        os / ms / ls [part0:], on the stats in m and the cut and counts `select` left (query head h
+        on kv head h // group); returns the next free part. idx: select's int32 rows; cap: 0 = none."""
         cap = cap or 2**31 - 1
-        g = self.group if grouped else 0
-        nsplit = _gather_nsplit(min(n, idx.shape[1], cap), self.Hq, g, self.num_sms)
+        nsplit = gather_splits(min(n, idx.shape[1], cap), self.Hq, self.group, self.num_sms)
         if part0 + nsplit > self.os.shape[0]:   # (sized in __init__ for the capacity: cannot happen)
             raise RuntimeError(f"gather: {part0} + {nsplit} partials > {self.os.shape[0]} allocated")
-        if g:
-            _launch_gather_grouped(L, idx, z, self.counts, cap, n, self.m, self.cut, self.z_range, self.n_bins,
-                                   g, V, nsplit, self.os[part0:], self.ms[part0:], self.ls[part0:])
-        else:
-            _launch_gather(L, idx, z, self.counts, cap, n, self.m, V, q2k, nsplit, self.os[part0:], self.ms[part0:],
-                           self.ls[part0:])
+        _launch_gather_grouped(L, idx, z, self.counts, cap, n, self.m, self.cut, self.z_range, self.n_bins,
+                               self.group, V, nsplit, self.os[part0:], self.ms[part0:], self.ls[part0:])
         return part0 + nsplit
 
     def store_rows(self, L, src, dst, row):

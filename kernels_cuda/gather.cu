@@ -1,10 +1,8 @@
-// gather.cu -- the store's part of an HCA decode step summed by the GPU itself
-// (MINIRUN_VALUE_SUM=gpu, minirun/kv/hca_cuda.py): the selected value rows are read straight from
-// the host value pool (page-locked and mapped), so a decode step needs no copy-back, no host sum
-// and no host wait.
-//
-//   gather_value_sum_*          per query head: its own list of rows
-//   gather_value_sum_grouped_*  per kv group: each row once, weighted for every head that chose it
+// gather.cu -- the store's part of an HCA decode step summed by the GPU itself (value_sum "gpu",
+// minirun/kv/hca_cuda.py): the selected value rows are read straight from the host value pool
+// (page-locked and mapped), so a decode step needs no copy-back, no host sum and no host wait.
+// gather_value_sum_grouped_* reads each row once per kv group, weighted for every query head that
+// chose it.
 //
 // Their partials are merged by decode.cu's lse_merge_staged.  Compiled without --use_fast_math:
 // the grouped kernel recomputes scores.cu's histogram bins (mr_bin) and must agree bit for bit.
@@ -14,124 +12,17 @@
 #include "common.cuh"
 
 #define MR_GATHER_THREADS 256
-#define MR_GATHER_TILE 256   // tokens whose (row, weight) a block stages in shared memory at a time
 #define MR_GATHER_ILP 4      // value rows in flight per thread (each read crosses the host bus)
 #define MR_GATHER_MAX_GROUP 8   // query heads per kv head the grouped gather takes
 #define MR_GROUP_TILE 128       // its tile (its shared memory holds a weight per head and token)
 
 // ---------------------------------------------------------------------------
-// gather_value_sum: the store's part of a decode step summed on the GPU, reading the value rows
-// straight from the host pool V [Hkv, cap, d] (page-locked and mapped: a device address of host
-// memory).  Block (s, h) of grid (nsplit, Hq) takes the s-th of nsplit equal shares of the head's
-// list t < c = min(counts[h], cap): j = idx[h, t] clamped to [0, n), w = exp(z[h, j] - m[h]) and
-//   o_part[s, h] = sum w V[q_to_kv[h], j] / sum w,  m_part[s, h] = m[h],  l_part[s, h] = sum w
-// (lse_merge_staged's partial layout [nsplit, Hq, ...]; an empty share, or m[h] = -inf: 0, -inf, 0).
-// m[h] is the max of every score z[h, :n] (approx_scores' stats), so no weight exceeds 1.
-// Launch: block MR_GATHER_THREADS, grid (nsplit, Hq), d even, 2 <= d <= MR_GATHER_THREADS, V's rows
-// aligned to two elements, no dynamic smem.  A tile of MR_GATHER_TILE tokens at a time: thread i
-// stages token t0 + i's (row, weight); then thread (grp, e), grp = tid / (d/2), e = 2 (tid % (d/2)),
-// sums elements e, e + 1 of rows grp, grp + ngroups, ... (one two-element load each: a row is one
-// coalesced read by d/2 threads: 128 B by one warp for SmolLM2's 16-bit rows), MR_GATHER_ILP
-// loads issued before their first use.
-// ---------------------------------------------------------------------------
-template <typename Tag, typename I>
-__device__ __forceinline__ void gather_value_sum_impl(
-    const I* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
-    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
-    const typename Tag::S* __restrict__ V, long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d,
-    float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
-    __shared__ int js[MR_GATHER_TILE];
-    __shared__ float ws[MR_GATHER_TILE];
-    __shared__ float red[2 * MR_GATHER_THREADS];   // >= ngroups * d
-    __shared__ float scratch[64];
-    const int tid = threadIdx.x, h = blockIdx.y, Hq = gridDim.y;
-    const int c = counts[h] < cap ? counts[h] : cap;
-    const long long share = ((long long)c + gridDim.x - 1) / gridDim.x;
-    const long long start = (long long)blockIdx.x * share;
-    const long long end = mr_min_ll(start + share, (long long)c);
-    const float M = m[h];
-    const bool live = M > mr_neg_inf();   // uniform over the block
-    const I* ih = idx + (long long)h * idx_s0;
-    const float* zh = z + (long long)h * z_s0;
-    const typename Tag::S* Vh = V + (long long)q_to_kv[h] * v_s0;
-    const int half = d >> 1;
-    const int ngroups = blockDim.x / half;
-    const int grp = tid / half, e = 2 * (tid - grp * half);
-    const bool active = grp < ngroups;
-    float acc0 = 0.f, acc1 = 0.f, lsum = 0.f;
-    for (long long t0 = start; live && t0 < end; t0 += MR_GATHER_TILE) {
-        const int cnt = (int)mr_min_ll(MR_GATHER_TILE, end - t0);
-        for (int i = tid; i < cnt; i += blockDim.x) {
-            long long j = (long long)ih[t0 + i];
-            j = j < 0 ? 0 : (j >= n ? n - 1 : j);
-            const float w = expf(zh[j] - M);
-            js[i] = (int)j;
-            ws[i] = w;
-            lsum += w;
-        }
-        __syncthreads();
-        if (active) {
-            int i = grp;
-            for (; i + (MR_GATHER_ILP - 1) * ngroups < cnt; i += MR_GATHER_ILP * ngroups) {
-                float a[MR_GATHER_ILP], b[MR_GATHER_ILP];
-#pragma unroll
-                for (int u = 0; u < MR_GATHER_ILP; ++u)
-                    Tag::load2(Vh + (long long)js[i + u * ngroups] * v_s1 + e, a[u], b[u]);
-#pragma unroll
-                for (int u = 0; u < MR_GATHER_ILP; ++u) {
-                    const float w = ws[i + u * ngroups];
-                    acc0 = fmaf(w, a[u], acc0);
-                    acc1 = fmaf(w, b[u], acc1);
-                }
-            }
-            for (; i < cnt; i += ngroups) {
-                float a, b;
-                Tag::load2(Vh + (long long)js[i] * v_s1 + e, a, b);
-                acc0 = fmaf(ws[i], a, acc0);
-                acc1 = fmaf(ws[i], b, acc1);
-            }
-        }
-        __syncthreads();   // js / ws are overwritten by the next tile
-    }
-    lsum = mr_block_sum(lsum, scratch);
-    if (active) {
-        red[grp * d + e] = acc0;
-        red[grp * d + e + 1] = acc1;
-    }
-    __syncthreads();
-    mr_write_partial(red, ngroups, d, M, lsum, (long long)blockIdx.x * Hq + h, o_part, m_part, l_part);
-}
-
-extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_f32_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
-    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const float* __restrict__ V,
-    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
-    float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_impl<MrF32, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
-        m_part, l_part);
-}
-
-extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_f16_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
-    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
-    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
-    float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_impl<MrF16, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
-        m_part, l_part);
-}
-
-extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
-gather_value_sum_bf16_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
-    const int* __restrict__ counts, int cap, int n, const float* __restrict__ m, const unsigned short* __restrict__ V,
-    long long v_s0, long long v_s1, const int* __restrict__ q_to_kv, int d, float* __restrict__ o_part,
-    float* __restrict__ m_part, float* __restrict__ l_part) {
-    gather_value_sum_impl<MrBF16, int>(idx, idx_s0, z, z_s0, counts, cap, n, m, V, v_s0, v_s1, q_to_kv, d, o_part,
-        m_part, l_part);
-}
-
-// ---------------------------------------------------------------------------
-// gather_value_sum_grouped: gather_value_sum reading each selected row once per kv group (the
-// query heads of one kv head select overlapping rows: 1.6x on SmolLM2, docs/DESIGN.md).
+// gather_value_sum_grouped: the selected value rows of every query head summed from the host pool
+// V [Hkv, cap, d], each row read once per kv group (the query heads of one kv head select
+// overlapping rows: 1.6x on SmolLM2, docs/DESIGN.md). Head h's partial over a split s of its list:
+//   o_part[s, h] = sum w V[h / g, j] / sum w,  m_part[s, h] = m[h],  l_part[s, h] = sum w,
+// w = exp(z[h, j] - m[h]) (lse_merge_staged's layout [nsplit, Hq, ...]; an empty share, or m[h] =
+// -inf: 0, -inf, 0); m[h] is the max of every score z[h, :n], so no weight exceeds 1.
 // Block (s, k) of grid (nsplit, Hkv) takes the s-th share of the group's entries: the
 // concatenation of its heads' lists (heads h = k g .. k g + g - 1, i.e. q_to_kv[h] = h / g; head
 // h's list: t < c_h = min(counts[h], cap), j = idx[h, t] clamped to [0, n)).  A head is *shared*
@@ -140,8 +31,8 @@ gather_value_sum_bf16_i32(const int* __restrict__ idx, long long idx_s0, const f
 // top bin alone held more than cap tokens: the list is any cap of them) it sums its own entries
 // alone.  An entry (h, j) of a shared head is skipped when a lower shared head of the group
 // selects j; else row j is read once and weighted for every shared head at or above h that selects
-// it (w = exp(z[h', j] - m[h'])).  Each head's partial lands at o_part[s, h], m_part, l_part as
-// gather_value_sum's do (the same merged sums over other splits).  Only for 0 < tau < 1 selections.
+// it (w = exp(z[h', j] - m[h'])).  Any selection: tau >= 1 (cut -1: every token is a member, each
+// row read by the group's first head) and tau <= 0 (empty lists) too.
 // Launch: block MR_GATHER_THREADS, grid (nsplit, Hkv), 1 <= g <= G (the kernel's group size: 3, 4 or
 // MR_GATHER_MAX_GROUP; arrays of G in registers), d even, 2 <= d <= MR_GATHER_THREADS, V's rows
 // aligned to two elements, no dynamic shared memory.  Per entry the g scores z[h', j] are loaded

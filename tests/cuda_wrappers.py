@@ -11,9 +11,9 @@ import math
 
 import numpy as np
 
-from kernels_cuda.decode import (_GATHER_MAX_GROUP, _GATHER_THREADS, _OUT_SUFFIX, _gather_nsplit, _launch_gather,
+from kernels_cuda.decode import (_GATHER_MAX_GROUP, _GATHER_THREADS, _OUT_SUFFIX, gather_splits,
                                  _launch_gather_grouped, _launch_merge, _launch_pack, _launch_prep, _launch_store_rows,
-                                 group_size, grouped_layout)
+                                 group_size)
 from kernels_cuda.launch import (N_BINS, Z_RANGE, _ATT_THREADS, _KV_SUFFIX, _MAX_GRID_YZ, _SMEM_MARGIN, _attend_split,
                                  _backend, _check, _f32c, _rows, _score_blocks, _torch, launch_approx_scores,
                                  launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist,
@@ -375,14 +375,14 @@ def store_rows(src, dst, row):
     return dst
 
 
-def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None, group=None):
+def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, group, cap=None, nsplit=None):
     """idx int32 [Hq, >= c] and z f32 [Hq, >= n] (rows contiguous), counts int32 [Hq], m f32
     [Hq] (>= every z[h, :n]), V [Hkv, tokens, d] f32 / f16 / bf16 with contiguous rows -- on a GPU
     page-locked host memory (the value pool), under the emulator a CPU tensor --, q_to_kv [Hq]
-    -> (os [nsplit, Hq, d], ms, ls [nsplit, Hq]) f32: gather_value_sum_ref's partials (c =
-    min(counts, cap)); nsplit defaults to gather_splits of the widest list. group = (cut int32 [Hq],
-    z_range, n_bins) of the threshold selection that made idx: the grouped kernel (each row read
-    once per kv group; q_to_kv must be h // (Hq / Hkv), then unread), the same merged sums."""
+    h // (Hq / Hkv) (checked, then unread), group = (cut int32 [Hq], z_range, n_bins) of the
+    threshold selection that made idx (a cut of n_bins: each head's list alone)
+    -> (os [nsplit, Hq, d], ms, ls [nsplit, Hq]) f32: partials whose merge is each head's weighted
+    sum over its first min(counts, cap) entries; nsplit defaults to gather_splits of the widest list."""
     torch = _torch()
     be = _backend()
     _check(be, idx, "idx", 2)
@@ -408,26 +408,20 @@ def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, cap=None, nsplit=None, gr
                          "contiguous rows aligned to two elements")
     cap = 2**31 - 1 if cap is None else int(cap)
     Hkv = V.shape[0]
-    g = 0
-    if group is not None:
-        cut, z_range, n_bins = group
-        g = group_size(Hq, Hkv)
-        if not g:
-            raise ValueError(f"the grouped gather needs Hq = g Hkv, g <= {_GATHER_MAX_GROUP}")
-        _check(be, cut, "cut", 1, dev)
-        if not grouped_layout(q_to_kv.cpu() if isinstance(q_to_kv, torch.Tensor) else q_to_kv, Hq, Hkv):
-            raise ValueError("the grouped gather reads kv head h // g for query head h: q_to_kv must be that")
+    cut, z_range, n_bins = group
+    g = group_size(Hq, Hkv)
+    if not g:
+        raise ValueError(f"the gather needs Hq = g Hkv, g <= {_GATHER_MAX_GROUP}")
+    _check(be, cut, "cut", 1, dev)
+    q2k = np.asarray(q_to_kv.cpu() if isinstance(q_to_kv, torch.Tensor) else q_to_kv)
+    if not np.array_equal(q2k, np.arange(Hq) // g):
+        raise ValueError("the gather reads kv head h // g for query head h: q_to_kv must be that")
     if nsplit is None:
-        nsplit = _gather_nsplit(min(idx.shape[1], cap), Hq, g, be.device_info(dev)[0])
+        nsplit = gather_splits(min(idx.shape[1], cap), Hq, g, be.device_info(dev)[0])
     os = be.empty((nsplit, Hq, V.shape[2]), torch.float32, dev)
     ms = be.empty((nsplit, Hq), torch.float32, dev)
     ls = be.empty((nsplit, Hq), torch.float32, dev)
     with be.session(dev) as L:
-        if group is None:
-            q2k = _q2k(be, q_to_kv, Hq, Hkv, dev)
-            _launch_gather(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), V, q2k, nsplit, os, ms, ls)
-        else:   # (q_to_kv is h // g by the grid: not read)
-            _launch_gather_grouped(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), cut.contiguous(), z_range,
-                                   n_bins, g, V, nsplit, os, ms, ls)
+        _launch_gather_grouped(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), cut.contiguous(), z_range,
+                               n_bins, g, V, nsplit, os, ms, ls)
     return os, ms, ls
-

@@ -9,8 +9,8 @@ one, with the reason). Tolerances:
   pack_selection    exact (counts, clamped indices, score bits), entries past min(c, w) unwritten
   lse_merge_staged  float32 out: 1e-6 + 1e-5 |ref|; bfloat16 out: within one bfloat16 rounding
                     (2^-8 relative) of the float32 reference
-  gather_value_sum  partials: m exact, l and o 1e-6 + 1e-5 |ref| (float32 sums of <= 300 weights
-                    <= 1 vs float64); merged, equal to weighted_value_sum_ref within the same bounds
+  gather_value_sum  merged partials equal to weighted_value_sum_ref: o 1e-6 + 1e-5 |ref|, log-sum-exp
+                    1e-6 (float32 sums of <= 300 weights <= 1 vs float64)
 """
 from __future__ import annotations
 
@@ -118,9 +118,11 @@ def mapped_pool(env, V):
 
 
 def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, cap, nsplit, host_wait=True, seed=5):
-    """The value rows live where the cache keeps them: a PinnedPool (page-locked and mapped, written
-    by its async copy on a GPU; a plain CPU tensor under the emulator). host_wait False: the gather
-    waits for that copy on the GPU only (device_wait), as the decode step does."""
+    """Each head's own list of rows (any indices, clamped; a cut of n_bins: no head's list is a
+    threshold set, so none is shared), merged, against weighted_value_sum_ref. The value rows live
+    where the cache keeps them: a PinnedPool (page-locked and mapped, written by its async copy on
+    a GPU; a plain CPU tensor under the emulator). host_wait False: the gather waits for that copy
+    on the GPU only (device_wait), as the decode step does."""
     R = _ref()
     rng = np.random.default_rng(seed)
     idx = rng.integers(-2, n + 2, size=(Hq, width)).astype(np.int64)       # out of range: clamped
@@ -135,18 +137,14 @@ def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, cap, nsplit, host_w
     with env.ctx():
         pool.write_all(0, V.to(env.device))
         pool.wait() if host_wait else pool.device_wait()
+        no_cut = env.t(np.full(Hq, kd.N_BINS, np.int32))
         os_, ms, ls = cw.gather_value_sum(env.t(idx, torch.int32), env.t(z)[:, :n], env.t(counts),
-                                          env.t(m), pool.data[0], env.t(q2k_for(Hq, Hkv)), n, cap=cap,
-                                          nsplit=nsplit)
+                                          env.t(m), pool.data[0], env.t(q2k_for(Hq, Hkv)), n,
+                                          (no_cut, kd.Z_RANGE, kd.N_BINS), cap=cap, nsplit=nsplit)
     Vf = V[0].float().numpy()
     c = 2**31 - 1 if cap is None else cap
-    ro, rm, rl = R.gather_value_sum_ref(idx, z, counts, c, n, m, Vf, q2k_for(Hq, Hkv), nsplit)
-    os_, ms, ls = np_(os_), np_(ms), np_(ls)
-    np.testing.assert_array_equal(ms, rm)
-    np.testing.assert_allclose(ls, rl, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(os_, ro, rtol=1e-5, atol=1e-6)
     # merged, the partials are the one-list weighted sum (the CPU backend's host value sum)
-    o, mm, ll = R.lse_merge_ref(os_, ms, ls)
+    o, mm, ll = R.lse_merge_ref(np_(os_), np_(ms), np_(ls))
     cl = np.minimum(counts, c).astype(np.int32)
     cl[2] = 0
     wo, wm, wl = R.weighted_value_sum_ref(z[:, :n], np.clip(idx, 0, n - 1), cl, Vf, q2k_for(Hq, Hkv))
@@ -160,7 +158,7 @@ def check_gather_value_sum(env, Hq, Hkv, d, n, width, dtype, cap, nsplit, host_w
 def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, poison=False, seed=7):
     """The grouped gather (each row read once per kv group) on a real threshold selection
     (DecodeStep.select over scores correlated across heads, so the heads' lists overlap) against
-    weighted_value_sum_ref of each head's list, and against the per-head gather. cap: also a head
+    weighted_value_sum_ref of each head's list. cap: also a head
     whose top bin alone holds more than cap tokens (its list is then any cap of them: not shared).
     poison: a value row that head 0 selected and head 1 did not is inf: head 1 stays exact (a row
     read for one head of a group must not reach another's sum)."""
@@ -186,20 +184,18 @@ def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, poiso
             V[0, 0, min(s0 - s1)] = float("inf")
         pool.write_all(0, V.to(env.device))
         pool.device_wait()
-        grouped = cw.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n, cap=cap, nsplit=nsplit,
-                                      group=(ds.cut, ds.z_range, ds.n_bins))
-        plain = cw.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n, cap=cap)
+        grouped = cw.gather_value_sum(idx, zt, ds.counts, ds.m, pool.data[0], env.t(q2k), n,
+                                      (ds.cut, ds.z_range, ds.n_bins), cap=cap, nsplit=nsplit)
     counts = np_(ds.counts).astype(np.int64)
     c = np.minimum(counts, cap or 2**31 - 1).astype(np.int32)
     assert c.min() > 0 and (cap is None or counts[1] > cap)
     with np.errstate(invalid="ignore"):
         wo, wm, wl = R.weighted_value_sum_ref(z, np_(idx), c, V[0].float().numpy(), q2k)
     exact = np.arange(Hq) != (0 if poison else -1)          # (poison: head 0's sum is inf / NaN)
-    for os_, ms, ls in (grouped, plain):
-        with np.errstate(invalid="ignore"):
-            o, mm, ll = R.lse_merge_ref(np_(os_), np_(ms), np_(ls))
-        np.testing.assert_allclose(o[exact], wo[exact], rtol=1e-5, atol=2e-6)
-        np.testing.assert_allclose((mm + np.log(ll))[exact], (wm + np.log(wl))[exact], rtol=1e-6, atol=1e-5)
+    with np.errstate(invalid="ignore"):
+        o, mm, ll = R.lse_merge_ref(*(np_(t) for t in grouped))
+    np.testing.assert_allclose(o[exact], wo[exact], rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose((mm + np.log(ll))[exact], (wm + np.log(wl))[exact], rtol=1e-6, atol=1e-5)
     pool.free()
     return c
 
@@ -317,6 +313,7 @@ def test_wrapper_argument_errors():
         cw.pack_selection(torch.zeros(3, 4, dtype=torch.int16), torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32), 2)
     with cuda_emu.emulated(), pytest.raises(ValueError):
         cw.gather_value_sum(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 8), torch.zeros(3, dtype=torch.int32),
-                            torch.zeros(3), torch.zeros(2, 8, 300), [0, 0, 1], 8)   # head dim > block
+                            torch.zeros(3), torch.zeros(1, 8, 300), [0, 0, 0], 8,
+                            (torch.zeros(3, dtype=torch.int32), 32.0, 2048))   # head dim > block
     with cuda_emu.emulated(), pytest.raises(ValueError):
         cw.lse_merge_staged(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3, 5))

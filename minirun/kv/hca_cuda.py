@@ -33,8 +33,8 @@ also waits for it. The width w of the copy-back is a guess (grows to the next po
 round trip per layer normally.
 
 With the GPU value sum (EngineConfig.value_sum "gpu", the default where the device can read host
-memory) the step has no host part: after the selection and the exact tier, gather_value_sum
-(kernels_cuda/gather.cu) reads the selected rows from the value pool itself -- the pool is
+memory and a kv head has at most 8 query heads) the step has no host part: after the selection and
+the exact tier, gather_value_sum (kernels_cuda/gather.cu) reads the selected rows from the value pool itself -- the pool is
 page-locked *and mapped*, so a kernel reads it at its host address over the bus -- and
 lse_merge_staged merges with an empty stage. No copy-back, no host sum, no host wait: the host
 only queues launches, and a whole token is captured in one CUDA graph (kv/hca_graph.py). On an
@@ -68,13 +68,15 @@ INITIAL_WIDTH = 1024   # selected tokens per head copied back on the first try
 VALUE_SUMS = ("host", "gpu")
 
 
-def value_sum_choice(want: str, device: torch.device, rescore: bool) -> str:
+def value_sum_choice(want: str, device: torch.device, rescore: bool, group: int) -> str:
     """EngineConfig.value_sum -> "host" | "gpu": auto is gpu unless rescore (its exact scores come
-    from host keys) or the device cannot read page-locked host memory at its address; gpu asked
-    for where it cannot be: host, with a note."""
+    from host keys), the query heads per kv head are not a group the gather takes (group 0:
+    kernels_cuda.decode.group_size) or the device cannot read page-locked host memory at its
+    address; gpu asked for where it cannot be: host, with a note."""
     if want == "host":
         return "host"
     why = ("rescore scores the selected tokens from the host's keys" if rescore else
+           "the query heads per kv head are not a group of at most 8" if not group else
            "this device cannot read page-locked host memory at its address"
            if device.type == "cuda" and not kcu_decode.host_pool_readable(device) else None)
     if why and want == "gpu":
@@ -90,13 +92,12 @@ class HCACacheCUDA(CapturedSteps, HCABase):
                  value_sum: str = "auto", rescore: bool = False, **kw):
         self._gpu = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
-        self.value_sum = value_sum_choice(value_sum, device, rescore and not layout.exact_keys)
+        self.value_sum = value_sum_choice(value_sum, device, rescore and not layout.exact_keys,
+                                          kcu_decode.group_size(args.num_attention_heads, args.num_key_value_heads))
         super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, rescore=rescore, **kw)
         Hq, hd = self.Hq, self.hd
         if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
-        # a row read once per kv group: value_sum "gpu", its layout, and a histogram cut
-        self._grouped_gather = self._groups_gather(self.value_sum)
         self.prefill_values = self._grow(self.prefill_specs["prefill_values"])
         self.anchor_v = None      # the anchor block's values on the device, during an anchor prefill
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
@@ -143,12 +144,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
     def backend_options(config) -> dict:
         return {"value_sum": config.value_sum}
 
-    def _groups_gather(self, value_sum: str) -> bool:
-        """Whether the GPU value sum reads each row once per kv group: a histogram cut (0 < tau < 1,
-        or a cap) and query head h on kv head h // group; else each query head reads its own rows."""
-        return (value_sum == "gpu" and self._histogram_cut()
-                and kcu_decode.grouped_layout(self.q_to_kv, self.Hq, self.Hkv))
-
     def _histogram_cut(self, n: int = 2**31 - 1) -> bool:
         """Whether a selection over n store tokens cuts a histogram (kernels_cuda select_mode 0):
         then decode_prep zeroes the histograms first."""
@@ -164,7 +159,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             raise MiniRunError("value sum gpu: the value pool is not mapped for the GPU"
                                + (" (rescore sums on the host)" if self.host_keys is not None else ""))
         self.value_sum = choice
-        self._grouped_gather = self._groups_gather(choice)
 
     def _host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=self._gpu)
@@ -193,7 +187,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return (o if o.dtype == q.dtype else o.to(q.dtype))[None]
 
     def _pool_mapped(self) -> bool:
-        """Whether the GPU can read the pool (registered mapped); if not, value_sum becomes cpu."""
+        """Whether the GPU can read the pool (registered mapped); if not, value_sum becomes host."""
         if not self.values.mapped:
             print("note: value_sum gpu: the value pool could not be mapped for the GPU; summing values on the host",
                   file=sys.stderr)
@@ -207,7 +201,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         zb, idx, n, cap = self._select_on_device(L, ds, layer, qf)
         P = self._exact_parts(L, ds, layer, qs, qf)
         self.values.device_wait()                                     # the eviction copies, on the GPU
-        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], self.q2k_dev, P, grouped=self._grouped_gather)
+        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], P)
         if self.record_selection is not None:                         # (a probe: this one syncs)
             self.record_selection.append(np.minimum(ds.counts.cpu().numpy(), cap) / n)
         o = ds.merge(L, P, ds.no_stage)

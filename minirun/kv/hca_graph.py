@@ -108,8 +108,7 @@ class CapturedSteps:
             cap = self.max_select or 0
             ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live)
             P = self._exact_parts(L, ds, layer, qs, qf, self._mask)   # (graph_key made it)
-            P = ds.gather(L, idx, zb, n_keys, cap, self.values.data[layer], self.q2k_dev, P,
-                          grouped=self._grouped_gather)
+            P = ds.gather(L, idx, zb, n_keys, cap, self.values.data[layer], P)
             o = ds.merge(L, P, ds.no_stage)
         return (o if o.dtype == q.dtype else o.to(q.dtype))[None]
 

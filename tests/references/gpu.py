@@ -45,31 +45,6 @@ def lse_merge_staged_ref(os, ms, ls, stage):
     return o
 
 
-def gather_value_sum_ref(idx, z, counts, cap, n, m, V, q_to_kv, nsplit):
-    """idx [Hq, >= c] (int), z [Hq, >= n] f32, counts [Hq], m [Hq] f32 (>= every z[h, :n]),
-    V [Hkv, cap_tokens, d], q_to_kv [Hq] -> (os [nsplit, Hq, d], ms, ls [nsplit, Hq]) f32: split s of
-    head h covers t in [s S, min((s + 1) S, c)), S = ceil(c / nsplit), c = min(counts[h], cap);
-    over j = idx[h, t] clamped to [0, n), w = exp(z[h, j] - m[h]): o = sum w V[kv, j] / sum w,
-    m = m[h], l = sum w; an empty split (0, -inf, 0)."""
-    Hq, d = len(counts), V.shape[2]
-    os = np.zeros((nsplit, Hq, d), np.float32)
-    ms = np.full((nsplit, Hq), -np.inf, np.float32)
-    ls = np.zeros((nsplit, Hq), np.float32)
-    for h in range(Hq):
-        c = min(int(counts[h]), cap)
-        share = -(-c // nsplit)
-        for s in range(nsplit):
-            j = np.clip(np.asarray(idx[h, s * share:min((s + 1) * share, c)], np.int64), 0, n - 1)
-            if len(j) == 0 or not m[h] > -np.inf:
-                continue
-            w = np.exp(z[h, j].astype(np.float64) - m[h])
-            if not w.sum() > 0:
-                continue
-            os[s, h] = w @ V[q_to_kv[h], j].astype(np.float64) / w.sum()
-            ms[s, h], ls[s, h] = m[h], w.sum()
-    return os, ms, ls
-
-
 def store_rows_ref(src: np.ndarray, dst: np.ndarray, row: int) -> np.ndarray:
     """src [R, d], dst [R, tokens, d] -> a copy of dst with dst[:, row] = src (kernels_cuda store_rows)."""
     out = dst.copy()
