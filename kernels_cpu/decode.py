@@ -278,9 +278,26 @@ def _check(name, mats, *acts):
         raise ValueError(f"{name}: bfloat16 weights need an even number of columns (read as pairs)")
 
 
-def _n_out(w) -> int:
+def rows_of(w) -> int:
     """Rows of a float matrix or of quantized tiles (their `rows`)."""
     return w.rows if isinstance(w, tuple) else w.shape[0]
+
+
+# The fused kernels without their wrappers' checks and allocations, for a caller that checked its
+# weights once (check_fused_weights) and owns its buffers (minirun/cpu_token.py): the wrappers'
+# ~10 us a layer are a tenth of a small model's token.
+attn_in_into, attn_out_into, norm_gemv_into = _k_attn_in, _k_attn_out, _k_norm_gemv
+
+
+def check_fused_weights(layers, head, act_dtype) -> None:
+    """What attn_in, attn_out and norm_gemv check on every call, once: each layer's weights (dicts
+    of attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) and the head's (norm, lm_head) float in the
+    activations' dtype (float32, or bfloat16 bits: uint16) or quantized tiles."""
+    x = np.empty(0, act_dtype)
+    for w in layers:
+        _check("attn_in", (w["wqkv"],), x, w["attn_norm"])
+        _check("attn_out", (w["wo"], w["w_gate_up"], w["w_down"]), x, w["ffn_norm"])
+    _check("norm_gemv", (head["lm_head"],), x, head["norm"])
 
 
 def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None):
@@ -292,7 +309,7 @@ def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None):
     """
     _check("attn_in", (w_qkv,), x, w_norm)
     if out is None:
-        out = np.empty(_n_out(w_qkv), x.dtype)
+        out = np.empty(rows_of(w_qkv), x.dtype)
     _k_attn_in(x, w_norm, np.float32(eps), w_qkv, int(pos), np.ascontiguousarray(inv_freq, np.float64),
                n_rot, head_dim, out)
     return out
@@ -315,7 +332,7 @@ def norm_gemv(x, w_norm, eps, w, out=None):
     """(rms_norm(x) * w_norm) @ w^T as float32 [O]: the final norm and LM head of a decode step."""
     _check("norm_gemv", (w,), x, w_norm)
     if out is None:
-        out = np.empty(_n_out(w), np.float32)
+        out = np.empty(rows_of(w), np.float32)
     _k_norm_gemv(x, w_norm, np.float32(eps), w, out)
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelArgs
+from .cpu_token import CPUToken
 from .ops import (attention_input, attention_output_and_mlp, embed, output_logits, prepare_cuda_decode,
                   prepare_fused_decode, rope_cos_sin, rope_cos_sin_at, rope_inv_freq, rope_table)
 
@@ -20,6 +21,8 @@ class Model:
         self.inv_freq64 = self.inv_freq.to(device=device, dtype=torch.float64)   # (decode_at's angles)
         # one-token steps on the CPU: each half of a layer in one fused kernel (ops.py)
         self.fused_decode = prepare_fused_decode(weights, args, self.inv_freq, device, dtype)
+        # ... and the whole token through numpy arrays where every layer has them (cpu_token.py)
+        self.cpu_token = CPUToken.of(weights, args, dtype) if self.fused_decode else None
         # one-token steps on a GPU: the small ops of a layer in 4 kernels (ops.py)
         self.cuda_decode = device.type == "cuda" and prepare_cuda_decode(weights, args, device, dtype)
 
@@ -30,6 +33,8 @@ class Model:
         head is a large share of a one-token step; `logits` makes them later)."""
         a = self.args
         T = tokens.shape[0]
+        if T == 1 and self.cpu_token is not None:
+            return self.cpu_token.forward(tokens, cache, hidden)
         cos, sin = rope_cos_sin(self.inv_freq, cache.offset, T, self.dtype, self.device)
         cs = rope_table(cos, sin) if T == 1 and self.cuda_decode else None        # once per token
         x = embed(tokens, self.w["embed"])                                        # [T, D]

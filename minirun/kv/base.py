@@ -21,6 +21,12 @@ class KVCache:
         """Store k, v [T, Hkv, hd] for `layer` and return causal attention of q [T, Hq, hd] -> [T, Hq, hd]."""
         raise NotImplementedError
 
+    def attend_np(self, layer: int, q, k, v):
+        """attend for one token on numpy rows (minirun/cpu_token.py): q [Hq, hd], k, v [Hkv, hd]
+        (float32, or bfloat16 bits: uint16) -> o [Hq, hd] in q's dtype, valid until the next call."""
+        from ..ops import as_numpy, from_numpy_bits
+        return as_numpy(self.attend(layer, *(from_numpy_bits(t)[None] for t in (q, k, v)))[0])
+
     def advance(self, n: int) -> None:
         self.offset += n
 

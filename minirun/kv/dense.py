@@ -33,6 +33,7 @@ class DenseCache(KVCache):
             self._scale = 1.0 / math.sqrt(head_dim)
         else:
             self._k_np = self._v_np = None
+        self._o_np = None         # attend_np's output rows, made on its first call
         self._gpu_attn = None     # kernels_cuda's split-K decode attention, made on the first GPU step
 
     def _gpu_decode(self, q):
@@ -47,16 +48,23 @@ class DenseCache(KVCache):
                 self._gpu_attn = DenseDecodeAttention(self.k.device, q.shape[1], Hkv, hd, cap, q.dtype)
         return self._gpu_attn or None
 
+    def attend_np(self, layer, q, k, v):
+        if self._k_np is None or q.dtype != self._k_np.dtype:
+            return super().attend_np(layer, q, k, v)
+        pos0 = self.offset
+        K, V = self._k_np[layer], self._v_np[layer]
+        K[:, pos0], V[:, pos0] = k, v
+        if self._o_np is None:
+            self._o_np = np.empty(q.shape, K.dtype)
+        return kernels_cpu.dense_attend(q, K, V, pos0 + 1, self._scale, out=self._o_np)
+
     def attend(self, layer, q, k, v):
         T, pos0 = q.shape[0], self.offset
         end = pos0 + T
         if T == 1 and self._k_np is not None and q.dtype is self.k.dtype:
             # numpy views only: torch's per-op dispatch cost ~50 us per layer of a one-token step
-            K, V = self._k_np[layer], self._v_np[layer]
-            K[:, pos0], V[:, pos0] = as_numpy(k[0]), as_numpy(v[0])
-            o = np.empty(q.shape[1:], K.dtype)
-            kernels_cpu.dense_attend(as_numpy(q[0]), K, V, end, self._scale, out=o)
-            return from_numpy_bits(o)[None]
+            o = self.attend_np(layer, as_numpy(q[0]), as_numpy(k[0]), as_numpy(v[0]))
+            return from_numpy_bits(o.copy())[None]
         self.k[layer, :, pos0:end] = k.transpose(0, 1)
         self.v[layer, :, pos0:end] = v.transpose(0, 1)
         if T == 1 and self._gpu_decode(q) is not None:

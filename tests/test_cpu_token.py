@@ -1,0 +1,50 @@
+"""The CPU's one-token step through numpy arrays (minirun/cpu_token.py) against the same step
+through torch tensors (ops.attention_input, cache.attend, ops.attention_output_and_mlp): the same
+kernels, so the same logits, for float32, bfloat16 and quantized weights, dense and HCA caches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minirun.bench import random_ids as _random_ids
+from minirun.engine import Engine
+
+
+def random_ids(n, seed):
+    return _random_ids(n, 300, seed)   # (tiny_model_dir's vocabulary)
+
+
+def decode_logits(eng, ids, n=6, torch_path=False):
+    """Logits of n decode steps after the prompt ids (greedy), one [n, V] tensor."""
+    if torch_path:
+        eng.model.cpu_token = None
+    assert (eng.model.cpu_token is None) == torch_path
+    logits, _ = eng.prefill(ids)
+    tok, out = int(logits[-1].argmax()), []
+    for _ in range(n):
+        lg = eng.step(tok)
+        out.append(lg.float())
+        tok = int(lg[-1].argmax())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(dtype="bfloat16"), dict(weights="q4_1"), dict(weights="q8_0"),
+                                dict(kv="hca", key_store="exact", window=16, sinks=4, prefill_mode="hca")],
+                         ids=["f32", "bf16", "q4_1", "q8_0", "hca"])
+def test_numpy_token_equals_torch_token(tiny_model_dir, kw):
+    d = tiny_model_dir("gqa-untied")
+    ids = random_ids(80, seed=3)
+    a = decode_logits(Engine.load(d, device="cpu", ctx=128, **kw), ids)
+    b = decode_logits(Engine.load(d, device="cpu", ctx=128, **kw), ids, torch_path=True)
+    assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+def test_hidden_state_is_a_copy(tiny_model_dir):
+    """forward(hidden=True) returns a state the next step does not overwrite."""
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=64)
+    eng.prefill(random_ids(10, seed=4))
+    m, c = eng.model, eng.cache
+    h1 = m.forward(torch.tensor([5]), c, hidden=True)
+    keep = h1.clone()
+    m.forward(torch.tensor([6]), c, hidden=True)
+    assert torch.equal(h1, keep)
