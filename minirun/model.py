@@ -33,7 +33,7 @@ class Model:
         head is a large share of a one-token step; `logits` makes them later)."""
         a = self.args
         T = tokens.shape[0]
-        if T == 1 and self.cpu_token is not None:
+        if T == 1 and self.cpu_token is not None and not self.cuda_decode:
             return self.cpu_token.forward(tokens, cache, hidden)
         cos, sin = rope_cos_sin(self.inv_freq, cache.offset, T, self.dtype, self.device)
         cs = rope_table(cos, sin) if T == 1 and self.cuda_decode else None        # once per token

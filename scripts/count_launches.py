@@ -73,6 +73,7 @@ def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]
                           **(HCA if kv == "hca" else {}))
         for lw in eng.model.w["layers"]:
             lw.pop("np", None)                       # (the CPU's own fused path)
+        eng.model.cpu_token = None                   # (and its numpy token)
         if kv == "dense":
             eng.cache._k_np = None                   # (the CPU's numpy step; a GPU takes SDPA)
         if layer_kernels:

@@ -91,6 +91,7 @@ def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype):
     eng.model.cuda_decode = True
     for lw in ref.model.w["layers"]:
         lw.pop("np", None)
+    ref.model.cpu_token = None
     toks = ref.generate(IDS, max_new_tokens=6, ignore_eos=True).tokens
     la = _decode(ref, toks, ref.step)
     gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=8, capture=False)

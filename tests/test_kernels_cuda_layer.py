@@ -93,6 +93,7 @@ def test_emu_model_decode_through_layer_kernels(tiny_model_dir, dtype):
     # the reference without the CPU's fused kernels either: the plain torch ops
     for lw in ref.model.w["layers"]:
         lw.pop("np", None)
+    ref.model.cpu_token = None
     a = ref.generate(ids, max_new_tokens=6, ignore_eos=True)
     with cuda_emu.emulated() as be:
         b = eng.generate(ids, max_new_tokens=6, ignore_eos=True)
