@@ -26,15 +26,14 @@ class CPUToken:
     ops.prepare_fused_decode) and whose LM head has them too; `of` says whether one applies."""
 
     def __init__(self, weights: dict, args: ModelArgs, dtype: torch.dtype):
-        self.w, self.args = weights, args
+        self.w = weights
         self.layers = [lw["np"] for lw in weights["layers"]]
         self.head = weights["np"]
         self.eps = np.float32(args.rms_norm_eps)
-        a = args
-        self.Hq, self.Hkv, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.Hq, self.Hkv, self.hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         act = np.uint16 if dtype == torch.bfloat16 else np.float32    # (bfloat16 as its bits)
         kernels_cpu.decode.check_fused_weights(self.layers, self.head, act)
-        self.x = [np.empty(a.hidden_size, act) for _ in range(2)]      # the residual, in turns
+        self.x = [np.empty(args.hidden_size, act) for _ in range(2)]      # the residual, in turns
         self.act = act
         self.vocab = kernels_cpu.decode.rows_of(self.head["lm_head"])
 

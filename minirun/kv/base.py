@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import as_numpy, from_numpy_bits
+
 
 class KVCache:
     """Base class: position bookkeeping shared by every cache."""
@@ -24,7 +26,6 @@ class KVCache:
     def attend_np(self, layer: int, q, k, v):
         """attend for one token on numpy rows (minirun/cpu_token.py): q [Hq, hd], k, v [Hkv, hd]
         (float32, or bfloat16 bits: uint16) -> o [Hq, hd] in q's dtype, valid until the next call."""
-        from ..ops import as_numpy, from_numpy_bits
         return as_numpy(self.attend(layer, *(from_numpy_bits(t)[None] for t in (q, k, v)))[0])
 
     def advance(self, n: int) -> None:

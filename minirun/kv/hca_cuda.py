@@ -34,13 +34,13 @@ round trip per layer normally.
 
 With the GPU value sum (EngineConfig.value_sum "gpu", the default where the device can read host
 memory and a kv head has at most 8 query heads) the step has no host part: after the selection and
-the exact tier, gather_value_sum (kernels_cuda/gather.cu) reads the selected rows from the value pool itself -- the pool is
-page-locked *and mapped*, so a kernel reads it at its host address over the bus -- and
-lse_merge_staged merges with an empty stage. No copy-back, no host sum, no host wait: the host
-only queues launches, and a whole token is captured in one CUDA graph (kv/hca_graph.py). On an
-H100 this decoded 1.7-2x faster than the host sum at 8K-1M of context (docs/BENCHMARKS.md); the
-host sum stays for rescore (it scores the selected tokens from host keys) and for devices that
-cannot map host memory.
+the exact tier, gather_value_sum (kernels_cuda/gather.cu) reads the selected rows from the value
+pool itself -- the pool is page-locked *and mapped*, so a kernel reads it at its host address over
+the bus -- and lse_merge_staged merges with an empty stage. No copy-back, no host sum, no host
+wait: the host only queues launches, and a whole token is captured in one CUDA graph
+(kv/hca_graph.py). On an H100 this decoded 1.7-2x faster than the host sum at 8K-1M of context
+(docs/BENCHMARKS.md); the host sum stays for rescore (it scores the selected tokens from host
+keys), for devices that cannot map host memory and for larger groups of query heads.
 
 Kernel launches per decode token: tests/test_hca_cuda.py counts them (decode_launches, held to the
 emulator's launch log).
