@@ -10,7 +10,9 @@ came out 3-5x slower here: LLVM reduces each 32-element block horizontally.)
 
 Activations stay float32: codes are widened to float32 and multiplied into the input, then scaled
 per block; no int8 quantization of the activation, so the result equals the dequantized weights
-times x up to float32 summation order. Scales and mins stay float16 bits (uint16), as the GGUF
+times x up to float32 summation order. Q8_0 is the exception where the CPU has AVX-512 VNNI: its
+codes lie four columns to a 32-bit lane and kernels_cpu.quant_vnni multiplies them as bytes by x
+quantized to 16 bits a block (2.5-4x the float tile's speed; error bound stated there). Scales and mins stay float16 bits (uint16), as the GGUF
 stores them, so the resident bytes equal the file's (Q4_K: +2.8%, its 6-bit scales widened to
 bytes).
 
@@ -37,14 +39,15 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from . import decode
+from . import decode, quant_vnni as vnni
 from ._common import _FASTMATH, cache_depends_on, half_to_float
 from .decode import _gemv_f32, _rows
 
 TILE = 64
 
 Q8_0Tiles = namedtuple("Q8_0Tiles", ["qs", "d", "rows"])
-"""qs int8 [nt, I, TILE]; d float16 bits [nt, I/32, TILE]."""
+"""qs int8 [nt, I/4, TILE, 4] (four consecutive columns of a row side by side: one 32-bit lane of
+an integer dot product); d float16 bits [nt, I/32, TILE]."""
 Q4_0Tiles = namedtuple("Q4_0Tiles", ["qs", "d", "rows"])
 """qs uint8 [nt, I/2, TILE]; d float16 bits [nt, I/32, TILE]."""
 Q4_1Tiles = namedtuple("Q4_1Tiles", ["qs", "d", "m", "rows"])
@@ -66,19 +69,29 @@ _F32 = np.float32
 
 @njit(fastmath=_FASTMATH, inline="always")
 def _tile_q8_0(qs, d, t, x, y):
-    R = qs.shape[2]
-    for b in range(qs.shape[1] // 32):
-        xb = x[b * 32:b * 32 + 32]
-        qb = qs[t, b * 32:b * 32 + 32]
+    """The portable Q8_0 tile (float32 products; kernels_cpu.quant_vnni has the integer ones). Per
+    block, a row quad's 16 bytes (4 rows x 4 columns) times the block's x in that pattern, summed
+    over the 8 column groups: the 16-lane loop is contiguous, so it vectorizes; each row's four
+    lanes add up once per block."""
+    G, R = qs.shape[1], qs.shape[2]
+    qt = qs[t].reshape(G, R // 4, 16)
+    xe = np.empty((8, 16), _F32)
+    acc = np.empty((R // 4, 16), _F32)
+    for b in range(G // 8):
+        for g in range(8):
+            for l in range(16):
+                xe[g, l] = x[b * 32 + 4 * g + (l & 3)]
+        qb = qt[b * 8:b * 8 + 8]
+        for m in range(R // 4):
+            for l in range(16):
+                s = _F32(0.0)
+                for g in range(8):
+                    s += _F32(qb[g, m, l]) * xe[g, l]
+                acc[m, l] = s
         db = d[t, b]
         for r in range(R):
-            s0 = s1 = s2 = s3 = _F32(0.0)
-            for j in range(0, 32, 4):
-                s0 += _F32(qb[j, r]) * xb[j]
-                s1 += _F32(qb[j + 1, r]) * xb[j + 1]
-                s2 += _F32(qb[j + 2, r]) * xb[j + 2]
-                s3 += _F32(qb[j + 3, r]) * xb[j + 3]
-            y[r] += half_to_float(db[r]) * ((s0 + s1) + (s2 + s3))
+            a = acc[r // 4, (r % 4) * 4:(r % 4) * 4 + 4]
+            y[r] += half_to_float(db[r]) * ((a[0] + a[1]) + (a[2] + a[3]))
 
 
 @njit(fastmath=_FASTMATH, inline="always")
@@ -203,12 +216,24 @@ def _store_tile(y, t, rows, out):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _gemv_q8_0(w, x, out):
+def _gemv_q8_0_portable(w, x, out):
     nt = w.qs.shape[0]
     for t in prange(nt):
         y = np.zeros(w.qs.shape[2], _F32)
         _tile_q8_0(w.qs, w.d, t, x, y)
         _store_tile(y, t, w.rows, out)
+
+
+@njit(cache=True)
+def _gemv_q8_0_vnni(w, x, out):
+    if w.qs.shape[2] == vnni.ROWS:
+        vnni.gemv_q8_0(w, x, out)
+    else:
+        _gemv_q8_0_portable(w, x, out)
+
+
+# where the CPU has AVX-512 VNNI, Q8_0 multiplies bytes (kernels_cpu.quant_vnni)
+_gemv_q8_0 = _gemv_q8_0_vnni if vnni.available() else _gemv_q8_0_portable
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -291,7 +316,7 @@ def gemv(w, x, out=None):
 @njit(fastmath=_FASTMATH, inline="always")
 def _row_q8_0(w, t, r, out):
     for i in range(out.shape[0]):
-        out[i] = _F32(w.qs[t, i, r]) * half_to_float(w.d[t, i // 32, r])
+        out[i] = _F32(w.qs[t, i // 4, r, i % 4]) * half_to_float(w.d[t, i // 32, r])
 
 
 @njit(fastmath=_FASTMATH, inline="always")
@@ -393,16 +418,17 @@ def dequantize_ids(w, ids, out=None):
     return out
 
 
-_CODES_PER_BYTE = {Q8_0Tiles: 1, Q4_0Tiles: 2, Q4_1Tiles: 2, Q4_KTiles: 2, Q6_KTiles: 2}
+_CODES_PER_ENTRY = {Q8_0Tiles: 4, Q4_0Tiles: 2, Q4_1Tiles: 2, Q4_KTiles: 2, Q6_KTiles: 2}   # of codes' dim 1
+_GROUPED = {(Q8_0Tiles, "qs"): 4}     # parts whose columns lie in groups innermost: [nt, k / g, tile, g]
 
 
 def in_features(w) -> int:
     """I: the matrix's columns, from its codes' shape."""
-    return w[0].shape[1] * _CODES_PER_BYTE[type(w)]
+    return w[0].shape[1] * _CODES_PER_ENTRY[type(w)]
 
 
 def is_quantized(w) -> bool:
-    return type(w) in _CODES_PER_BYTE
+    return type(w) in _CODES_PER_ENTRY
 
 
 # ---- layout: row-major planes <-> row tiles ------------------------------------------------------------
@@ -422,16 +448,23 @@ def tiles_from_planes(fmt: str, planes: dict, tile: int = TILE):
             p = p.view(np.uint16)
         if p.ndim != 2 or p.shape[0] != rows:
             raise ValueError(f"tiles_from_planes: part {name} has shape {p.shape}, expected [{rows}, k]")
+        g = _GROUPED.get((cls, name), 1)
         padded = np.zeros((nt * tile, p.shape[1]), p.dtype)
         padded[:rows] = p
-        out[name] = np.ascontiguousarray(padded.reshape(nt, tile, p.shape[1]).transpose(0, 2, 1))
+        t = padded.reshape(nt, tile, p.shape[1] // g, g).transpose(0, 2, 1, 3)
+        out[name] = np.ascontiguousarray(t if g > 1 else t[..., 0])
     return cls(rows=rows, **out)
 
 
 def planes_from_tiles(w) -> dict:
     """The inverse of tiles_from_planes: part name -> row-major [rows, k] array (float16 bits as uint16)."""
-    return {name: np.ascontiguousarray(getattr(w, name).transpose(0, 2, 1).reshape(-1, getattr(w, name).shape[1])[:w.rows])
-            for name in type(w)._fields if name != "rows"}
+    out = {}
+    for name in type(w)._fields:
+        if name != "rows":
+            a = getattr(w, name)
+            a = a if a.ndim == 4 else a[..., None]              # [nt, k / g, tile, g]
+            out[name] = np.ascontiguousarray(a.transpose(0, 2, 1, 3).reshape(-1, a.shape[1] * a.shape[3])[:w.rows])
+    return out
 
 
 def cat_rows(ws):
@@ -447,4 +480,5 @@ def cat_rows(ws):
 # decode.py's fused kernels compile these GEMVs into their own cached code: this file is theirs too
 # (a stale copy ran ~1.4x slower here before it was noticed); these kernels hold _common's half loads
 cache_depends_on((decode._k_attn_in, decode._k_attn_out, decode._k_norm_gemv), __file__)
-cache_depends_on((*_GEMV.values(), _k_gemv, _k_dequant_range, _k_dequant_ids), os.path.join(os.path.dirname(__file__), "_common.py"))
+cache_depends_on((decode._k_attn_in, decode._k_attn_out, decode._k_norm_gemv, _gemv_q8_0_vnni, _k_gemv), vnni.__file__)
+cache_depends_on((*_GEMV.values(), _gemv_q8_0_portable, _k_gemv, _k_dequant_range, _k_dequant_ids), os.path.join(os.path.dirname(__file__), "_common.py"))

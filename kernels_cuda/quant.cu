@@ -30,16 +30,18 @@ __device__ __forceinline__ long long mr_qidx(long long t, int k, int i, int r) {
 // Each format: W(t, i, r), the weight of column i of row r of tile t, from its parts.
 // ... and dot(t, b, r, xb, xsum): sum over the 32 columns of block b of W(t, i, r) * xb[i - 32 b]
 // (xsum: the sum of those xb).
-struct MrQ8_0 {
+struct MrQ8_0 {   // codes [n_tiles, I/4, MR_QTILE, 4]: four columns of a row side by side
     const unsigned char* qs; const unsigned short* d; int I;
+    __device__ __forceinline__ float code(long long t, int i, int r) const {
+        return (float)(signed char)qs[mr_qidx(t, I / 4, i / 4, r) * 4 + (i & 3)];
+    }
     __device__ __forceinline__ float w(long long t, int i, int r) const {
-        const float q = (float)(signed char)qs[mr_qidx(t, I, i, r)];
-        return mr_half_to_float(d[mr_qidx(t, I / 32, i / 32, r)]) * q;
+        return mr_half_to_float(d[mr_qidx(t, I / 32, i / 32, r)]) * code(t, i, r);
     }
     __device__ __forceinline__ float dot(long long t, int b, int r, const float* xb, float) const {
         float s = 0.f;
 #pragma unroll 8
-        for (int e = 0; e < 32; ++e) s = fmaf((float)(signed char)qs[mr_qidx(t, I, b * 32 + e, r)], xb[e], s);
+        for (int e = 0; e < 32; ++e) s = fmaf(code(t, b * 32 + e, r), xb[e], s);
         return mr_half_to_float(d[mr_qidx(t, I / 32, b, r)]) * s;
     }
 };

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu as kc
-from kernels_cpu import quant as kq
+from kernels_cpu import quant as kq, quant_vnni
 import references as ref
 from references.quant import dequantize_ref, gemv_ref
 from minirun.quant.formats import FORMATS, dequantize_blocks, from_planes, kernel_planes, to_planes
@@ -73,6 +73,40 @@ def test_gemv_vs_reference(fmt, rows):
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), np.abs(got - want).max()
 
 
+Q8_0_KERNELS = [kq._gemv_q8_0_portable] + ([kq._gemv_q8_0_vnni] if quant_vnni.available() else [])
+
+
+@pytest.mark.parametrize("kernel", Q8_0_KERNELS, ids=lambda k: k.py_func.__name__)
+@pytest.mark.parametrize("rows,tile", [(200, 64), (64, 64), (70, 32)])
+def test_q8_0_kernels_within_stated_bound(kernel, rows, tile):
+    """Both Q8_0 GEMVs against the float64 reference: the integer one within its stated bound
+    (x quantized to 16 bits per block: sum_b max|x_b| sum_i |w_bi| / 65278, kernels_cpu.quant_vnni),
+    the portable one within float32 rounding; tiles of other than 64 rows take the portable one.
+    Blocks of very different size, a zero block and a NaN show that the scale is per block."""
+    rng = np.random.default_rng(rows + tile)
+    cols = 768
+    f = FORMATS["Q8_0"]
+    w = kq.tiles_from_planes("Q8_0", kernel_planes(f, to_planes(f, random_blocks(rng, "Q8_0", rows, cols), cols)), tile)
+    x = rng.standard_normal(cols).astype(np.float32) * np.repeat(10.0 ** rng.uniform(-3, 3, cols // 32), 32)
+    x[64:96] = 0
+    want = gemv_ref(w, x)
+    W = np.abs(dequantize_ref(w)).reshape(rows, -1, 32)
+    amax = np.abs(x).reshape(-1, 32).max(1)
+    bound = (W.sum(2) * amax).sum(1) / 65278 + 1e-6 * (W.sum(2) * amax).sum(1)
+    got = np.empty(rows, np.float32)
+    kernel(w, x, got)
+    assert np.all(np.abs(got - want) <= bound), (np.abs(got - want) / bound).max()
+    if kernel is kq._gemv_q8_0_portable or tile != 64:      # float32 products: rounding only
+        assert np.all(np.abs(got - want) <= 2e-6 * (W.sum(2) * amax).sum(1))
+    x[5] = np.nan
+    kernel(w, x, got)
+    assert np.isnan(got).all()
+
+
+def test_q8_0_kernel_is_the_integer_one_where_the_cpu_has_vnni():
+    assert kq._gemv_q8_0 is (kq._gemv_q8_0_vnni if quant_vnni.available() else kq._gemv_q8_0_portable)
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
 def test_quantized_float_matrix_close_to_float(fmt):
     """gguf's quantizer then our kernel: close to the float GEMV (sanity of the whole chain)."""
@@ -108,14 +142,16 @@ def test_fused_decode_kernels_with_quantized_weights(fmts):
     result as the float kernels' references on the dequantized weights."""
     rng = np.random.default_rng(5)
     q, f, p = quant_layer(rng, fmts)
+    # Q8_0's integer kernel quantizes x to 16 bits a block (kernels_cpu.quant_vnni): ~3e-5 here
+    rtol = 1e-4 if "Q8_0" in fmts and quant_vnni.available() else 1e-5
     inv_freq = 10000.0 ** (-np.arange(0, p["hd"], 2) / p["hd"])
     n_rot = p["Hq"] + p["Hkv"]
     got = kc.attn_in(p["x"], p["n1"], 1e-5, q["wqkv"], 1234, inv_freq, n_rot, p["hd"])
-    close_rel(got, ref.attn_in_ref(p["x"], p["n1"], 1e-5, f["wqkv"], 1234, inv_freq, n_rot, p["hd"]), 1e-5)
+    close_rel(got, ref.attn_in_ref(p["x"], p["n1"], 1e-5, f["wqkv"], 1234, inv_freq, n_rot, p["hd"]), rtol)
     got = kc.attn_out(p["x"], p["o"], q["wo"], p["n2"], 1e-5, q["wgu"], q["wdown"])
-    close_rel(got, ref.attn_out_ref(p["x"], p["o"], f["wo"], p["n2"], 1e-5, f["wgu"], f["wdown"]), 1e-5)
+    close_rel(got, ref.attn_out_ref(p["x"], p["o"], f["wo"], p["n2"], 1e-5, f["wgu"], f["wdown"]), rtol)
     got = kc.norm_gemv(p["x"], p["n2"], 1e-5, q["wgu"])
-    close_rel(got, ref.norm_gemv_ref(p["x"], p["n2"], 1e-5, f["wgu"]), 1e-5)
+    close_rel(got, ref.norm_gemv_ref(p["x"], p["n2"], 1e-5, f["wgu"]), rtol)
 
 
 def test_fused_decode_kernels_bfloat16_activations():
