@@ -41,6 +41,7 @@ from numba.extending import overload
 
 from . import decode, quant_vnni as vnni
 from ._common import _FASTMATH, cache_depends_on, half_to_float
+from .bf16 import f32_to_bf16
 from .decode import _gemv_f32, _rows
 
 TILE = 64
@@ -315,8 +316,13 @@ def gemv(w, x, out=None):
 
 @njit(fastmath=_FASTMATH, inline="always")
 def _row_q8_0(w, t, r, out):
-    for i in range(out.shape[0]):
-        out[i] = _F32(w.qs[t, i // 4, r, i % 4]) * half_to_float(w.d[t, i // 32, r])
+    for b in range(w.d.shape[1]):
+        s = half_to_float(w.d[t, b, r])
+        for g in range(8):
+            q = w.qs[t, b * 8 + g, r]
+            o = out[b * 32 + 4 * g:b * 32 + 4 * g + 4]
+            for c in range(4):
+                o[c] = _F32(q[c]) * s
 
 
 @njit(fastmath=_FASTMATH, inline="always")
@@ -382,23 +388,42 @@ def _dequant_row_impl(w, t, r, out):
     return None
 
 
+def _dequant_into(w, t, r, out):  # pragma: no cover - replaced by the overload inside njit code
+    raise NotImplementedError
+
+
+@overload(_dequant_into)
+def _dequant_into_impl(w, t, r, out):
+    """A row into float32, or into bfloat16 bits (uint16, rounded to nearest even: the prefill's
+    bfloat16 GEMM) through a float32 row."""
+    if isinstance(out.dtype, types.Integer):
+        def impl_bf16(w, t, r, out):
+            row = np.empty(out.shape[0], _F32)
+            _dequant_row(w, t, r, row)
+            for i in range(out.shape[0]):
+                out[i] = f32_to_bf16(row[i])
+        return impl_bf16
+    return lambda w, t, r, out: _dequant_row(w, t, r, out)
+
+
 @njit(parallel=True, cache=True)
 def _k_dequant_range(w, r0, out):
-    R = TILE
+    R = w[0].shape[2]
     for i in prange(out.shape[0]):
         r = r0 + i
-        _dequant_row(w, r // R, r % R, out[i])
+        _dequant_into(w, r // R, r % R, out[i])
 
 
 @njit(cache=True)
 def _k_dequant_ids(w, ids, out):
-    R = TILE
+    R = w[0].shape[2]
     for i in range(ids.shape[0]):
         _dequant_row(w, ids[i] // R, ids[i] % R, out[i])
 
 
 def dequantize_rows(w, r0, r1, out=None):
-    """Rows [r0, r1) of a quantized matrix as float32 [r1 - r0, I] (out: C-contiguous float32)."""
+    """Rows [r0, r1) of a quantized matrix as float32 [r1 - r0, I] (out: C-contiguous float32, or
+    uint16 for bfloat16 bits)."""
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"dequantize_rows: rows [{r0}, {r1}) outside [0, {w.rows})")
     if out is None:

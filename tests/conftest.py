@@ -88,6 +88,14 @@ def smollm2_quant_dir(smollm2_dir, tmp_path_factory):
     return pull("smollm2", models_dir=tmp_path_factory.mktemp("smollm2-q4_1"), progress=False)
 
 
+@pytest.fixture
+def float32_quant_prefill(monkeypatch):
+    """Quantized weights' prefill GEMMs in float32 (minirun.quant.matrix.PREFILL_BF16 off): the
+    tests that hold a quantized model to the same weights dequantized at 1e-3 run the exact path."""
+    from minirun.quant import matrix
+    monkeypatch.setattr(matrix, "PREFILL_BF16", False)
+
+
 def pytest_report_header(config):
     import torch
     return f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu count {os.cpu_count()}"

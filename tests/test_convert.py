@@ -149,7 +149,7 @@ def test_weights_roundtrip(tmp_path, smollm_bpe, qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-def test_blocks_kept_and_loaded(tmp_path, smollm_bpe, qtype):
+def test_blocks_kept_and_loaded(tmp_path, smollm_bpe, qtype, float32_quant_prefill):
     """Without --dtype the blocks are written as they are (Q/K rows unpermuted), named in
     quantization_config; the engine computes with them, within 1e-3 of the same weights dequantized."""
     import torch

@@ -65,7 +65,7 @@ def write_dequantized(src, out, formats: dict):
 
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("variant", ["gqa-untied", "tied-mha"])
-def test_weights_at_load_vs_dequantized(tiny_model_dir, tmp_path, weights, variant):
+def test_weights_at_load_vs_dequantized(tiny_model_dir, tmp_path, weights, variant, float32_quant_prefill):
     """--weights q8_0|q4_0 on a float checkpoint: the same logits as a float checkpoint holding those
     weights dequantized (gguf's quantizer and dequantizer), through prefill and the fused decode."""
     src = tiny_model_dir(variant)
@@ -80,7 +80,7 @@ def test_weights_at_load_vs_dequantized(tiny_model_dir, tmp_path, weights, varia
         assert rel_err(got, want) <= 1e-3
 
 
-def test_k_formats_mixed_in_a_layer(tiny_model_dir, tmp_path):
+def test_k_formats_mixed_in_a_layer(tiny_model_dir, tmp_path, float32_quant_prefill):
     """A Q4_K_M-like file: Q4_K with Q6_K V and down projections (QKV of two formats: a RowStack, that
     layer's one-token steps through linear), a Q8_0 embedding, two float matrices (formats convert
     dequantizes); stored blocks against --weights float."""
@@ -123,6 +123,28 @@ def test_bfloat16_activations(tiny_model_dir):
     bf16 = logits_and_steps(Engine.load(src, device="cpu", ctx=64, weights="q8_0", dtype="bfloat16"))
     for a, b in zip(bf16, f32):
         assert a.dtype == torch.float32 and rel_err(a, b) <= 5e-2
+
+
+def test_quantized_prefill_gemm_in_bfloat16_where_native(tiny_model_dir, monkeypatch):
+    """PREFILL_BF16: where the CPU's bfloat16 GEMM is native a quantized prefill's GEMMs take
+    bfloat16 (weights and activations rounded: 2^-9 each) and land within 2e-2 of the float32 GEMMs;
+    where it is not, they stay float32: the same logits."""
+    from minirun import ops
+    from minirun.quant import matrix
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=64, weights="q8_0")
+    monkeypatch.setattr(matrix, "PREFILL_BF16", False)
+    exact = eng.logits(IDS)
+    monkeypatch.setattr(matrix, "PREFILL_BF16", True)
+    seen = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append(a.dtype) or mm(a, b, **kw))
+    monkeypatch.setattr(ops, "cpu_bf16_gemm", lambda: True)
+    native = eng.logits(IDS)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert 0 < rel_err(native, exact) <= 2e-2
+    seen.clear()
+    monkeypatch.setattr(ops, "cpu_bf16_gemm", lambda: False)
+    assert torch.equal(eng.logits(IDS), exact) and set(seen) == {torch.float32}
 
 
 def test_bfloat16_prefill_widened_without_native_bf16(tiny_model_dir, monkeypatch):
@@ -170,7 +192,7 @@ def test_cli_weights(tiny_model_dir, tmp_path, capsys):
 
 # ---- the real SmolLM2 -----------------------------------------------------------------------------
 
-def test_smollm2_as_shipped_vs_dequantized(smollm2_quant_dir):
+def test_smollm2_as_shipped_vs_dequantized(smollm2_quant_dir, float32_quant_prefill):
     """The shipped Q4_1 / Q8_0 blocks against the same weights dequantized to float32: 1e-3."""
     eng = Engine.load(smollm2_quant_dir, device="cpu", ctx=512)
     ref = Engine.load(smollm2_quant_dir, device="cpu", ctx=512, weights="float")

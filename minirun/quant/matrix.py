@@ -5,9 +5,9 @@ ops.embed, the CPU's fused one-token kernels through `kernel_view`). The blocks 
 at load, into kernels_cpu.quant's row tiles (kernels_cuda.quant reads the same tiles on a GPU):
 
 - one token (T = 1): a GEMV that reads the codes and scales as stored (kernels_cpu.quant.gemv);
-- a chunk of tokens (prefill): rows dequantized to float32 a slab at a time into one shared scratch
-  buffer, then torch's GEMM, so a prompt runs at the float GEMM's speed and nothing float stays
-  resident (the dequantization is ~1% of the GEMM's work at 512 tokens).
+- a chunk of tokens (prefill): rows dequantized a slab at a time into one shared scratch buffer,
+  then torch's GEMM (in bfloat16 where the CPU has a native one: PREFILL_BF16, else float32), so a
+  prompt runs at the float GEMM's speed and nothing float stays resident.
 """
 from __future__ import annotations
 
@@ -20,16 +20,27 @@ from kernels_cpu import quant as kq
 from .. import hugepages
 from .formats import BlockFormat, block_format, kernel_planes, to_planes
 
-_SLAB = 1 << 22                  # float32 elements dequantized per GEMM in a prefill (16 MiB)
-_scratch: torch.Tensor | None = None
+_SLAB = 1 << 22                  # elements dequantized per GEMM in a prefill (16 MiB of float32)
+_scratch: dict = {}
+
+#: Prefill GEMMs in bfloat16 where torch's bfloat16 GEMM is native (ops.cpu_bf16_gemm): 2-3x the
+#: float32 GEMM's speed on Zen 4, for weights and activations rounded to bfloat16 (2^-9 relative;
+#: llama.cpp's prefill on Q8_0 rounds activations to 8 bits). False: float32, the same logits as the
+#: dequantized weights to 1e-3 (tests/test_quant_model.py holds both).
+PREFILL_BF16 = True
 
 
-def _slab(n: int) -> torch.Tensor:
-    """The shared prefill scratch, at least n float32 elements (one engine runs one forward at a time)."""
-    global _scratch
-    if _scratch is None or _scratch.numel() < n:
-        _scratch = torch.empty(n, dtype=torch.float32)
-    return _scratch[:n]
+def _slab(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The shared prefill scratch, at least n elements (one engine runs one forward at a time)."""
+    if dtype not in _scratch or _scratch[dtype].numel() < n:
+        _scratch[dtype] = torch.empty(n, dtype=dtype)
+    return _scratch[dtype][:n]
+
+
+def prefill_dtype(x: torch.Tensor) -> torch.dtype:
+    """The GEMM dtype of a prefill chunk x on the CPU."""
+    from ..ops import cpu_bf16_gemm
+    return torch.bfloat16 if (PREFILL_BF16 or x.dtype == torch.bfloat16) and cpu_bf16_gemm() else torch.float32
 
 
 class QuantMatrix:
@@ -99,21 +110,25 @@ class QuantMatrix:
         elif x.shape[0] == 1:
             y = torch.from_numpy(kq.gemv(self.tiles, x[0].float().numpy()))[None].to(x.dtype)
         else:
-            y = self._prefill(x.float()).to(x.dtype)
+            dt = prefill_dtype(x)
+            y = self._prefill(x.to(dt)).to(x.dtype)
         return y if b is None else y + b
 
-    def _prefill(self, xf: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, xg: torch.Tensor) -> torch.Tensor:
+        """xg [T, cols] float32 or bfloat16 -> [T, rows] in its dtype: the weights dequantized to
+        that dtype a slab of rows at a time."""
         rows, cols = self.shape
-        out = torch.empty(xf.shape[0], rows, dtype=torch.float32)
+        out = torch.empty(xg.shape[0], rows, dtype=xg.dtype)
         step = max(1, _SLAB // cols)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            w = _slab((r1 - r0) * cols).view(r1 - r0, cols)
-            kq.dequantize_rows(self.tiles, r0, r1, w.numpy())
+            w = _slab((r1 - r0) * cols, xg.dtype).view(r1 - r0, cols)
+            wn = w.numpy() if xg.dtype == torch.float32 else w.view(torch.int16).numpy().view(np.uint16)
+            kq.dequantize_rows(self.tiles, r0, r1, wn)
             if r0 == 0 and r1 == rows:
-                torch.mm(xf, w.t(), out=out)
+                torch.mm(xg, w.t(), out=out)
             else:
-                out[:, r0:r1] = xf @ w.t()
+                out[:, r0:r1] = xg @ w.t()
         return out
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
