@@ -76,7 +76,7 @@ def test_emu_cat_rows():
 
 
 @emu_only
-def test_emu_model_steps_through_quant_kernels(tiny_model_dir):
+def test_emu_model_steps_through_quant_kernels(tiny_model_dir, float32_quant_prefill):
     """A model whose quantized matrices run on quant.cu (forced onto the CPU: the emulator) against the
     same model on the CPU kernels: logits of a prefill and of decode steps."""
     import cuda_emu

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels_cpu import quant as kq
+from kernels_cpu import quant as kq, quant_rows as kr
 
 from .. import hugepages
 from .formats import BlockFormat, block_format, kernel_planes, to_planes
@@ -124,7 +124,7 @@ class QuantMatrix:
             r1 = min(rows, r0 + step)
             w = _slab((r1 - r0) * cols, xg.dtype).view(r1 - r0, cols)
             wn = w.numpy() if xg.dtype == torch.float32 else w.view(torch.int16).numpy().view(np.uint16)
-            kq.dequantize_rows(self.tiles, r0, r1, wn)
+            kr.dequantize_rows(self.tiles, r0, r1, wn)
             if r0 == 0 and r1 == rows:
                 torch.mm(xg, w.t(), out=out)
             else:
@@ -136,14 +136,14 @@ class QuantMatrix:
         if self.cuda is not None:
             from kernels_cuda import quant as kcq
             return kcq.rows(self.cuda, ids).to(self.dtype)
-        return torch.from_numpy(kq.dequantize_ids(self.tiles, ids.cpu().numpy())).to(self.dtype)
+        return torch.from_numpy(kr.dequantize_ids(self.tiles, ids.cpu().numpy())).to(self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix as float32 [rows, cols] (on its device)."""
         if self.cuda is not None:
             from kernels_cuda import quant as kcq
             return kcq.rows(self.cuda, torch.arange(self.shape[0], device=self.cuda.parts[0].device))
-        return torch.from_numpy(kq.dequantize_rows(self.tiles, 0, self.shape[0]))
+        return torch.from_numpy(kr.dequantize_rows(self.tiles, 0, self.shape[0]))
 
     def __repr__(self) -> str:
         return f"QuantMatrix({self.fmt.name}, {self.shape[0]}x{self.shape[1]}, {self.device})"
