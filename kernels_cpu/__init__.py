@@ -58,7 +58,27 @@ from .numba_kernels import (
     weighted_value_sum,
 )
 
-from . import quant  # noqa: F401  (registers the quantized GEMVs with the decode kernels)
+from . import quant, quant_rows  # noqa: F401  (quant registers the quantized GEMVs with the decode kernels)
 from . import numba_kernels as _numba_kernels
+
+
+def _stamp_caches_with_the_package() -> bool:
+    """Every cached kernel's on-disk cache goes stale when any file of this package changes: a
+    kernel's cached code holds what it calls from other files (the fused decode kernels hold the
+    GEMVs of decode.py, quant.py and quant_vnni.py; those hold _common's loads), and Numba keys a
+    cache by the kernel's own file alone (_common.cache_depends_on). One stamp for all, set
+    before any kernel runs, so that no process reads or writes an index under another stamp."""
+    import glob
+    import os
+    import sys
+    from numba.core.registry import CPUDispatcher
+    here = os.path.dirname(__file__)
+    kernels = {id(obj): obj for name, mod in list(sys.modules.items()) if name.startswith(__name__ + ".")
+               for obj in vars(mod).values() if isinstance(obj, CPUDispatcher)}
+    return _common.cache_depends_on(kernels.values(), *sorted(glob.glob(os.path.join(here, "*.py"))))
+
+
+from . import _common  # noqa: E402
+_stamp_caches_with_the_package()
 
 __all__ = _numba_kernels.__all__

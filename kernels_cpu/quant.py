@@ -32,7 +32,6 @@ below). References: tests/references/quant.py (NumPy), checked against gguf.quan
 """
 from __future__ import annotations
 
-import os
 from collections import namedtuple
 
 import numpy as np
@@ -40,7 +39,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import decode, quant_vnni as vnni
-from ._common import _FASTMATH, cache_depends_on, half_to_float
+from ._common import _FASTMATH, half_to_float
 from .decode import _gemv_f32, _rows
 
 TILE = 64
@@ -368,10 +367,3 @@ def cat_rows(ws):
     planes = [planes_from_tiles(w) for w in ws]
     name = next(k for k, v in TILE_TYPES.items() if v in fmt)
     return tiles_from_planes(name, {k: np.concatenate([p[k] for p in planes]) for k in planes[0]})
-
-
-# decode.py's fused kernels compile these GEMVs into their own cached code: this file is theirs too
-# (a stale copy ran ~1.4x slower here before it was noticed); these kernels hold _common's half loads
-cache_depends_on((decode._k_attn_in, decode._k_attn_out, decode._k_norm_gemv), __file__)
-cache_depends_on((decode._k_attn_in, decode._k_attn_out, decode._k_norm_gemv, _gemv_q8_0_vnni, _k_gemv), vnni.__file__)
-cache_depends_on((*_GEMV.values(), _gemv_q8_0_portable, _k_gemv), os.path.join(os.path.dirname(__file__), "_common.py"))

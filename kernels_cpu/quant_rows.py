@@ -4,13 +4,12 @@ Each format's row follows ggml-quants.c's formulas (kernels_cpu.quant's docstrin
 order); tests/references/quant.py is the reference."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._common import _FASTMATH, cache_depends_on, half_to_float
+from ._common import _FASTMATH, half_to_float
 from .bf16 import f32_to_bf16
 from .quant import Q4_0Tiles, Q4_1Tiles, Q4_KTiles, Q6_KTiles, Q8_0Tiles, _tile_class, in_features
 
@@ -144,7 +143,3 @@ def dequantize_ids(w, ids, out=None):
         out = np.empty((ids.shape[0], in_features(w)), np.float32)
     _k_dequant_ids(w, ids, out)
     return out
-
-
-cache_depends_on((_k_dequant_range, _k_dequant_ids), os.path.join(os.path.dirname(__file__), "_common.py"),
-                 os.path.join(os.path.dirname(__file__), "quant.py"))
