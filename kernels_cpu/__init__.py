@@ -23,7 +23,7 @@ function in :mod:`kernels_cpu.numba_kernels`:
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
 * :mod:`kernels_cpu.quant`: GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as row
-  tiles; ``gemv`` (Q8_0 on AVX-512 VNNI: :mod:`kernels_cpu.quant_vnni`); the tiles are accepted
+  tiles; ``gemv`` (Q8_0 on byte dot products: :mod:`kernels_cpu.quant_intdot`); the tiles are accepted
   by ``attn_in``, ``attn_out`` and ``norm_gemv`` in place of a float matrix;
   :mod:`kernels_cpu.quant_rows`: ``dequantize_rows``, ``dequantize_ids`` (references:
   tests/references/quant.py)
@@ -62,23 +62,14 @@ from . import quant, quant_rows  # noqa: F401  (quant registers the quantized GE
 from . import numba_kernels as _numba_kernels
 
 
-def _stamp_caches_with_the_package() -> bool:
-    """Every cached kernel's on-disk cache goes stale when any file of this package changes: a
-    kernel's cached code holds what it calls from other files (the fused decode kernels hold the
-    GEMVs of decode.py, quant.py and quant_vnni.py; those hold _common's loads), and Numba keys a
-    cache by the kernel's own file alone (_common.cache_depends_on). One stamp for all, set
-    before any kernel runs, so that no process reads or writes an index under another stamp."""
-    import glob
-    import os
-    import sys
-    from numba.core.registry import CPUDispatcher
-    here = os.path.dirname(__file__)
-    kernels = {id(obj): obj for name, mod in list(sys.modules.items()) if name.startswith(__name__ + ".")
-               for obj in vars(mod).values() if isinstance(obj, CPUDispatcher)}
-    return _common.cache_depends_on(kernels.values(), *sorted(glob.glob(os.path.join(here, "*.py"))))
+from ._common import stamp_caches  # noqa: E402
+stamp_caches(__name__)           # one cache stamp for every kernel of the package
 
-
-from . import _common  # noqa: E402
-_stamp_caches_with_the_package()
+# Numba's thread pool before any kernel loads from its cache: a cached kernel that holds a parallel
+# callee (the fused decode kernels hold the parallel GEMVs) refers to the pool's scheduling
+# functions, which are known to the linker only once the pool is launched; loaded first in a
+# process, such a kernel crashed (tests/test_kernels_cpu.py reproduces it in three processes).
+import numba as _numba  # noqa: E402
+_numba.get_num_threads()
 
 __all__ = _numba_kernels.__all__

@@ -281,19 +281,26 @@ def _prefetch(typingctx, arr, off):
     return sig, codegen
 
 
-def cache_depends_on(dispatchers, *paths) -> bool:
-    """Make the on-disk caches of `dispatchers` (cache=True kernels) stale when any of `paths`
-    changes, not only their own file. Numba keys a cache by its function's source file alone, yet
-    a cached kernel holds the code of the njit functions it calls from other files compiled in: a
-    kernel of decode.py that inlined an older kernels_cpu.quant GEMV was loaded after quant.py
-    changed, and crashed. The stamp Numba compares becomes (own file's hash, those files' hashes).
-    Uses Numba's cache internals; where they differ, nothing is done -> whether it was done."""
+def stamp_caches(package: str) -> bool:
+    """Make every cached kernel of `package` (its loaded modules' cache=True dispatchers) stale when
+    any .py file of the package changes, not only its own. Numba keys a cache by the kernel's own
+    file, yet a cached kernel holds the code it calls from other files (the fused decode kernels
+    hold decode.py's and quant*.py's GEMVs, those hold this file's loads), so an edited GEMV would
+    otherwise run in its older form inside them. The stamp Numba compares becomes (own file's,
+    the package's digest), set before any kernel runs so that every process reads and writes an
+    index under the same stamp. Uses Numba's cache internals; where they differ, nothing is done
+    -> whether it was done."""
+    import glob
     import hashlib
-    from pathlib import Path
-
-    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in paths)).digest()
+    import os
+    import sys
+    from numba.core.registry import CPUDispatcher
+    files = sorted(glob.glob(os.path.join(os.path.dirname(sys.modules[package].__file__), "*.py")))
+    digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in files)).digest()
+    kernels = {id(k): k for name, mod in list(sys.modules.items()) if name.startswith(package + ".")
+               for k in vars(mod).values() if isinstance(k, CPUDispatcher)}
     done = True
-    for d in dispatchers:
+    for d in kernels.values():
         cache_file = getattr(getattr(d, "_cache", None), "_cache_file", None)
         if cache_file is None or not hasattr(cache_file, "_source_stamp"):
             done = False

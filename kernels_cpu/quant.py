@@ -10,9 +10,10 @@ came out 3-5x slower here: LLVM reduces each 32-element block horizontally.)
 
 Activations stay float32: codes are widened to float32 and multiplied into the input, then scaled
 per block; no int8 quantization of the activation, so the result equals the dequantized weights
-times x up to float32 summation order. Q8_0 is the exception where the CPU has AVX-512 VNNI: its
-codes lie four columns to a 32-bit lane and kernels_cpu.quant_vnni multiplies them as bytes by x
-quantized to 16 bits a block (2.5-4x the float tile's speed; error bound stated there). Scales and mins stay float16 bits (uint16), as the GGUF
+times x up to float32 summation order. Q8_0 is the exception where the CPU has AVX-512 VNNI or AVX2:
+its codes lie four columns to a 32-bit lane and kernels_cpu.quant_intdot multiplies them as bytes
+by x quantized to 16 (VNNI) or 14 bits a block (2.5-4x the float tile's speed; error bound stated
+there). Scales and mins stay float16 bits (uint16), as the GGUF
 stores them, so the resident bytes equal the file's (Q4_K: +2.8%, its 6-bit scales widened to
 bytes).
 
@@ -38,7 +39,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from . import decode, quant_vnni as vnni
+from . import decode, quant_intdot as intdot
 from ._common import _FASTMATH, half_to_float
 from .decode import _gemv_f32, _rows
 
@@ -68,7 +69,7 @@ _F32 = np.float32
 
 @njit(fastmath=_FASTMATH, inline="always")
 def _tile_q8_0(qs, d, t, x, y):
-    """The portable Q8_0 tile (float32 products; kernels_cpu.quant_vnni has the integer ones). Per
+    """The portable Q8_0 tile (float32 products; kernels_cpu.quant_intdot has the integer ones). Per
     block, a row quad's 16 bytes (4 rows x 4 columns) times the block's x in that pattern, summed
     over the 8 column groups: the 16-lane loop is contiguous, so it vectorizes; each row's four
     lanes add up once per block."""
@@ -225,14 +226,22 @@ def _gemv_q8_0_portable(w, x, out):
 
 @njit(cache=True)
 def _gemv_q8_0_vnni(w, x, out):
-    if w.qs.shape[2] == vnni.ROWS:
-        vnni.gemv_q8_0(w, x, out)
+    if w.qs.shape[2] == intdot.ROWS:
+        intdot.gemv_q8_0_vnni(w, x, out)
     else:
         _gemv_q8_0_portable(w, x, out)
 
 
-# where the CPU has AVX-512 VNNI, Q8_0 multiplies bytes (kernels_cpu.quant_vnni)
-_gemv_q8_0 = _gemv_q8_0_vnni if vnni.available() else _gemv_q8_0_portable
+@njit(cache=True)
+def _gemv_q8_0_avx2(w, x, out):
+    if w.qs.shape[2] == intdot.ROWS:
+        intdot.gemv_q8_0_avx2(w, x, out)
+    else:
+        _gemv_q8_0_portable(w, x, out)
+
+
+# Q8_0 multiplies bytes where the CPU has AVX-512 VNNI or AVX2 (kernels_cpu.quant_intdot)
+_gemv_q8_0 = {"avx512vnni": _gemv_q8_0_vnni, "avx2": _gemv_q8_0_avx2}.get(intdot.isa(), _gemv_q8_0_portable)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)

@@ -462,3 +462,39 @@ def test_min_max_ignores_nan_like_the_float_chains():
         body = x[:n][~np.isnan(x[:n])]
         want = (body.min(), body.max()) if body.size else (np.inf, -np.inf)
         assert (lo, hi) == want, (trial, x[:n], lo, hi)
+
+
+def test_every_cached_kernel_is_stamped_with_the_whole_package():
+    """A cached kernel holds code from other files of kernels_cpu (a fused decode kernel holds
+    quant.py's GEMVs): every cache=True kernel's stamp carries the digest of all the package's
+    files, so an edit to any of them makes every cache stale (kernels_cpu._common.stamp_caches)."""
+    import glob
+    import hashlib
+    import os
+    import kernels_cpu
+    from kernels_cpu import decode, quant, quant_intdot, quant_rows
+    files = sorted(glob.glob(os.path.join(os.path.dirname(kernels_cpu.__file__), "*.py")))
+    digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in files)).digest()
+    assert any(f.endswith("quant.py") for f in files) and any(f.endswith("decode.py") for f in files)
+    for k in (decode._k_attn_in, decode._k_dense_attend, quant._k_gemv, quant_intdot.gemv_q8_0_avx2,
+              quant_rows._k_dequant_range):
+        stamp = k._cache._cache_file._source_stamp
+        assert isinstance(stamp, tuple) and stamp[1] == digest and not isinstance(stamp[0], tuple)
+
+
+def test_a_cached_kernel_holding_a_parallel_callee_loads_first_in_a_fresh_process(tmp_path):
+    """The parallel GEMV cached by one process, the fused kernel that calls it cached by a second
+    (which loaded the GEMV from the cache), then a third process whose first kernel is the fused
+    one from the cache: it crashed until kernels_cpu launched Numba's thread pool at import."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    setup = ("import numpy as np; from kernels_cpu import decode; w = np.ones((128, 64), np.float32); "
+             "x = np.ones(64, np.float32)")
+    inner = setup + "; out = np.empty(128, np.float32); decode._gemv_rows_f32(w, x, out)"
+    outer = (setup + "; out = np.empty(128, np.float32); "
+             "decode.attn_in_into(x, x, np.float32(1e-5), w, 3, np.ones(4), 6, 16, out); print(out[0])")
+    for code in (inner, outer, outer):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (code, r.returncode, r.stderr[-2000:])
