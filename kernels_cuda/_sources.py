@@ -38,7 +38,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "scores.cu": (
         "approx_scores_u8",
         "approx_scores_i16",
-        "zstats_partial",
         "ms_reduce",
         "zhist",
         "zcut",

@@ -19,7 +19,7 @@ import numpy as np
 from . import _sources
 from .launch import (_ATT_THREADS, _KV_SUFFIX, N_BINS, Z_RANGE, _attend_split, _attend_split_max, _backend, _cdiv, _i32, _i64,
                      _SMEM_MARGIN, _score_blocks, _torch, launch_approx_scores, score_parts, select_mode, zcut_tau,
-                     launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist, launch_zstats)
+                     launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist)
 
 __all__ = ["DecodeStep", "gather_splits", "group_size", "host_pool_readable"]
 
@@ -161,10 +161,6 @@ class DecodeStep:
         if tuple(self.T.shape) != (self.Hq, g, c):
             self.T = _torch().empty((self.Hq, g, c), dtype=_torch().float32, device=self.device)
         return self.T
-
-    def stats(self, L, z, n):
-        """m, l <- the stats of z's first n columns (when some were scored outside `scores`)."""
-        launch_zstats(L, z, n, self.part_m, self.part_l, self.m, self.l, self.num_sms)
 
     def select(self, L, z, n, tau, idx, cap=0, n_live=None):
         """threshold_select of z's first n columns on the stats in m, l (ops.threshold_select's

@@ -273,15 +273,6 @@ def launch_approx_scores(L, T, P, q2k, z, n, part_m, part_l, m, l, num_sms, opti
     L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
 
 
-def launch_zstats(L, z, n, part_m, part_l, m, l, num_sms):
-    """m, l <- the softmax stats of z's first n columns (part_m, part_l as launch_approx_scores)."""
-    Hq = z.shape[0]
-    tpb, nblk = _score_blocks(n, Hq, num_sms)
-    L.launch("scores.cu", "zstats_partial", (nblk, Hq), (_THREADS,),
-             (z, _i64(z.stride(0)), _i32(n), _i32(tpb), part_m, part_l))
-    L.launch("scores.cu", "ms_reduce", (Hq,), (_THREADS,), (part_m, part_l, _i32(nblk), m, l))
-
-
 def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count, n_live=None):
     """zhist over z's first n columns (grid from tpb; n_live as launch_approx_scores); hist [Hq,
     n_bins] f32 and hcount [Hq, n_bins] int32 zeroed by the caller (hcount only written with_count)."""

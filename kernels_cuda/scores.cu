@@ -118,36 +118,6 @@ approx_scores_i16(const float* __restrict__ T, const short* __restrict__ P, long
 }
 
 // ---------------------------------------------------------------------------
-// zstats_partial: the same block partials computed from an existing z (used
-// by threshold_select when the caller does not pass approx_scores' stats).
-// Launch: block 256, grid (nblk, Hq), no dynamic shared memory.
-// ---------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(256)
-zstats_partial(const float* __restrict__ z, long long z_s0, int n, int tokens_per_block,
-               float* __restrict__ part_m, float* __restrict__ part_l) {
-    __shared__ float scratch[64];
-    const int h = blockIdx.y;
-    const float* zh = z + (long long)h * z_s0;
-    const long long start = (long long)blockIdx.x * tokens_per_block;
-    const long long end = mr_min_ll(start + tokens_per_block, (long long)n);
-    float m = mr_neg_inf(), l = 0.f;
-    for (long long t = start + threadIdx.x; t < end; t += blockDim.x) {
-        const float s = zh[t];
-        if (s > m) {
-            l = l * expf(m - s) + 1.f;
-            m = s;
-        } else if (s == s && s != mr_neg_inf()) {  // -inf (with m = -inf) would give expf(NaN)
-            l += expf(s - m);
-        }
-    }
-    mr_block_ms(m, l, scratch);
-    if (threadIdx.x == 0) {
-        part_m[(long long)h * gridDim.x + blockIdx.x] = m;
-        part_l[(long long)h * gridDim.x + blockIdx.x] = l;
-    }
-}
-
-// ---------------------------------------------------------------------------
 // ms_reduce: combine nblk partials per head -> m[h], l[h].  nblk = 0 gives
 // (-inf, 0).  Launch: block 256, grid (Hq), no dynamic shared memory.
 // ---------------------------------------------------------------------------

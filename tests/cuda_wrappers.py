@@ -17,7 +17,7 @@ from kernels_cuda.decode import (_GATHER_MAX_GROUP, _GATHER_THREADS, _OUT_SUFFIX
 from kernels_cuda.launch import (N_BINS, Z_RANGE, _ATT_THREADS, _KV_SUFFIX, _MAX_GRID_YZ, _SMEM_MARGIN, _attend_split,
                                  _backend, _check, _f32c, _rows, _score_blocks, _torch, launch_approx_scores,
                                  launch_attend_partial, launch_build_lut, launch_zcompact, launch_zcut, launch_zhist,
-                                 launch_zstats, score_parts, select_mode, zcut_tau)
+                                 score_parts, select_mode, zcut_tau)
 
 __all__ = ["build_lut", "approx_scores", "threshold_select", "attend_exact", "decode_prep", "pack_selection",
            "lse_merge_staged", "store_rows", "gather_value_sum"]
@@ -185,12 +185,11 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
     l_sel = be.empty((Hq,), torch.float32, dev)
     counts = be.empty((Hq,), torch.int32, dev)  # zeroed by zcut
     with be.session(dev) as L:
-        if stats is None:
-            part_m = be.empty((Hq, nblk), torch.float32, dev)
-            part_l = be.empty((Hq, nblk), torch.float32, dev)
-            m = be.empty((Hq,), torch.float32, dev)
-            l_all = be.empty((Hq,), torch.float32, dev)
-            launch_zstats(L, z, n, part_m, part_l, m, l_all, num_sms)
+        if stats is None:            # the softmax stats of z's first n columns, NaN and -inf ignored
+            zf = z[:, :n]
+            live = (zf == zf) & (zf != float("-inf"))
+            m = torch.where(live, zf, float("-inf")).amax(1)
+            l_all = torch.where(live, torch.exp(zf - m[:, None]), 0.0).sum(1)
         else:
             m, l_all = stats
             for t, w in ((m, "stats m"), (l_all, "stats l")):

@@ -409,18 +409,18 @@ def decode_launches(tau: float, far: bool = False, exact_keys: bool = False, cap
     """Launches per layer of one HCACacheCUDA decode step in HCA mode (times L for a token).
 
     kernels_cuda: decode_prep 1, build_lut 1 + approx_scores 2 (scores, ms_reduce) -- with exact
-    keys a torch bmm and zstats 2 instead --, threshold_select 3 for a histogram cut (0 < tau < 1,
+    keys none: torch's bmm and the scores' max and sum instead --, threshold_select 3 for a histogram cut (0 < tau < 1,
     or capped: zhist, zcut, zcompact) or 2, pack_selection 1, attend_partial 1 (2 with far
     positions: the sinks take the far query), lse_merge_staged 1. torch on the device: none (exact
-    keys: bmm + its copy into z; a float16 model: the output cast); memcpys 2 (D2H pack, H2D
+    keys: bmm, its copy into z, amax, sub, exp, sum; a float16 model: the output cast); memcpys 2 (D2H pack, H2D
     stage), plus once per token the far turn's angles and, while the ring refills after a
     truncate, its slot mask. value_sum "gpu": gather_value_sum instead of pack_selection (the
     same kernel count) and no memcpy.
     """
     hist = select_mode(tau, 1 if capped else 0, 2) == 0
-    k = 1 + (2 if exact_keys else 3) + (3 if hist else 2) + 1 + (2 if far else 1) + 1
+    k = 1 + (0 if exact_keys else 3) + (3 if hist else 2) + 1 + (2 if far else 1) + 1
     half_cast = dtype not in (torch.float32, torch.bfloat16)
-    t = (2 if exact_keys else 0) + (1 if half_cast else 0)
+    t = (6 if exact_keys else 0) + (1 if half_cast else 0)
     return {"kernels_cuda": k, "torch": t, "memcpy": 2 if value_sum == "host" else 0}
 
 

@@ -175,7 +175,8 @@ def check_gather_grouped(env, Hq, Hkv, d, n, dtype, tau, cap, nsplit=None, poiso
         ds = kd.DecodeStep(env.device, Hq, Hkv, d, n, 8, torch.float32)
         idx = torch.zeros(Hq, n, dtype=torch.int32, device=env.device)
         with ds.session() as L:
-            ds.stats(L, zt, n)
+            torch.amax(zt[:, :n], 1, out=ds.m)
+            torch.sum(torch.exp(zt[:, :n] - ds.m[:, None]), 1, out=ds.l)
             ds.hists.zero_()
             ds.select(L, zt, n, tau, idx, cap or 0)
         if poison:

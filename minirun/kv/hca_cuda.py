@@ -293,7 +293,8 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         if n > ne:   # keys not (yet) encoded: exact scores, positions [ne, n)
             Kx = self.exact_keys.view(layer, n - self.exact_base)
             zb[:, ne:n] = torch.bmm(q.view(self.Hkv, -1, self.hd), Kx.transpose(1, 2)).reshape(self.Hq, -1)
-            ds.stats(L, zb, n)
+            torch.amax(zb[:, :n], 1, out=ds.m)                     # the softmax stats of all n scores
+            torch.sum(torch.exp(zb[:, :n] - ds.m[:, None]), 1, out=ds.l)
         idx = self.sel.data[..., 0]
         cap = self.max_select if self.max_select and n > self.max_select else 0
         ds.select(L, zb, n, self.tau, idx, cap)     # (the cap inside: whole bins from the top, zcut)
