@@ -224,24 +224,8 @@ def _gemv_q8_0_portable(w, x, out):
         _store_tile(y, t, w.rows, out)
 
 
-@njit(cache=True)
-def _gemv_q8_0_vnni(w, x, out):
-    if w.qs.shape[2] == intdot.ROWS:
-        intdot.gemv_q8_0_vnni(w, x, out)
-    else:
-        _gemv_q8_0_portable(w, x, out)
-
-
-@njit(cache=True)
-def _gemv_q8_0_avx2(w, x, out):
-    if w.qs.shape[2] == intdot.ROWS:
-        intdot.gemv_q8_0_avx2(w, x, out)
-    else:
-        _gemv_q8_0_portable(w, x, out)
-
-
 # Q8_0 multiplies bytes where the CPU has AVX-512 VNNI or AVX2 (kernels_cpu.quant_intdot)
-_gemv_q8_0 = {"avx512vnni": _gemv_q8_0_vnni, "avx2": _gemv_q8_0_avx2}.get(intdot.isa(), _gemv_q8_0_portable)
+_gemv_q8_0 = {"avx512vnni": intdot.gemv_q8_0_vnni, "avx2": intdot.gemv_q8_0_avx2}.get(intdot.isa(), _gemv_q8_0_portable)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -334,14 +318,14 @@ def is_quantized(w) -> bool:
 
 # ---- layout: row-major planes <-> row tiles ------------------------------------------------------------
 
-def tiles_from_planes(fmt: str, planes: dict, tile: int = TILE):
+def tiles_from_planes(fmt: str, planes: dict):
     """Row-major parts -> the format's tiles. planes: part name -> array [O, k] in the dtypes the
     tile tuple documents (float16 scales as float16 or uint16 bits); rows padded with zeros to a
-    multiple of `tile`. The one repacking a loaded matrix goes through."""
+    multiple of TILE. The one repacking a loaded matrix goes through."""
     cls = TILE_TYPES[fmt]
     parts = [f for f in cls._fields if f != "rows"]
     rows = planes[parts[0]].shape[0]
-    nt = -(-rows // tile)
+    nt = -(-rows // TILE)
     out = {}
     for name in parts:
         p = np.asarray(planes[name])
@@ -350,9 +334,9 @@ def tiles_from_planes(fmt: str, planes: dict, tile: int = TILE):
         if p.ndim != 2 or p.shape[0] != rows:
             raise ValueError(f"tiles_from_planes: part {name} has shape {p.shape}, expected [{rows}, k]")
         g = _GROUPED.get((cls, name), 1)
-        padded = np.zeros((nt * tile, p.shape[1]), p.dtype)
+        padded = np.zeros((nt * TILE, p.shape[1]), p.dtype)
         padded[:rows] = p
-        t = padded.reshape(nt, tile, p.shape[1] // g, g).transpose(0, 2, 1, 3)
+        t = padded.reshape(nt, TILE, p.shape[1] // g, g).transpose(0, 2, 1, 3)
         out[name] = np.ascontiguousarray(t if g > 1 else t[..., 0])
     return cls(rows=rows, **out)
 

@@ -27,7 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _F32 = np.float32
-ROWS = 64                              # the tile's rows the IR is written for
+ROWS = 64                              # the tile's rows the IR is written for (quant.TILE)
 XQ_VNNI, S_VNNI = 32639, 8             # (XQ + 128) >> 8 stays a signed byte
 XQ_AVX2, S_AVX2 = 8191, 7              # hi, lo within +-64: 255 * 64 * 2 fits vpmaddubsw's int16
 

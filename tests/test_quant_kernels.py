@@ -76,23 +76,21 @@ def test_gemv_vs_reference(fmt, rows):
 ISA = quant_intdot.isa()
 Q8_0_KERNELS = {kq._gemv_q8_0_portable: None}          # kernel: its x quantization's XQ (None: float32)
 if ISA in ("avx2", "avx512vnni"):
-    Q8_0_KERNELS[kq._gemv_q8_0_avx2] = quant_intdot.XQ_AVX2
+    Q8_0_KERNELS[quant_intdot.gemv_q8_0_avx2] = quant_intdot.XQ_AVX2
 if ISA == "avx512vnni":
-    Q8_0_KERNELS[kq._gemv_q8_0_vnni] = quant_intdot.XQ_VNNI
+    Q8_0_KERNELS[quant_intdot.gemv_q8_0_vnni] = quant_intdot.XQ_VNNI
 
 
 @pytest.mark.parametrize("kernel", list(Q8_0_KERNELS), ids=lambda k: k.py_func.__name__)
-@pytest.mark.parametrize("rows,tile", [(200, 64), (64, 64), (70, 32)])
-def test_q8_0_kernels_within_stated_bound(kernel, rows, tile):
+@pytest.mark.parametrize("rows", [200, 64, 70])
+def test_q8_0_kernels_within_stated_bound(kernel, rows):
     """Every Q8_0 GEMV this CPU runs against the float64 reference: the integer ones within their
     stated bound (x quantized per block to XQ levels: sum_b max|x_b| sum_i |w_bi| / (2 XQ),
-    kernels_cpu.quant_intdot), the portable one within float32 rounding; tiles of other than 64
-    rows take the portable one. Blocks of very different size, a zero block and a NaN show that
-    the scale is per block."""
-    rng = np.random.default_rng(rows + tile)
+    kernels_cpu.quant_intdot), the portable one within float32 rounding. Blocks of very different
+    size, a zero block and a NaN show that the scale is per block."""
+    rng = np.random.default_rng(rows)
     cols = 768
-    f = FORMATS["Q8_0"]
-    w = kq.tiles_from_planes("Q8_0", kernel_planes(f, to_planes(f, random_blocks(rng, "Q8_0", rows, cols), cols)), tile)
+    w = tiles("Q8_0", random_blocks(rng, "Q8_0", rows, cols), cols)
     x = rng.standard_normal(cols).astype(np.float32) * np.repeat(10.0 ** rng.uniform(-3, 3, cols // 32), 32)
     x[64:96] = 0
     want = gemv_ref(w, x)
@@ -101,7 +99,7 @@ def test_q8_0_kernels_within_stated_bound(kernel, rows, tile):
     xq = Q8_0_KERNELS[kernel]
     got = np.empty(rows, np.float32)
     kernel(w, x, got)
-    if xq is None or tile != 64:                         # float32 products: rounding only
+    if xq is None:                                      # float32 products: rounding only
         assert np.all(np.abs(got - want) <= 2e-6 * mass)
     else:
         err = np.abs(got - want)
@@ -113,7 +111,7 @@ def test_q8_0_kernels_within_stated_bound(kernel, rows, tile):
 
 
 def test_q8_0_kernel_is_the_best_one_this_cpu_runs():
-    want = {"avx512vnni": kq._gemv_q8_0_vnni, "avx2": kq._gemv_q8_0_avx2}.get(ISA, kq._gemv_q8_0_portable)
+    want = {"avx512vnni": quant_intdot.gemv_q8_0_vnni, "avx2": quant_intdot.gemv_q8_0_avx2}.get(ISA, kq._gemv_q8_0_portable)
     assert kq._gemv_q8_0 is want
 
 
