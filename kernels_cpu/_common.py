@@ -281,6 +281,14 @@ def _prefetch(typingctx, arr, off):
     return sig, codegen
 
 
+@njit(inline="always")
+def _store_tile(y, t, rows, out):
+    """A quantized GEMV's tile of rows y [R] into out[t R:], short of the padding rows past `rows`."""
+    R = y.shape[0]
+    for r in range(min(R, rows - t * R)):
+        out[t * R + r] = y[r]
+
+
 def stamp_caches(package: str) -> bool:
     """Make every cached kernel of `package` (its loaded modules' cache=True dispatchers) stale when
     any .py file of the package changes, not only its own. Numba keys a cache by the kernel's own

@@ -40,7 +40,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import decode, quant_intdot as intdot
-from ._common import _FASTMATH, half_to_float
+from ._common import _FASTMATH, _store_tile, half_to_float
 from .decode import _gemv_f32, _rows
 
 TILE = 64
@@ -206,13 +206,6 @@ def _block_sums(x):
             s += x[b * 32 + j]
         out[b] = s
     return out
-
-
-@njit(inline="always")
-def _store_tile(y, t, rows, out):
-    R = y.shape[0]
-    for r in range(min(R, rows - t * R)):
-        out[t * R + r] = y[r]
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)

@@ -26,6 +26,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._common import _store_tile
+
 _F32 = np.float32
 ROWS = 64                              # the tile's rows the IR is written for (quant.TILE)
 XQ_VNNI, S_VNNI = 32639, 8             # (XQ + 128) >> 8 stays a signed byte
@@ -174,29 +176,23 @@ def _x_parts(x, xq, shift):
     return hi.view(np.int32), lo.view(np.int32), xs, corr
 
 
-@njit(inline="always")
-def _store(y, t, R, rows, out):
-    for r in range(min(R, rows - t * R)):
-        out[t * R + r] = y[r]
-
-
 @njit(parallel=True, cache=True)
 def gemv_q8_0_vnni(w, x, out):
     """out [rows] f32 = W @ x for kernels_cpu.quant's Q8_0 tiles of 64 rows; x [I] f32 (AVX-512 VNNI)."""
     hi4, lo4, xs, corr = _x_parts(x, XQ_VNNI, S_VNNI)
-    nb, R = x.shape[0] // 32, w.qs.shape[2]
+    nb = x.shape[0] // 32
     for t in prange(w.qs.shape[0]):
         y = np.empty(ROWS, _F32)
         _tile16(w.qs, w.d, t, nb, hi4, lo4, xs, corr, S_VNNI, y)
-        _store(y, t, R, w.rows, out)
+        _store_tile(y, t, w.rows, out)
 
 
 @njit(parallel=True, cache=True)
 def gemv_q8_0_avx2(w, x, out):
     """The same on AVX2 (vpmaddubsw, x to 14 bits a block)."""
     hi4, lo4, xs, corr = _x_parts(x, XQ_AVX2, S_AVX2)
-    nb, R = x.shape[0] // 32, w.qs.shape[2]
+    nb = x.shape[0] // 32
     for t in prange(w.qs.shape[0]):
         y = np.empty(ROWS, _F32)
         _tile8(w.qs, w.d, t, nb, hi4, lo4, xs, corr, S_AVX2, y)
-        _store(y, t, R, w.rows, out)
+        _store_tile(y, t, w.rows, out)
