@@ -60,8 +60,6 @@ from .numba_kernels import (
 
 from . import quant, quant_rows  # noqa: F401  (quant registers the quantized GEMVs with the decode kernels)
 from . import numba_kernels as _numba_kernels
-
-
 from ._common import stamp_caches  # noqa: E402
 stamp_caches(__name__)           # one cache stamp for every kernel of the package
 

@@ -13,9 +13,8 @@ per block; no int8 quantization of the activation, so the result equals the dequ
 times x up to float32 summation order. Q8_0 is the exception where the CPU has AVX-512 VNNI or AVX2:
 its codes lie four columns to a 32-bit lane and kernels_cpu.quant_intdot multiplies them as bytes
 by x quantized to 16 (VNNI) or 14 bits a block (2.5-4x the float tile's speed; error bound stated
-there). Scales and mins stay float16 bits (uint16), as the GGUF
-stores them, so the resident bytes equal the file's (Q4_K: +2.8%, its 6-bit scales widened to
-bytes).
+there). Scales and mins stay float16 bits (uint16), as the GGUF stores them, so the resident bytes
+equal the file's (Q4_K: +2.8%, its 6-bit scales widened to bytes).
 
 Codes within a block keep GGUF's order (ggml-quants.c):
   Q8_0   32 int8 codes q, w = d * q

@@ -4,7 +4,6 @@ Each format's row follows ggml-quants.c's formulas (kernels_cpu.quant's docstrin
 order); tests/references/quant.py is the reference."""
 from __future__ import annotations
 
-
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
