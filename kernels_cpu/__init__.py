@@ -23,7 +23,7 @@ function in :mod:`kernels_cpu.numba_kernels`:
   (rms_norm, the projections, RoPE, SwiGLU, residuals), float32 or bfloat16 weights (bfloat16
   as uint16 bits; :mod:`kernels_cpu.decode`)
 * :mod:`kernels_cpu.quant`: GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as row
-  tiles; ``gemv`` (Q8_0 on byte dot products: :mod:`kernels_cpu.quant_intdot`); the tiles are accepted
+  tiles; ``gemv`` (byte dot products: :mod:`kernels_cpu.quant_intdot`); the tiles are accepted
   by ``attn_in``, ``attn_out`` and ``norm_gemv`` in place of a float matrix;
   :mod:`kernels_cpu.quant_rows`: ``dequantize_rows``, ``dequantize_ids`` (references:
   tests/references/quant.py)

@@ -1,22 +1,26 @@
-"""Q8_0 GEMV on integer byte dot products: AVX-512 VNNI (`vpdpbusd`) or AVX2 (`vpmaddubsw`).
+"""Quantized GEMVs on integer byte dot products, every format of kernels_cpu.quant: AVX-512 VNNI
+(`vpdpbusd`) or AVX2 (`vpmaddubsw` + `vpmaddwd`).
 
-The float32 tile of kernels_cpu.quant widens every code to float32 and ran at ~3 multiply-adds a
-cycle on Zen 4, under what the memory delivers (its GEMV read 16-22 GB/s where two cores stream
-~33): decode was bound by the widening, not the bytes. Here the codes stay bytes:
+Widening every code to float32 ran at ~3 multiply-adds a cycle on Zen 4, under what the memory
+delivers: decode was bound by the widening, not the bytes. Here the codes stay bytes:
 
 - x is quantized once per GEMV, per 32-element block: s_b = max|x_b| / XQ, x_q = round(x / s_b),
   split into two signed bytes x_q = 2^S hi + lo. AVX-512 VNNI: XQ = 32639, S = 8 (x kept to 2^-16
   of the block's largest |x|); AVX2: XQ = 8191, S = 7 (2^-14: hi and lo within +-64, so that
-  vpmaddubsw's 16-bit pair sums cannot saturate). llama.cpp keeps 2^-8.
-- the byte products multiply unsigned by signed bytes: the codes q are read as u = q + 128 (a byte
-  XOR), and the offset comes back per block as 128 sum(x_q), one integer for all rows;
-- per block and row: A = 2^S (u . hi) + (u . lo) - 128 sum(x_q), exact in int32, then
-  y += d * s_b * A in float32.
+  vpmaddubsw's 16-bit pair sums cannot saturate). llama.cpp keeps 2^-8. Integer sums of x_q per
+  16 columns (qsum) carry the codes' offsets and the mins.
+- the byte products multiply unsigned codes u by signed bytes of x: 4-bit codes as they are
+  (nibbles masked out of a 32-bit lane), Q6_K's six bits put together from ql and qh, Q8_0's
+  signed codes q read as u = q + 128 (a byte XOR).
+- per group of columns sharing a scale (32; Q6_K 16) and row: A = 2^S (u . hi) + (u . lo), exact
+  in int32; then y += s_b (alpha (A - off qsum) + beta qsum) in float32, with the format's row
+  scale alpha (d, or d sc), min beta (Q4_1 m, Q4_K -dmin mn) and code offset off (Q8_0 128,
+  Q4_0 8, Q6_K 32).
 
-Codes are laid out [nt, I/4, 64, 4] (kernels_cpu.quant's Q8_0 tiles): one 32-bit lane holds four
-columns of one row. A lane's dot product is one vpdpbusd (16 rows a register), or vpmaddubsw then
-vpmaddwd (8 rows). The tile is LLVM IR built here (Numba has no vector types), as in
-kernels_cpu.fastscan. Error against the float32 product: at most
+Codes lie four bytes of a row to a 32-bit lane: parts [nt, bytes / 4, 64, 4] (kernels_cpu.quant's
+tiles), so one lane's dot product is one vpdpbusd for 16 rows (vpmaddubsw + vpmaddwd: 8). The tile is
+LLVM IR built here (Numba has no vector types), as in kernels_cpu.fastscan; each format is a
+generator of its groups (_GROUPS). Error against the float32 product: at most
 sum_b max|x_b| sum_i |w_bi| / (2 XQ), plus float32 rounding (tests/test_quant_kernels.py).
 """
 from __future__ import annotations
@@ -49,30 +53,139 @@ def isa() -> str | None:
     return "avx2" if "+avx2" in f else None
 
 
+# ---- the formats: per period of columns, groups (col0, ncols, lanes [(u, col)], off, alpha, beta) ----
+# B (_Rows below) reads one register of rows: B.word(part, w) the w-th 32-bit lane of the period's
+# codes; B.half / B.byte / B.sbyte(part, e) the period's e-th scale (float16, uint8, int8) as float32.
+
+def _groups_q8_0(B):
+    """Period 32: 8 lanes of signed codes, each read as u = q + 128."""
+    yield 0, 32, [(B.flip(B.word("qs", g)), 4 * g) for g in range(8)], 128, B.half("d", 0), None
+
+
+def _groups_q4(B, has_min):
+    """Period 32: 4 lanes, byte k holds element k (low nibble) and 16 + k (high)."""
+    lanes = []
+    for g in range(4):
+        w = B.word("qs", g)
+        lanes += [(B.nib(w, 0), 4 * g), (B.nib(w, 4), 16 + 4 * g)]
+    yield 0, 32, lanes, 0 if has_min else 8, B.half("d", 0), B.half("m", 0) if has_min else None
+
+
+def _groups_q4_k(B):
+    """Period 256: sub-block j's codes are the (j % 2)-th nibbles of bytes 32 (j // 2) + l."""
+    d, dmin = B.half("d", 0), B.half("dmin", 0)
+    for j in range(8):
+        lanes = [(B.nib(B.word("qs", 8 * (j // 2) + g), 4 * (j % 2)), 32 * j + 4 * g) for g in range(8)]
+        yield 32 * j, 32, lanes, 0, B.mul(d, B.byte("sc", j)), B.neg(B.mul(dmin, B.byte("mn", j)))
+
+
+def _groups_q6_k(B):
+    """Period 256: element 128 h + 32 s + l from ql byte 64 h + 32 (s % 2) + l (nibble s // 2) and
+    qh byte 32 h + l (bits 2 s, 2 s + 1); a scale per 16 elements."""
+    d = B.half("d", 0)
+    for h in range(2):
+        for s in range(4):
+            for half in range(2):
+                lanes = []
+                for m in range(4 * half, 4 * half + 4):
+                    lo = B.nib(B.word("ql", 16 * h + 8 * (s % 2) + m), 4 * (s // 2))
+                    lanes.append((B.high2(lo, B.word("qh", 8 * h + m), 2 * s), 128 * h + 32 * s + 4 * m))
+                yield (128 * h + 32 * s + 16 * half, 16, lanes, 32,
+                       B.mul(d, B.sbyte("sc", 8 * h + 2 * s + half)), None)
+
+
+_GROUPS = {"Q8_0Tiles": (32, _groups_q8_0), "Q4_0Tiles": (32, lambda B: _groups_q4(B, False)),
+           "Q4_1Tiles": (32, lambda B: _groups_q4(B, True)), "Q4_KTiles": (256, _groups_q4_k),
+           "Q6_KTiles": (256, _groups_q6_k)}
+
+
+class _Rows:
+    """IR for one register of `lanes` rows (row0...) of tile t in period p: the format's loads."""
+
+    def __init__(self, b, parts, t, p, row0, lanes, intp):
+        self.b, self.parts, self.t, self.p, self.row0, self.n, self.intp = b, parts, t, p, row0, lanes, intp
+        ir = cgutils.ir
+        self.ir, self.i32 = ir, ir.IntType(32)
+        self.vi32 = ir.VectorType(self.i32, lanes)
+        self.vf32 = ir.VectorType(ir.FloatType(), lanes)
+
+    def _ptr(self, part, e, elem):
+        """&part[t, p * per + e, row0] as <lanes x elem>*: part [nt, k, 64(, 4)], per entries a period."""
+        data, k, per = self.parts[part]
+        b, intp = self.b, self.intp
+        i = b.add(b.mul(b.add(b.mul(self.t, k), b.add(b.mul(self.p, per), intp(e))), intp(ROWS)), intp(self.row0))
+        base = b.bitcast(data, elem.as_pointer())
+        return b.bitcast(b.gep(base, [i]), self.ir.VectorType(elem, self.n).as_pointer())
+
+    def word(self, part, w):
+        return self.b.load(self._ptr(part, w, self.i32), align=1)
+
+    def _splat(self, c):
+        return self.ir.Constant(self.vi32, [c] * self.n)
+
+    def flip(self, w):
+        return self.b.xor(w, self._splat(-0x7F7F7F80))                 # 0x80808080: q + 128 as a byte
+
+    def nib(self, w, shift):
+        return self.b.and_(self.b.lshr(w, self._splat(shift)) if shift else w, self._splat(0x0F0F0F0F))
+
+    def high2(self, lo, qh, shift):
+        """lo | ((qh >> shift) & 3) << 4, per byte."""
+        hb = self.b.and_(self.b.lshr(qh, self._splat(shift)) if shift else qh, self._splat(0x03030303))
+        return self.b.or_(lo, self.b.shl(hb, self._splat(4)))
+
+    def half(self, part, e):
+        ir = self.ir
+        h = self.b.load(self._ptr(part, e, ir.IntType(16)), align=2)
+        return self.b.fpext(self.b.bitcast(h, ir.VectorType(ir.HalfType(), self.n)), self.vf32)
+
+    def byte(self, part, e, signed=False):
+        v = self.b.load(self._ptr(part, e, self.ir.IntType(8)), align=1)
+        return self.b.sitofp(self.b.sext(v, self.vi32) if signed else self.b.zext(v, self.vi32), self.vf32)
+
+    def sbyte(self, part, e):
+        return self.byte(part, e, signed=True)
+
+    def mul(self, a, c):
+        return self.b.fmul(a, c)
+
+    def neg(self, a):
+        return self.b.fneg(a)
+
+
 def _make_tile(lanes: int):
     """The tile intrinsic for registers of `lanes` rows (16: vpdpbusd; 8: vpmaddubsw + vpmaddwd).
-    Call: (qs int8 [nt, 8 nb, 64, 4], d float16 bits [nt, nb, 64], t, nb, hi4, lo4 int32 [8 nb]
-    (x's bytes, four columns a word), xs f32 [nb] (s_b), corr int32 [nb] (128 sum(x_q)), shift,
-    y f32 [64]) -> y = the tile t's rows . x."""
+    Call: (w: a kernels_cpu.quant tiles tuple of 64-row tiles, t, hi4, lo4 int32 [I/4] (x's bytes,
+    four columns a word), xs f32 [I/32] (s_b), qsum int32 [I/16], shift, y f32 [64]) -> y = the
+    tile t's rows . x."""
     @intrinsic
-    def tile(typingctx, qs, d, t, nb, hi4, lo4, xs, corr, shift, y):
-        sig = types.void(qs, d, t, nb, hi4, lo4, xs, corr, shift, y)
+    def tile(typingctx, w, t, hi4, lo4, xs, qsum, shift, y):
+        if not isinstance(w, types.BaseNamedTuple) or w.instance_class.__name__ not in _GROUPS:
+            return None
+        sig = types.void(w, t, hi4, lo4, xs, qsum, shift, y)
+        period, groups = _GROUPS[w.instance_class.__name__]
 
         def codegen(context, builder, signature, args):
             ir = cgutils.ir
-            i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-            vi32, vi16, vf32, vf16 = (ir.VectorType(e, lanes) for e in (i32, i16, f32, ir.HalfType()))
+            i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+            vi32, vf32 = ir.VectorType(i32, lanes), ir.VectorType(ir.FloatType(), lanes)
             intp = context.get_value_type(types.intp)
 
-            def ptr(k):
-                return context.make_array(signature.args[k])(context, builder, args[k]).data
+            def arr(ty, val):
+                return context.make_array(ty)(context, builder, val)
 
-            def idx(k):
-                return context.cast(builder, args[k], signature.args[k], types.intp)
-
-            pq, pd, ph, pl, pxs, pc, py = (ptr(k) for k in (0, 1, 4, 5, 6, 7, 9))
-            t_, nb_ = idx(2), idx(3)
-            sh = context.cast(builder, args[8], signature.args[8], types.int32)
+            ph, pl, pxs, pq, py = (arr(signature.args[k], args[k]).data for k in (2, 3, 4, 5, 7))
+            n_words = cgutils.unpack_tuple(builder, arr(signature.args[2], args[2]).shape)[0]
+            n_per = builder.udiv(builder.mul(n_words, intp(4)), intp(period))     # periods of the row
+            parts = {}
+            fields = w.instance_class._fields
+            for name, ty, val in zip(fields, w.types, cgutils.unpack_tuple(builder, args[0], len(fields))):
+                if isinstance(ty, types.Array):
+                    a = arr(ty, val)
+                    k = cgutils.unpack_tuple(builder, a.shape)[1]
+                    parts[name] = (a.data, k, builder.udiv(k, n_per))
+            t_ = context.cast(builder, args[1], signature.args[1], types.intp)
+            sh = context.cast(builder, args[6], signature.args[6], types.int32)
             if lanes == 16:
                 vpdpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi32, [vi32] * 3),
                                                           "llvm.x86.avx512.vpdpbusd.512")
@@ -91,45 +204,51 @@ def _make_tile(lanes: int):
                     pairs = builder.call(maddubs, [builder.bitcast(u, v32i8), builder.bitcast(x, v32i8)])
                     return builder.add(acc, builder.call(maddwd, [pairs, ones]))
 
-            zeros = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+            zeros = ir.Constant(vi32, [0] * lanes)
 
             def bcast(scalar, vty):
                 v = builder.insert_element(ir.Constant(vty, None), scalar, i32(0))
                 return builder.shuffle_vector(v, v, zeros)
 
-            flip = ir.Constant(vi32, [-0x7F7F7F80] * lanes)          # 0x80808080: q + 128 as a byte
             shift = bcast(sh, vi32)
             nv = 4                                                   # registers of rows per pass
-            for p in range(ROWS // (nv * lanes)):
-                acc = [cgutils.alloca_once_value(builder, ir.Constant(vf32, None)) for _ in range(nv)]
-                with cgutils.for_range(builder, nb_) as loop:
-                    b = loop.index
-                    H = [ir.Constant(vi32, None)] * nv
-                    L = [ir.Constant(vi32, None)] * nv
-                    for g in range(8):
-                        gi = builder.add(builder.mul(b, intp(8)), intp(g))
-                        hb = bcast(builder.load(builder.gep(ph, [gi])), vi32)
-                        lb = bcast(builder.load(builder.gep(pl, [gi])), vi32)
-                        base = builder.mul(builder.add(builder.mul(t_, builder.mul(nb_, intp(8))), gi), intp(ROWS * 4))
+            for ps in range(ROWS // (nv * lanes)):
+                rows0 = [(ps * nv + v) * lanes for v in range(nv)]
+                acc = [cgutils.alloca_once_value(builder, ir.Constant(vf32, [0.0] * lanes)) for _ in range(nv)]
+                with cgutils.for_range(builder, n_per) as loop:
+                    p = loop.index
+                    col_p = builder.mul(p, intp(period))
+                    y_new = [builder.load(a) for a in acc]
+                    for gs in zip(*(groups(_Rows(builder, parts, t_, p, r0, lanes, intp)) for r0 in rows0)):
+                        col0, ncols = gs[0][0], gs[0][1]
+                        H, L = [zeros] * nv, [zeros] * nv
+                        for li in range(len(gs[0][2])):
+                            xw = builder.add(builder.udiv(col_p, intp(4)), intp(gs[0][2][li][1] // 4))
+                            hb = bcast(builder.load(builder.gep(ph, [xw])), vi32)
+                            lb = bcast(builder.load(builder.gep(pl, [xw])), vi32)
+                            for v in range(nv):
+                                u = gs[v][2][li][0]
+                                H[v], L[v] = dot(H[v], u, hb), dot(L[v], u, lb)
+                        c0 = builder.add(col_p, intp(col0))
+                        s = bcast(builder.load(builder.gep(pxs, [builder.udiv(c0, intp(32))])), vf32)
+                        q16 = builder.udiv(c0, intp(16))
+                        qs_ = builder.load(builder.gep(pq, [q16]))
+                        for k in range(1, ncols // 16):
+                            qs_ = builder.add(qs_, builder.load(builder.gep(pq, [builder.add(q16, intp(k))])))
+                        qsum = bcast(qs_, vi32)
                         for v in range(nv):
-                            row0 = (p * nv + v) * lanes
-                            src = builder.gep(pq, [builder.add(base, intp(4 * row0))])
-                            u = builder.xor(builder.load(builder.bitcast(src, vi32.as_pointer()), align=1), flip)
-                            H[v] = dot(H[v], u, hb)
-                            L[v] = dot(L[v], u, lb)
-                    c = bcast(builder.load(builder.gep(pc, [b])), vi32)
-                    s = bcast(builder.load(builder.gep(pxs, [b])), vf32)
-                    d_blk = builder.mul(builder.add(builder.mul(t_, nb_), b), intp(ROWS))
+                            _, _, _, off, alpha, beta = gs[v]
+                            a = builder.add(builder.shl(H[v], shift), L[v])
+                            if off:
+                                a = builder.sub(a, builder.mul(qsum, ir.Constant(vi32, [off] * lanes)))
+                            f = builder.fmul(alpha, builder.sitofp(a, vf32))
+                            if beta is not None:
+                                f = builder.fadd(f, builder.fmul(beta, builder.sitofp(qsum, vf32)))
+                            y_new[v] = builder.fadd(y_new[v], builder.fmul(s, f))
                     for v in range(nv):
-                        row0 = (p * nv + v) * lanes
-                        a = builder.sub(builder.add(builder.shl(H[v], shift), L[v]), c)
-                        dsrc = builder.gep(pd, [builder.add(d_blk, intp(row0))])
-                        dh = builder.bitcast(builder.load(builder.bitcast(dsrc, vi16.as_pointer()), align=2), vf16)
-                        scale = builder.fmul(builder.fpext(dh, vf32), s)
-                        prod = builder.fmul(builder.sitofp(a, vf32), scale)
-                        builder.store(builder.fadd(builder.load(acc[v]), prod), acc[v])
+                        builder.store(y_new[v], acc[v])
                 for v in range(nv):
-                    dst = builder.gep(py, [intp((p * nv + v) * lanes)])
+                    dst = builder.gep(py, [intp(rows0[v])])
                     builder.store(builder.load(acc[v]), builder.bitcast(dst, vf32.as_pointer()), align=4)
             return context.get_dummy_value()
 
@@ -142,8 +261,8 @@ _tile16, _tile8 = _make_tile(16), _make_tile(8)
 
 
 @njit(inline="always")
-def _quantize_x(x, hi, lo, xs, corr, xq, shift):
-    """x [I] f32 -> hi, lo int8 [I] (x_q = 2^shift hi + lo), xs f32 [I/32] (s_b), corr int32 [I/32]."""
+def _quantize_x(x, hi, lo, xs, qsum, xq, shift):
+    """x [I] f32 -> hi, lo int8 [I] (x_q = 2^shift hi + lo), xs f32 [I/32] (s_b), qsum int32 [I/16]."""
     half = 1 << (shift - 1)
     for b in range(x.shape[0] // 32):
         amax = _F32(0.0)
@@ -152,17 +271,18 @@ def _quantize_x(x, hi, lo, xs, corr, xq, shift):
             if a > amax or a != a:                  # a NaN stays: the block's result is NaN
                 amax = a
         inv = _F32(xq) / amax if amax > 0 else _F32(0.0)
-        tot = 0
-        for j in range(32):
-            v = x[b * 32 + j] * inv
-            v = min(max(v, _F32(-xq)), _F32(xq)) if v == v else _F32(0.0)
-            q = np.int32(np.floor(v + _F32(0.5)))
-            h = (q + half) >> shift
-            hi[b * 32 + j] = h
-            lo[b * 32 + j] = q - (h << shift)
-            tot += q
+        for h in range(2):
+            tot = 0
+            for j in range(b * 32 + 16 * h, b * 32 + 16 * h + 16):
+                v = x[j] * inv
+                v = min(max(v, _F32(-xq)), _F32(xq)) if v == v else _F32(0.0)
+                q = np.int32(np.floor(v + _F32(0.5)))
+                g = (q + half) >> shift
+                hi[j] = g
+                lo[j] = q - (g << shift)
+                tot += q
+            qsum[2 * b + h] = tot
         xs[b] = amax / _F32(xq)
-        corr[b] = 128 * tot
 
 
 @njit(inline="always")
@@ -171,28 +291,26 @@ def _x_parts(x, xq, shift):
     hi = np.empty(I, np.int8)
     lo = np.empty(I, np.int8)
     xs = np.empty(I // 32, _F32)
-    corr = np.empty(I // 32, np.int32)
-    _quantize_x(x, hi, lo, xs, corr, xq, shift)
-    return hi.view(np.int32), lo.view(np.int32), xs, corr
+    qsum = np.empty(I // 16, np.int32)
+    _quantize_x(x, hi, lo, xs, qsum, xq, shift)
+    return hi.view(np.int32), lo.view(np.int32), xs, qsum
 
 
 @njit(parallel=True, cache=True)
-def gemv_q8_0_vnni(w, x, out):
-    """out [rows] f32 = W @ x for kernels_cpu.quant's Q8_0 tiles of 64 rows; x [I] f32 (AVX-512 VNNI)."""
-    hi4, lo4, xs, corr = _x_parts(x, XQ_VNNI, S_VNNI)
-    nb = x.shape[0] // 32
-    for t in prange(w.qs.shape[0]):
+def gemv_vnni(w, x, out):
+    """out [rows] f32 = W @ x for kernels_cpu.quant's tiles (any format) of 64 rows; x [I] f32 (AVX-512 VNNI)."""
+    hi4, lo4, xs, qsum = _x_parts(x, XQ_VNNI, S_VNNI)
+    for t in prange(w[0].shape[0]):
         y = np.empty(ROWS, _F32)
-        _tile16(w.qs, w.d, t, nb, hi4, lo4, xs, corr, S_VNNI, y)
+        _tile16(w, t, hi4, lo4, xs, qsum, S_VNNI, y)
         _store_tile(y, t, w.rows, out)
 
 
 @njit(parallel=True, cache=True)
-def gemv_q8_0_avx2(w, x, out):
+def gemv_avx2(w, x, out):
     """The same on AVX2 (vpmaddubsw, x to 14 bits a block)."""
-    hi4, lo4, xs, corr = _x_parts(x, XQ_AVX2, S_AVX2)
-    nb = x.shape[0] // 32
-    for t in prange(w.qs.shape[0]):
+    hi4, lo4, xs, qsum = _x_parts(x, XQ_AVX2, S_AVX2)
+    for t in prange(w[0].shape[0]):
         y = np.empty(ROWS, _F32)
-        _tile8(w.qs, w.d, t, nb, hi4, lo4, xs, corr, S_AVX2, y)
+        _tile8(w, t, hi4, lo4, xs, qsum, S_AVX2, y)
         _store_tile(y, t, w.rows, out)

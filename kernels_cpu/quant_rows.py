@@ -1,5 +1,6 @@
 """Dequantization of kernels_cpu.quant's tiles to float32 or bfloat16 rows: a prefill's slab of
-rows before torch's GEMM (minirun.quant.matrix) and the embedding's rows of a chunk's tokens.
+rows before torch's GEMM (minirun.quant.matrix), the embedding's rows of a chunk's tokens, and the
+GEMV of a CPU without AVX2.
 Each format's row follows ggml-quants.c's formulas (kernels_cpu.quant's docstring has the codes'
 order); tests/references/quant.py is the reference."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._common import _FASTMATH, half_to_float
+from ._common import _FASTMATH, _store_tile, half_to_float
 from .bf16 import f32_to_bf16
 from .quant import Q4_0Tiles, Q4_1Tiles, Q4_KTiles, Q6_KTiles, Q8_0Tiles, _tile_class, in_features
 
@@ -26,20 +27,26 @@ def _row_q8_0(w, t, r, out):
                 o[c] = _F32(q[c]) * s
 
 
+@njit(inline="always")
+def _byte(a, t, k, r):
+    """Byte k of row r of tile t in a code part [nt, k / 4, TILE, 4]."""
+    return a[t, k >> 2, r, k & 3]
+
+
 @njit(fastmath=_FASTMATH, inline="always")
 def _row_q4(qs, d, m, t, r, out, has_min):
-    for b in range(qs.shape[1] // 16):
+    for b in range(d.shape[1]):
         sc = half_to_float(d[t, b, r])
         mn = half_to_float(m[t, b, r]) if has_min else _F32(-8.0) * sc
         for k in range(16):
-            byte = qs[t, b * 16 + k, r]
+            byte = _byte(qs, t, b * 16 + k, r)
             out[b * 32 + k] = sc * _F32(np.uint8(byte & np.uint8(15))) + mn
             out[b * 32 + 16 + k] = sc * _F32(np.uint8(byte >> np.uint8(4))) + mn
 
 
 @njit(fastmath=_FASTMATH, inline="always")
 def _row_q4_k(w, t, r, out):
-    for sb in range(w.qs.shape[1] // 128):
+    for sb in range(w.d.shape[1]):
         d = half_to_float(w.d[t, sb, r])
         dmin = half_to_float(w.dmin[t, sb, r])
         for c in range(4):
@@ -47,21 +54,21 @@ def _row_q4_k(w, t, r, out):
             s0, s1 = d * _F32(w.sc[t, j, r]), d * _F32(w.sc[t, j + 1, r])
             m0, m1 = dmin * _F32(w.mn[t, j, r]), dmin * _F32(w.mn[t, j + 1, r])
             for k in range(32):
-                byte = w.qs[t, sb * 128 + c * 32 + k, r]
+                byte = _byte(w.qs, t, sb * 128 + c * 32 + k, r)
                 out[j * 32 + k] = s0 * _F32(np.uint8(byte & np.uint8(15))) - m0
                 out[j * 32 + 32 + k] = s1 * _F32(np.uint8(byte >> np.uint8(4))) - m1
 
 
 @njit(fastmath=_FASTMATH, inline="always")
 def _row_q6_k(w, t, r, out):
-    for sb in range(w.ql.shape[1] // 128):
+    for sb in range(w.d.shape[1]):
         d = half_to_float(w.d[t, sb, r])
         for h in range(2):
             e0 = sb * 256 + h * 128
             for l in range(32):
-                qa = np.int32(w.ql[t, sb * 128 + h * 64 + l, r])
-                qb = np.int32(w.ql[t, sb * 128 + h * 64 + 32 + l, r])
-                qh = np.int32(w.qh[t, sb * 64 + h * 32 + l, r])
+                qa = np.int32(_byte(w.ql, t, sb * 128 + h * 64 + l, r))
+                qb = np.int32(_byte(w.ql, t, sb * 128 + h * 64 + 32 + l, r))
+                qh = np.int32(_byte(w.qh, t, sb * 64 + h * 32 + l, r))
                 g = sb * 16 + h * 8 + l // 16
                 out[e0 + l] = d * _F32(w.sc[t, g, r]) * _F32(((qa & 15) | ((qh & 3) << 4)) - 32)
                 out[e0 + 32 + l] = d * _F32(w.sc[t, g + 2, r]) * _F32(((qb & 15) | ((qh & 12) << 2)) - 32)
@@ -120,6 +127,23 @@ def _k_dequant_ids(w, ids, out):
     R = w[0].shape[2]
     for i in range(ids.shape[0]):
         _dequant_row(w, ids[i] // R, ids[i] % R, out[i])
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def gemv_portable(w, x, out):
+    """out [rows] f32 = W @ x (x [I] f32) where the CPU has no integer kernel (kernels_cpu.quant_intdot):
+    each row dequantized, then its float32 dot with x."""
+    R = w[0].shape[2]
+    for t in prange(w[0].shape[0]):
+        row = np.empty(x.shape[0], _F32)
+        y = np.empty(R, _F32)
+        for r in range(R):
+            _dequant_row(w, t, r, row)
+            s = _F32(0.0)
+            for i in range(x.shape[0]):
+                s += row[i] * x[i]
+            y[r] = s
+        _store_tile(y, t, w.rows, out)
 
 
 def dequantize_rows(w, r0, r1, out=None):

@@ -1,8 +1,9 @@
 // quant.cu -- GGUF block-quantized weights on the GPU: the decode GEMV with the weights
 // dequantized in registers, and dequantization of rows (prefill slabs for torch's GEMM, embedding
-// lookups).  The weights are kernels_cpu.quant's row tiles, as the CPU holds them: every part
-// (codes, scales, mins) stored [n_tiles, k, MR_QTILE] with the row index innermost, so the 64
-// threads of a tile that read one element of 64 rows read 64 consecutive bytes (coalesced).
+// lookups).  The weights are kernels_cpu.quant's row tiles, as the CPU holds them: scales and mins
+// stored [n_tiles, k, MR_QTILE] with the row index innermost, codes [n_tiles, bytes / 4, MR_QTILE, 4]
+// (four bytes of a row side by side), so the 64 threads of a tile that read one element of 64 rows
+// read one contiguous run of 64 (codes: 256) bytes.
 // Formats and code layouts: kernels_cpu/quant.py's docstring.  Float16 scales travel as their bits.
 //
 //   qgemv_<fmt>    out[r] += sum_{i in the block's K range} W[r, i] * x[i]   (out zeroed first)
@@ -27,13 +28,18 @@ __device__ __forceinline__ long long mr_qidx(long long t, int k, int i, int r) {
     return (t * k + i) * MR_QTILE + r;
 }
 
+__device__ __forceinline__ long long mr_qbyte(long long t, int nbytes, int k, int r) {
+    // byte k of row r of tile t in a code part [n_tiles, nbytes / 4, MR_QTILE, 4]
+    return mr_qidx(t, nbytes / 4, k / 4, r) * 4 + (k & 3);
+}
+
 // Each format: W(t, i, r), the weight of column i of row r of tile t, from its parts.
 // ... and dot(t, b, r, xb, xsum): sum over the 32 columns of block b of W(t, i, r) * xb[i - 32 b]
 // (xsum: the sum of those xb).
 struct MrQ8_0 {   // codes [n_tiles, I/4, MR_QTILE, 4]: four columns of a row side by side
     const unsigned char* qs; const unsigned short* d; int I;
     __device__ __forceinline__ float code(long long t, int i, int r) const {
-        return (float)(signed char)qs[mr_qidx(t, I / 4, i / 4, r) * 4 + (i & 3)];
+        return (float)(signed char)qs[mr_qbyte(t, I, i, r)];
     }
     __device__ __forceinline__ float w(long long t, int i, int r) const {
         return mr_half_to_float(d[mr_qidx(t, I / 32, i / 32, r)]) * code(t, i, r);
@@ -52,7 +58,7 @@ __device__ __forceinline__ float mr_q4_dot16(const unsigned char* qs, int I, lon
     float s = 0.f;
 #pragma unroll 8
     for (int k = 0; k < 16; ++k) {
-        const int byte = qs[mr_qidx(t, I / 2, k0 + k, r)];
+        const int byte = qs[mr_qbyte(t, I / 2, k0 + k, r)];
         s = fmaf((float)(byte & 15), xb[k], s);
         s = fmaf((float)(byte >> 4), xb[k + 16], s);
     }
@@ -61,7 +67,7 @@ __device__ __forceinline__ float mr_q4_dot16(const unsigned char* qs, int I, lon
 
 __device__ __forceinline__ int mr_q4_code(const unsigned char* qs, int I, long long t, int i, int r) {
     const int b = i / 32, e = i % 32;
-    const unsigned char byte = qs[mr_qidx(t, I / 2, b * 16 + (e & 15), r)];
+    const unsigned char byte = qs[mr_qbyte(t, I / 2, b * 16 + (e & 15), r)];
     return e < 16 ? (byte & 15) : (byte >> 4);
 }
 
@@ -92,7 +98,7 @@ struct MrQ4_K {
     const unsigned char* sc; const unsigned char* mn; int I;
     __device__ __forceinline__ float w(long long t, int i, int r) const {
         const int sb = i / 256, e = i % 256, c = e / 64, l = e % 64;
-        const unsigned char byte = qs[mr_qidx(t, I / 2, sb * 128 + c * 32 + (l & 31), r)];
+        const unsigned char byte = qs[mr_qbyte(t, I / 2, sb * 128 + c * 32 + (l & 31), r)];
         const int q = l < 32 ? (byte & 15) : (byte >> 4);
         const long long j = mr_qidx(t, I / 32, i / 32, r), s = mr_qidx(t, I / 256, sb, r);
         return mr_half_to_float(d[s]) * (float)sc[j] * (float)q - mr_half_to_float(dmin[s]) * (float)mn[j];
@@ -103,7 +109,7 @@ struct MrQ4_K {
         float q = 0.f;
 #pragma unroll 8
         for (int l = 0; l < 32; ++l)
-            q = fmaf((float)((qs[mr_qidx(t, I / 2, sb * 128 + (j / 2) * 32 + l, r)] >> shift) & 15), xb[l], q);
+            q = fmaf((float)((qs[mr_qbyte(t, I / 2, sb * 128 + (j / 2) * 32 + l, r)] >> shift) & 15), xb[l], q);
         const long long jj = mr_qidx(t, I / 32, b, r), s = mr_qidx(t, I / 256, sb, r);
         return mr_half_to_float(d[s]) * (float)sc[jj] * q - mr_half_to_float(dmin[s]) * (float)mn[jj] * xsum;
     }
@@ -113,8 +119,8 @@ struct MrQ6_K {
     const unsigned char* ql; const unsigned char* qh; const unsigned char* sc; const unsigned short* d; int I;
     __device__ __forceinline__ float w(long long t, int i, int r) const {
         const int sb = i / 256, e = i % 256, h = e / 128, s = (e % 128) / 32, l = e % 32;
-        const unsigned char lo = ql[mr_qidx(t, I / 2, sb * 128 + h * 64 + 32 * (s & 1) + l, r)];
-        const unsigned char hb = qh[mr_qidx(t, I / 4, sb * 64 + h * 32 + l, r)];
+        const unsigned char lo = ql[mr_qbyte(t, I / 2, sb * 128 + h * 64 + 32 * (s & 1) + l, r)];
+        const unsigned char hb = qh[mr_qbyte(t, I / 4, sb * 64 + h * 32 + l, r)];
         const int q = ((s < 2 ? (lo & 15) : (lo >> 4)) | (((hb >> (2 * s)) & 3) << 4)) - 32;
         return mr_half_to_float(d[mr_qidx(t, I / 256, sb, r)]) * (float)(signed char)sc[mr_qidx(t, I / 16, i / 16, r)]
                * (float)q;

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels_cpu.quant import in_features
+
 from . import _sources
 from .launch import _backend, _cdiv, _i32, _torch
 
@@ -25,7 +27,6 @@ _KCHUNK = 8192                      # qgemv: the most columns a block takes (x i
 _SLAB = 1 << 24                     # elements of a prefill's dequantized slab (32 MiB in bfloat16)
 _PART_ORDER = {"Q8_0Tiles": "q8_0", "Q4_0Tiles": "q4_0", "Q4_1Tiles": "q4_1", "Q4_KTiles": "q4_k",
                "Q6_KTiles": "q6_k"}
-_CODES_PER_ENTRY = {"q8_0": 4, "q4_0": 2, "q4_1": 2, "q4_k": 2, "q6_k": 2}
 # format -> (its GEMV kernel, its row kernel)
 _KERNELS = {"q8_0": ("qgemv_q8_0", "qrows_q8_0"), "q4_0": ("qgemv_q4_0", "qrows_q4_0"),
             "q4_1": ("qgemv_q4_1", "qrows_q4_1"), "q4_k": ("qgemv_q4_k", "qrows_q4_k"),
@@ -59,7 +60,7 @@ def upload(tiles, device) -> CudaQuant:
         a = np.ascontiguousarray(getattr(tiles, name))
         a = a.view(np.int16) if a.dtype == np.uint16 else a.view(np.uint8)
         parts.append(torch.from_numpy(a).to(device))
-    return CudaQuant(fmt, tuple(parts), int(tiles.rows), tiles[0].shape[1] * _CODES_PER_ENTRY[fmt])
+    return CudaQuant(fmt, tuple(parts), int(tiles.rows), in_features(tiles))
 
 
 def cat_rows(ws: list) -> CudaQuant | None:
