@@ -136,7 +136,7 @@ def pull(name, models_dir, dtype):
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="dequantize every weight to this float type (default: keep Q8_0, Q4_0, Q4_1, Q4_K and Q6_K "
-                   "blocks as they are, other tensors float32)")
+                   "blocks as they are, Q5_0 as Q8_0 of the same values, other tensors float32)")
 @click.option("--overwrite", is_flag=True,
               help="convert into a directory that is not empty: replaces the model files a conversion writes "
                    "(config, weights, tokenizer; calibrated codebooks, made for the old weights, are removed) "

@@ -276,14 +276,14 @@ def _write_weights(items, tmp: Path, dtype: str | None, meta: dict, shard_bytes:
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from .quant.checkpoint import kept_blocks, planes_for_file
+    from .quant.checkpoint import kept_blocks, kept_format, planes_for_file
 
     torch_dtype = getattr(torch, dtype or "float32")
     n_head = int(meta["llama.attention.head_count"])
     n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     keep = dtype is None
-    shards = _plan_shards(items, lambda t: int(t.n_bytes) if keep and kept_blocks(t) else
+    shards = _plan_shards(items, lambda t: kept_format(t)[1] if keep and kept_format(t) else
                           int(np.prod(t.shape)) * itemsize, shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -330,7 +330,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
 
     `dtype` is the stored weight type: "float32", "bfloat16" or "float16", every tensor dequantized
     to it; None keeps the GGUF block formats minirun computes with (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as
-    they are, named in config.json's quantization_config (minirun.quant), and writes the other
+    they are (Q5_0 as the same values in Q8_0), named in config.json's quantization_config
+    (minirun.quant), and writes the other
     tensors as float32. Raises CheckpointError for a
     missing or unreadable file, a non-llama architecture or an unsupported tensor type.
     """
@@ -376,8 +377,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
                 "mlp": any(".mlp." in i[0] and i[0].endswith(".bias") for i in items)}
     config = build_config(meta, n_vocab, tied, dtype or "float32", rope_freqs, has_bias, path)
     if dtype is None:
-        from .quant.checkpoint import kept_blocks, quantization_config
-        kept = {hf: kept_blocks(t)[0] for hf, _, t in items if kept_blocks(t)}
+        from .quant.checkpoint import kept_format, quantization_config
+        kept = {hf: kept_format(t)[0] for hf, _, t in items if kept_format(t)}
         if kept:
             config["quantization_config"] = quantization_config(kept)
     try:

@@ -191,6 +191,24 @@ def test_blocks_kept_and_loaded(tmp_path, smollm_bpe, qtype, float32_quant_prefi
         assert (sq - sf).abs().max() <= 1e-3 * sf.abs().max()
 
 
+def test_q5_0_kept_as_q8_0_of_the_same_values(tmp_path, smollm_bpe):
+    """Q5_0 (llama-quantize's Q4_K_M where a width is not a multiple of 256) is written as Q8_0
+    blocks holding exactly gguf's dequantized Q5_0 values."""
+    from minirun.quant.formats import FORMATS, dequantize_blocks, from_planes
+
+    tok, vocab = smollm_bpe
+    weights = tiny_weights(tok.get_vocab_size(), tied=False)
+    out = convert_gguf(write_gguf(tmp_path / "m.gguf", weights, vocab, Q.Q5_0), tmp_path / "hf", progress=False)
+    got, cfg = load_dir(out)
+    assert set(cfg["quantization_config"]["tensor_formats"].values()) == {"Q8_0"}
+    fmt = FORMATS["Q8_0"]
+    for name, w in weights.items():
+        if w.ndim == 2:
+            blocks = from_planes(fmt, {p[0]: got[f"{name}.{p[0]}"] for p in fmt.parts})
+            want = gguf.quants.dequantize(gguf.quants.quantize(w, Q.Q5_0), Q.Q5_0)
+            np.testing.assert_array_equal(dequantize_blocks(blocks, "Q8_0", w.shape[1]), want, err_msg=name)
+
+
 def test_config_and_files(tmp_path, smollm_bpe):
     tok, vocab = smollm_bpe
     n = tok.get_vocab_size()

@@ -65,12 +65,33 @@ def planes_for_file(name: str, fmt: str, blocks: np.ndarray, cols: int) -> dict:
 
 def kept_blocks(t):
     """A gguf.GGUFReader tensor of a block format minirun computes with -> (format, its blocks
-    [rows, bytes] as uint8, cols); None for float tensors and other formats (dequantized instead)."""
-    name = t.tensor_type.name
-    if name not in FORMATS or len(t.shape) != 2:
+    [rows, bytes] as uint8, cols); None for float tensors and other formats (dequantized instead).
+    Q5_0 (llama-quantize's Q4_K for widths not a multiple of 256) becomes Q8_0 losslessly."""
+    kept = kept_format(t)
+    if kept is None:
         return None
     cols = int(t.shape[0])                      # GGUF's ne order: columns first
-    return name, np.asarray(t.data).reshape(int(t.shape[1]), -1), cols
+    blocks = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+    return kept[0], q5_0_as_q8_0(blocks) if t.tensor_type.name == "Q5_0" else blocks, cols
+
+
+def kept_format(t) -> tuple[str, int] | None:
+    """(format, bytes) of kept_blocks(t) without making the blocks; None where that is None."""
+    name = t.tensor_type.name
+    if name not in FORMATS and name != "Q5_0" or len(t.shape) != 2:
+        return None
+    return ("Q8_0", int(t.n_bytes) // 22 * 34) if name == "Q5_0" else (name, int(t.n_bytes))
+
+
+def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [rows, 22 n] (float16 d, 32 high bits, 16 bytes of low nibbles: element k low,
+    16 + k high) -> Q8_0 blocks [rows, 34 n] of the same values: d kept, codes q - 16 as int8."""
+    b = blocks.reshape(-1, 22)
+    qh = b[:, 2:6].copy().view("<u4")                                    # [n, 1]: bit e is element e's
+    lo = np.concatenate([b[:, 6:] & 15, b[:, 6:] >> 4], axis=1)          # [n, 32]
+    hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    q = ((lo | hi).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return np.concatenate([b[:, :2], q], axis=1).reshape(blocks.shape[0], -1)
 
 
 def weights_formats(weights: str, name: str) -> str | None:
