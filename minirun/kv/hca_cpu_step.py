@@ -1,15 +1,13 @@
 """The CPU's attention to the HCA store: one kernel call per query (HCACache mixes this in).
 
-Every query in hca mode with a store, a decode token or one of a prompt chunk's, runs the key
-store's one-call step (kernels_cpu.hca_decode_attend for codebook indices,
-fastscan.hca_decode_attend_fs for nibble pairs on an AVX2 CPU, hca_exact_decode_attend for exact
-keys, also the store's keys before codebooks are fitted): the exact tier exactly, the query's own
-token, the selected store tokens (scored by the store, cut by tau and the cap), merged by
-log-sum-exp. A decode token reads the exact tier in place and encodes the ring key that leaves
-next; a chunk's queries read a float32 copy of the exact tier with the chunk's keys appended
-(query i sees the chunk's first i tokens, then itself). These methods gather the calls' numpy
-inputs and record what they did; they read the cache's state (kv/hca_base.py documents the
-tiers) and add none of their own.
+Every query in hca mode with a store, a decode token or one of a prompt chunk's, runs one call of
+the key store's step (kv/key_store_cpu.py; the exact-keys store's while no key is encoded yet):
+the exact tier exactly, the query's own token, the selected store tokens (scored by the store, cut
+by tau and the cap), merged by log-sum-exp. A decode token reads the exact tier in place and has
+the store encode the ring key that leaves next; a chunk's queries read a float32 copy of the exact
+tier with the chunk's keys appended (query i sees the chunk's first i tokens, then itself). These
+methods gather the calls' numpy inputs and record what they did; they read the cache's state
+(kv/hca_base.py documents the tiers) and add none of their own.
 """
 from __future__ import annotations
 
@@ -17,7 +15,8 @@ import numpy as np
 import torch
 
 import kernels_cpu as kc
-from kernels_cpu import fastscan as fs
+
+from .far_positions import turn
 
 
 class OneCallSteps:
@@ -39,16 +38,17 @@ class OneCallSteps:
     def _attend_chunk(self, layer, qs, k, v) -> torch.Tensor:
         """Each of a chunk's T queries in one call: over a float32 copy of the exact tier with the
         chunk's keys and values appended [Hkv, S + W + T, hd] (query i reads its first S + W + i
-        rows where live, row S + W + i as its own token); far positions turn the copy's rows past
-        the sinks by each query's angle, as a decode step turns the ring (FarFrame.step_inputs)."""
+        rows where live, row S + W + i as its own token). Far positions: each query is the far one
+        (FarFrame.queries), and the rows it reads past the sinks are turned by its angle, as a
+        decode step turns the ring (FarFrame.step_inputs)."""
         T, n0 = qs.shape[0], self.S + self.W
         EK = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1).float().cpu().numpy()
         EV = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ev.dtype)], 1).float().cpu().numpy()
         valid = np.ones(n0 + T, np.uint8)
         valid[:n0] = (self.slot_pos >= 0).numpy()
-        if self.far:
-            qs = self.far.queries(qs, self.offset)
-            c, s = (x.numpy() for x in self.far.turn_cos_sin(torch.arange(self.offset, self.offset + T)))
+        if self.far:   # the angles once: they turn the queries and, per query, the copy's rows
+            c, s = self.far.turn_cos_sin(torch.arange(self.offset, self.offset + T))
+            qs, c, s = turn(qs, c[:, None], s[:, None]), c.numpy(), s.numpy()
             turned = np.empty_like(EK)
         qn = qs.numpy()
         out = np.empty((T, self.Hq, self.hd), np.float32)
@@ -61,53 +61,22 @@ class OneCallSteps:
     def _one_call(self, layer, q, kn, vn, EK, EV, n_exact, valid, decode: bool) -> np.ndarray:
         """One query's call of the key store's step: q [Hq, hd] (pre-scaled), its own kn, vn
         [Hkv, hd], the exact tier EK, EV [Hkv, >= n_exact, hd] (valid: uint8 live rows, or None)
-        -> o [Hq, hd] f32. A decode step also encodes the ring key that leaves next, and records
-        the selection where asked."""
-        n, cap = self.n_store, self.max_select or 0
-        V, z, PT, sel, lev, Kh = self._views_of(layer)
-        if self.layout.exact_keys or self.n_encoded == 0:          # exact keys (or none encoded yet)
-            if self._hist is None:
-                self._hist = kc.level_hist(self.Hq)
-            K = self.exact_keys.view(layer, self.exact_keys.cap).numpy()
-            o = kc.hca_exact_decode_attend(q, kn, vn, EK, EV, n_exact, K, n, V, self.tau, self.q_to_kv, self._lanes,
-                                           z, self._hist, self._counts, exact_valid=valid, cap=cap)
-            return self._step_done(o, decode)
-        if self._fast_scan:
-            F, fnorm = self._factors()
-            slot = self._encode_ahead_slot() if decode and not self.far else None
-            encode = None if slot is None else (slot, self._pending[layer])
-            o = fs.hca_decode_attend_fs(q, kn, vn, EK, EV, n_exact, F[layer], PT, n, V, self.tau, self.q_to_kv,
-                                        self._fs_lut, z, sel, self._counts, fnorm=fnorm[layer], encode=encode,
-                                        levels=(lev, self._hist), exact_valid=valid, host_keys=Kh, cap=cap)
-        else:
-            cbt = self._codebooks_t()[layer]                       # (also makes the self._lut scratch)
-            # nibble pairs without fast scan encode no ring key ahead: their codes come from the factors, in _encode
-            cnorm = None if self.layout.pairs else self._codebook_norms()[layer]   # (also makes self._pending)
-            slot = self._encode_ahead_slot() if decode and not (self.layout.pairs or self.far) else None
-            encode = None if slot is None else (slot, cnorm, self._pending[layer])
-            o = kc.hca_decode_attend(q, kn, vn, EK, EV, n_exact, cbt, PT, n, V, self.tau, self.q_to_kv, self._packed,
-                                     self._lut, z, sel, self._counts, encode=encode, levels=(lev, self._hist),
-                                     exact_valid=valid, host_keys=Kh, cap=cap)
-        if encode is not None:
-            self._pending_done[layer] = True
-        return self._step_done(o, decode)
+        -> o [Hq, hd] f32. A decode step also has the store encode the ring key that leaves next
+        (where it does), and records the selection where asked."""
+        store = self.key_store if self.n_encoded else self.exact_store
+        leaving = self._leaving() if decode and store.encodes_ahead else None
+        o = store.step(self, layer, q, kn, vn, EK, EV, n_exact, valid, self._views_of(layer), leaving)
+        if decode and self.record_selection is not None:
+            self.record_selection.append(store.counts / self.n_store)
+        return o
 
-    def _encode_ahead_slot(self) -> int | None:
-        """The slot of the ring token that leaves the ring next, whose codes the decode steps encode
-        ahead (into self._pending, one layer at a time), or None while the ring refills (none leaves)."""
+    def _leaving(self) -> tuple[int, int] | None:
+        """(position, slot) of the ring token that leaves the ring next, or None while the ring
+        refills (none leaves)."""
         if not self._ring_full():
             return None
         pos = self.S + self.n_store
-        if pos != self._pending_pos:
-            self._pending_pos = pos
-            self._pending_done[:] = False
-        return self._ring_slot(pos)
-
-    def _step_done(self, o, decode: bool) -> np.ndarray:
-        """After a call: a decode step's selection recorded (the quality tools' probe)."""
-        if decode and self.record_selection is not None:
-            self.record_selection.append(self._counts / self.n_store)
-        return o
+        return pos, self._ring_slot(pos)
 
     def _step_inputs(self, layer, qs, k):
         """A decode step's query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
@@ -118,8 +87,8 @@ class OneCallSteps:
 
     def _views_of(self, layer: int) -> tuple:
         """numpy views for the steps, at full capacity (they read the first n_store columns; full
-        views are contiguous): V [Hkv, cap, hd], z [Hq, cap]; the codebook steps' PT [Hkv, g, cap],
-        sel / lev [Hq, cap] (None for exact keys), rescore's host keys Kh [Hkv, cap, hd] (else None).
+        views are contiguous): V [Hkv, cap, hd], z [Hq, cap]; the coded stores' PT [Hkv, g, cap]
+        (None for exact keys), sel / lev [Hq, cap], rescore's host keys Kh [Hkv, cap, hd] (else None).
         Made again only when a buffer was reallocated (grown), not per layer and step."""
         bufs = (self.values, self.z, self.indices, self.sel, self.lev, self.host_keys)
         key = tuple(0 if b is None or b.data is None else b.data.data_ptr() for b in bufs)
