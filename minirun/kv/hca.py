@@ -1,25 +1,32 @@
 """The HCA cache on the CPU: torch for the exact tier, Numba kernels (kernels_cpu) for the store.
 
 The tiers and their bookkeeping are hca_base.HCABase's. Here: the buffers (host memory; a store of
-codes column-major for the scoring kernels: kv/store.ColumnBuffer) and the key store, picked once
-from the layout (kv/key_store_cpu.py: it encodes, and scores in its one-call step, with its own
-codebook copies and scratch); attention in hca mode is one kernel call per query
-(kv/hca_cpu_step.py: the exact tier, the query's own token, the selected store tokens -- scored
-by the key store, cut by tau and the cap -- merged).
+codes column-major for the scoring kernels: kv/store.ColumnBuffer), the key store, picked once from
+the layout (kv/key_store_cpu.py: it encodes keys, and scores in its kernel's one call with its own
+codebook copies and scratch), and attention in hca mode. Every query with a store, a decode token
+or one of a prompt chunk's, is one call of the key store's step (the exact-keys store's while no
+key is encoded yet): the exact tier exactly, the query's own token, the selected store tokens
+(scored by the store, cut by tau and the cap), merged by log-sum-exp. A decode token reads the
+exact tier in place and has the store encode the ring key that leaves next; a chunk's queries read
+a float32 copy of the exact tier with the chunk's keys appended (query i sees the chunk's first i
+tokens, then itself).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+import kernels_cpu as kc
+
 from .. import hugepages
+from .far_positions import turn
 from .hca_base import HCABase
-from .hca_cpu_step import OneCallSteps
 from .hca_layout import fast_scan
 from .key_store_cpu import key_stores
 from .store import ColumnBuffer, GrowingBuffer
 
 
-class HCACache(OneCallSteps, HCABase):
+class HCACache(HCABase):
     """See the module docstring."""
 
     def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None, **kw):
@@ -74,3 +81,85 @@ class HCACache(OneCallSteps, HCABase):
         s["decode_scratch_bytes"] = sum(a.nbytes for st in {self.exact_store, self.key_store} for a in st.scratch)
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
         return s
+
+    # ---- attention in hca mode (HCABase.attend calls _attend_hca) --------------------------------
+    def _attend_hca(self, layer, q, k, v):
+        """q [T, Hq, hd], k, v [T, Hkv, hd] -> [T, Hq, hd] (q's dtype and device), in hca mode with a store."""
+        if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
+            self._fit_and_encode()     # (a state loaded mid-prefill: the rest encoded before scoring)
+        T = q.shape[0]
+        qs = q.float().cpu() * self._q_scale(T)
+        if T == 1 and self._numpy_exact_tier:
+            q1, kn, EK = self._step_inputs(layer, qs, k)
+            o = self._one_call(layer, q1, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W,
+                               self._exact_valid(), decode=True)
+            return torch.from_numpy(o)[None].to(q.dtype)
+        return self._attend_chunk(layer, qs, k, v).to(device=q.device, dtype=q.dtype)
+
+    def _attend_chunk(self, layer, qs, k, v) -> torch.Tensor:
+        """Each of a chunk's T queries in one call: over a float32 copy of the exact tier with the
+        chunk's keys and values appended [Hkv, S + W + T, hd] (query i reads its first S + W + i
+        rows where live, row S + W + i as its own token). Far positions: each query is the far one
+        (FarFrame.queries), and the rows it reads past the sinks are turned by its angle, as a
+        decode step turns the ring (FarFrame.step_inputs)."""
+        T, n0 = qs.shape[0], self.S + self.W
+        EK = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1).float().cpu().numpy()
+        EV = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ev.dtype)], 1).float().cpu().numpy()
+        valid = np.ones(n0 + T, np.uint8)
+        valid[:n0] = (self.slot_pos >= 0).numpy()
+        if self.far:   # the angles once: they turn the queries and, per query, the copy's rows
+            c, s = self.far.turn_cos_sin(torch.arange(self.offset, self.offset + T))
+            qs, c, s = turn(qs, c[:, None], s[:, None]), c.numpy(), s.numpy()
+            turned = np.empty_like(EK)
+        qn = qs.numpy()
+        out = np.empty((T, self.Hq, self.hd), np.float32)
+        for i in range(T):
+            EKi = kc.turn_rows(EK, self.S, c[i], s[i], out=turned) if self.far else EK
+            out[i] = self._one_call(layer, qn[i], EKi[:, n0 + i].copy(), EV[:, n0 + i].copy(), EKi, EV, n0 + i,
+                                    valid, decode=False)
+        return torch.from_numpy(out)
+
+    def _one_call(self, layer, q, kn, vn, EK, EV, n_exact, valid, decode: bool) -> np.ndarray:
+        """One query's call of the key store's step: q [Hq, hd] (pre-scaled), its own kn, vn
+        [Hkv, hd], the exact tier EK, EV [Hkv, >= n_exact, hd] (valid: uint8 live rows, or None)
+        -> o [Hq, hd] f32. A decode step also has the store encode the ring key that leaves next
+        (where it does), and records the selection where asked."""
+        store = self.key_store if self.n_encoded else self.exact_store
+        leaving = self._leaving() if decode and store.encodes_ahead else None
+        o = store.step(self, layer, q, kn, vn, EK, EV, n_exact, valid, self._views_of(layer), leaving)
+        if decode and self.record_selection is not None:
+            self.record_selection.append(store.counts / self.n_store)
+        return o
+
+    def _leaving(self) -> tuple[int, int] | None:
+        """(position, slot) of the ring token that leaves the ring next, or None while the ring
+        refills (none leaves)."""
+        if not self._ring_full():
+            return None
+        pos = self.S + self.n_store
+        return pos, self._ring_slot(pos)
+
+    def _step_inputs(self, layer, qs, k):
+        """A decode step's query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
+        (numpy); with far positions FarFrame.step_inputs' far query and turned ring."""
+        if not self.far:
+            return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
+        return self.far.step_inputs(qs, k, self._ek_np[layer], self.ek[layer], self.S, self.offset)
+
+    def _views_of(self, layer: int) -> tuple:
+        """numpy views for the steps, at full capacity (they read the first n_store columns; full
+        views are contiguous): V [Hkv, cap, hd], z [Hq, cap]; the coded stores' PT [Hkv, g, cap]
+        (None for exact keys), sel / lev [Hq, cap], rescore's host keys Kh [Hkv, cap, hd] (else None).
+        Made again only when a buffer was reallocated (grown), not per layer and step."""
+        bufs = (self.values, self.z, self.indices, self.sel, self.lev, self.host_keys)
+        key = tuple(0 if b is None or b.data is None else b.data.data_ptr() for b in bufs)
+        hit = self._views.get(layer)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        cap = self.values.cap
+        views = (self.values.view(layer, cap).numpy(), self.z.data[..., 0].numpy(),
+                 None if key[2] == 0 else self.indices.view(layer, cap).numpy(),
+                 self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16),
+                 None if self.host_keys is None else self.host_keys.view(layer, self.host_keys.cap).numpy())
+        self._views[layer] = (key, views)
+        return views

@@ -41,9 +41,9 @@ class KeyStore:
     """encode(K [L, Hkv, m, hd], codebooks) -> indices [L, Hkv, m, g] (torch); step(c, layer, q, kn,
     vn, EK, EV, n_exact, valid, views, leaving) -> o [Hq, hd] f32: one query's call of the store's
     kernel (c the cache: n_store, tau, max_select, q_to_kv, codebooks, exact_keys; views its buffers
-    from OneCallSteps._views_of; leaving: (position, slot) of the ring key to encode ahead, or
-    None), after which counts holds each query head's selection size; take_pending(pos); for the
-    stats, `scratch` (fixed-size arrays) and copy_bytes(codebooks) (of the arrays made from them)."""
+    from HCACache._views_of; leaving: (position, slot) of the ring key to encode ahead, or None),
+    after which counts holds each query head's selection size; take_pending(pos); for the stats,
+    `scratch` (fixed-size arrays) and copy_bytes(codebooks) (of the arrays made from them)."""
     encodes_ahead = False
 
     def __init__(self, c):
