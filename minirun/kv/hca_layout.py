@@ -66,7 +66,6 @@ def resolve_layout(args: ModelArgs, cfg: EngineConfig) -> HCALayout:
 
 def on_cpu(cfg: EngineConfig) -> bool:
     """Whether the engine of this config runs on the CPU ("auto" without a CUDA device)."""
-    import torch
     return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
