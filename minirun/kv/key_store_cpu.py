@@ -188,8 +188,8 @@ class PairKeys(CodedKeys):
 
 class ProductPairKeys(CodebookKeys):
     """Copies: the product codebooks transposed (CodebookKeys' step) and the factors with their norms
-    (PairKeys' encoder); scratch: CodebookKeys' lookup tables, no codes encoded ahead (the step
-    encodes for codebook indices)."""
+    (PairKeys' encoder); scratch: CodebookKeys' lookup tables. No codes encoded ahead: the step's
+    encoder would search the product codebooks, not the factors the store's codes come from."""
     encodes_ahead = False
     _encode = PairKeys._encode
 
