@@ -99,9 +99,9 @@ class HCACache(HCABase):
     def _attend_chunk(self, layer, qs, k, v) -> torch.Tensor:
         """Each of a chunk's T queries in one call: over a float32 copy of the exact tier with the
         chunk's keys and values appended [Hkv, S + W + T, hd] (query i reads its first S + W + i
-        rows where live, row S + W + i as its own token). Far positions: each query is the far one
-        (FarFrame.queries), and the rows it reads past the sinks are turned by its angle, as a
-        decode step turns the ring (FarFrame.step_inputs)."""
+        rows where live, row S + W + i as its own token). Far positions: each query is the far one,
+        and the copy's rows past the sinks are turned by its angle (the chunk's angles made once),
+        as a decode step turns the ring (FarFrame.step_inputs)."""
         T, n0 = qs.shape[0], self.S + self.W
         EK = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1).float().cpu().numpy()
         EV = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ev.dtype)], 1).float().cpu().numpy()
