@@ -155,11 +155,12 @@ class AttentionTimer:
     def __init__(self, kv: str, layout=None):
         import kernels_cpu as kc
         import minirun.kv.dense as dense
-        import minirun.kv.hca as hca
-        if kv == "hca" and layout.pairs and hca.fast_scan(layout):     # nibble pairs: kernels_cpu.fastscan
-            self.mod, self.name = hca.fs, "hca_decode_attend_fs"
+        from kernels_cpu import fastscan as fs
+        from minirun.kv.hca_layout import fast_scan
+        if kv == "hca" and layout.pairs and fast_scan(layout):     # nibble pairs: kernels_cpu.fastscan
+            self.mod, self.name = fs, "hca_decode_attend_fs"
         elif kv == "hca":
-            self.mod, self.name = hca.kc, ("hca_exact_decode_attend" if layout.exact_keys else "hca_decode_attend")
+            self.mod, self.name = kc, ("hca_exact_decode_attend" if layout.exact_keys else "hca_decode_attend")
         else:
             self.mod, self.name = dense.kernels_cpu, "dense_attend"
         self.real = getattr(self.mod, self.name)
@@ -181,17 +182,16 @@ def breakdown(eng: Engine, cold: bool = False) -> None:
     """Time each kernel of one real HCA decode step on its captured per-layer arguments (cold: with
     the caches evicted before each call, as in a real step, where the weights stream through)."""
     import kernels_cpu as kc
-    import minirun.kv.hca as hca
     calls, real = [], kc.hca_decode_attend
 
     def capture(*args, **kw):
         calls.append((args, kw))
         return real(*args, **kw)
-    hca.kc.hca_decode_attend = capture
+    kc.hca_decode_attend = capture    # (the key store calls it through the module: kv/key_store_cpu.py)
     try:
         eng.step(1)
     finally:
-        hca.kc.hca_decode_attend = real
+        kc.hca_decode_attend = real
 
     import numpy as np
     from numba import njit, prange

@@ -113,10 +113,11 @@ def test_kv_stats_equal_allocated_arrays(tiny_model_dir):
     assert s["host_values_bytes"] == nb(c.values.data)
     assert s["device_ring_sinks_bytes"] == nb(c.ek) + nb(c.ev)
     # the codebooks, and on the CPU the LUT kernel's transposed copy and the encoder's norms
-    assert s["codebook_bytes"] == 2 * nb(c.codebooks.centroids) + c._cnorm[1].nbytes
-    assert c._cnorm[1].nbytes == nb(c.codebooks.centroids) // c.layout.sub_dim
-    assert s["decode_scratch_bytes"] == (c._lut.nbytes + c._packed.tables.nbytes + c._hist.nbytes + c._pending.nbytes
-                                         + c.Hq * 24) > 0
+    ks = c.key_store
+    assert s["codebook_bytes"] == 2 * nb(c.codebooks.centroids) + ks.cnorm.nbytes
+    assert ks.cnorm.nbytes == nb(c.codebooks.centroids) // c.layout.sub_dim
+    assert s["decode_scratch_bytes"] == (ks.lut.nbytes + ks.packed.tables.nbytes + c.exact_store.hist.nbytes
+                                         + ks.codes.nbytes + c.Hq * 24) > 0
     assert s["prefill_keys_bytes"] == 0            # full-precision prompt keys were dropped
     assert c.indices.data.dtype == torch.uint8   # 32 centroids fit a byte
     assert s["total_bytes"] == sum(v for k, v in s.items() if k.endswith("_bytes") and k != "total_bytes")
@@ -362,7 +363,7 @@ def test_planner_matches_kv_stats_with_exact_keys(tiny_model_dir, dtype):
     p = plan(eng.args, eng.config).tiers
     assert p["key store"][0] == s["device_keys_bytes"] == eng.cache.exact_keys.nbytes
     assert p["value pool"][0] == s["host_values_bytes"]
-    assert p["decode scratch"][0] == s["decode_scratch_bytes"] == eng.cache._hist.nbytes
+    assert p["decode scratch"][0] == s["decode_scratch_bytes"] == eng.cache.exact_store.hist.nbytes
     assert p["scratch"][0] == s["scratch_bytes"]
 
 

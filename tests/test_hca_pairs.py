@@ -13,6 +13,7 @@ from minirun.config import EngineConfig, ModelArgs, hca_setting
 from minirun.errors import MiniRunError
 from minirun.kv.codebooks import Codebooks, codebook_filename
 from minirun.kv.hca_layout import resolve_layout
+from minirun.kv.key_store_cpu import PairKeys, ProductPairKeys
 from minirun.planner import plan
 
 
@@ -49,7 +50,7 @@ def test_memory_and_planner(tiny_model_dir, monkeypatch, fast):
     eng.prefill(random_ids(ctx - 2))
     eng.step(5)
     c, s = eng.cache, eng.kv_stats()
-    assert c._fast_scan == fast and (c._lut is None) == fast
+    assert type(c.key_store) is (PairKeys if fast else ProductPairKeys)
     assert c.layout.pairs and c.indices.data.dtype == torch.uint8 and c.indices.data.shape[2] == 8
     assert s["device_keys_bytes"] == c.indices.nbytes == 2 * 2 * c.indices.cap * 8     # L, Hkv, cap, 8 bytes
     assert c.codebooks.factors.shape == (2, 2, 16, 16, 1) and c.codebooks.centroids.shape == (2, 2, 8, 256, 2)
@@ -77,7 +78,7 @@ def test_calibrated_factor_file_is_paired(tiny_model_dir, tmp_path):
 
 @pytest.mark.skipif(not fastscan.available(), reason="the fast-scan step needs AVX2")
 @pytest.mark.parametrize("tau", [1.0, 0.9])
-def test_fast_scan_step_matches_the_generic_path(tiny_model_dir, tau):
+def test_fast_scan_step_matches_the_generic_path(tiny_model_dir, monkeypatch, tau):
     """The same cache decoded by kernels_cpu.fastscan and by the generic packed path over the
     product codebooks: the codes are the same, the scores differ only by the tables' quantization
     (127 levels per group against 65535 / g), so at tau = 1 the logits agree closely and at 0.9
@@ -86,9 +87,9 @@ def test_fast_scan_step_matches_the_generic_path(tiny_model_dir, tau):
     ids = random_ids(300, seed=4)
     runs = []
     for fast in (True, False):
+        monkeypatch.setattr(fastscan, "available", lambda: fast)     # (the cache picks its key store by it)
         eng = Engine.load(d, device="cpu", ctx=400, kv="hca", groups=16, centroids=16, tau=tau, window=16,
                           sinks=4, fit_min_tokens=32)
-        eng.cache._fast_scan = fast
         called = []
         real = fastscan.hca_decode_attend_fs
         fastscan.hca_decode_attend_fs = lambda *a, **k: called.append(1) or real(*a, **k)

@@ -54,7 +54,7 @@ def test_capped_step_equals_top_k_attention(tiny_model_dir):
     k = torch.randn(1, c.Hkv, c.hd, generator=torch.Generator().manual_seed(2))
     v = torch.randn(1, c.Hkv, c.hd, generator=torch.Generator().manual_seed(3))
     got = c.attend(0, q, k, v)[0]                                              # [Hq, hd]
-    kept = c._counts.copy()
+    kept = c.key_store.counts.copy()
     assert (kept >= 1).all() and (kept <= 6).all() and (kept == 6).any()
     # reference: exact tier + new token + top-6 store keys by exact score, one softmax per head
     qs = q[0].float() * c.scale

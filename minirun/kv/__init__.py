@@ -6,10 +6,10 @@ Reading order:
 - The HCA cache: hca_layout.py (the geometry a config asks for, and the one declaration of every
   tier's buffers that the backends allocate and `minirun plan` counts) -> hca_base.py (HCABase:
   the tiers -- sinks, ring, store -- and how tokens move between them; store.py and pinned.py
-  hold the buffers) -> a backend: hca.py with hca_cpu_step.py (the CPU) or hca_cuda.py with
-  hca_graph.py (a GPU). Beside them: codebooks.py (the key store's codebooks), far_positions.py,
-  ring_checkpoint.py (rewind points), hca_state.py (prompt-cache state), attention.py (partial
-  attention and the log-sum-exp merge).
+  hold the buffers) -> a backend: hca.py with key_store_cpu.py (the CPU: its key stores, one class
+  per store) or hca_cuda.py with hca_graph.py (a GPU). Beside them: codebooks.py (the key store's
+  codebooks), far_positions.py, ring_checkpoint.py (rewind points), hca_state.py (prompt-cache
+  state), attention.py (partial attention and the log-sum-exp merge).
 
 One decode step of one layer in an HCA cache (HCABase.attend -> the backend's _attend_hca):
 1. the key store scores every store token for each query head (codebook indices through a lookup
@@ -20,8 +20,8 @@ One decode step of one layer in an HCA cache (HCABase.attend -> the backend's _a
    reading the mapped pool, or the host);
 4. exact attention over sinks + ring + the token itself, merged with the store's part by log-sum-exp;
 then advance moves the ring's oldest token to the store (its key encoded, its value to the pool).
-The CPU runs 1-4 in one kernel call per query, the GPU in ten launches captured in one CUDA graph
-per token.
+The CPU runs 1-4 in one kernel call per query (its key store's), the GPU in ten launches captured
+in one CUDA graph per token.
 """
 from __future__ import annotations
 

@@ -1,10 +1,15 @@
 """The HCA cache on the CPU: torch for the exact tier, Numba kernels (kernels_cpu) for the store.
 
-The tiers and their bookkeeping are hca_base.HCABase's. Here: the buffers (host memory; the key
-store column-major for the scoring kernels: kv/store.ColumnBuffer), the encoder, and the kernels'
-scratch; attention in hca mode is one kernel call per query (kv/hca_cpu_step.py: the exact tier,
-the query's own token, the selected store tokens -- scored by the key store's kernel, cut by tau
-and the cap -- merged).
+The tiers and their bookkeeping are hca_base.HCABase's. Here: the buffers (host memory; a store of
+codes column-major for the scoring kernels: kv/store.ColumnBuffer), the key store, picked once from
+the layout (kv/key_store_cpu.py: it encodes keys, and scores in its kernel's one call with its own
+codebook copies and scratch), and attention in hca mode. Every query with a store, a decode token
+or one of a prompt chunk's, is one call of the key store's step (the exact-keys store's while no
+key is encoded yet): the exact tier exactly, the query's own token, the selected store tokens
+(scored by the store, cut by tau and the cap), merged by log-sum-exp. A decode token reads the
+exact tier in place and has the store encode the ring key that leaves next; a chunk's queries read
+a float32 copy of the exact tier with the chunk's keys appended (query i sees the chunk's first i
+tokens, then itself).
 """
 from __future__ import annotations
 
@@ -12,42 +17,28 @@ import numpy as np
 import torch
 
 import kernels_cpu as kc
-from kernels_cpu import fastscan as fs
 
 from .. import hugepages
+from .far_positions import turn
 from .hca_base import HCABase
-from .hca_cpu_step import OneCallSteps
 from .hca_layout import fast_scan
+from .key_store_cpu import key_stores
 from .store import ColumnBuffer, GrowingBuffer
 
 
-class HCACache(OneCallSteps, HCABase):
+class HCACache(HCABase):
     """See the module docstring."""
 
     def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None, **kw):
         super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, **kw)
-        self._lanes = kc.lane_map(self.q_to_kv, self.Hkv)           # query heads in the packed tables' lanes
-        self._counts = np.zeros(self.Hq, np.int32)                 # selection sizes of the last step
         # numpy views of the exact tier for the one-call steps (float32/float16 on the CPU only)
         self._numpy_exact_tier = device.type == "cpu" and self.ek.dtype in (torch.float32, torch.float16)
         self._ek_np = self.ek.numpy() if self._numpy_exact_tier else None
         self._ev_np = self.ev.numpy() if self._numpy_exact_tier else None
         self.lev = self.scratch[2]   # the selection's integer score levels (uint16 bits: kernels_cpu.level_select)
-        self._cnorm = None        # (codebooks, their ||c||^2) for the encode kernel
-        # decode steps encode the ring's oldest key (the next to leave) inside each layer's fused
-        # call, where the codebooks are in cache: codes [L, Hkv, 1, g] for position _pending_pos
-        self._pending = None
-        self._pending_pos = -1
-        self._pending_done = np.zeros(self.n_layers, bool)
-        self._cbt = None          # (codebooks, their [L, Hkv, g, ds, c] layout) for the LUT kernel
-        self._lut = None          # [Hq, g, c] scratch lookup table
-        self._hist = None         # level-bucket counts of the selection (kc.level_hist)
-        self._views = {}          # layer -> (buffer addresses, numpy views) for the decode kernel
-        self._packed = None       # the lookup table's packed integer form (kc.PackedLUT of scratch arrays)
-        # nibble pairs (layout.pairs): (codebooks, factors transposed, their norms), the fast-scan scratch
-        self._fast_scan = fast_scan(layout) and device.type == "cpu"
-        self._fs = None
-        self._fs_lut = None
+        self._views = {}             # layer -> (buffer addresses, numpy views) for the steps
+        # the layout's key store, and the exact-keys one that scores the store while none is encoded
+        self.exact_store, self.key_store = key_stores(self, fast_scan(layout) and device.type == "cpu")
 
     backend = "cpu"
 
@@ -66,99 +57,109 @@ class HCACache(OneCallSteps, HCABase):
         """group-major [L, Hkv, g, cap]: the scoring kernel's layout (kernels_cpu.packed)"""
         return ColumnBuffer(spec.lead, spec.width, spec.dtype, spec.rows)
 
-    def _factors(self) -> tuple[np.ndarray, np.ndarray]:
-        """Nibble pairs: the 16-centroid factor codebooks transposed, [L, Hkv, G, ds, 16] f32, and
-        their norms [L, Hkv, G, 16] (made once per codebook set, with the fast-scan step's scratch
-        and the codes it encodes ahead)."""
-        if self._fs is None or self._fs[0] is not self.codebooks:
-            F = np.ascontiguousarray(self.codebooks.factors.numpy().transpose(0, 1, 2, 4, 3))
-            self._fs = (self.codebooks, F, fs.factor_norms(F))
-            self._fs_lut = fs.FastScanLUT(self.Hq, F.shape[2], self._lanes) if self._fast_scan else None
-            self._hist = kc.level_hist(self.Hq) if self._hist is None else self._hist
-            self._new_pending()
-        return self._fs[1], self._fs[2]
-
-    def _codebook_copy_bytes(self) -> int:
-        """The CPU kernels' copies of the current codebooks: the transposed layout of the LUT kernel,
-        the centroid norms of the encoder, the nibble pairs' transposed factors and their norms (made
-        on first use)."""
-        own = [c for c in (self._cbt, self._cnorm, self._fs) if c is not None and c[0] is self.codebooks]
-        return sum(a.nbytes for c in own for a in c[1:])      # (codebooks, arrays made from them...)
-
-    def _decode_scratch(self) -> list:
-        """Fixed-size scratch of the CPU decode kernels, where made: the lookup table, its packed
-        form, the level-bucket counts and the ring-key codes encoded ahead."""
-        arrs = [a for a in (self._lut, self._hist, self._pending) if a is not None]
-        if self._packed is not None:
-            p = self._packed
-            arrs += [p.tables, p.scale, p.offset, p.top, p.shift]   # (lanes is self._lanes, not scratch)
-        if self._fs_lut is not None:
-            arrs += self._fs_lut.arrays
-        return arrs
-
-    def _take_pending(self, pos: int) -> torch.Tensor | None:
-        """The codes [L, Hkv, 1, g] the decode steps encoded ahead, if they are position pos's (the
-        one token leaving the ring) for every layer; None otherwise. Either way they are used up."""
-        codes = None
-        if pos == self._pending_pos >= 0 and self._pending_done.all():
-            codes = torch.from_numpy(self._pending)
-        self._pending_pos = -1
-        return codes
-
-    def _codebooks_t(self) -> np.ndarray:
-        """Codebooks laid out [L, Hkv, g, ds, c] for the fast LUT kernel (made once per codebook set)."""
-        if self._cbt is None or self._cbt[0] is not self.codebooks:
-            C = self.codebooks.centroids.numpy()
-            self._cbt = (self.codebooks, np.ascontiguousarray(C.transpose(0, 1, 2, 4, 3)))
-            g, c = self.layout.groups, self.layout.centroids
-            self._lut = np.empty((self.Hq, g, c), np.float32)
-            self._packed = kc.PackedLUT(np.empty((self._lanes.shape[0], g, c), np.uint64), self._lanes,
-                                        np.empty(self.Hq, np.float32), np.empty(self.Hq, np.float32))
-            self._hist = kc.level_hist(self.Hq)                    # per-thread level-bucket counts
-        return self._cbt[1]
-
-    def _codebook_norms(self) -> np.ndarray:
-        """||c||^2 per centroid, [L, Hkv, g, c] f32 (made once per codebook set); also makes the
-        decode steps' scratch for the codes they encode."""
-        if self._cnorm is None or self._cnorm[0] is not self.codebooks:
-            C = self.codebooks.centroids.numpy()
-            self._cnorm = (self.codebooks, kc.codebook_norms(C.reshape(-1, *C.shape[2:])).reshape(C.shape[:-1]))
-            self._new_pending()
-        return self._cnorm[1]
-
-    def _new_pending(self) -> None:
-        """The scratch of the codes the decode steps encode ahead, [L, Hkv, 1, g] of the index dtype
-        (made with each codebook set's encoder state), none pending yet."""
-        self._pending = np.empty((self.n_layers, self.Hkv, 1, self.layout.groups),
-                                 np.uint8 if self.layout.index_bytes == 1 else np.int16)
-        self._pending_pos = -1
-
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
         """K [L, Hkv, m, hd] -> indices [L, Hkv, m, g], one kernel call for all layers."""
-        L, Hkv, m, hd = K.shape
-        if self.layout.pairs:   # nibble pairs, from the 16-centroid factors (the product's nearest)
-            F, fnorm = self._factors()
-            P = fs.encode_pairs(K.float().reshape(L * Hkv, m, hd).numpy(), F.reshape(L * Hkv, *F.shape[2:]),
-                                fnorm.reshape(L * Hkv, *fnorm.shape[2:]))
-            return torch.from_numpy(P).view(L, Hkv, m, -1)
-        C = self.codebooks.centroids.reshape(L * Hkv, *self.codebooks.centroids.shape[2:]).numpy()
-        cn = self._codebook_norms().reshape(L * Hkv, *self._cnorm[1].shape[2:])
-        Ct = self._codebooks_t().reshape(L * Hkv, *self._cbt[1].shape[2:])   # encode_keys picks its path by m
-        P = kc.encode_keys(K.float().reshape(L * Hkv, m, hd).numpy(), C, cnorm=cn, codebooks_t=Ct)
-        return torch.from_numpy(P).view(L, Hkv, m, -1)
+        return self.key_store.encode(K, self.codebooks)
+
+    def _take_pending(self, pos: int) -> torch.Tensor | None:
+        return self.key_store.take_pending(pos)
 
     def truncate(self, n: int) -> bool:
-        self._pending_pos = -1
+        self.key_store.take_pending(-1)      # (the ring may change: codes encoded ahead dropped)
         return super().truncate(n)
 
     def reset(self) -> None:
         super().reset()
-        self._pending_pos = -1
+        self.key_store.take_pending(-1)
 
     def stats(self) -> dict:
+        """The base's, with the key store's codebook copies and the steps' fixed scratch (both
+        stores': the exact one holds the selection's level-bucket counts)."""
         s = super().stats()
         s.pop("total_bytes")
-        s["codebook_bytes"] += self._codebook_copy_bytes()
-        s["decode_scratch_bytes"] = sum(a.nbytes for a in self._decode_scratch())
+        s["codebook_bytes"] += self.key_store.copy_bytes(self.codebooks)
+        s["decode_scratch_bytes"] = sum(a.nbytes for st in {self.exact_store, self.key_store} for a in st.scratch)
         s["total_bytes"] = sum(v for k, v in s.items() if k.endswith("_bytes"))
         return s
+
+    # ---- attention in hca mode (HCABase.attend calls _attend_hca) --------------------------------
+    def _attend_hca(self, layer, q, k, v):
+        """q [T, Hq, hd], k, v [T, Hkv, hd] -> [T, Hq, hd] (q's dtype and device), in hca mode with a store."""
+        if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
+            self._fit_and_encode()     # (a state loaded mid-prefill: the rest encoded before scoring)
+        T = q.shape[0]
+        qs = q.float().cpu() * self._q_scale(T)
+        if T == 1 and self._numpy_exact_tier:
+            q1, kn, EK = self._step_inputs(layer, qs, k)
+            o = self._one_call(layer, q1, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W,
+                               self._exact_valid(), decode=True)
+            return torch.from_numpy(o)[None].to(q.dtype)
+        return self._attend_chunk(layer, qs, k, v).to(device=q.device, dtype=q.dtype)
+
+    def _attend_chunk(self, layer, qs, k, v) -> torch.Tensor:
+        """Each of a chunk's T queries in one call: over a float32 copy of the exact tier with the
+        chunk's keys and values appended [Hkv, S + W + T, hd] (query i reads its first S + W + i
+        rows where live, row S + W + i as its own token). Far positions: each query is the far one,
+        and the copy's rows past the sinks are turned by its angle (the chunk's angles made once),
+        as a decode step turns the ring (FarFrame.step_inputs)."""
+        T, n0 = qs.shape[0], self.S + self.W
+        EK = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1).float().cpu().numpy()
+        EV = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ev.dtype)], 1).float().cpu().numpy()
+        valid = np.ones(n0 + T, np.uint8)
+        valid[:n0] = (self.slot_pos >= 0).numpy()
+        if self.far:   # the angles once: they turn the queries and, per query, the copy's rows
+            c, s = self.far.turn_cos_sin(torch.arange(self.offset, self.offset + T))
+            qs, c, s = turn(qs, c[:, None], s[:, None]), c.numpy(), s.numpy()
+            turned = np.empty_like(EK)
+        qn = qs.numpy()
+        out = np.empty((T, self.Hq, self.hd), np.float32)
+        for i in range(T):
+            EKi = kc.turn_rows(EK, self.S, c[i], s[i], out=turned) if self.far else EK
+            out[i] = self._one_call(layer, qn[i], EKi[:, n0 + i].copy(), EV[:, n0 + i].copy(), EKi, EV, n0 + i,
+                                    valid, decode=False)
+        return torch.from_numpy(out)
+
+    def _one_call(self, layer, q, kn, vn, EK, EV, n_exact, valid, decode: bool) -> np.ndarray:
+        """One query's call of the key store's step: q [Hq, hd] (pre-scaled), its own kn, vn
+        [Hkv, hd], the exact tier EK, EV [Hkv, >= n_exact, hd] (valid: uint8 live rows, or None)
+        -> o [Hq, hd] f32. A decode step also has the store encode the ring key that leaves next
+        (where it does), and records the selection where asked."""
+        store = self.key_store if self.n_encoded else self.exact_store
+        leaving = self._leaving() if decode and store.encodes_ahead else None
+        o = store.step(self, layer, q, kn, vn, EK, EV, n_exact, valid, self._views_of(layer), leaving)
+        if decode and self.record_selection is not None:
+            self.record_selection.append(store.counts / self.n_store)
+        return o
+
+    def _leaving(self) -> tuple[int, int] | None:
+        """(position, slot) of the ring token that leaves the ring next, or None while the ring
+        refills (none leaves)."""
+        if not self._ring_full():
+            return None
+        pos = self.S + self.n_store
+        return pos, self._ring_slot(pos)
+
+    def _step_inputs(self, layer, qs, k):
+        """A decode step's query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
+        (numpy); with far positions FarFrame.step_inputs' far query and turned ring."""
+        if not self.far:
+            return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
+        return self.far.step_inputs(qs, k, self._ek_np[layer], self.ek[layer], self.S, self.offset)
+
+    def _views_of(self, layer: int) -> tuple:
+        """numpy views for the steps, at full capacity (they read the first n_store columns; full
+        views are contiguous): V [Hkv, cap, hd], z [Hq, cap]; the coded stores' PT [Hkv, g, cap]
+        (None for exact keys), sel / lev [Hq, cap], rescore's host keys Kh [Hkv, cap, hd] (else None).
+        Made again only when a buffer was reallocated (grown), not per layer and step."""
+        bufs = (self.values, self.z, self.indices, self.sel, self.lev, self.host_keys)
+        key = tuple(0 if b is None or b.data is None else b.data.data_ptr() for b in bufs)
+        hit = self._views.get(layer)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        cap = self.values.cap
+        views = (self.values.view(layer, cap).numpy(), self.z.data[..., 0].numpy(),
+                 None if key[2] == 0 else self.indices.view(layer, cap).numpy(),
+                 self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16),
+                 None if self.host_keys is None else self.host_keys.view(layer, self.host_keys.cap).numpy())
+        self._views[layer] = (key, views)
+        return views

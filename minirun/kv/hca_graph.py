@@ -155,5 +155,4 @@ class CapturedSteps:
         elif self._live_slots is not None:
             self._live_slots[slot] = 1
         self.n_encoded = self.n_store
-        self._pending_pos = -1
         self._ring_took(self.offset, slot)

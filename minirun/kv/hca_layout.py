@@ -66,7 +66,6 @@ def resolve_layout(args: ModelArgs, cfg: EngineConfig) -> HCALayout:
 
 def on_cpu(cfg: EngineConfig) -> bool:
     """Whether the engine of this config runs on the CPU ("auto" without a CUDA device)."""
-    import torch
     return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
@@ -204,23 +203,20 @@ def fast_scan(lay: HCALayout) -> bool:
 
 
 def cpu_decode_scratch_bytes(args: ModelArgs, lay: HCALayout) -> int:
-    """Fixed scratch of the CPU decode step (HCACache._decode_scratch): the lookup table f32
-    [Hq, g, c], its packed uint64 tables [R, g, c] (R = Hkv x ceil(query heads per kv-head / 4)) with
-    per-head scale, offset (f32), top, shift (int64), the level-bucket counts int32
-    [Numba threads, Hq, 4096], and the ring-key codes encoded ahead [L, Hkv, 1, g]. With exact keys
-    (kernels_cpu.exact_step) only the bucket counts."""
-    import math
-
+    """Fixed scratch of the CPU decode step (the key stores' `scratch`, kv/key_store_cpu.py): the
+    level-bucket counts int32 [Numba threads, Hq, 4096] (exact keys: only these); the lookup table
+    f32 [Hq, g, c] and its packed uint64 tables [R, g, c] (R = Hkv x ceil(query heads per kv-head
+    / 4)), or with fast scan the tables f32 and uint8 [Hq, G, 16]; per head scale, offset (f32),
+    top, shift (int64); the ring-key codes encoded ahead [L, Hkv, 1, g] (not by nibble pairs
+    without fast scan)."""
     import numba
     from kernels_cpu.level_select import NB
     L, Hkv, Hq = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads
     hist = numba.config.NUMBA_NUM_THREADS * Hq * NB * 4
     if lay.exact_keys:
         return hist
-    if fast_scan(lay):   # kernels_cpu.fastscan.FastScanLUT: T f32 and tabs uint8 [Hq, G, 16], 4 per-head arrays
-        G = lay.codebook_geometry[0]
-        return Hq * G * 16 * 5 + Hq * (4 + 4 + 8 + 8) + hist + L * Hkv * lay.groups
-    g, c = lay.groups, lay.centroids
+    g, c, ahead = lay.groups, lay.centroids, L * Hkv * lay.groups * lay.index_bytes
+    if fast_scan(lay):
+        return hist + Hq * lay.codebook_geometry[0] * 16 * 5 + Hq * 24 + ahead
     R = Hkv * math.ceil(Hq // Hkv / 4)
-    return (Hq * g * c * 4 + R * g * c * 8 + Hq * (4 + 4 + 8 + 8)
-            + numba.config.NUMBA_NUM_THREADS * Hq * NB * 4 + L * Hkv * g * lay.index_bytes)
+    return hist + Hq * g * c * 4 + R * g * c * 8 + Hq * 24 + (0 if lay.pairs else ahead)
