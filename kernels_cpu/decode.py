@@ -373,31 +373,32 @@ def dense_attend(q, K, V, n, scale=1.0, out=None):
 
 
 @njit(cache=True)
-def _k_turn_rows(EK, start, c, s, out):
+def _k_turn_rows(EK, start, end, c, s, out):
     Hkv, n, d = EK.shape
     h = d // 2
     for kv in range(Hkv):
         for j in range(start):
             for i in range(d):
                 out[kv, j, i] = EK[kv, j, i]
-        for j in range(start, n):
+        for j in range(start, end):
             for i in range(h):
                 x1, x2 = EK[kv, j, i], EK[kv, j, i + h]
                 out[kv, j, i] = x1 * c[i] - x2 * s[i]
                 out[kv, j, i + h] = x2 * c[i] + x1 * s[i]
 
 
-def turn_rows(EK, start, cos, sin, out=None):
-    """EK [Hkv, n, d] f32 -> out [Hkv, n, d] f32: rows [0, start) copied, rows [start, n) all turned
-    by one rotation (cos, sin [d/2] f32, HF Llama's half split: [x1 c - x2 s, x2 c + x1 s]). The
-    far-position decode step's copy of sinks + ring (minirun/kv/far_positions.py); ~10 us a layer
-    where the same in torch costs ~80."""
-    d = EK.shape[2]
+def turn_rows(EK, start, cos, sin, out=None, end=None):
+    """EK [Hkv, n, d] f32 -> out [Hkv, n, d] f32: rows [0, start) copied, rows [start, end) all
+    turned by one rotation (cos, sin [d/2] f32, HF Llama's half split: [x1 c - x2 s, x2 c + x1 s]),
+    rows [end, n) of out not written (end: n by default). The far-position decode step's copy of
+    sinks + ring (minirun/kv/far_positions.py); ~10 us a layer where the same in torch costs ~80."""
+    d, n = EK.shape[2], EK.shape[1]
+    end = n if end is None else end
     if EK.dtype != np.float32 or EK.ndim != 3 or d % 2 or cos.shape != (d // 2,) or sin.shape != (d // 2,) \
-            or not 0 <= start <= EK.shape[1]:
-        raise ValueError(f"turn_rows: EK [Hkv, n, d] f32 with even d, cos/sin [d/2], 0 <= start <= n; "
-                         f"got {EK.dtype} {EK.shape}, {cos.shape}, start={start}")
+            or not 0 <= start <= end <= n:
+        raise ValueError(f"turn_rows: EK [Hkv, n, d] f32 with even d, cos/sin [d/2], 0 <= start <= end <= n; "
+                         f"got {EK.dtype} {EK.shape}, {cos.shape}, start={start}, end={end}")
     if out is None:
         out = np.empty(EK.shape, np.float32)
-    _k_turn_rows(EK, int(start), np.asarray(cos, np.float32), np.asarray(sin, np.float32), out)
+    _k_turn_rows(EK, int(start), int(end), np.asarray(cos, np.float32), np.asarray(sin, np.float32), out)
     return out

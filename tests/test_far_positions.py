@@ -253,6 +253,12 @@ def test_turn_rows_kernel():
     np.testing.assert_allclose(out[:, 4:], want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         kc.turn_rows(EK.astype(np.float16), 4, c, s)
+    part = np.full_like(EK, 7.0)                       # end: rows [end, n) of out left as they were
+    kc.turn_rows(EK, 4, c, s, out=part, end=11)
+    np.testing.assert_array_equal(part[:, :11], out[:, :11])
+    assert (part[:, 11:] == 7.0).all()
+    with pytest.raises(ValueError):
+        kc.turn_rows(EK, 4, c, s, end=3)
 
 
 def test_cli_length_scale(tiny_model_dir, capsys):

@@ -100,8 +100,8 @@ class HCACache(HCABase):
         """Each of a chunk's T queries in one call: over a float32 copy of the exact tier with the
         chunk's keys and values appended [Hkv, S + W + T, hd] (query i reads its first S + W + i
         rows where live, row S + W + i as its own token). Far positions: each query is the far one,
-        and the copy's rows past the sinks are turned by its angle (the chunk's angles made once),
-        as a decode step turns the ring (FarFrame.step_inputs)."""
+        and the copy's rows it reads past the sinks are turned by its angle (the chunk's angles
+        made once), as a decode step turns the ring (FarFrame.step_inputs)."""
         T, n0 = qs.shape[0], self.S + self.W
         EK = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1).float().cpu().numpy()
         EV = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ev.dtype)], 1).float().cpu().numpy()
@@ -114,7 +114,7 @@ class HCACache(HCABase):
         qn = qs.numpy()
         out = np.empty((T, self.Hq, self.hd), np.float32)
         for i in range(T):
-            EKi = kc.turn_rows(EK, self.S, c[i], s[i], out=turned) if self.far else EK
+            EKi = kc.turn_rows(EK, self.S, c[i], s[i], out=turned, end=n0 + i + 1) if self.far else EK
             out[i] = self._one_call(layer, qn[i], EKi[:, n0 + i].copy(), EV[:, n0 + i].copy(), EKi, EV, n0 + i,
                                     valid, decode=False)
         return torch.from_numpy(out)
