@@ -331,9 +331,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     `dtype` is the stored weight type: "float32", "bfloat16" or "float16", every tensor dequantized
     to it; None keeps the GGUF block formats minirun computes with (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as
     they are (Q5_0 as the same values in Q8_0), named in config.json's quantization_config
-    (minirun.quant), and writes the other
-    tensors as float32. Raises CheckpointError for a
-    missing or unreadable file, a non-llama architecture or an unsupported tensor type.
+    (minirun.quant), and writes the other tensors as float32. Raises CheckpointError for a missing
+    or unreadable file, a non-llama architecture or an unsupported tensor type.
     """
     from .gguf_tokenizer import build_tokenizer, build_tokenizer_config
 

@@ -116,7 +116,6 @@ def test_gemv_kernels_within_stated_bound(fmt, kernel, rows):
 def test_gemv_is_the_best_one_this_cpu_runs():
     want = {"avx512vnni": quant_intdot.gemv_vnni, "avx2": quant_intdot.gemv_avx2}.get(ISA)
     assert kq._GEMV_INT is want
-    assert (want is not None) == (ISA is not None)
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
