@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -164,7 +166,7 @@ def prefill_row(eng, rows, model, kv, budget, ids):
         t = time.perf_counter() - t0
         if t - shown[0] >= 10 or done == total:
             shown[0] = t
-            log(f"prefill: {done}/{total} tokens in {t:.1f} s ({done / max(t, 1e-9):.0f} tok/s)")
+            log(f"prefill: {done}/{total} tokens in {t:.1f} s ({done / max(t, 1e-9):.0f} tok/s); {memory(eng)}")
     sync(eng)
     t0 = time.perf_counter()
     eng.prefill(ids, progress=progress)
@@ -173,6 +175,14 @@ def prefill_row(eng, rows, model, kv, budget, ids):
     log(f"prefill mode {eng.last_prefill['mode']}: {len(ids)} tokens in {dt:.1f} s")
     rows.add(mb.result(eng, model, kv, budget, f"pp{len(ids)}", "pp", len(ids), 0, "random", [len(ids) / dt],
                        kv_stats=eng.kv_stats()))
+
+
+def memory(eng) -> str:
+    """The process's resident host memory and the device's allocated bytes now (a slow or stalled
+    prefill's log says which grew)."""
+    rss = next((int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmRSS")), 0)
+    dev = torch.cuda.memory_allocated(eng.device) if eng.device.type == "cuda" else 0
+    return f"host RSS {rss / 2**30:.1f} GiB, device {dev / 2**30:.1f} GiB"
 
 
 # ---- the steps -----------------------------------------------------------------------------------
@@ -243,8 +253,9 @@ def step_deep(a, sc, rows, budget, big=False):
     eng = Engine.with_random_weights(d, **kw) if big else Engine.load(d, **kw)
     log(f"engine loaded in {time.perf_counter() - t0:.1f} s")
     ids = ids_for(eng, sc["deep"])
-    with contextlib.suppress(Exception):   # (a diagnosis: never the reason a step fails)
-        log(prefill_profile(eng, ids[:sc["prof_span"]]))
+    if not big:   # (8B's shape: its profile, 32K tokens twice, took 2 of the step's 7 minutes)
+        with contextlib.suppress(Exception):   # (a diagnosis: never the reason a step fails)
+            log(prefill_profile(eng, ids[:sc["prof_span"]]))
     prefill_row(eng, rows, d, "hca", budget, ids)
     log("kv_stats: " + json.dumps(eng.kv_stats()))
     cap = sc["cap"]
@@ -264,6 +275,7 @@ STEP_RUN = {
 
 
 def run_step(a):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # the runner asks for the stacks before a cut
     sc = SCALES[a.scale]
     rows = Rows(a.out / f"{a.step}.json")
     ctx = contextlib.nullcontext()
@@ -296,11 +308,16 @@ def run_all(a):
         log(f"== {name} (limit {limit} s)")
         t0 = time.time()
         with open(a.out / f"{name}.log", "w") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
             try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit).returncode
+                rc = p.wait(timeout=limit)
                 status[name] = "ok" if rc == 0 else f"failed (exit {rc}, see {name}.log)"
-            except subprocess.TimeoutExpired:
-                status[name] = f"cut at its {limit} s limit"
+            except subprocess.TimeoutExpired:   # where it was, into its log, then the cut
+                p.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                p.kill()
+                p.wait()
+                status[name] = f"cut at its {limit} s limit (its stacks at the end of {name}.log)"
         status[name] += f", {time.time() - t0:.0f} s"
         log(f"   {status[name]}")
     (a.out / "steps.json").write_text(json.dumps(status, indent=1))
