@@ -14,7 +14,7 @@
 
 #include "common.cuh"
 
-#define MR_ENC_THREADS 256  // encode_keys block size (the wrapper launches exactly this)
+#define MR_ENC_THREADS 256  // encode_keys block size (32 for a few tokens: kernels_cuda/ops.py)
 #define MR_ENC_TOK 4        // tokens per thread in encode_keys -> 1024 tokens per block
 
 // ---------------------------------------------------------------------------
@@ -49,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(256) build_lut_f32(
 // is constant per argmin); strict '>' while k increases -> ties go to the
 // lowest index.  NaN keys -> index 0.
 //
-// Launch: block MR_ENC_THREADS, grid (ceil(n / (MR_ENC_THREADS*MR_ENC_TOK)), g, Hkv),
+// Launch: block B = MR_ENC_THREADS (32 for n <= 32*MR_ENC_TOK), grid (ceil(n / (B*MR_ENC_TOK)), g, Hkv),
 // dynamic shared memory c*(ds+1) floats (the (kv, j) codebook and its half
 // squared norms).  Each thread keeps MR_ENC_TOK sub-vectors in registers and
 // streams the codebook from shared memory (broadcast reads).

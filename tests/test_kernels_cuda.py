@@ -217,6 +217,8 @@ def test_emu_attend_exact_head_dims(d):
     [
         (64, 16, 256, 0, {}),
         (64, 16, 256, 1, {}),
+        (64, 32, 256, 128, {"dtype": torch.bfloat16}),  # the last size a warp-sized block takes
+        (64, 32, 256, 129, {}),
         (64, 16, 256, 1500, {}),
         (64, 32, 256, 700, {"dtype": torch.float16}),
         (128, 16, 256, 500, {"dtype": torch.bfloat16}),
@@ -378,6 +380,7 @@ def test_gpu_attend_exact_strided(d):
     [
         (16, 256, 0, torch.float32),
         (16, 256, 1, torch.float32),
+        (32, 256, 128, torch.bfloat16),
         (16, 256, 1000, torch.float32),
         (32, 256, 1000, torch.float16),
         (16, 1024, 1000, torch.bfloat16),
