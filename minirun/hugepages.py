@@ -10,15 +10,14 @@ The advice has to come before the pages are first touched (already-present 4 KiB
 merged later by a background thread), so buffers are made here empty, advised, then filled.
 torch's own switch (the THP_MEM_ALLOC_ENABLE environment variable) does the same for every
 allocation of >= 2 MiB, but only when set before torch's first allocation in the process, which
-a library imported after torch cannot ensure. Elsewhere (other systems, THP "never") and with
-MINIRUN_HUGEPAGES=0 in the environment, these are plain torch.empty / zeros / clone.
+a library imported after torch cannot ensure. Elsewhere (other systems, THP "never") these are
+plain torch.empty / zeros / clone.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import mmap
-import os
 import sys
 
 import torch
@@ -40,9 +39,8 @@ def _madvise():
 def advise(t: torch.Tensor) -> bool:
     """Ask for 2 MiB pages over the whole 2 MiB pages inside t's memory (CPU, Linux). Only pages not
     yet touched are affected. -> whether the advice was given (False: too small, not a CPU tensor,
-    not Linux, MINIRUN_HUGEPAGES=0, or the kernel refused)."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") \
-            or os.environ.get("MINIRUN_HUGEPAGES", "1") == "0":
+    not Linux, or the kernel refused)."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
     start = t.data_ptr()
     lo = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)

@@ -1,12 +1,13 @@
-"""The CPU cache's key stores (minirun/kv/key_store_cpu.py): each layout gets the store it names,
-a store with no key encoded yet is scored by the exact-keys store, and the cache's stats count
-exactly the stores' arrays (which the planner declares)."""
+"""The caches' key stores (minirun/kv/key_store_cpu.py, key_store_cuda.py): each layout gets the
+store it names, a store with no key encoded yet is scored by the exact-keys store, and the CPU
+cache's stats count exactly the stores' arrays (which the planner declares)."""
 import pytest
 import torch
 
 from kernels_cpu import fastscan
 from minirun import Engine
 from minirun.kv.key_store_cpu import CodebookKeys, ExactKeys, PairKeys, ProductPairKeys
+from minirun.kv.key_store_cuda import DeviceCodes, DeviceExactKeys
 from minirun.planner import plan
 
 
@@ -48,3 +49,31 @@ def test_each_layout_gets_its_store(tiny_model_dir, monkeypatch, setting, fast, 
     assert (copies > 0) == (kind is not ExactKeys)
     cb = c.codebooks.nbytes if c.codebooks is not None else 0
     assert s["codebook_bytes"] == cb + copies == p.get("codebooks", (0,))[0]
+
+
+@pytest.mark.parametrize("setting,kind", [
+    (dict(kv_budget=0.5), DeviceExactKeys),
+    (dict(kv_budget=0.25, centroids=32), DeviceCodes),
+    (dict(groups=16, centroids=16), DeviceCodes),       # nibble pairs: product-codebook indices on a GPU
+])
+def test_gpu_cache_gets_its_store(tiny_model_dir, setting, kind):
+    """The GPU cache (on the kernel emulator): the layout's store scores every decode step; a
+    prompt's chunks in hca mode before the codebooks are scored by the exact keys."""
+    import cuda_emu
+    with cuda_emu.emulated_hca_cuda():
+        eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=400, kv="hca", window=16, sinks=4,
+                          prefill_chunk=32, prefill_mode="hca", fit_min_tokens=64, **setting)
+        c = eng.cache
+        assert type(c.key_store) is kind and type(c.exact_store) is DeviceExactKeys
+        assert (c.key_store is c.exact_store) == (kind is DeviceExactKeys)
+        ran = []                                        # (store, every store token encoded) of each score
+        for store in {c.exact_store, c.key_store}:
+            real = store.score
+            store.score = lambda *a, real=real, store=store: ran.append((type(store), c.n_encoded == c.n_store)) \
+                or real(*a)
+        eng.prefill(random_ids(120))
+        assert ran[0] == (DeviceExactKeys, False)       # store tokens before the codebooks (fitted at 64)
+        ran[:] = []
+        for t in (5, 6):
+            eng.step(t)
+        assert ran == [(kind, kind is DeviceCodes)] * 2 * 2    # 2 steps, 2 layers

@@ -53,14 +53,13 @@ import numpy as np
 import torch
 
 import kernels_cpu as kc
-import kernels_cuda as kcu
 import kernels_cuda.decode as kcu_decode
 import kernels_cuda.launch as kcu_launch
 
 from ..errors import MiniRunError
-from .codebooks import Codebooks
 from .hca_base import HCABase
 from .hca_graph import CapturedSteps
+from .key_store_cuda import device_key_stores
 from .pinned import PinnedPool
 from .store import GrowingBuffer
 
@@ -101,8 +100,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self.prefill_values = self._grow(self.prefill_specs["prefill_values"])
         self.anchor_v = None      # the anchor block's values on the device, during an anchor prefill
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
-        if codebooks is not None:   # moved to the device once
-            self.codebooks = Codebooks(codebooks.centroids.float().to(device).contiguous(), codebooks.source)
+        self.exact_store, self.key_store = device_key_stores(self)
         self._width = INITIAL_WIDTH
         self.second_copies = 0                  # steps whose copy-back guess was too narrow
         self._pack_host = None                  # pinned int32, grows with the copy-back width
@@ -286,15 +284,9 @@ class HCACacheCUDA(CapturedSteps, HCABase):
     def _select_on_device(self, L, ds, layer, q):
         """Launch scores + selection for one query [Hq, hd] f32 -> (z [Hq, cap] scratch, idx rows,
         n, cap): counts in ds.counts, stats in ds.m / ds.l, each head's first min(counts, cap) idx."""
-        n, ne = self.n_store, self.n_encoded
+        n = self.n_store
         zb = self.z.data[..., 0]                                                  # [Hq, cap]
-        if ne:
-            ds.scores(L, q, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], ne, zb)
-        if n > ne:   # keys not (yet) encoded: exact scores, positions [ne, n)
-            Kx = self.exact_keys.view(layer, n - self.exact_base)
-            zb[:, ne:n] = torch.bmm(q.view(self.Hkv, -1, self.hd), Kx.transpose(1, 2)).reshape(self.Hq, -1)
-            torch.amax(zb[:, :n], 1, out=ds.m)                     # the softmax stats of all n scores
-            torch.sum(torch.exp(zb[:, :n] - ds.m[:, None]), 1, out=ds.l)
+        (self.key_store if self.n_encoded else self.exact_store).score(ds, L, layer, q, zb)
         idx = self.sel.data[..., 0]
         cap = self.max_select if self.max_select and n > self.max_select else 0
         ds.select(L, zb, n, self.tau, idx, cap)     # (the cap inside: whole bins from the top, zcut)
@@ -349,20 +341,8 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return dev
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
-    def _codebooks_dev(self) -> torch.Tensor:
-        C = self.codebooks.centroids
-        # (nibble pairs: the GPU reads the product codebooks only, so their factors are not kept)
-        if (C.device != self.device or C.dtype != torch.float32 or not C.is_contiguous()
-                or self.codebooks.factors is not None):
-            self.codebooks = Codebooks(C.float().to(self.device).contiguous(), self.codebooks.source)
-        return self.codebooks.centroids
-
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
-        """K [L, Hkv, m, hd] (device) -> indices [L, Hkv, m, g] (device), one launch for all layers."""
-        L, Hkv, m, hd = K.shape
-        C = self._codebooks_dev()
-        P = kcu.encode_keys(K.reshape(L * Hkv, m, hd), C.reshape(L * Hkv, *C.shape[2:]))
-        return P.view(L, Hkv, m, -1)
+        return self.key_store.encode(K)
 
     def _store_append(self, K, V, codes=None):
         """As the base class (values go to the pinned pool asynchronously, keys are encoded on the

@@ -65,7 +65,7 @@ class CapturedSteps:
         self.indices.reserve(n + 1)
         self._graph_state()
         self._live_mask(graph=True)
-        C = self._codebooks_dev()
+        C = self.key_store.centroids()
         T = self._decode_kernels().reserve_lut(C.shape[2], C.shape[3])
         # what a graph bakes in: the addresses (and strides) of everything that can be reallocated
         key = ("hca", nb) + tuple((t.data_ptr(), tuple(t.shape)) for t in (
@@ -102,7 +102,7 @@ class CapturedSteps:
                 if far:
                     qf.mul_(self._length_factor)
             zb, idx = self.z.data[..., 0], self.sel.data[..., 0]
-            ds.scores(L, qf, self.q2k_dev, self._codebooks_dev()[layer], self.indices.data[layer], n_keys, zb,
+            ds.scores(L, qf, self.q2k_dev, self.key_store.centroids()[layer], self.indices.data[layer], n_keys, zb,
                       n_live=self._n_live)
             # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
             cap = self.max_select or 0
