@@ -202,17 +202,22 @@ def test_smollm2_as_shipped_vs_dequantized(smollm2_quant_dir, float32_quant_pref
         assert rel_err(got, want) <= 1e-3
 
 
-def test_smollm2_q8_0_perplexity_within_half_a_percent(smollm2_float_dir):
-    """--weights q8_0 costs < 0.5% perplexity on the pydoc evaluation text (1024 tokens)."""
+def test_smollm2_q8_0_perplexity_within_half_a_percent(smollm2_float_dir, monkeypatch):
+    """--weights q8_0 costs < 0.5% perplexity on the pydoc evaluation text (1024 tokens) with the
+    prefill GEMMs in float32, < 1% with them in bfloat16 where the CPU has a native one (activations
+    rounded to 2^-9: +0.29% on a Xeon with AMX, less on Zen 4)."""
     from minirun.calibrate import read_text
     from minirun.evaluate import perplexity
+    from minirun.quant import matrix
     text, _ = read_text(None, "evaluation")
     f32 = Engine.load(smollm2_float_dir, device="cpu", ctx=1024)
     ids = f32.tokenize(text)[:1024]
     base = perplexity(f32, ids)
     del f32
-    q8 = perplexity(Engine.load(smollm2_float_dir, device="cpu", ctx=1024, weights="q8_0"), ids)
-    assert abs(q8 / base - 1) < 0.005, (q8, base)
+    for bf16, bound in ((False, 0.005), (True, 0.01)):
+        monkeypatch.setattr(matrix, "PREFILL_BF16", bf16)
+        q8 = perplexity(Engine.load(smollm2_float_dir, device="cpu", ctx=1024, weights="q8_0"), ids)
+        assert abs(q8 / base - 1) < bound, (bf16, q8, base)
 
 
 def test_bf16_gemm_not_native_when_onednn_is_limited_to_avx2():
