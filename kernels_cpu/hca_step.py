@@ -129,8 +129,8 @@ def _host_keys(host_keys, V, n_store):
 
 
 def _step_scratch(q, n_store, counts=None, levels=None):
-    """The defaults both codebook steps take: (counts int32 [Hq], out f32 [Hq, d], (lev, hist),
-    threads), counts and levels made when not given."""
+    """The defaults the steps take: (counts int32 [Hq], out f32 [Hq, d], (lev, hist), threads),
+    counts and levels made when not given (exact_step's levels: (None, hist), its scores are floats)."""
     Hq = q.shape[0]
     counts = np.zeros(Hq, np.int32) if counts is None else counts
     lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
