@@ -9,11 +9,8 @@ each function:
   host keys, written over z in place (the ``rescore`` setting; :mod:`kernels_cpu.rescore`)
 * ``encode_keys(K, codebooks) -> P``, ``codebook_norms``
 * ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,
-  the store through LUT, scores, selection and value sum, merged) in one call: the LUT packed as
-  integers, 4 query heads per uint64 (:mod:`kernels_cpu.packed`; scratch ``PackedLUT``, its
-  ``lane_map``), the scores kept as integer levels over indices stored group-major (PT [Hkv, g, n])
-  and the selection made on them (:mod:`kernels_cpu.level_select`; scratch ``level_hist``), the
-  value sum reading the selection from the levels, with no list (:mod:`kernels_cpu.level_sum`)
+  the store through LUT, scores, selection and value sum, merged) in one call
+  (:mod:`kernels_cpu.hca_step` says how; scratch ``PackedLUT``, its ``lane_map``, ``level_hist``)
 * ``hca_exact_decode_attend(...) -> o``: the same for a store of exact keys (the 50% preset:
   :mod:`kernels_cpu.exact_step`)
 * :mod:`kernels_cpu.fastscan`: codebooks of 16 centroids, two 4-bit codes per byte;
