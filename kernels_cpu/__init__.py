@@ -1,7 +1,7 @@
 """CPU kernels (Numba) for the HCAttention KV cache.
 
-Public API (used by the runtime); shapes and dtypes are documented on each
-function in :mod:`kernels_cpu.numba_kernels`:
+Public API (used by the runtime), one module per family; shapes and dtypes are documented on
+each function:
 
 * ``weighted_value_sum(z, idx, counts, V, q_to_kv) -> (o, m, l)``: the GPU cache's value sum on
   the host
@@ -9,11 +9,8 @@ function in :mod:`kernels_cpu.numba_kernels`:
   host keys, written over z in place (the ``rescore`` setting; :mod:`kernels_cpu.rescore`)
 * ``encode_keys(K, codebooks) -> P``, ``codebook_norms``
 * ``hca_decode_attend(...) -> o``: one decode token's whole HCA attention (exact tier, itself,
-  the store through LUT, scores, selection and value sum, merged) in one call: the LUT packed as
-  integers, 4 query heads per uint64 (:mod:`kernels_cpu.packed`; scratch ``PackedLUT``, its
-  ``lane_map``), the scores kept as integer levels over indices stored group-major (PT [Hkv, g, n])
-  and the selection made on them (:mod:`kernels_cpu.level_select`; scratch ``level_hist``), the
-  value sum reading the selection from the levels, with no list (:mod:`kernels_cpu.level_sum`)
+  the store through LUT, scores, selection and value sum, merged) in one call
+  (:mod:`kernels_cpu.hca_step` says how; scratch ``PackedLUT``, its ``lane_map``, ``level_hist``)
 * ``hca_exact_decode_attend(...) -> o``: the same for a store of exact keys (the 50% preset:
   :mod:`kernels_cpu.exact_step`)
 * :mod:`kernels_cpu.fastscan`: codebooks of 16 centroids, two 4-bit codes per byte;
@@ -39,28 +36,17 @@ are viewed as uint16 and converted exactly inside the kernels (hardware
 This package imports only numpy and numba.
 """
 
-from .numba_kernels import (
-    HALF_CONVERSION,
-    set_num_threads,
-    codebook_norms,
-    encode_keys,
-    attn_in,
-    hca_decode_attend,
-    hca_exact_decode_attend,
-    PackedLUT,
-    lane_map,
-    level_hist,
-    attn_out,
-    dense_attend,
-    turn_rows,
-    norm_gemv,
-    selected_scores,
-    weighted_value_sum,
-)
+from ._common import HALF_CONVERSION, set_num_threads, stamp_caches
+from .attention import weighted_value_sum
+from .decode import attn_in, attn_out, dense_attend, norm_gemv, turn_rows
+from .exact_step import hca_exact_decode_attend
+from .hca_step import hca_decode_attend
+from .level_select import level_hist
+from .packed import PackedLUT, lane_map
+from .rescore import selected_scores
+from .pq import codebook_norms, encode_keys
 
 from . import quant, quant_rows  # noqa: F401  (quant registers the quantized GEMVs with the decode kernels)
-from . import numba_kernels as _numba_kernels
-from ._common import stamp_caches  # noqa: E402
 stamp_caches(__name__)           # one cache stamp for every kernel of the package
 
 # Numba's thread pool before any kernel loads from its cache: a cached kernel that holds a parallel
@@ -70,4 +56,6 @@ stamp_caches(__name__)           # one cache stamp for every kernel of the packa
 import numba as _numba  # noqa: E402
 _numba.get_num_threads()
 
-__all__ = _numba_kernels.__all__
+__all__ = ["weighted_value_sum", "selected_scores", "encode_keys", "codebook_norms", "HALF_CONVERSION", "attn_in",
+           "attn_out", "norm_gemv", "dense_attend", "turn_rows", "hca_decode_attend", "hca_exact_decode_attend",
+           "PackedLUT", "lane_map", "level_hist", "set_num_threads"]

@@ -50,23 +50,22 @@ def _u32_as_f32(typingctx, x):
     return sig, codegen
 
 
+def _bitcast(src, dst):
+    """An intrinsic that reinterprets a value of type src as dst, a type of the same width."""
+    @intrinsic
+    def cast(typingctx, x):
+        if x != src:
+            return None
+        return dst(x), lambda context, builder, signature, args: builder.bitcast(args[0], context.get_value_type(dst))
+    return cast
+
+
+_f32_as_i32 = _bitcast(types.float32, types.int32)   # the bits of a float32 as an int32
+
 
 # fastmath for the kernels whose float reductions should vectorize (dot products, GEMVs):
 # reassociation and contraction only, so NaN and inf still propagate
 _FASTMATH = {"reassoc", "contract"}
-
-
-@intrinsic
-def _f32_as_i32(typingctx, x):
-    """The bits of a float32 as an int32."""
-    if not isinstance(x, types.Float) or x.bitwidth != 32:
-        return None
-    sig = types.int32(x)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.int32))
-
-    return sig, codegen
 
 
 @njit(inline="always")
@@ -136,6 +135,7 @@ def _exp32(x):
     p = p * r * r + r + np.float32(1.0)
     e = p * _u32_as_f32(np.uint32(np.int32(k) + 127) << np.uint32(23))
     return np.float32(0.0) if tiny else e
+
 
 @intrinsic
 def _half_bits_fpext(typingctx, x):
@@ -252,8 +252,6 @@ def _rows_in(a, dtype):
 
 def _as_i32(a):
     return np.ascontiguousarray(a, dtype=np.int32)
-
-
 
 
 @intrinsic

@@ -256,27 +256,31 @@ def weighted_value_sum(z, idx, counts, V, q_to_kv, compact=False):
     GPU cache copies them to the host).
     """
     z = _rows_in(z, np.float32)
-    idx = np.asarray(idx, dtype=np.int32)
-    width = idx.shape[1]
-    idx = _rows_in(idx, np.int32)
-    counts = _as_i32(counts)
-    q_to_kv = _as_i32(q_to_kv)
-    V = np.asarray(V)
-    if not V.flags.c_contiguous:
-        raise ValueError("V (value pool) must be C-contiguous")
-    V = _as_pool(V)
     Hq = z.shape[0]
-    d = V.shape[2]
-    if counts.shape[0] != Hq or idx.shape[0] != Hq:
-        raise ValueError("z, idx, counts disagree on Hq")
-    if Hq and int(counts.max()) > width:
-        raise ValueError("counts exceed idx width")
-    o = np.zeros((Hq, d), dtype=np.float32)
+    idx, counts, q_to_kv, V, selected = _selection_args(idx, counts, q_to_kv, V, Hq, "V (value pool)")
+    o = np.zeros((Hq, V.shape[2]), dtype=np.float32)
     m = np.full(Hq, -np.inf, dtype=np.float32)
     l = np.zeros(Hq, dtype=np.float32)
-    if Hq and int(counts.max()) > 0:
+    if selected:
         _k_weighted_value_sum(z, idx, counts, V, q_to_kv, _WVS_CHUNK, o, m, l, bool(compact))
     return o, m, l
+
+
+def _selection_args(idx, counts, q_to_kv, pool, Hq, what):
+    """The selection lists of Hq heads and a host pool [Hkv, n_cap, d] as the list kernels take them
+    (weighted_value_sum, rescore.selected_scores), checked -> (idx int32 rows, counts, q_to_kv,
+    the pool (f32 or half bits, never copied), whether any head selected a token)."""
+    idx = np.asarray(idx, dtype=np.int32)
+    width = idx.shape[1]                         # (_rows_in may widen the rows to their stride)
+    idx, counts, q_to_kv = _rows_in(idx, np.int32), _as_i32(counts), _as_i32(q_to_kv)
+    pool = np.asarray(pool)
+    if not pool.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if counts.shape[0] != Hq or idx.shape[0] != Hq:
+        raise ValueError(f"idx, counts disagree with the scores on Hq={Hq}")
+    if Hq and int(counts.max()) > width:
+        raise ValueError("counts exceed idx width")
+    return idx, counts, q_to_kv, _as_pool(pool), Hq > 0 and int(counts.max()) > 0
 
 
 # ---------------------------------------------------------------------------

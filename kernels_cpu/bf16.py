@@ -6,21 +6,11 @@ does, so values stored by our kernels equal what torch's `.to(torch.bfloat16)` w
 
 import numpy as np
 from numba import njit, types
-from numba.extending import intrinsic
 
-from ._common import _u32_as_f32
+from ._common import _bitcast, _u32_as_f32
 
 
-@intrinsic
-def _f32_as_u32(typingctx, x):
-    """Reinterpret a float32 as its uint32 bits."""
-    if not (isinstance(x, types.Float) and x.bitwidth == 32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint32))
-
-    return types.uint32(x), codegen
+_f32_as_u32 = _bitcast(types.float32, types.uint32)   # a float32's bits
 
 
 @njit(inline="always")

@@ -320,8 +320,7 @@ def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None):
     Returns out [(Hq+2Hkv)*hd] in the weights' dtype: q heads, k heads (rotated), v heads.
     """
     _check("attn_in", (w_qkv,), x, w_norm)
-    if out is None:
-        out = np.empty(rows_of(w_qkv), x.dtype)
+    out = np.empty(rows_of(w_qkv), x.dtype) if out is None else out
     _k_attn_in(x, w_norm, np.float32(eps), w_qkv, int(pos), np.ascontiguousarray(inv_freq, np.float64),
                n_rot, head_dim, out)
     return out
@@ -334,8 +333,7 @@ def attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out=None):
     w_down [D, F]; one dtype (float32 or bfloat16 bits). Returns the new residual out [D].
     """
     _check("attn_out", (w_o, w_gate_up, w_down), x, o, w_norm)
-    if out is None:
-        out = np.empty(x.shape[0], x.dtype)
+    out = np.empty(x.shape[0], x.dtype) if out is None else out
     _k_attn_out(x, o, w_o, w_norm, np.float32(eps), w_gate_up, w_down, out)
     return out
 
@@ -343,8 +341,7 @@ def attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out=None):
 def norm_gemv(x, w_norm, eps, w, out=None):
     """(rms_norm(x) * w_norm) @ w^T as float32 [O]: the final norm and LM head of a decode step."""
     _check("norm_gemv", (w,), x, w_norm)
-    if out is None:
-        out = np.empty(rows_of(w), np.float32)
+    out = np.empty(rows_of(w), np.float32) if out is None else out
     _k_norm_gemv(x, w_norm, np.float32(eps), w, out)
     return out
 
@@ -364,8 +361,7 @@ def dense_attend(q, K, V, n, scale=1.0, out=None):
             or not 1 <= n <= K.shape[1]:
         raise ValueError(f"dense_attend: q, K, V float32 or bfloat16 bits and Hq % Hkv == 0, 1 <= n <= {K.shape[1]}; "
                          f"got {q.dtype}/{K.dtype}/{V.dtype}, Hq={Hq}, Hkv={Hkv}, n={n}")
-    if out is None:
-        out = np.empty((Hq, d), np.float32)
+    out = np.empty((Hq, d), np.float32) if out is None else out
     # enough tasks for the threads at short contexts, long chunks (less merging) at long ones
     chunk = min(512, max(64, -(-n // max(1, 8 // Hkv))))
     (_k_dense_attend if n >= 192 else _k_dense_attend_serial)(q, K, V, int(n), np.float32(scale), chunk, out)
@@ -398,7 +394,6 @@ def turn_rows(EK, start, cos, sin, out=None, end=None):
             or not 0 <= start <= end <= n:
         raise ValueError(f"turn_rows: EK [Hkv, n, d] f32 with even d, cos/sin [d/2], 0 <= start <= end <= n; "
                          f"got {EK.dtype} {EK.shape}, {cos.shape}, start={start}, end={end}")
-    if out is None:
-        out = np.empty(EK.shape, np.float32)
+    out = np.empty(EK.shape, np.float32) if out is None else out
     _k_turn_rows(EK, int(start), int(end), np.asarray(cos, np.float32), np.asarray(sin, np.float32), out)
     return out

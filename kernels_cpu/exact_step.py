@@ -22,15 +22,13 @@ Reference: hca_exact_decode_attend_ref in tests/references/cpu.py.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from ._common import _NEG_INF, _as_f32, _as_pool, _c_rows
-from .attention import _k_lse_merge, _row_dots
-from .hca_step import _step_partials, _valid_mask
+from .attention import _row_dots
+from .hca_step import _step_partials, _step_scratch, _sum_and_merge, _valid_mask
 from .level_select import NB, _bucket_cut, _merged_counts
-from .level_sum import _k_level_value_sum
 from .packed import LANES
 
 _BLOCK = 1024                  # keys per scoring task
@@ -141,13 +139,9 @@ def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv
         smax = np.empty((nt, Hq), np.float32)
         _k_exact_scores(q, K, n_store, lanes, z, hist, ref, smax, nt)
         _k_float_cuts(hist, ref, smax, nt, n_store, tau, zcut, mref, cap)
-    # the value sum over the selection, and sinks + ring exactly, in one parallel region
-    _k_level_value_sum(z, n_store, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref, lanes, V,
-                       nt, os[2], ms[2], ls[2], counts, q, EK, EV, n_exact, valid, os[0], ms[0], ls[0], V, False)
-    m = np.empty(Hq, np.float32)
-    l = np.empty(Hq, np.float32)
-    out[:] = 0.0
-    _k_lse_merge(os, ms, ls, out, m, l)
+    # the value sum over the selection (float scores: scale 1, offset 0), sinks + ring, the merge
+    _sum_and_merge(z, n_store, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref, lanes, V, nt, counts,
+                   q, EK, EV, n_exact, valid, os, ms, ls, out, V, False)
 
 
 def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes, z, hist,
@@ -169,10 +163,7 @@ def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_k
     zr = _c_rows(z)
     if zr is None or z.dtype != np.float32 or z.shape[0] != Hq or z.shape[1] < n_store:
         raise ValueError(f"z must be float32 [Hq={Hq}, >={n_store}] with unit-stride rows")
-    if counts is None:
-        counts = np.zeros(Hq, np.int32)
-    out = np.empty(q.shape, np.float32)
-    nt = min(numba.get_num_threads(), hist.shape[0])
+    counts, out, _, nt = _step_scratch(q, n_store, counts, (None, hist))
     _k_exact_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                     _valid_mask(exact_valid, n_exact), K,
                     int(n_store), _as_pool(V), float(tau), q_to_kv, lanes, zr, hist, nt, counts, out, int(cap or 0))

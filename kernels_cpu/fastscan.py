@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._common import _as_f32, _as_pool, _prefetch
-from .hca_step import _check_encode_slot, _host_keys, _step_partials, _step_scratch, _sum_and_merge, _valid_mask
+from .hca_step import _encode_args, _host_keys, _step_partials, _step_scratch, _sum_and_merge, _valid_mask
 from .level_select import _count_levels
 from .level_sum import _k_level_cuts
 from .packed import _head_step, _quantize
@@ -302,9 +302,7 @@ def hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_
     nh = heads_per_kv(q_to_kv)
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
     fnorm = factor_norms(F) if fnorm is None else fnorm
-    slot, codes = (-1, _NO_CODES) if encode is None else encode
-    if encode is not None:
-        _check_encode_slot(slot, n_exact, n_store)
+    slot, codes = _encode_args(encode, (-1, _NO_CODES), n_exact, n_store)
     _k_hca_decode_fs(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                      _valid_mask(exact_valid, n_exact), F, fnorm, nh, PT, int(n_store), _as_pool(V), float(tau),
                      lut.lanes, lut.T, lut.tabs, lut.scale, lut.offset, lut.top, lut.shift, lev, hist, nt, z, idx,

@@ -102,11 +102,7 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     """
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
     K, rescore = _host_keys(host_keys, V, n_store)
-    if encode is None:
-        slot, cnorm, codes = -1, _NO_CNORM, _NO_CODES[PT.dtype.itemsize]
-    else:
-        slot, cnorm, codes = encode
-        _check_encode_slot(slot, n_exact, n_store)
+    slot, cnorm, codes = _encode_args(encode, (-1, _NO_CNORM, _NO_CODES[PT.dtype.itemsize]), n_exact, n_store)
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                   _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv,
                   packed.lanes, lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist,
@@ -129,18 +125,22 @@ def _host_keys(host_keys, V, n_store):
 
 
 def _step_scratch(q, n_store, counts=None, levels=None):
-    """The defaults both codebook steps take: (counts int32 [Hq], out f32 [Hq, d], (lev, hist),
-    threads), counts and levels made when not given."""
+    """The defaults the steps take: (counts int32 [Hq], out f32 [Hq, d], (lev, hist), threads),
+    counts and levels made when not given (exact_step's levels: (None, hist), its scores are floats)."""
     Hq = q.shape[0]
     counts = np.zeros(Hq, np.int32) if counts is None else counts
     lev, hist = levels if levels is not None else (np.empty((Hq, max(1, n_store)), np.uint16), level_hist(Hq))
     return counts, np.empty(q.shape, np.float32), (lev, hist), min(numba.get_num_threads(), hist.shape[0])
 
 
-def _check_encode_slot(slot, n_exact, n_store):
-    """An encode-ahead slot must hold a token of the exact tier, and a store must exist to take it."""
-    if not 0 <= slot < n_exact or n_store <= 0:
-        raise ValueError(f"encode slot {slot} outside the exact tier [0, {n_exact}) or empty store")
+def _encode_args(encode, unused, n_exact, n_store):
+    """A step's encode tuple (slot, ...), or `unused` (slot -1) when None. The slot must hold a token
+    of the exact tier, and a store must exist to take it."""
+    if encode is None:
+        return unused
+    if not 0 <= encode[0] < n_exact or n_store <= 0:
+        raise ValueError(f"encode slot {encode[0]} outside the exact tier [0, {n_exact}) or empty store")
+    return encode
 
 
 def _valid_mask(valid, n_exact):

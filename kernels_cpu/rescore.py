@@ -10,8 +10,8 @@ those: codebooks only select.
 import numpy as np
 from numba import njit, prange
 
-from ._common import _FASTMATH, _as_i32, _as_pool, _c_rows, _ld, _prefetch, _rows_in
-from .attention import _PF_DIST, _WVS_CHUNK, chunk_items
+from ._common import _FASTMATH, _c_rows, _ld, _prefetch, _rows_in
+from .attention import _PF_DIST, _WVS_CHUNK, _selection_args, chunk_items
 
 
 @njit(cache=True, parallel=True, fastmath=_FASTMATH)
@@ -51,22 +51,13 @@ def selected_scores(q, K, idx, counts, q_to_kv, z, compact=False):
     weighted_value_sum(compact=True) reads). Other entries are untouched. Returns z.
     """
     q = _rows_in(q, np.float32)
-    idx = _rows_in(np.asarray(idx, dtype=np.int32), np.int32)
-    counts, q_to_kv = _as_i32(counts), _as_i32(q_to_kv)
-    K = np.asarray(K)
-    if not K.flags.c_contiguous:
-        raise ValueError("K (host key pool) must be C-contiguous")
-    K = _as_pool(K)
-    zr = _c_rows(z) if isinstance(z, np.ndarray) and z.dtype == np.float32 and z.ndim == 2 else None
-    if zr is None:
-        raise ValueError("z must be float32 [Hq, n] with unit-stride rows (it is written in place)")
     Hq = q.shape[0]
-    if counts.shape[0] != Hq or idx.shape[0] != Hq or z.shape[0] != Hq:
-        raise ValueError("q, idx, counts, z disagree on Hq")
+    idx, counts, q_to_kv, K, selected = _selection_args(idx, counts, q_to_kv, K, Hq, "K (host key pool)")
+    zr = _c_rows(z) if isinstance(z, np.ndarray) and z.dtype == np.float32 and z.ndim == 2 else None
+    if zr is None or z.shape[0] != Hq:
+        raise ValueError(f"z must be float32 [Hq={Hq}, n] with unit-stride rows (it is written in place)")
     if K.shape[2] != q.shape[1]:
         raise ValueError("K head dim does not match q")
-    if Hq and int(counts.max()) > idx.shape[1]:
-        raise ValueError("counts exceed idx width")
-    if Hq and int(counts.max()) > 0:
+    if selected:
         _k_selected_scores(q, K, idx, counts, q_to_kv, _WVS_CHUNK, zr, bool(compact))
     return z

@@ -32,9 +32,6 @@ def available() -> bool:
 
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return False
-    except Exception:
-        return False
-    try:
         import torch
 
         return bool(torch.cuda.is_available())

@@ -24,67 +24,18 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "quant.cu": ("-std=c++17",),
 }
 
-# file -> extern "C" entry points the wrappers launch.
+# file -> extern "C" entry points the wrappers launch: each kernel once per element type (the
+# key / value dtype, the code dtype, the gather's or attend_gqa's group size).
+_KV = ("f32", "f16", "bf16")
+_F32_BF16 = ("f32", "bf16")
 KERNELS: dict[str, tuple[str, ...]] = {
-    "pq.cu": (
-        "build_lut_f32",
-        "encode_keys_f32_u8",
-        "encode_keys_f32_i16",
-        "encode_keys_f16_u8",
-        "encode_keys_f16_i16",
-        "encode_keys_bf16_u8",
-        "encode_keys_bf16_i16",
-    ),
-    "scores.cu": (
-        "approx_scores_u8",
-        "approx_scores_i16",
-        "ms_reduce",
-        "zhist",
-        "zcut",
-        "zcompact",
-    ),
-    "attention.cu": (
-        "attend_partial_f32",
-        "attend_partial_f16",
-        "attend_partial_bf16",
-        "attend_gqa_f32_g4",
-        "attend_gqa_f32_g8",
-        "attend_gqa_f16_g4",
-        "attend_gqa_f16_g8",
-        "attend_gqa_bf16_g4",
-        "attend_gqa_bf16_g8",
-    ),
-    "decode.cu": (
-        "decode_prep_f32",
-        "decode_prep_f16",
-        "decode_prep_bf16",
-        "pack_selection_i32",
-        "lse_merge_staged_f32",
-        "lse_merge_staged_bf16",
-        "store_rows_b16",
-        "store_rows_b32",
-    ),
-    "gather.cu": (
-        "gather_value_sum_grouped_f32_g3",
-        "gather_value_sum_grouped_f32_g4",
-        "gather_value_sum_grouped_f32_g8",
-        "gather_value_sum_grouped_f16_g3",
-        "gather_value_sum_grouped_f16_g4",
-        "gather_value_sum_grouped_f16_g8",
-        "gather_value_sum_grouped_bf16_g3",
-        "gather_value_sum_grouped_bf16_g4",
-        "gather_value_sum_grouped_bf16_g8",
-    ),
-    "layer.cu": (
-        "rms_norm_f32",
-        "rms_norm_bf16",
-        "add_rms_norm_f32",
-        "add_rms_norm_bf16",
-        "rope_f32",
-        "rope_bf16",
-        "silu_mul_f32",
-        "silu_mul_bf16",
-    ),
+    "pq.cu": ("build_lut_f32", *(f"encode_keys_{t}_{i}" for t in _KV for i in ("u8", "i16"))),
+    "scores.cu": ("approx_scores_u8", "approx_scores_i16", "ms_reduce", "zhist", "zcut", "zcompact"),
+    "attention.cu": (*(f"attend_partial_{t}" for t in _KV), *(f"attend_gqa_{t}_g{g}" for t in _KV for g in (4, 8))),
+    "decode.cu": (*(f"decode_prep_{t}" for t in _KV), "pack_selection_i32",
+                  *(f"lse_merge_staged_{t}" for t in _F32_BF16), "store_rows_b16", "store_rows_b32"),
+    "gather.cu": tuple(f"gather_value_sum_grouped_{t}_g{g}" for t in _KV for g in (3, 4, 8)),
+    "layer.cu": tuple(f"{k}_{t}" for k in ("rms_norm", "add_rms_norm", "rope", "silu_mul") for t in _F32_BF16),
     "quant.cu": tuple(f"{k}_{f}" for k in ("qgemv", "qrows") for f in ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")),
 }
 

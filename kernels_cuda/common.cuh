@@ -196,44 +196,25 @@ __device__ __forceinline__ void mr_block_ms(float& m, float& l, float* scratch) 
     mr_warp_ms(m, l);
 }
 
-// Exclusive prefix sum over the block in thread order; *total = block sum.
-__device__ __forceinline__ int mr_block_excl_scan(int v, int* total, int* scratch) {
+// Exclusive prefix sum over the block in thread order (int or float); *total = block sum.
+// A lane's prefix is its left neighbour's inclusive sum (x - v would round for floats).
+template <typename T>
+__device__ __forceinline__ T mr_block_excl_scan(T v, T* total, T* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int x = v;
+    T x = v;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(MR_FULL_MASK, x, o);
+        const T y = __shfl_up_sync(MR_FULL_MASK, x, o);
         if (lane >= o) x += y;
     }
+    T ex = __shfl_up_sync(MR_FULL_MASK, x, 1);
+    if (lane == 0) ex = 0;
     __syncthreads();
     if (lane == 31) scratch[warp] = x;
     __syncthreads();
-    int before = 0, all = 0;
+    T before = 0, all = 0;
     for (int w = 0; w < nw; ++w) {
-        const int s = scratch[w];
-        if (w < warp) before += s;
-        all += s;
-    }
-    *total = all;
-    return before + x - v;
-}
-
-__device__ __forceinline__ float mr_block_excl_scan_f(float v, float* total, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const float y = __shfl_up_sync(MR_FULL_MASK, x, o);
-        if (lane >= o) x += y;
-    }
-    float ex = __shfl_up_sync(MR_FULL_MASK, x, 1);
-    if (lane == 0) ex = 0.f;
-    __syncthreads();
-    if (lane == 31) scratch[warp] = x;
-    __syncthreads();
-    float before = 0.f, all = 0.f;
-    for (int w = 0; w < nw; ++w) {
-        const float s = scratch[w];
+        const T s = scratch[w];
         if (w < warp) before += s;
         all += s;
     }

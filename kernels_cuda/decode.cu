@@ -110,17 +110,15 @@ decode_prep_bf16(const unsigned short* __restrict__ q, long long q_s0, const uns
 // Entries t >= min(c, w) are not written (the host reads the first c; c > w means "copy wider").
 // Launch: block MR_PACK_THREADS, grid (Hq).  n >= 1.
 // ---------------------------------------------------------------------------
-template <typename I>
-__device__ __forceinline__ void pack_selection_impl(const I* __restrict__ idx, long long idx_s0,
-                                                    const float* __restrict__ z, long long z_s0,
-                                                    const int* __restrict__ counts, int cap, int n, int w,
-                                                    int* __restrict__ pack) {
+extern "C" __global__ void __launch_bounds__(MR_PACK_THREADS)
+pack_selection_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
+                   const int* __restrict__ counts, int cap, int n, int w, int* __restrict__ pack) {
     const int h = blockIdx.x;
     const int Hq = gridDim.x;
     const int c = counts[h] < cap ? counts[h] : cap;
     if (threadIdx.x == 0) pack[h] = c;
     const int m = c < w ? c : w;
-    const I* ih = idx + (long long)h * idx_s0;
+    const int* ih = idx + (long long)h * idx_s0;
     const float* zh = z + (long long)h * z_s0;
     int* pi = pack + Hq + (long long)h * w;
     int* pz = pack + Hq + (long long)Hq * w + (long long)h * w;
@@ -130,12 +128,6 @@ __device__ __forceinline__ void pack_selection_impl(const I* __restrict__ idx, l
         pi[t] = (int)j;
         pz[t] = __float_as_int(zh[j]);
     }
-}
-
-extern "C" __global__ void __launch_bounds__(MR_PACK_THREADS)
-pack_selection_i32(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
-                   const int* __restrict__ counts, int cap, int n, int w, int* __restrict__ pack) {
-    pack_selection_impl<int>(idx, idx_s0, z, z_s0, counts, cap, n, w, pack);
 }
 
 // ---------------------------------------------------------------------------

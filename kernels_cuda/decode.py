@@ -7,9 +7,6 @@ launches the scoring and selection kernels through launch.py's helpers, and adds
 three kernels of decode.cu that replace torch glue: the step's query preparation (+ the new token
 staged into the exact tier's spare row, + the histogram zeroed), the copy-back pack, and the merge
 with the host's staged part written in the model's dtype.
-
-The tests run each of these launches on fresh tensors through checked wrappers (tests/cuda_wrappers.py)
-and compare them with tests/references/gpu.py.
 """
 
 from __future__ import annotations

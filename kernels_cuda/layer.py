@@ -10,6 +10,8 @@ tests/test_kernels_cuda_layer.py.
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _sources
 from .launch import _backend, _cdiv, _i32, _i64, _torch
 
@@ -36,7 +38,7 @@ def rms_norm(x, w, eps):
         x = x.contiguous()
     with _backend().session(x.device) as L:
         L.launch("layer.cu", "rms_norm_" + sfx, (rows,), (_THREADS,),
-                 (x, _i64(x.stride(0)), w, _f32(eps), _i32(D), y, _i64(D)), shared_mem=D * 4)
+                 (x, _i64(x.stride(0)), w, np.float32(eps), _i32(D), y, _i64(D)), shared_mem=D * 4)
     return y
 
 
@@ -48,7 +50,7 @@ def add_rms_norm(x, r, w, eps):
     s = _torch().empty_like(x)
     y = _torch().empty_like(x)
     with _backend().session(x.device) as L:
-        L.launch("layer.cu", "add_rms_norm_" + sfx, (rows,), (_THREADS,), (x, r, w, _f32(eps), _i32(D), s, y),
+        L.launch("layer.cu", "add_rms_norm_" + sfx, (rows,), (_THREADS,), (x, r, w, np.float32(eps), _i32(D), s, y),
                  shared_mem=D * 4)
     return s, y
 
@@ -75,9 +77,3 @@ def silu_mul(gu):
     with _backend().session(gu.device) as L:
         L.launch("layer.cu", "silu_mul_" + sfx, (rows, _cdiv(F, _THREADS)), (_THREADS,), (gu, _i32(F), y))
     return y
-
-
-def _f32(x):
-    import numpy as np
-
-    return np.float32(x)

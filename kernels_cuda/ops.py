@@ -6,11 +6,7 @@ allocates its output with torch (stream-ordered caching allocator) and launches 
 CUDA stream of the input's device (``cupy.cuda.ExternalStream``). Nothing synchronizes the device
 or copies to the host; argument checks use shapes, dtypes, strides and devices only.
 
-Kernel launch geometry is documented in pq.cu and in README.md. cupy and torch are imported lazily:
-``import kernels_cuda`` works without either. The launch layer (backends, launch geometry, one
-unchecked launch helper per kernel) is kernels_cuda.launch: a small backend object, so that the
-tests can run the same launches on the CPU emulator (tests/cuda_emu.py). The tests' checked
-wrappers of the other kernels are in tests/cuda_wrappers.py.
+Launch geometry: pq.cu; backends and the other kernels' launches: kernels_cuda.launch.
 """
 from __future__ import annotations
 

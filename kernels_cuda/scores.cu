@@ -263,7 +263,7 @@ zcut(const float* __restrict__ hist, int n_bins, float tau, int mode, const floa
         if (r < n_bins) local += hh[n_bins - 1 - r];
     }
     float total;
-    const float before = mr_block_excl_scan_f(local, &total, fscratch);
+    const float before = mr_block_excl_scan(local, &total, fscratch);
     if (threadIdx.x == 0) found = n_bins;
     __syncthreads();
     const float target = tau * total;

@@ -1,4 +1,4 @@
-"""Plain NumPy references for the CPU kernels in :mod:`kernels_cpu.numba_kernels`.
+"""Plain NumPy references for the CPU kernels in :mod:`kernels_cpu`.
 
 These are written for clarity, not speed; the tests compare every Numba kernel
 against the function here with the same name plus ``_ref``.  ``approx_scores_ref``,
