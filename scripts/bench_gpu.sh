@@ -45,6 +45,10 @@ start=$(date +%s)
     if command -v nvcc >/dev/null; then timeout 60 env ARCHS=sm_90 bash scripts/check_cuda.sh | tail -3; else echo "no nvcc"; fi
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
+if [ "$DEVICE" != cpu ]; then   # each module compiled once, before a dozen test workers would each compile it
+    timeout -k 5 90 $PY scripts/warm_cuda.py 2>&1 | tail -9 | tee -a "$OUT_DIR/env.txt"
+fi
+
 if [ -n "$TESTS" ]; then
     par=(); $PY -c "import xdist" 2>/dev/null && [ "$DEVICE" != cpu ] && par=(-n "${TEST_PROCS:-12}")
     per=(); $PY -c "import pytest_timeout" 2>/dev/null && per=(--timeout 90)
