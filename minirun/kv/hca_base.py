@@ -13,14 +13,12 @@ Each query head selects its own set of store tokens (the smallest holding tau of
 over the key store's scores, then at most max_select of them); values are shared within a kv-head
 group. The exact part (sinks + ring + the chunk) and the store's part merge by log-sum-exp.
 
-A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers
-(_make_exact_tier, _make_pool, _make_indices, _grow; their shapes and dtypes are those
-hca_layout.hca_tiers declares for `minirun plan` too), encodes keys (_encode), and attends: the
-queries in hca mode (_attend_hca: CPU any number, GPU the one-token decode step; None where it
-does not apply) and, where it does not, the store's partial (_attend_store_hca). Prefill modes: "exact" (the store's keys kept in full precision until
-end_prefill: exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens,
-paper App. B: linear cost), "hca" (the store through the selection). What a prompt-cache file
-holds of the cache: kv/hca_state.py.
+A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers that
+hca_layout.hca_tiers declares, encodes keys and attends in hca mode (HCABase's "what a backend
+provides"). Prefill modes: "exact" (the store's keys kept in full precision until end_prefill:
+exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens, paper App. B:
+linear cost), "hca" (the store through the selection). What a prompt-cache file holds of the
+cache: kv/hca_state.py.
 """
 from __future__ import annotations
 
@@ -73,7 +71,6 @@ class HCABase(SavedState, KVCache):
         pool, keys = self.tiers["value pool"].buffers["values"], self.tiers["key store"].buffers
         host_keys = self.tiers.get("host keys")
         self.values = self._make_pool(pool, read_by_device=True)
-        self.values_dtype = pool.dtype
         self.host_keys = None if host_keys is None else self._make_pool(host_keys.buffers["host_keys"], False)
         self.indices = None if layout.exact_keys else self._make_indices(keys["indices"])
         self.exact_keys = self._grow(keys.get("exact_keys") or self.prefill_specs["exact_keys"])
@@ -85,11 +82,9 @@ class HCABase(SavedState, KVCache):
         self.codebooks = codebooks
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
-        self.anchor_tokens = anchor_tokens
         self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32, during an anchor prefill only
         self._staged: list = [None] * L
         self.rewind_points = RewindPoints()   # copies of sinks + ring: truncate back past the ring
-        self.notes: list[str] = []
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
         self.record_selection: list | None = None
@@ -314,9 +309,6 @@ class HCABase(SavedState, KVCache):
                 and self.n_store >= self.fit_min_tokens:
             self._fit_and_encode()
 
-    def _keeps_exact_keys(self) -> bool:
-        return self.layout.exact_keys or self.codebooks is None or self.mode == "exact"
-
     def _store_append(self, K, V, codes=None):
         """K, V [L, Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact).
         codes: their indices [L, Hkv, m, g] when already encoded (by the decode step)."""
@@ -333,7 +325,7 @@ class HCABase(SavedState, KVCache):
         if self.anchor_k is not None and j0 < self.anchor_k.shape[2]:
             cnt = min(m, self.anchor_k.shape[2] - j0)
             self.anchor_k[:, :, j0:j0 + cnt] = K[:, :, :cnt].float()
-        if self._keeps_exact_keys():
+        if self.layout.exact_keys or self.codebooks is None or self.mode == "exact":
             self.exact_keys.reserve(j0 + m - self.exact_base)
             self.exact_keys.write_all(j0 - self.exact_base, K.float())
         else:
@@ -349,7 +341,6 @@ class HCABase(SavedState, KVCache):
         if self.codebooks is None:
             cb = Codebooks.fit(keys, *self.layout.codebook_geometry[:2], iters=20)
             self.codebooks = cb.paired() if self.layout.pairs else cb
-            self.notes.append(f"codebooks fitted from {n - self.exact_base} prompt keys")
         self.indices.reserve(n)
         self.indices.write_all(self.exact_base, self._encode(keys))
         self.n_encoded = n
