@@ -74,6 +74,10 @@ class HCABase(SavedState, KVCache):
         self.host_keys = None if host_keys is None else self._make_pool(host_keys.buffers["host_keys"], False)
         self.indices = None if layout.exact_keys else self._make_indices(keys["indices"])
         self.exact_keys = self._grow(keys.get("exact_keys") or self.prefill_specs["exact_keys"])
+        # the device copy of the store's values an exact prefill attends to, where prefill_buffers
+        # declares one (a GPU's: its pool is on the host), else None
+        spec = self.prefill_specs.get("prefill_values")
+        self.prefill_values = None if spec is None else self._grow(spec)
         self.scratch = [self._grow(b) for b in self.tiers["scratch"].buffers.values()]
         self.z, self.sel = self.scratch[:2]
         self.exact_base = 0
@@ -83,6 +87,7 @@ class HCABase(SavedState, KVCache):
         self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
         self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32, during an anchor prefill only
+        self.anchor_v = None      # and its values on the device, where prefill_buffers declares them (a GPU's)
         self._staged: list = [None] * L
         self.rewind_points = RewindPoints()   # copies of sinks + ring: truncate back past the ring
         # when a list: each one-token step appends, per layer, the fraction of the store each
@@ -125,10 +130,6 @@ class HCABase(SavedState, KVCache):
     def _attend_store_hca(self, layer, qs):
         """The store's partial (o [T, Hq, hd], m, l [T, Hq]) for queries qs in hca mode."""
         raise NotImplementedError
-
-    def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
-        """The store's first n values [Hkv, n, hd] on the compute device (exact / anchor prefill)."""
-        return self.values.view(layer, n)
 
     def _take_pending(self, pos: int):
         """Codes a decode step encoded ahead for the token at pos leaving the ring, or None."""
@@ -203,6 +204,13 @@ class HCABase(SavedState, KVCache):
             o2, m2, l2 = self._attend_store_hca(layer, qf)
         o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
         return o.to(q.dtype)
+
+    def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
+        """The store's first n values [Hkv, n, hd] on the compute device (exact / anchor prefill): the
+        host pool, or where there are device copies the exact prefill's or the anchor block's."""
+        if self.prefill_values is None:
+            return self.values.view(layer, n)
+        return self.prefill_values.view(layer, n) if self.mode == "exact" else self.anchor_v[layer, :, :n]
 
     def _attend_exact_tier(self, layer, qs, k, v, qf):
         """Sinks + ring (all positions < offset) and the chunk itself (causal). Far positions: the
@@ -322,9 +330,13 @@ class HCABase(SavedState, KVCache):
         for buf in self.scratch:
             buf.reserve(j0 + m)
         self.values.write_all(j0, V)
-        if self.anchor_k is not None and j0 < self.anchor_k.shape[2]:
-            cnt = min(m, self.anchor_k.shape[2] - j0)
-            self.anchor_k[:, :, j0:j0 + cnt] = K[:, :, :cnt].float()
+        if self.mode == "exact" and self.prefill_values is not None:
+            self.prefill_values.reserve(j0 + m)
+            self.prefill_values.write_all(j0, V)
+        for block, rows in ((self.anchor_k, K), (self.anchor_v, V)):
+            if block is not None and j0 < block.shape[2]:
+                cnt = min(m, block.shape[2] - j0)
+                block[:, :, j0:j0 + cnt] = rows[:, :, :cnt]
         if self.layout.exact_keys or self.codebooks is None or self.mode == "exact":
             self.exact_keys.reserve(j0 + m - self.exact_base)
             self.exact_keys.write_all(j0 - self.exact_base, K.float())
@@ -351,16 +363,20 @@ class HCABase(SavedState, KVCache):
         through the HCA path ("hca") -> the mode taken: exact and anchor need the store's keys from
         the start, so with a store (older tokens than sinks + ring) it is "hca"."""
         self.mode = mode if (mode in ("exact", "anchor") and self.n_store == 0) else "hca"
+        specs = self.prefill_specs
         if self.mode == "anchor":
-            self.anchor_k = self.prefill_specs["anchor_k"].zeros(self.ek.device)
+            self.anchor_k = specs["anchor_k"].zeros(self.ek.device)
+            self.anchor_v = specs["anchor_v"].zeros(self.device) if "anchor_v" in specs else None
         return self.mode
 
     def end_prefill(self) -> None:
         """Encode the prompt's store keys (fitting codebooks on them when there are none)."""
         self.mode = "hca"
-        self.anchor_k = None
+        self.anchor_k = self.anchor_v = None
         if not self.layout.exact_keys and self.n_store > self.n_encoded:
             self._fit_and_encode()
+        if self.prefill_values is not None:
+            self.prefill_values.free()
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def checkpoint(self, name: str = "prompt") -> None:
@@ -386,6 +402,8 @@ class HCABase(SavedState, KVCache):
         self._live_slots = None
         self.slot_pos.fill_(-1)
         self.exact_keys.free()
+        if self.prefill_values is not None:
+            self.prefill_values.free()
         self.mode = "hca"
         self.rewind_points.drop()
 
