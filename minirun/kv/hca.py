@@ -18,7 +18,6 @@ import torch
 
 import kernels_cpu as kc
 
-from .. import hugepages
 from .far_positions import turn
 from .hca_base import HCABase
 from .hca_layout import fast_scan
@@ -41,13 +40,6 @@ class HCACache(HCABase):
         self.exact_store, self.key_store = key_stores(self, fast_scan(layout) and device.type == "cpu")
 
     backend = "cpu"
-
-    def _make_exact_tier(self, spec) -> tuple:
-        return tuple(hugepages.zeros(*spec.lead, spec.rows, spec.width, dtype=spec.dtype, device=self.device)
-                     for _ in range(2))
-
-    def _make_pool(self, spec, read_by_device):
-        return self._grow(spec)
 
     def _grow(self, spec):
         """On the host, as the Numba kernels read them (also when torch runs on a GPU)."""

@@ -28,6 +28,7 @@ import sys
 import numpy as np
 import torch
 
+from .. import hugepages
 from .attention import merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
@@ -103,12 +104,13 @@ class HCABase(SavedState, KVCache):
         return {}
 
     def _make_exact_tier(self, spec: Buffer) -> tuple:
-        """-> (ek, ev) [L, Hkv, S + W, hd] of the spec's dtype."""
-        raise NotImplementedError
+        """-> (ek, ev) [L, Hkv, S + W, hd] of the spec's dtype, zeroed (on huge pages on the CPU)."""
+        return tuple(hugepages.zeros(*spec.lead, spec.rows, spec.width, dtype=spec.dtype, device=self.device)
+                     for _ in range(2))
 
     def _make_pool(self, spec: Buffer, read_by_device: bool):
         """The host pool of the store's values (or rescore's keys: not read by the device's kernels)."""
-        raise NotImplementedError
+        return self._grow(spec)
 
     def _make_indices(self, spec: Buffer):
         """The key store's codebook indices."""
