@@ -5,11 +5,9 @@ codes column-major for the scoring kernels: kv/store.ColumnBuffer), the key stor
 the layout (kv/key_store_cpu.py: it encodes keys, and scores in its kernel's one call with its own
 codebook copies and scratch), and attention in hca mode. Every query with a store, a decode token
 or one of a prompt chunk's, is one call of the key store's step (the exact-keys store's while no
-key is encoded yet): the exact tier exactly, the query's own token, the selected store tokens
-(scored by the store, cut by tau and the cap), merged by log-sum-exp. A decode token reads the
-exact tier in place and has the store encode the ring key that leaves next; a chunk's queries read
-a float32 copy of the exact tier with the chunk's keys appended (query i sees the chunk's first i
-tokens, then itself).
+key is encoded yet): steps 1-4 of kv/__init__'s docstring. A decode token reads the exact tier in
+place and has the store encode the ring key that leaves next; a chunk's queries read a float32
+copy of it with the chunk's keys appended (_attend_chunk).
 """
 from __future__ import annotations
 
