@@ -26,8 +26,8 @@ from .store import ColumnBuffer, GrowingBuffer
 class HCACache(HCABase):
     """See the module docstring."""
 
-    def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None, **kw):
-        super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, **kw)
+    def __init__(self, args, config, device, dtype, capacity, model_dir=None):
+        super().__init__(args, config, device, dtype, capacity, model_dir)
         # numpy views of the exact tier for the one-call steps (float32/float16 on the CPU only)
         self._numpy_exact_tier = device.type == "cpu" and self.ek.dtype in (torch.float32, torch.float16)
         self._ek_np = self.ek.numpy() if self._numpy_exact_tier else None
@@ -35,7 +35,7 @@ class HCACache(HCABase):
         self.lev = self.scratch[2]   # the selection's integer score levels (uint16 bits: kernels_cpu.level_select)
         self._views = {}             # layer -> (buffer addresses, numpy views) for the steps
         # the layout's key store, and the exact-keys one that scores the store while none is encoded
-        self.exact_store, self.key_store = key_stores(self, fast_scan(layout) and device.type == "cpu")
+        self.exact_store, self.key_store = key_stores(self, fast_scan(self.layout) and device.type == "cpu")
 
     backend = "cpu"
 

@@ -33,7 +33,7 @@ from .attention import merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
 from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
-from .hca_layout import Buffer, HCALayout, hca_tiers, prefill_buffers, resolve_layout
+from .hca_layout import Buffer, hca_tiers, prefill_buffers, resolve_layout
 from .hca_state import SavedState
 from .ring_checkpoint import RewindPoints
 from .store import GrowingBuffer
@@ -42,24 +42,28 @@ from .store import GrowingBuffer
 class HCABase(SavedState, KVCache):
     """See the module docstring; HCACache (CPU) and HCACacheCUDA (GPU) are its backends."""
 
-    def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
-                 dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
-                 fit_min_tokens: int = 4096, anchor_tokens: int = 2048, far_positions: bool = False,
-                 far_distance: int | None = None, max_select: int | None = None, length_ctx: int | None = None,
-                 far_group: int = 0, rescore: bool = False):
+    def __init__(self, args, config, device: torch.device, dtype: torch.dtype, capacity: int, model_dir=None):
+        """The cache of config's HCA settings, holding at most `capacity` tokens; its codebooks from
+        model_dir's calibrated file where there is one, else fitted from the prompt's own keys."""
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
+        layout, trained = resolve_layout(args, config), args.max_position_embeddings
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
-        self.layout, self.tau, self.dtype, self.device = layout, tau, dtype, device
-        self.max_select = max_select   # top tokens per head and step at most (whole score bins from the top); None: tau alone
-        self.S, self.W = sinks, window
+        self.layout, self.tau, self.dtype, self.device = layout, config.tau, dtype, device
+        # top tokens per head and step at most (whole score bins from the top); None: tau alone
+        self.max_select = config.max_select
+        self.S, self.W = sinks, window = config.sinks, config.window
         self.scale = 1.0 / math.sqrt(hd)
-        self.length_ctx = length_ctx   # length scaling on: the trained context N (see _q_scale); None: off
-        self.far = FarFrame(args, far_distance or window, far_group, window) if far_positions else None
+        # length scaling on: the trained context N (see _q_scale); None: off
+        self.length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
+        far = far_positions_on(config.far_positions, trained, capacity)
+        dist = config.far_distance or default_far_distance(window, trained)
+        group = far_group(capacity, window, trained) if config.far_positions == "grouped" else 0
+        self.far = FarFrame(args, dist, group, window) if far else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         # every buffer's shape and dtype, as `minirun plan` counts them (kv/hca_layout.hca_tiers)
-        self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, rescore, device.type)
-        self.prefill_specs = prefill_buffers(args, capacity, sinks, window, anchor_tokens, dtype, self.backend)
+        self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, config.rescore, device.type)
+        self.prefill_specs = prefill_buffers(args, capacity, sinks, window, config.anchor_tokens, dtype, self.backend)
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
         self.ek, self.ev = self._make_exact_tier(self.tiers["sinks+ring K+V"].buffers["ek"])
         self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
@@ -84,8 +88,15 @@ class HCABase(SavedState, KVCache):
         self.exact_base = 0
         self.n_store = 0          # tokens in the store (all layers)
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
-        self.codebooks = codebooks
-        self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
+        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys (grouped
+        # ones hold them rotated, at j // G: the ordinary calibration's)
+        unrotated = far and not group
+        geometry = layout.codebook_geometry
+        name, self.codebooks = codebook_filename(*geometry[:2], unrotated=unrotated), None
+        if not layout.exact_keys and model_dir is not None and (model_dir / name).is_file():
+            cb = Codebooks.load(model_dir / name, (L, Hkv, *geometry))
+            self.codebooks = cb.paired() if layout.pairs else cb
+        self.fit_min_tokens = config.fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
         self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32, during an anchor prefill only
         self.anchor_v = None      # and its values on the device, where prefill_buffers declares them (a GPU's)
@@ -94,14 +105,19 @@ class HCABase(SavedState, KVCache):
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
         self.record_selection: list | None = None
+        if self.length_ctx:
+            print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens",
+                  file=sys.stderr)
+        if far:
+            how = f"at their distances divided by {group}" if group else f"at distance {dist}"
+            print(f"minirun: far positions: tokens older than the {window}-token window are attended {how}",
+                  file=sys.stderr)
+        if not layout.exact_keys and self.codebooks is None:
+            print(f"minirun: no {name} in the model directory: codebooks will be fitted from the prompt's own keys "
+                  f"(run `minirun calibrate{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
 
     # ---- what a backend provides ------------------------------------------------------------------------
     backend = ""   # whose kernels ("cpu" | "cuda"): the tiers it declares (kv/hca_layout.hca_tiers)
-
-    @staticmethod
-    def backend_options(config) -> dict:
-        """The EngineConfig fields a backend's cache takes beyond the common ones."""
-        return {}
 
     def _make_exact_tier(self, spec: Buffer) -> tuple:
         """-> (ek, ev) [L, Hkv, S + W, hd] of the spec's dtype, zeroed (on huge pages on the CPU)."""
@@ -138,41 +154,6 @@ class HCABase(SavedState, KVCache):
         return None
 
     # ---- the cache ----------------------------------------------------------------------------------
-    @classmethod
-    def create(cls, args, config, device, dtype, capacity, model_dir=None) -> "HCABase":
-        layout = resolve_layout(args, config)
-        codebooks = None
-        geometry = layout.codebook_geometry
-        far = far_positions_on(config.far_positions, args.max_position_embeddings, capacity)
-        dist = config.far_distance or default_far_distance(config.window, args.max_position_embeddings)
-        group = far_group(capacity, config.window, args.max_position_embeddings) if config.far_positions == "grouped" else 0
-        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys (grouped
-        # ones hold them rotated, at j // G: the ordinary calibration's)
-        unrotated = far and not group
-        if not layout.exact_keys and model_dir is not None:
-            path = model_dir / codebook_filename(*geometry[:2], unrotated=unrotated)
-            if path.is_file():
-                codebooks = Codebooks.load(path, (args.num_hidden_layers, args.num_key_value_heads, *geometry))
-                codebooks = codebooks.paired() if layout.pairs else codebooks
-        trained = args.max_position_embeddings
-        length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
-        cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
-                    fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
-                    far_distance=dist, max_select=config.max_select, length_ctx=length_ctx, far_group=group,
-                    rescore=config.rescore, **cls.backend_options(config))
-        if length_ctx:
-            print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens",
-                  file=sys.stderr)
-        if far:
-            how = f"at their distances divided by {group}" if group else f"at distance {dist}"
-            print(f"minirun: far positions: tokens older than the {config.window}-token window are attended "
-                  f"{how}", file=sys.stderr)
-        if not layout.exact_keys and codebooks is None:
-            print(f"minirun: no {codebook_filename(*geometry[:2], unrotated=unrotated)} in the model directory: "
-                  f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate"
-                  f"{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
-        return cache
-
     def _q_scale(self, T: int) -> float:
         """The query scale of a step of T queries: 1/sqrt(hd), and with length scaling on times
         max(1, log n / log N), n = offset + T the tokens the step's last query sees, N the trained

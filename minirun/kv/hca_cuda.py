@@ -59,6 +59,7 @@ import kernels_cuda.launch as kcu_launch
 from ..errors import MiniRunError
 from .hca_base import HCABase
 from .hca_graph import CapturedSteps
+from .hca_layout import resolve_layout
 from .key_store_cuda import device_key_stores
 from .pinned import PinnedPool
 from .store import GrowingBuffer
@@ -87,13 +88,13 @@ class HCACacheCUDA(CapturedSteps, HCABase):
     """The HCA cache with its device tier on a GPU; with the GPU value sum a whole decode token can
     run inside a CUDA graph (hca_graph.CapturedSteps)."""
 
-    def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None,
-                 value_sum: str = "auto", rescore: bool = False, **kw):
+    def __init__(self, args, config, device, dtype, capacity, model_dir=None):
         self._gpu = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
-        self.value_sum = value_sum_choice(value_sum, device, rescore and not layout.exact_keys,
+        rescore = config.rescore and not resolve_layout(args, config).exact_keys
+        self.value_sum = value_sum_choice(config.value_sum, device, rescore,
                                           kcu_decode.group_size(args.num_attention_heads, args.num_key_value_heads))
-        super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, rescore=rescore, **kw)
+        super().__init__(args, config, device, dtype, capacity, model_dir)
         Hq, hd = self.Hq, self.hd
         if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
@@ -131,10 +132,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         """At capacity on the device (doubling an 11 GiB store held old + new + the allocator's
         cache: a 4M prompt peaked at 26.9 GB)."""
         return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows, device=self.device, at_capacity=True)
-
-    @staticmethod
-    def backend_options(config) -> dict:
-        return {"value_sum": config.value_sum}
 
     def _histogram_cut(self, n: int = 2**31 - 1) -> bool:
         """Whether a selection over n store tokens cuts a histogram (kernels_cuda select_mode 0):
