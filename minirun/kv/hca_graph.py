@@ -25,9 +25,6 @@ import torch
 
 from .far_positions import rotate
 
-GRAPH_STATE = ("pos", "slot", "row", "leaving_pos")
-
-
 class CapturedSteps:
     """Mixin of HCACacheCUDA: the capture protocol of minirun/cuda_graph.GraphedDecode
     (graph_capturable, graph_key, graph_prepare, attend_at, commit_at, graph_advance, and
@@ -39,7 +36,7 @@ class CapturedSteps:
     def _graph_state(self):
         """The device state [pos, slot, row, leaving pos] int64 and n_live (the row's int32 low word)."""
         if getattr(self, "_gstate", None) is None:
-            self._gstate = torch.zeros(len(GRAPH_STATE), dtype=torch.int64, device=self.device)
+            self._gstate = torch.zeros(4, dtype=torch.int64, device=self.device)
             self._n_live = self._gstate.view(torch.int32)[4:5]     # little-endian: element 2's low word
             self._far_inv64 = (self.far.inv_freq.to(device=self.device, dtype=torch.float64)
                                if self.far is not None else None)
