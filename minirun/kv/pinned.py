@@ -12,9 +12,8 @@ the planner budgets for the value pool anyway.
 
 Writes (`write_all`) take device rows [*lead, m, width] and copy them with ONE strided async
 copy (cudaMemcpy2DAsync: prod(lead) rows of m*width elements, destination pitch max_cap*width)
-on the cache's copy stream; `wait()` blocks the host on that copy's event only, `device_wait()`
-makes the compute stream wait for it (a kernel reading the mapped pool). On a CPU device
-(the emulator tests) the same class is a plain tensor with synchronous writes.
+on the cache's copy stream, which `wait()` and `device_wait()` wait for. On a CPU device (the
+emulator tests) the same class is a plain tensor with synchronous writes.
 """
 from __future__ import annotations
 
