@@ -364,7 +364,7 @@ class HCABase(SavedState, KVCache):
     # ---- bookkeeping ----------------------------------------------------------------------------
     def checkpoint(self, name: str = "prompt") -> None:
         """Copy sinks + ring under `name` (kv/ring_checkpoint.py): truncate can go back into them."""
-        self.rewind_points.take(name, self)
+        self.rewind_points.copies[name].take(self)
 
     def truncate(self, n: int) -> bool:
         """Possible while the dropped tokens are all in the ring (or the sinks of a short context),

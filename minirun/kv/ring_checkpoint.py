@@ -78,9 +78,6 @@ class RewindPoints:
     def __init__(self):
         self.copies = {name: RingCheckpoint(name) for name in ("prompt", "shared")}
 
-    def take(self, name: str, cache) -> None:
-        self.copies[name].take(cache)
-
     def restore(self, cache, n: int) -> bool:
         """Put back a copy whose ring held position n (the caller then drops from n on); False: none."""
         copy = next((c for c in self.copies.values() if c.can_restore(cache, n)), None)
