@@ -137,7 +137,8 @@ class HCABase(SavedState, KVCache):
         return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows, device=self.device)
 
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """K [L, Hkv, m, hd] -> the key store's indices [L, Hkv, m, g], all layers at once."""
+        return self.key_store.encode(K)
 
     def _attend_hca(self, layer, q, k, v):
         """hca mode with a store: the whole attention of q [T, Hq, hd] (k, v [T, Hkv, hd]) where the

@@ -332,9 +332,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return dev
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
-    def _encode(self, K: torch.Tensor) -> torch.Tensor:
-        return self.key_store.encode(K)
-
     def truncate(self, n: int) -> bool:
         self._mask_for = None
         return super().truncate(n)
