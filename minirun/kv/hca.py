@@ -54,14 +54,6 @@ class HCACache(HCABase):
     def _take_pending(self, pos: int) -> torch.Tensor | None:
         return self.key_store.take_pending(pos)
 
-    def truncate(self, n: int) -> bool:
-        self.key_store.take_pending(-1)      # (the ring may change: codes encoded ahead dropped)
-        return super().truncate(n)
-
-    def reset(self) -> None:
-        super().reset()
-        self.key_store.take_pending(-1)
-
     def stats(self) -> dict:
         """The base's, with the key store's codebook copies and the steps' fixed scratch (both
         stores': the exact one holds the selection's level-bucket counts)."""

@@ -151,7 +151,8 @@ class HCABase(SavedState, KVCache):
         raise NotImplementedError
 
     def _take_pending(self, pos: int):
-        """Codes a decode step encoded ahead for the token at pos leaving the ring, or None."""
+        """Codes a decode step encoded ahead for the token at pos leaving the ring, or None; either
+        way they are used up (pos -1: dropped, as truncate and reset do)."""
         return None
 
     # ---- the cache ----------------------------------------------------------------------------------
@@ -370,6 +371,7 @@ class HCABase(SavedState, KVCache):
     def truncate(self, n: int) -> bool:
         """Possible while the dropped tokens are all in the ring (or the sinks of a short context),
         or back into the ring of a checkpoint."""
+        self._take_pending(-1)      # (the ring may change: codes encoded ahead dropped)
         if n == self.offset:
             return True
         if n > self.offset or (self.n_store and n < self.S + self.n_store
@@ -382,6 +384,7 @@ class HCABase(SavedState, KVCache):
         return True
 
     def reset(self) -> None:
+        self._take_pending(-1)
         self.offset = self.n_store = self.n_encoded = self.exact_base = 0
         self._live_slots = None
         self.slot_pos.fill_(-1)
