@@ -176,19 +176,18 @@ class HCABase(SavedState, KVCache):
                 return o
         qs = q.float() * self._q_scale(T)
         qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
-        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)
+        exact = self._attend_exact_tier(layer, qs, k, v, qf)
         n = self.n_store
         if n == 0:
-            return o1.to(q.dtype)
+            return exact[0].to(q.dtype)
         if self.mode == "exact":
-            o2, m2, l2 = partial_attention(qf, self.exact_keys.view(layer, n), self._prefill_values(layer, n))
+            store = partial_attention(qf, self.exact_keys.view(layer, n), self._prefill_values(layer, n))
         elif self.mode == "anchor":
             na = min(self.anchor_k.shape[2], n)   # the anchor block's tokens now in the store
-            o2, m2, l2 = partial_attention(qf, self.anchor_k[layer, :, :na], self._prefill_values(layer, na))
+            store = partial_attention(qf, self.anchor_k[layer, :, :na], self._prefill_values(layer, na))
         else:
-            o2, m2, l2 = self._attend_store_hca(layer, qf)
-        o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
-        return o.to(q.dtype)
+            store = self._attend_store_hca(layer, qf)
+        return merge(exact, store)[0].to(q.dtype)
 
     def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
         """The store's first n values [Hkv, n, hd] on the compute device (exact / anchor prefill): the
