@@ -317,10 +317,11 @@ class HCABase(SavedState, KVCache):
         if self.mode == "exact" and self.prefill_values is not None:
             self.prefill_values.reserve(j0 + m)
             self.prefill_values.write_all(j0, V)
-        for block, rows in ((self.anchor_k, K), (self.anchor_v, V)):
-            if block is not None and j0 < block.shape[2]:
-                cnt = min(m, block.shape[2] - j0)
-                block[:, :, j0:j0 + cnt] = rows[:, :, :cnt]
+        if self.anchor_k is not None and j0 < self.anchor_k.shape[2]:
+            cnt = min(m, self.anchor_k.shape[2] - j0)
+            self.anchor_k[:, :, j0:j0 + cnt] = K[:, :, :cnt].float()
+            if self.anchor_v is not None:   # (the same rows: prefill_buffers declares both)
+                self.anchor_v[:, :, j0:j0 + cnt] = V[:, :, :cnt]
         if self.layout.exact_keys or self.codebooks is None or self.mode == "exact":
             self.exact_keys.reserve(j0 + m - self.exact_base)
             self.exact_keys.write_all(j0 - self.exact_base, K.float())
