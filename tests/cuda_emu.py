@@ -311,7 +311,7 @@ def hca_cuda_caches():
     def make(args, config, device, dtype, capacity, model_dir=None):
         if config.kv != "hca":
             return orig(args, config, device, dtype, capacity, model_dir=model_dir)
-        return HCACacheCUDA.create(args, config, device, dtype, capacity, model_dir=model_dir)
+        return HCACacheCUDA(args, config, device, dtype, capacity, model_dir)
     me.make_cache = make
     try:
         yield

@@ -62,7 +62,7 @@ def build(backend, store, tau, **kw):
     import cuda_emu
     from minirun.kv.hca_cuda import HCACacheCUDA
     with cuda_emu.emulated():
-        cache = HCACacheCUDA.create(ARGS, config, torch.device("cpu"), torch.float32, 512)
+        cache = HCACacheCUDA(ARGS, config, torch.device("cpu"), torch.float32, 512)
     return cache, cuda_emu.emulated, "cpu"
 
 

@@ -5,7 +5,6 @@ import torch
 from minirun import Engine
 from minirun.config import EngineConfig, ModelArgs
 from minirun.kv.hca import HCACache
-from minirun.kv.hca_layout import resolve_layout
 from minirun.planner import plan
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
@@ -55,8 +54,8 @@ def test_codebook_hca_close_to_dense_on_tiny_model(tiny_model_dir):
 
 def make_cache(S=3, W=5, cap=64, **cfg):
     args = ModelArgs.from_dict(TINY)
-    config = EngineConfig(kv="hca", key_store="exact", sinks=S, window=W, **cfg)
-    return HCACache(args, resolve_layout(args, config), cap, S, W, 1.0, torch.float32, torch.device("cpu")), args
+    config = EngineConfig(kv="hca", key_store="exact", sinks=S, window=W, tau=1.0, **cfg)
+    return HCACache(args, config, torch.device("cpu"), torch.float32, cap), args
 
 
 def push(cache, args, T, pos0):

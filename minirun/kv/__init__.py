@@ -37,11 +37,11 @@ def make_cache(args, config, device, dtype, capacity: int, model_dir=None) -> KV
         import kernels_cuda
         if kernels_cuda.available():
             from .hca_cuda import HCACacheCUDA
-            return HCACacheCUDA.create(args, config, device, dtype, capacity, model_dir=model_dir)
+            return HCACacheCUDA(args, config, device, dtype, capacity, model_dir)
     # The CPU class also runs with a CUDA device (torch on the device, Numba on host copies made
     # every step): a slow fallback when cupy is missing.
     from .hca import HCACache
-    return HCACache.create(args, config, device, dtype, capacity, model_dir=model_dir)
+    return HCACache(args, config, device, dtype, capacity, model_dir)
 
 
 __all__ = ["KVCache", "DenseCache", "make_cache"]

@@ -53,8 +53,7 @@ def _flash_partial(q, K, V) -> tuple:
     the log-sum-exp: (o, m = lse, l = 1) is an equivalent (o, m, l) triple for `merge`."""
     T, Hq, hd = q.shape
     rep = Hq // K.shape[0]
-    Kq = K.float().repeat_interleave(rep, 0)[None] if rep > 1 else K.float()[None]
-    Vq = V.float().repeat_interleave(rep, 0)[None] if rep > 1 else V.float()[None]
+    Kq, Vq = (t.float().repeat_interleave(rep, 0)[None] if rep > 1 else t.float()[None] for t in (K, V))
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.float().transpose(0, 1)[None], Kq, Vq, scale=1.0)                     # q is pre-scaled
     return o[0].transpose(0, 1), lse[0].transpose(0, 1), torch.ones_like(lse[0].transpose(0, 1))

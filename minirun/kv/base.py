@@ -33,9 +33,7 @@ class KVCache:
 
     def truncate(self, n: int) -> bool:
         """Forget tokens from position n on; return False when this cache cannot (caller resets)."""
-        if n == self.offset:
-            return True
-        return False
+        return n == self.offset
 
     truncates_anywhere = False   # truncate(n) works for every n <= offset (then checkpoints are not needed)
 

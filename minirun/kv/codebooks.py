@@ -100,8 +100,7 @@ class Codebooks:
     @property
     def nbytes(self) -> int:
         """The centroids' bytes, and the factors' when paired() kept them."""
-        own = [t for t in (self.centroids, self.factors) if t is not None]
-        return sum(t.numel() * t.element_size() for t in own)
+        return sum(t.numel() * t.element_size() for t in (self.centroids, self.factors) if t is not None)
 
     def paired(self) -> "Codebooks":
         """These codebooks (16 centroids, an even number of groups) as the product codebooks of

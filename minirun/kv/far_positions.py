@@ -83,8 +83,7 @@ class FarFrame:
 
     def __init__(self, args, distance: int, group: int = 0, window: int = 0):
         self.inv_freq = rope_inv_freq(args)      # [hd/2] (the model's, rope scaling included)
-        self.distance = distance
-        self.group, self.window = group, window
+        self.distance, self.group, self.window = distance, group, window
         self._angles = None                      # (position, cos, sin) of the query's turn
         self._turned = None                      # the steps' turned copy of one layer's sinks + ring
 

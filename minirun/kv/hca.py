@@ -5,11 +5,9 @@ codes column-major for the scoring kernels: kv/store.ColumnBuffer), the key stor
 the layout (kv/key_store_cpu.py: it encodes keys, and scores in its kernel's one call with its own
 codebook copies and scratch), and attention in hca mode. Every query with a store, a decode token
 or one of a prompt chunk's, is one call of the key store's step (the exact-keys store's while no
-key is encoded yet): the exact tier exactly, the query's own token, the selected store tokens
-(scored by the store, cut by tau and the cap), merged by log-sum-exp. A decode token reads the
-exact tier in place and has the store encode the ring key that leaves next; a chunk's queries read
-a float32 copy of the exact tier with the chunk's keys appended (query i sees the chunk's first i
-tokens, then itself).
+key is encoded yet): steps 1-4 of kv/__init__'s docstring. A decode token reads the exact tier in
+place and has the store encode the ring key that leaves next; a chunk's queries read a float32
+copy of it with the chunk's keys appended (_attend_chunk).
 """
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ import torch
 
 import kernels_cpu as kc
 
-from .. import hugepages
 from .far_positions import turn
 from .hca_base import HCABase
 from .hca_layout import fast_scan
@@ -29,8 +26,8 @@ from .store import ColumnBuffer, GrowingBuffer
 class HCACache(HCABase):
     """See the module docstring."""
 
-    def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None, **kw):
-        super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, **kw)
+    def __init__(self, args, config, device, dtype, capacity, model_dir=None):
+        super().__init__(args, config, device, dtype, capacity, model_dir)
         # numpy views of the exact tier for the one-call steps (float32/float16 on the CPU only)
         self._numpy_exact_tier = device.type == "cpu" and self.ek.dtype in (torch.float32, torch.float16)
         self._ek_np = self.ek.numpy() if self._numpy_exact_tier else None
@@ -38,16 +35,9 @@ class HCACache(HCABase):
         self.lev = self.scratch[2]   # the selection's integer score levels (uint16 bits: kernels_cpu.level_select)
         self._views = {}             # layer -> (buffer addresses, numpy views) for the steps
         # the layout's key store, and the exact-keys one that scores the store while none is encoded
-        self.exact_store, self.key_store = key_stores(self, fast_scan(layout) and device.type == "cpu")
+        self.exact_store, self.key_store = key_stores(self, fast_scan(self.layout) and device.type == "cpu")
 
     backend = "cpu"
-
-    def _make_exact_tier(self, spec) -> tuple:
-        return tuple(hugepages.zeros(*spec.lead, spec.rows, spec.width, dtype=spec.dtype, device=self.device)
-                     for _ in range(2))
-
-    def _make_pool(self, spec, read_by_device):
-        return self._grow(spec)
 
     def _grow(self, spec):
         """On the host, as the Numba kernels read them (also when torch runs on a GPU)."""
@@ -63,14 +53,6 @@ class HCACache(HCABase):
 
     def _take_pending(self, pos: int) -> torch.Tensor | None:
         return self.key_store.take_pending(pos)
-
-    def truncate(self, n: int) -> bool:
-        self.key_store.take_pending(-1)      # (the ring may change: codes encoded ahead dropped)
-        return super().truncate(n)
-
-    def reset(self) -> None:
-        super().reset()
-        self.key_store.take_pending(-1)
 
     def stats(self) -> dict:
         """The base's, with the key store's codebook copies and the steps' fixed scratch (both

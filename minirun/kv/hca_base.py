@@ -13,14 +13,12 @@ Each query head selects its own set of store tokens (the smallest holding tau of
 over the key store's scores, then at most max_select of them); values are shared within a kv-head
 group. The exact part (sinks + ring + the chunk) and the store's part merge by log-sum-exp.
 
-A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers
-(_make_exact_tier, _make_pool, _make_indices, _grow; their shapes and dtypes are those
-hca_layout.hca_tiers declares for `minirun plan` too), encodes keys (_encode), and attends: the
-queries in hca mode (_attend_hca: CPU any number, GPU the one-token decode step; None where it
-does not apply) and, where it does not, the store's partial (_attend_store_hca). Prefill modes: "exact" (the store's keys kept in full precision until
-end_prefill: exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens,
-paper App. B: linear cost), "hca" (the store through the selection). What a prompt-cache file
-holds of the cache: kv/hca_state.py.
+A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers that
+hca_layout.hca_tiers declares, encodes keys and attends in hca mode (HCABase's "what a backend
+provides"). Prefill modes: "exact" (the store's keys kept in full precision until end_prefill:
+exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens, paper App. B:
+linear cost), "hca" (the store through the selection). What a prompt-cache file holds of the
+cache: kv/hca_state.py.
 """
 from __future__ import annotations
 
@@ -30,11 +28,12 @@ import sys
 import numpy as np
 import torch
 
+from .. import hugepages
 from .attention import merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
 from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
-from .hca_layout import Buffer, HCALayout, hca_tiers, prefill_buffers, resolve_layout
+from .hca_layout import Buffer, hca_tiers, prefill_buffers, resolve_layout
 from .hca_state import SavedState
 from .ring_checkpoint import RewindPoints
 from .store import GrowingBuffer
@@ -43,24 +42,28 @@ from .store import GrowingBuffer
 class HCABase(SavedState, KVCache):
     """See the module docstring; HCACache (CPU) and HCACacheCUDA (GPU) are its backends."""
 
-    def __init__(self, args, layout: HCALayout, capacity: int, sinks: int, window: int, tau: float,
-                 dtype: torch.dtype, device: torch.device, codebooks: Codebooks | None = None,
-                 fit_min_tokens: int = 4096, anchor_tokens: int = 2048, far_positions: bool = False,
-                 far_distance: int | None = None, max_select: int | None = None, length_ctx: int | None = None,
-                 far_group: int = 0, rescore: bool = False):
+    def __init__(self, args, config, device: torch.device, dtype: torch.dtype, capacity: int, model_dir=None):
+        """The cache of config's HCA settings, holding at most `capacity` tokens; its codebooks from
+        model_dir's calibrated file where there is one, else fitted from the prompt's own keys."""
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
+        layout, trained = resolve_layout(args, config), args.max_position_embeddings
         self.Hq, self.Hkv, self.hd = args.num_attention_heads, Hkv, hd
-        self.layout, self.tau, self.dtype, self.device = layout, tau, dtype, device
-        self.max_select = max_select   # top tokens per head and step at most (whole score bins from the top); None: tau alone
-        self.S, self.W = sinks, window
+        self.layout, self.tau, self.dtype, self.device = layout, config.tau, dtype, device
+        # top tokens per head and step at most (whole score bins from the top); None: tau alone
+        self.max_select = config.max_select
+        self.S, self.W = sinks, window = config.sinks, config.window
         self.scale = 1.0 / math.sqrt(hd)
-        self.length_ctx = length_ctx   # length scaling on: the trained context N (see _q_scale); None: off
-        self.far = FarFrame(args, far_distance or window, far_group, window) if far_positions else None
+        # length scaling on: the trained context N (see _q_scale); None: off
+        self.length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
+        far = far_positions_on(config.far_positions, trained, capacity)
+        dist = config.far_distance or default_far_distance(window, trained)
+        group = far_group(capacity, window, trained) if config.far_positions == "grouped" else 0
+        self.far = FarFrame(args, dist, group, window) if far else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         # every buffer's shape and dtype, as `minirun plan` counts them (kv/hca_layout.hca_tiers)
-        self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, rescore, device.type)
-        self.prefill_specs = prefill_buffers(args, capacity, sinks, window, anchor_tokens, dtype, self.backend)
+        self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, config.rescore, device.type)
+        self.prefill_specs = prefill_buffers(args, capacity, sinks, window, config.anchor_tokens, dtype, self.backend)
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
         self.ek, self.ev = self._make_exact_tier(self.tiers["sinks+ring K+V"].buffers["ek"])
         self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
@@ -73,42 +76,57 @@ class HCABase(SavedState, KVCache):
         pool, keys = self.tiers["value pool"].buffers["values"], self.tiers["key store"].buffers
         host_keys = self.tiers.get("host keys")
         self.values = self._make_pool(pool, read_by_device=True)
-        self.values_dtype = pool.dtype
         self.host_keys = None if host_keys is None else self._make_pool(host_keys.buffers["host_keys"], False)
         self.indices = None if layout.exact_keys else self._make_indices(keys["indices"])
         self.exact_keys = self._grow(keys.get("exact_keys") or self.prefill_specs["exact_keys"])
+        # the device copy of the store's values an exact prefill attends to, where prefill_buffers
+        # declares one (a GPU's: its pool is on the host), else None
+        spec = self.prefill_specs.get("prefill_values")
+        self.prefill_values = None if spec is None else self._grow(spec)
         self.scratch = [self._grow(b) for b in self.tiers["scratch"].buffers.values()]
         self.z, self.sel = self.scratch[:2]
         self.exact_base = 0
         self.n_store = 0          # tokens in the store (all layers)
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
-        self.codebooks = codebooks
-        self.fit_min_tokens = fit_min_tokens   # no codebooks: fit once this many keys left the ring
+        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys (grouped
+        # ones hold them rotated, at j // G: the ordinary calibration's)
+        unrotated = far and not group
+        geometry = layout.codebook_geometry
+        name, self.codebooks = codebook_filename(*geometry[:2], unrotated=unrotated), None
+        if not layout.exact_keys and model_dir is not None and (model_dir / name).is_file():
+            cb = Codebooks.load(model_dir / name, (L, Hkv, *geometry))
+            self.codebooks = cb.paired() if layout.pairs else cb
+        self.fit_min_tokens = config.fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
-        self.anchor_tokens = anchor_tokens
         self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32, during an anchor prefill only
+        self.anchor_v = None      # and its values on the device, where prefill_buffers declares them (a GPU's)
         self._staged: list = [None] * L
         self.rewind_points = RewindPoints()   # copies of sinks + ring: truncate back past the ring
-        self.notes: list[str] = []
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
         self.record_selection: list | None = None
+        if self.length_ctx:
+            print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens",
+                  file=sys.stderr)
+        if far:
+            how = f"at their distances divided by {group}" if group else f"at distance {dist}"
+            print(f"minirun: far positions: tokens older than the {window}-token window are attended {how}",
+                  file=sys.stderr)
+        if not layout.exact_keys and self.codebooks is None:
+            print(f"minirun: no {name} in the model directory: codebooks will be fitted from the prompt's own keys "
+                  f"(run `minirun calibrate{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
 
     # ---- what a backend provides ------------------------------------------------------------------------
     backend = ""   # whose kernels ("cpu" | "cuda"): the tiers it declares (kv/hca_layout.hca_tiers)
 
-    @staticmethod
-    def backend_options(config) -> dict:
-        """The EngineConfig fields a backend's cache takes beyond the common ones."""
-        return {}
-
     def _make_exact_tier(self, spec: Buffer) -> tuple:
-        """-> (ek, ev) [L, Hkv, S + W, hd] of the spec's dtype."""
-        raise NotImplementedError
+        """-> (ek, ev) [L, Hkv, S + W, hd] of the spec's dtype, zeroed (on huge pages on the CPU)."""
+        return tuple(hugepages.zeros(*spec.lead, spec.rows, spec.width, dtype=spec.dtype, device=self.device)
+                     for _ in range(2))
 
     def _make_pool(self, spec: Buffer, read_by_device: bool):
         """The host pool of the store's values (or rescore's keys: not read by the device's kernels)."""
-        raise NotImplementedError
+        return self._grow(spec)
 
     def _make_indices(self, spec: Buffer):
         """The key store's codebook indices."""
@@ -119,7 +137,8 @@ class HCABase(SavedState, KVCache):
         return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows, device=self.device)
 
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """K [L, Hkv, m, hd] -> the key store's indices [L, Hkv, m, g], all layers at once."""
+        return self.key_store.encode(K)
 
     def _attend_hca(self, layer, q, k, v):
         """hca mode with a store: the whole attention of q [T, Hq, hd] (k, v [T, Hkv, hd]) where the
@@ -131,50 +150,12 @@ class HCABase(SavedState, KVCache):
         """The store's partial (o [T, Hq, hd], m, l [T, Hq]) for queries qs in hca mode."""
         raise NotImplementedError
 
-    def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
-        """The store's first n values [Hkv, n, hd] on the compute device (exact / anchor prefill)."""
-        return self.values.view(layer, n)
-
     def _take_pending(self, pos: int):
-        """Codes a decode step encoded ahead for the token at pos leaving the ring, or None."""
+        """Codes a decode step encoded ahead for the token at pos leaving the ring, or None; either
+        way they are used up (pos -1: dropped, as truncate and reset do)."""
         return None
 
     # ---- the cache ----------------------------------------------------------------------------------
-    @classmethod
-    def create(cls, args, config, device, dtype, capacity, model_dir=None) -> "HCABase":
-        layout = resolve_layout(args, config)
-        codebooks = None
-        geometry = layout.codebook_geometry
-        far = far_positions_on(config.far_positions, args.max_position_embeddings, capacity)
-        dist = config.far_distance or default_far_distance(config.window, args.max_position_embeddings)
-        group = far_group(capacity, config.window, args.max_position_embeddings) if config.far_positions == "grouped" else 0
-        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys (grouped
-        # ones hold them rotated, at j // G: the ordinary calibration's)
-        unrotated = far and not group
-        if not layout.exact_keys and model_dir is not None:
-            path = model_dir / codebook_filename(*geometry[:2], unrotated=unrotated)
-            if path.is_file():
-                codebooks = Codebooks.load(path, (args.num_hidden_layers, args.num_key_value_heads, *geometry))
-                codebooks = codebooks.paired() if layout.pairs else codebooks
-        trained = args.max_position_embeddings
-        length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
-        cache = cls(args, layout, capacity, config.sinks, config.window, config.tau, dtype, device, codebooks,
-                    fit_min_tokens=config.fit_min_tokens, anchor_tokens=config.anchor_tokens, far_positions=far,
-                    far_distance=dist, max_select=config.max_select, length_ctx=length_ctx, far_group=group,
-                    rescore=config.rescore, **cls.backend_options(config))
-        if length_ctx:
-            print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens",
-                  file=sys.stderr)
-        if far:
-            how = f"at their distances divided by {group}" if group else f"at distance {dist}"
-            print(f"minirun: far positions: tokens older than the {config.window}-token window are attended "
-                  f"{how}", file=sys.stderr)
-        if not layout.exact_keys and codebooks is None:
-            print(f"minirun: no {codebook_filename(*geometry[:2], unrotated=unrotated)} in the model directory: "
-                  f"codebooks will be fitted from the prompt's own keys (run `minirun calibrate"
-                  f"{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
-        return cache
-
     def _q_scale(self, T: int) -> float:
         """The query scale of a step of T queries: 1/sqrt(hd), and with length scaling on times
         max(1, log n / log N), n = offset + T the tokens the step's last query sees, N the trained
@@ -195,19 +176,25 @@ class HCABase(SavedState, KVCache):
                 return o
         qs = q.float() * self._q_scale(T)
         qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
-        o1, m1, l1 = self._attend_exact_tier(layer, qs, k, v, qf)
+        exact = self._attend_exact_tier(layer, qs, k, v, qf)
         n = self.n_store
         if n == 0:
-            return o1.to(q.dtype)
+            return exact[0].to(q.dtype)
         if self.mode == "exact":
-            o2, m2, l2 = partial_attention(qf, self.exact_keys.view(layer, n), self._prefill_values(layer, n))
+            store = partial_attention(qf, self.exact_keys.view(layer, n), self._prefill_values(layer, n))
         elif self.mode == "anchor":
             na = min(self.anchor_k.shape[2], n)   # the anchor block's tokens now in the store
-            o2, m2, l2 = partial_attention(qf, self.anchor_k[layer, :, :na], self._prefill_values(layer, na))
+            store = partial_attention(qf, self.anchor_k[layer, :, :na], self._prefill_values(layer, na))
         else:
-            o2, m2, l2 = self._attend_store_hca(layer, qf)
-        o, _, _ = merge((o1, m1, l1), (o2, m2, l2))
-        return o.to(q.dtype)
+            store = self._attend_store_hca(layer, qf)
+        return merge(exact, store)[0].to(q.dtype)
+
+    def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
+        """The store's first n values [Hkv, n, hd] on the compute device (exact / anchor prefill): the
+        host pool, or where there are device copies the exact prefill's or the anchor block's."""
+        if self.prefill_values is None:
+            return self.values.view(layer, n)
+        return self.prefill_values.view(layer, n) if self.mode == "exact" else self.anchor_v[layer, :, :n]
 
     def _attend_exact_tier(self, layer, qs, k, v, qf):
         """Sinks + ring (all positions < offset) and the chunk itself (causal). Far positions: the
@@ -314,9 +301,6 @@ class HCABase(SavedState, KVCache):
                 and self.n_store >= self.fit_min_tokens:
             self._fit_and_encode()
 
-    def _keeps_exact_keys(self) -> bool:
-        return self.layout.exact_keys or self.codebooks is None or self.mode == "exact"
-
     def _store_append(self, K, V, codes=None):
         """K, V [L, Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact).
         codes: their indices [L, Hkv, m, g] when already encoded (by the decode step)."""
@@ -330,10 +314,15 @@ class HCABase(SavedState, KVCache):
         for buf in self.scratch:
             buf.reserve(j0 + m)
         self.values.write_all(j0, V)
+        if self.mode == "exact" and self.prefill_values is not None:
+            self.prefill_values.reserve(j0 + m)
+            self.prefill_values.write_all(j0, V)
         if self.anchor_k is not None and j0 < self.anchor_k.shape[2]:
             cnt = min(m, self.anchor_k.shape[2] - j0)
             self.anchor_k[:, :, j0:j0 + cnt] = K[:, :, :cnt].float()
-        if self._keeps_exact_keys():
+            if self.anchor_v is not None:   # (the same rows: prefill_buffers declares both)
+                self.anchor_v[:, :, j0:j0 + cnt] = V[:, :, :cnt]
+        if self.layout.exact_keys or self.codebooks is None or self.mode == "exact":
             self.exact_keys.reserve(j0 + m - self.exact_base)
             self.exact_keys.write_all(j0 - self.exact_base, K.float())
         else:
@@ -349,7 +338,6 @@ class HCABase(SavedState, KVCache):
         if self.codebooks is None:
             cb = Codebooks.fit(keys, *self.layout.codebook_geometry[:2], iters=20)
             self.codebooks = cb.paired() if self.layout.pairs else cb
-            self.notes.append(f"codebooks fitted from {n - self.exact_base} prompt keys")
         self.indices.reserve(n)
         self.indices.write_all(self.exact_base, self._encode(keys))
         self.n_encoded = n
@@ -360,25 +348,30 @@ class HCABase(SavedState, KVCache):
         through the HCA path ("hca") -> the mode taken: exact and anchor need the store's keys from
         the start, so with a store (older tokens than sinks + ring) it is "hca"."""
         self.mode = mode if (mode in ("exact", "anchor") and self.n_store == 0) else "hca"
+        specs = self.prefill_specs
         if self.mode == "anchor":
-            self.anchor_k = self.prefill_specs["anchor_k"].zeros(self.ek.device)
+            self.anchor_k = specs["anchor_k"].zeros(self.ek.device)
+            self.anchor_v = specs["anchor_v"].zeros(self.device) if "anchor_v" in specs else None
         return self.mode
 
     def end_prefill(self) -> None:
         """Encode the prompt's store keys (fitting codebooks on them when there are none)."""
         self.mode = "hca"
-        self.anchor_k = None
+        self.anchor_k = self.anchor_v = None
         if not self.layout.exact_keys and self.n_store > self.n_encoded:
             self._fit_and_encode()
+        if self.prefill_values is not None:
+            self.prefill_values.free()
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def checkpoint(self, name: str = "prompt") -> None:
         """Copy sinks + ring under `name` (kv/ring_checkpoint.py): truncate can go back into them."""
-        self.rewind_points.take(name, self)
+        self.rewind_points.copies[name].take(self)
 
     def truncate(self, n: int) -> bool:
         """Possible while the dropped tokens are all in the ring (or the sinks of a short context),
         or back into the ring of a checkpoint."""
+        self._take_pending(-1)      # (the ring may change: codes encoded ahead dropped)
         if n == self.offset:
             return True
         if n > self.offset or (self.n_store and n < self.S + self.n_store
@@ -391,10 +384,13 @@ class HCABase(SavedState, KVCache):
         return True
 
     def reset(self) -> None:
+        self._take_pending(-1)
         self.offset = self.n_store = self.n_encoded = self.exact_base = 0
         self._live_slots = None
         self.slot_pos.fill_(-1)
         self.exact_keys.free()
+        if self.prefill_values is not None:
+            self.prefill_values.free()
         self.mode = "hca"
         self.rewind_points.drop()
 

@@ -59,6 +59,7 @@ import kernels_cuda.launch as kcu_launch
 from ..errors import MiniRunError
 from .hca_base import HCABase
 from .hca_graph import CapturedSteps
+from .hca_layout import resolve_layout
 from .key_store_cuda import device_key_stores
 from .pinned import PinnedPool
 from .store import GrowingBuffer
@@ -87,18 +88,16 @@ class HCACacheCUDA(CapturedSteps, HCABase):
     """The HCA cache with its device tier on a GPU; with the GPU value sum a whole decode token can
     run inside a CUDA graph (hca_graph.CapturedSteps)."""
 
-    def __init__(self, args, layout, capacity, sinks, window, tau, dtype, device, codebooks=None,
-                 value_sum: str = "auto", rescore: bool = False, **kw):
+    def __init__(self, args, config, device, dtype, capacity, model_dir=None):
         self._gpu = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
-        self.value_sum = value_sum_choice(value_sum, device, rescore and not layout.exact_keys,
+        rescore = config.rescore and not resolve_layout(args, config).exact_keys
+        self.value_sum = value_sum_choice(config.value_sum, device, rescore,
                                           kcu_decode.group_size(args.num_attention_heads, args.num_key_value_heads))
-        super().__init__(args, layout, capacity, sinks, window, tau, dtype, device, codebooks, rescore=rescore, **kw)
+        super().__init__(args, config, device, dtype, capacity, model_dir)
         Hq, hd = self.Hq, self.hd
         if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
-        self.prefill_values = self._grow(self.prefill_specs["prefill_values"])
-        self.anchor_v = None      # the anchor block's values on the device, during an anchor prefill
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
         self.exact_store, self.key_store = device_key_stores(self)
         self._width = INITIAL_WIDTH
@@ -133,14 +132,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         """At capacity on the device (doubling an 11 GiB store held old + new + the allocator's
         cache: a 4M prompt peaked at 26.9 GB)."""
         return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows, device=self.device, at_capacity=True)
-
-    def _prefill_values(self, layer: int, n: int) -> torch.Tensor:
-        """Exact prefill: the device copy of the store's values; anchor: the anchor block's."""
-        return self.prefill_values.view(layer, n) if self.mode == "exact" else self.anchor_v[layer, :, :n]
-
-    @staticmethod
-    def backend_options(config) -> dict:
-        return {"value_sum": config.value_sum}
 
     def _histogram_cut(self, n: int = 2**31 - 1) -> bool:
         """Whether a selection over n store tokens cuts a histogram (kernels_cuda select_mode 0):
@@ -341,33 +332,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return dev
 
     # ---- moving tokens between tiers ----------------------------------------------------------------
-    def _encode(self, K: torch.Tensor) -> torch.Tensor:
-        return self.key_store.encode(K)
-
-    def _store_append(self, K, V, codes=None):
-        """As the base class (values go to the pinned pool asynchronously, keys are encoded on the
-        GPU), plus the device copies of values the exact / anchor prefill attends to. (codes: always
-        None here; only the CPU decode step encodes ahead.)"""
-        j0, m = self.n_store, K.shape[2]
-        super()._store_append(K, V, codes)
-        if self.mode == "exact":
-            self.prefill_values.reserve(j0 + m)
-            self.prefill_values.write_all(j0, V)
-        if self.anchor_v is not None and j0 < self.anchor_v.shape[2]:
-            cnt = min(m, self.anchor_v.shape[2] - j0)
-            self.anchor_v[:, :, j0:j0 + cnt] = V[:, :, :cnt]
-
-    def begin_prefill(self, mode: str) -> str:
-        super().begin_prefill(mode)
-        if self.mode == "anchor":
-            self.anchor_v = self.prefill_specs["anchor_v"].zeros(self.device)
-        return self.mode
-
-    def end_prefill(self) -> None:
-        super().end_prefill()
-        self.prefill_values.free()
-        self.anchor_v = None
-
     def truncate(self, n: int) -> bool:
         self._mask_for = None
         return super().truncate(n)
@@ -378,7 +342,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             self.host_keys.wait()
         self._mask_for = None
         super().reset()
-        self.prefill_values.free()
         self.anchor_v = None
 
     def stats(self) -> dict:

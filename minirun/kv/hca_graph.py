@@ -6,29 +6,24 @@ the pool row it goes to (a copy at a host offset). Here they live in a small dev
 [pos, slot, row, leaving pos] (int64; the row, = n, also read as int32 by the kernels' n_live)
 that the host writes before each replay (graph_prepare); grids are sized for a bucket of n
 (graph_key: one graph per bucket), the kernels read the live n (kernels_cuda scores.cu n_live).
-After all layers commit_at evicts on the device: the leaving key is (unrotated with far positions
-and) encoded into its row of the index store, its values go into the mapped pool by store_rows,
-the new token's k, v (decode_prep's spare row) into the freed slot. graph_advance then does the
-host bookkeeping the eager advance does, without its copies. A ring short of W tokens (after a
-truncate: the server's next question, a bench's next repetition) is captured too: the exact tier's
-attention reads a device mask of its live slots (written before the replay), and the eviction's
-writes land past the store's end, where nothing reads them, since the store does not grow.
+After all layers commit_at evicts on the device (the pool's row written by store_rows), and
+graph_advance does the host bookkeeping the eager advance does, without its copies. A ring short
+of W tokens (after a truncate: the server's next question, a bench's next repetition) is captured
+too: the exact tier's attention reads a device mask of its live slots (written before the replay),
+and the eviction's writes land past the store's end, where nothing reads them, since the store
+does not grow.
 
-Capturable (graph_capturable, fixed per cache): the GPU's value sum (value_sum "gpu": no
-host part in the step) and codebook keys. Length
-scaling's factor moves every token: it is written with the state and applied to the scaled
-queries on the device (two small multiplies a layer). Per token (graph_key): decode mode, every
-store key encoded, codebooks fitted, no selection probe, room in the store; otherwise that token
-runs eagerly.
+Capturable (graph_capturable, fixed per cache): the GPU's value sum (value_sum "gpu": no host part
+in the step) and codebook keys. Length scaling's factor moves every token: it is written with the
+state and applied to the scaled queries on the device (two small multiplies a layer). Per token
+(graph_key): decode mode, every store key encoded, codebooks fitted, no selection probe, room in
+the store; otherwise that token runs eagerly.
 """
 from __future__ import annotations
 
 import torch
 
 from .far_positions import rotate
-
-GRAPH_STATE = ("pos", "slot", "row", "leaving_pos")
-
 
 class CapturedSteps:
     """Mixin of HCACacheCUDA: the capture protocol of minirun/cuda_graph.GraphedDecode
@@ -41,9 +36,8 @@ class CapturedSteps:
     def _graph_state(self):
         """The device state [pos, slot, row, leaving pos] int64 and n_live (the row's int32 low word)."""
         if getattr(self, "_gstate", None) is None:
-            self._gstate = torch.zeros(len(GRAPH_STATE), dtype=torch.int64, device=self.device)
+            self._gstate = torch.zeros(4, dtype=torch.int64, device=self.device)
             self._n_live = self._gstate.view(torch.int32)[4:5]     # little-endian: element 2's low word
-            self._row32 = self._n_live
             self._far_inv64 = (self.far.inv_freq.to(device=self.device, dtype=torch.float64)
                                if self.far is not None else None)
             self._length_factor = torch.ones(1, dtype=torch.float32, device=self.device)   # (length scaling)
@@ -129,7 +123,7 @@ class CapturedSteps:
         ds = self._decode_kernels()
         with ds.session() as launcher:
             ds.store_rows(launcher, V.reshape(L * Hkv, hd).to(self.values.dtype).contiguous(),
-                          self.values.data.view(L * Hkv, cap, hd), self._row32)
+                          self.values.data.view(L * Hkv, cap, hd), self._n_live)   # (n_live: the row)
         # (clones: the spare rows share the tiers' storage, which index_copy_ refuses as a source)
         self.ek.index_copy_(2, slot, self._ekx[:, :, S + W:S + W + 1].clone())
         self.ev.index_copy_(2, slot, self._evx[:, :, S + W:S + W + 1].clone())

@@ -101,10 +101,6 @@ class Tier:
         return sum(b.nbytes for b in self.buffers.values()) + self.sized
 
 
-def index_dtype(lay: HCALayout) -> torch.dtype:
-    return torch.uint8 if lay.index_bytes == 1 else torch.int16
-
-
 def values_dtype(dtype: torch.dtype) -> torch.dtype:
     """The host value pool: float32 for float32 runs, float16 otherwise."""
     return torch.float32 if dtype == torch.float32 else torch.float16
@@ -128,6 +124,7 @@ def hca_tiers(args: ModelArgs, lay: HCALayout, capacity: int, sinks: int, window
     cpu, SW = backend == "cpu", sinks + window
     n = max(0, capacity - SW)
     et = exact_tier_dtype(dtype, device_type or backend)
+    index = torch.uint8 if lay.index_bytes == 1 else torch.int16
     # (on a GPU the exact tier has one spare row per layer and kv-head: the decode step's own token)
     ring = Buffer((L, Hkv), SW + (0 if cpu else 1), hd, et)
     # two copies of sinks + ring (kv/ring_checkpoint.py: prefix reuse past the ring)
@@ -136,7 +133,7 @@ def hca_tiers(args: ModelArgs, lay: HCALayout, capacity: int, sinks: int, window
         "sinks+ring K+V": Tier("device", {"ek": ring, "ev": ring}),
         "sinks+ring copies": Tier("device", {f"{c}.{t}": copy for c in ("prompt", "shared") for t in ("ek", "ev")}),
         "key store": Tier("device", {"exact_keys": Buffer((L, Hkv), n, hd, EXACT_KEY_DTYPE)} if lay.exact_keys else
-                          {"indices": Buffer((L, Hkv), n, lay.groups, index_dtype(lay))}),
+                          {"indices": Buffer((L, Hkv), n, lay.groups, index)}),
         "value pool": Tier("host", {"values": Buffer((L, Hkv), n, hd, values_dtype(dtype))}),
     }
     if rescore and not lay.exact_keys:   # the store's keys beside the values, in the same type

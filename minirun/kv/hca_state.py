@@ -38,16 +38,18 @@ class SavedState:
         if cb is not None:   # (fitted from a prompt: only here; calibrated: the same file's, kept with the state)
             tensors.append(("codebooks", cb.factors if cb.factors is not None else cb.centroids))
             scalars["codebooks"] = {"source": cb.source, "pair": cb.factors is not None}
-        for layer in range(self.n_layers):
-            if n:
-                tensors.append((f"values.{layer}", self.values.token_rows(layer, n)))
-            if n and self.host_keys is not None:
-                tensors.append((f"host_keys.{layer}", self.host_keys.token_rows(layer, n)))
-            if self.indices is not None and ne:
-                tensors.append((f"indices.{layer}", self.indices.token_rows(layer, ne)))
-            if n > ne:   # full-precision store keys (exact keys, or not encoded yet), from exact_base on
-                tensors.append((f"exact_keys.{layer}", self.exact_keys.token_rows(layer, n - base)))
+        parts = self._store_parts(n, ne, base)
+        tensors += [(f"{name}.{layer}", buf.token_rows(layer, rows))
+                    for layer in range(self.n_layers) for name, buf, rows in parts]
         return scalars, tensors
+
+    def _store_parts(self, n: int, ne: int, base: int) -> list:
+        """(name, buffer, rows) of the store's per-layer buffers a state holds, in the file's order:
+        values and host keys (n rows), indices (ne), and the full-precision keys from exact_base on
+        (exact keys, or not encoded yet)."""
+        parts = [("values", self.values, n), ("host_keys", self.host_keys, n), ("indices", self.indices, ne),
+                 ("exact_keys", self.exact_keys, n - base if n > ne else 0)]
+        return [(name, buf, rows) for name, buf, rows in parts if buf is not None and rows]
 
     def load_state_dict(self, scalars: dict, get) -> None:
         n, ne, base = scalars["n_store"], scalars["n_encoded"], scalars["exact_base"]
@@ -57,20 +59,12 @@ class SavedState:
         if "codebooks" in scalars:
             cb = Codebooks(get("codebooks").float().to(self.device), scalars["codebooks"]["source"])
             self.codebooks = cb.paired() if scalars["codebooks"]["pair"] else cb
-        for buf in (self.values, self.host_keys, *self.scratch):   # (the scores' scratch grows with the store)
-            if buf is not None and n:
-                buf.reserve(n)
-        if self.indices is not None and ne:
-            self.indices.reserve(ne)
-        if n > ne:
-            self.exact_keys.reserve(n - base)
+        parts = self._store_parts(n, ne, base)
+        for buf in self.scratch if n else ():   # (the scores' scratch grows with the store)
+            buf.reserve(n)
+        for name, buf, rows in parts:
+            buf.reserve(rows)
         for layer in range(self.n_layers):
-            if n:
-                self.values.token_rows(layer, n).copy_(get(f"values.{layer}"))
-            if n and self.host_keys is not None:
-                self.host_keys.token_rows(layer, n).copy_(get(f"host_keys.{layer}"))
-            if self.indices is not None and ne:
-                self.indices.token_rows(layer, ne).copy_(get(f"indices.{layer}"))
-            if n > ne:
-                self.exact_keys.token_rows(layer, n - base).copy_(get(f"exact_keys.{layer}"))
+            for name, buf, rows in parts:
+                buf.token_rows(layer, rows).copy_(get(f"{name}.{layer}"))
         self.offset, self.n_store, self.n_encoded, self.exact_base = scalars["offset"], n, ne, base

@@ -12,9 +12,8 @@ the planner budgets for the value pool anyway.
 
 Writes (`write_all`) take device rows [*lead, m, width] and copy them with ONE strided async
 copy (cudaMemcpy2DAsync: prod(lead) rows of m*width elements, destination pitch max_cap*width)
-on the cache's copy stream; `wait()` blocks the host on that copy's event only, `device_wait()`
-makes the compute stream wait for it (a kernel reading the mapped pool). On a CPU device
-(the emulator tests) the same class is a plain tensor with synchronous writes.
+on the cache's copy stream, which `wait()` and `device_wait()` wait for. On a CPU device (the
+emulator tests) the same class is a plain tensor with synchronous writes.
 """
 from __future__ import annotations
 
@@ -23,48 +22,47 @@ import math
 import torch
 
 from .. import hugepages
+from .store import GrowingBuffer
 
 _D2H = 2   # cudaMemcpyDeviceToHost
 _PORTABLE, _MAPPED = 1, 2   # cudaHostRegister flags
 
 
-class PinnedPool:
+class PinnedPool(GrowingBuffer):
+    """GrowingBuffer's interface, allocated at max_cap on the first reserve (see the module docstring)."""
+
     def __init__(self, lead: tuple, width: int, dtype: torch.dtype, max_cap: int, device: torch.device,
                  copy_stream=None, mapped: bool = False):
-        self.lead, self.width, self.dtype, self.max_cap, self.device = lead, width, dtype, max_cap, device
+        super().__init__(lead, width, dtype, max_cap, device, at_capacity=True)
         self.copy_stream = copy_stream      # torch.cuda.Stream (CUDA) or None (CPU)
-        self.data = None
-        self.cap = 0
         self._registered = False
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._pending = False
         self.mapped = mapped     # kernels read the pool (asked for; False if the GPU would not map it)
 
-    def reserve(self, n: int) -> None:
-        if n <= self.cap:
-            return
-        if n > self.max_cap:
-            raise ValueError(f"store overflow: {n} tokens > capacity {self.max_cap}")
-        # huge pages (minirun.hugepages): the CPU's value sums gather scattered rows from it
-        self.data = hugepages.empty(*self.lead, self.max_cap, self.width, dtype=self.dtype)
-        self.cap = self.max_cap
-        if self.device.type == "cuda" and self.data.numel():
-            if self.mapped and not self._register_mapped():
+    def _alloc(self, cap: int) -> torch.Tensor:
+        """On the host (huge pages: the CPU's value sums gather scattered rows from it), page-locked
+        with a GPU."""
+        data = hugepages.empty(*self.lead, cap, self.width, dtype=self.dtype)
+        if self.device.type == "cuda" and data.numel():
+            nbytes = data.numel() * data.element_size()
+            if self.mapped and not self._register_mapped(data, nbytes):
                 self.mapped = False
             if not self.mapped:
-                rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE))
+                rc = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), nbytes, _PORTABLE))
                 if rc != 0:
-                    raise RuntimeError(f"cudaHostRegister of the {self.nbytes} B value pool failed (cudaError {rc})")
+                    raise RuntimeError(f"cudaHostRegister of the {nbytes} B value pool failed (cudaError {rc})")
             self._registered = True
+        return data
 
-    def _register_mapped(self) -> bool:
+    def _register_mapped(self, data: torch.Tensor, nbytes: int) -> bool:
         """Page-lock the pool portable | mapped (kernels read it: kernels_cuda.decode.gather_value_sum);
         False if CUDA refuses. Through CuPy: its errors reset CUDA's last-error state, so a refusal
         does not surface later in one of torch's launch checks (torch's cudart has no cudaGetLastError)."""
         import cupy
         with cupy.cuda.Device(self._device_index()):
             try:
-                cupy.cuda.runtime.hostRegister(self.data.data_ptr(), self.nbytes, _PORTABLE | _MAPPED)
+                cupy.cuda.runtime.hostRegister(data.data_ptr(), nbytes, _PORTABLE | _MAPPED)
             except cupy.cuda.runtime.CUDARuntimeError:
                 return False
         return True
@@ -75,8 +73,7 @@ class PinnedPool:
         if m == 0:
             return
         if self.device.type != "cuda":
-            self.data[..., j0:j0 + m, :] = rows
-            return
+            return super().write_all(j0, rows)
         import cupy
         cur = torch.cuda.current_stream(self.device)
         src = rows.to(self.dtype).contiguous()          # on the current stream
@@ -106,12 +103,6 @@ class PinnedPool:
         if self._pending:
             torch.cuda.current_stream(self.device).wait_event(self._event)
 
-    def view(self, layer: int, n: int) -> torch.Tensor:
-        return self.data[layer, :, :n]
-
-    def token_rows(self, layer: int, n: int) -> torch.Tensor:
-        return self.view(layer, n)
-
     def free(self) -> None:
         self.wait()
         if self._registered:
@@ -127,7 +118,3 @@ class PinnedPool:
                 self.free()
         except Exception:
             pass
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.data is None else self.data.numel() * self.data.element_size()

@@ -64,11 +64,8 @@ class RingCheckpoint:
         cache.offset, cache.n_store, cache.n_encoded, cache.exact_base = self.counters
 
     def truncated(self, n: int) -> None:
-        """The cache dropped its tokens from n on: later ones there are not the copy's."""
+        """The cache dropped its tokens from n on (n = -1: reset): later ones there are not the copy's."""
         self.valid_to = min(self.valid_to, n)
-
-    def drop(self) -> None:
-        self.valid_to = -1
 
     @property
     def nbytes(self) -> int:
@@ -78,11 +75,8 @@ class RingCheckpoint:
 class RewindPoints:
     """An HCA cache's named copies ("prompt", "shared": Engine.prefill names them)."""
 
-    def __init__(self, names=("prompt", "shared")):
-        self.copies = {name: RingCheckpoint(name) for name in names}
-
-    def take(self, name: str, cache) -> None:
-        self.copies[name].take(cache)
+    def __init__(self):
+        self.copies = {name: RingCheckpoint(name) for name in ("prompt", "shared")}
 
     def restore(self, cache, n: int) -> bool:
         """Put back a copy whose ring held position n (the caller then drops from n on); False: none."""
@@ -96,8 +90,7 @@ class RewindPoints:
             c.truncated(n)
 
     def drop(self) -> None:
-        for c in self.copies.values():
-            c.drop()
+        self.truncated(-1)
 
     @property
     def nbytes(self) -> int:
