@@ -384,3 +384,15 @@ def test_long_prompt_after_a_short_exchange_prefills_exactly(tiny_model_dir):
     assert (logits - want).abs().max().item() <= 1e-4 * want.abs().max().item()
     eng.prefill(ids + random_ids(5, seed=8))
     assert eng.last_prefill["mode"] == "hca"
+
+
+def test_reset_inside_an_anchor_prefill_drops_the_anchor_block():
+    """A reset mid anchor prefill (an interrupted prompt) leaves no anchor block: the next prompt
+    does not fill it, and the cache can be saved again."""
+    cache, args = make_cache()
+    assert cache.begin_prefill("anchor") == "anchor" and cache.anchor_k is not None
+    cache.reset()
+    assert cache.anchor_k is None and cache.anchor_v is None
+    push(cache, args, 12, 0)                 # (past sinks + ring: 4 tokens reach the store)
+    assert cache.n_store == 4
+    cache.state_dict()                       # (raised while an anchor block was left)

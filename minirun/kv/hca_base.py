@@ -391,6 +391,7 @@ class HCABase(SavedState, KVCache):
         self.exact_keys.free()
         if self.prefill_values is not None:
             self.prefill_values.free()
+        self.anchor_k = self.anchor_v = None      # (a reset inside an anchor prefill)
         self.mode = "hca"
         self.rewind_points.drop()
 

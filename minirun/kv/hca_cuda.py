@@ -342,7 +342,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             self.host_keys.wait()
         self._mask_for = None
         super().reset()
-        self.anchor_v = None
 
     def stats(self) -> dict:
         s = super().stats()
