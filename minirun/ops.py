@@ -165,7 +165,8 @@ def _on_hugepages(w):
 
 # ---- the same for one GPU token: kernels_cuda.layer (rms_norm, rope, add + rms_norm, silu * up) ------
 # A one-token step on an H100 was bound by ~40 torch ops per layer, not by the GPU (docs/PROFILE.md);
-# these 4 kernels replace ~30 of them. MINIRUN_CUDA_LAYER=0 turns them off.
+# these 4 kernels replace ~30 of them. False: torch's ops instead (the GPU test's reference).
+CUDA_LAYER_KERNELS = True
 
 
 def prepare_cuda_decode(weights: dict, args: ModelArgs, device: torch.device, dtype: torch.dtype,
@@ -173,11 +174,9 @@ def prepare_cuda_decode(weights: dict, args: ModelArgs, device: torch.device, dt
     """Mark the layers ("cuda") for the kernels_cuda.layer one-token path: a CUDA device with
     kernels_cuda available, float32 or bfloat16, no biases (force: any device, for the emulator
     tests). Returns whether it applies."""
-    import os
-
     import kernels_cuda
     ok = dtype in (torch.float32, torch.bfloat16) and not args.attention_bias
-    ok = ok and (force or (device.type == "cuda" and os.environ.get("MINIRUN_CUDA_LAYER", "1") != "0"
+    ok = ok and (force or (device.type == "cuda" and CUDA_LAYER_KERNELS
                            and kernels_cuda.available()))
     if ok:
         for lw in weights["layers"]:

@@ -109,13 +109,13 @@ def test_emu_model_decode_through_layer_kernels(tiny_model_dir, dtype):
 @gpu_only
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_model_decode_layer_kernels_vs_torch_ops(tiny_model_dir, dtype, monkeypatch):
-    """On the GPU: decode with the layer kernels (the default) against MINIRUN_CUDA_LAYER=0."""
-    from minirun import Engine
+    """On the GPU: decode with the layer kernels (the default) against torch's ops (ops.CUDA_LAYER_KERNELS off)."""
+    from minirun import Engine, ops
     d = tiny_model_dir("gqa-untied")
     ids = list(range(5, 40))
     eng = Engine.load(d, device="cuda", dtype=dtype, ctx=128)
     assert eng.model.cuda_decode
-    monkeypatch.setenv("MINIRUN_CUDA_LAYER", "0")
+    monkeypatch.setattr(ops, "CUDA_LAYER_KERNELS", False)
     ref = Engine.load(d, device="cuda", dtype=dtype, ctx=128)
     assert not ref.model.cuda_decode
     a, b = ref.generate(ids, max_new_tokens=6, ignore_eos=True), eng.generate(ids, max_new_tokens=6, ignore_eos=True)
