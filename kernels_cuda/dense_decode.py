@@ -60,3 +60,22 @@ class DenseDecodeAttention:
                                   self.ls, grouped=True)
             _launch_merge(L, self.os, self.ms, self.ls, nsplit, self.no_stage, self.o)
         return self.o if self.o.dtype == q.dtype else self.o.to(q.dtype)
+
+    def step_unrotated(self, q, k, v, cs, K, V, n: int, pos, first: bool):
+        """A captured token whose RoPE is not applied yet: q [Hq, d], k, v [Hkv, d] (rows contiguous,
+        K's dtype), cs [d] its position's cos | sin, pos int64 [1] on the device. rope(k) and v are
+        written into K, V [Hkv, cap, d] at pos, then attention over the first n slots, those past pos
+        masked -> o [Hq, d] in q's dtype. Three launches (layer.rope_store, attend, merge) where
+        RoPE, the cache writes, the scale and the mask took five; first: write the live mask (the
+        same for every layer of a token: the first layer's launch writes it)."""
+        from .layer import rope_store
+        tps, nsplit = _attend_split(n, self.Hq, self.num_sms, self.Hkv, self.d)
+        if nsplit > self.os.shape[0] or n > self.positions.numel():
+            raise ValueError(f"{n} keys: more than the capacity of {self.positions.numel()}")
+        live = self.live.view(_torch().uint8)
+        rope_store(q, k, v, cs, pos, self.scale, self.qs, K, V, live, n if first else 0)
+        with _backend().session(self.device) as L:
+            launch_attend_partial(L, self.qs, K, V, self.q2k, live, 1, n, tps, nsplit,
+                                  self.os, self.ms, self.ls, grouped=True)
+            _launch_merge(L, self.os, self.ms, self.ls, nsplit, self.no_stage, self.o)
+        return self.o if self.o.dtype == q.dtype else self.o.to(q.dtype)

@@ -6,6 +6,8 @@
 //   add_rms_norm_*  s = x + r; y = rms_norm(s)                               (residual + next norm)
 //   rope_*          the first n_rot heads of a row rotated in place by (cos, sin)   (HF half split)
 //   silu_mul_*      y = silu(gate) * up, gate | up = the two halves of a row
+//   rope_store_*    the dense cache's step input: q turned and scaled (float32), k turned and v
+//                   copied into the cache at the token's position (read from device memory)
 //
 // Rows are independent (grid = rows).  Element types: float32 or bfloat16 bits; bfloat16 results
 // are rounded where torch rounds them (after the norm, after each product and sum) so that the
@@ -165,4 +167,69 @@ silu_mul_f32(const float* __restrict__ gu, int F, float* __restrict__ y) {
 extern "C" __global__ void __launch_bounds__(MR_LAYER_THREADS)
 silu_mul_bf16(const unsigned short* __restrict__ gu, int F, unsigned short* __restrict__ y) {
     silu_mul_impl<MrLayerBF16>(gu, F, y);
+}
+
+// ---------------------------------------------------------------------------
+// rope_store: one token's input to the dense cache's attention (kernels_cuda.dense_decode), in one
+// launch where RoPE, the query's scale and the two cache writes took four.  Block b < Hq: query
+// head b turned as rope_ does (rounded where it rounds), then qs[b] = q_rot * scale in float32;
+// block Hq + j: key head j turned into K[j, pos[0]]; block Hq + Hkv + j: value head j copied into
+// V[j, pos[0]].  q, k, v rows of d elements (head strides q_s0, k_s0, v_s0); K, V [Hkv, cap, d]
+// with rows contiguous (head stride kv_s0); cs [d] = cos | sin of the position.  n_live > 0: every
+// block also writes its share of live[i] = (i <= pos[0]), i < n_live (the mask is the same for
+// every layer: the first layer's launch writes it).  Launch: block MR_ROPE_THREADS, grid (Hq + 2 Hkv).
+// ---------------------------------------------------------------------------
+#define MR_ROPE_THREADS 128
+
+template <typename Tag>
+__device__ __forceinline__ void rope_store_impl(const typename Tag::S* __restrict__ q, long long q_s0,
+                                                const typename Tag::S* __restrict__ k, long long k_s0,
+                                                const typename Tag::S* __restrict__ v, long long v_s0, int Hq, int Hkv,
+                                                int d, const typename Tag::S* __restrict__ cs,
+                                                const long long* __restrict__ pos, float scale, float* __restrict__ qs,
+                                                typename Tag::S* __restrict__ K, typename Tag::S* __restrict__ V,
+                                                long long kv_s0, unsigned char* __restrict__ live, int n_live) {
+    const int b = blockIdx.x, half = d / 2;
+    const long long p = pos[0];
+    if (b < Hq + Hkv) {
+        const bool is_q = b < Hq;
+        const typename Tag::S* x = is_q ? q + (long long)b * q_s0 : k + (long long)(b - Hq) * k_s0;
+        typename Tag::S* kr = K + (long long)(b - Hq) * kv_s0 + p * d;   // (dereferenced for keys only)
+        for (int f = threadIdx.x; f < half; f += blockDim.x) {
+            const float x1 = Tag::ld(x[f]), x2 = Tag::ld(x[f + half]);
+            const float c = Tag::ld(cs[f]), s = Tag::ld(cs[half + f]);
+            const float r1 = Tag::rnd(Tag::rnd(x1 * c) - Tag::rnd(x2 * s));
+            const float r2 = Tag::rnd(Tag::rnd(x2 * c) + Tag::rnd(x1 * s));
+            if (is_q) {
+                qs[(long long)b * d + f] = r1 * scale;
+                qs[(long long)b * d + f + half] = r2 * scale;
+            } else {
+                kr[f] = Tag::st(r1);
+                kr[f + half] = Tag::st(r2);
+            }
+        }
+    } else if (b < Hq + 2 * Hkv) {
+        const int j = b - Hq - Hkv;
+        typename Tag::S* vr = V + (long long)j * kv_s0 + p * d;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) vr[i] = v[(long long)j * v_s0 + i];
+    }
+    for (long long i = (long long)b * blockDim.x + threadIdx.x; i < n_live; i += (long long)gridDim.x * blockDim.x)
+        live[i] = i <= p ? 1 : 0;
+}
+
+extern "C" __global__ void __launch_bounds__(MR_ROPE_THREADS)
+rope_store_f32(const float* __restrict__ q, long long q_s0, const float* __restrict__ k, long long k_s0,
+               const float* __restrict__ v, long long v_s0, int Hq, int Hkv, int d, const float* __restrict__ cs,
+               const long long* __restrict__ pos, float scale, float* __restrict__ qs, float* __restrict__ K,
+               float* __restrict__ V, long long kv_s0, unsigned char* __restrict__ live, int n_live) {
+    rope_store_impl<MrLayerF32>(q, q_s0, k, k_s0, v, v_s0, Hq, Hkv, d, cs, pos, scale, qs, K, V, kv_s0, live, n_live);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_ROPE_THREADS)
+rope_store_bf16(const unsigned short* __restrict__ q, long long q_s0, const unsigned short* __restrict__ k,
+                long long k_s0, const unsigned short* __restrict__ v, long long v_s0, int Hq, int Hkv, int d,
+                const unsigned short* __restrict__ cs, const long long* __restrict__ pos, float scale,
+                float* __restrict__ qs, unsigned short* __restrict__ K, unsigned short* __restrict__ V, long long kv_s0,
+                unsigned char* __restrict__ live, int n_live) {
+    rope_store_impl<MrLayerBF16>(q, q_s0, k, k_s0, v, v_s0, Hq, Hkv, d, cs, pos, scale, qs, K, V, kv_s0, live, n_live);
 }

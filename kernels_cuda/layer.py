@@ -15,9 +15,10 @@ import numpy as np
 from . import _sources
 from .launch import _backend, _cdiv, _i32, _i64, _torch
 
-__all__ = ["rms_norm", "add_rms_norm", "rope_", "silu_mul"]
+__all__ = ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "rope_store"]
 
 _THREADS = _sources.constant("layer.cu", "MR_LAYER_THREADS")
+_ROPE_THREADS = _sources.constant("layer.cu", "MR_ROPE_THREADS")
 _SUFFIX = {"torch.float32": "f32", "torch.bfloat16": "bf16"}
 
 
@@ -77,3 +78,20 @@ def silu_mul(gu):
     with _backend().session(gu.device) as L:
         L.launch("layer.cu", "silu_mul_" + sfx, (rows, _cdiv(F, _THREADS)), (_THREADS,), (gu, _i32(F), y))
     return y
+
+
+def rope_store(q, k, v, cs, pos, scale, qs, K, V, live, n_live):
+    """One token's input to dense attention, unrotated: q [Hq, d], k, v [Hkv, d] (rows contiguous),
+    cs [d] = cos | sin of its position, pos int64 [1] on the device (the position), K, V [Hkv, cap, d]
+    (rows contiguous), all of one dtype. Writes qs [Hq, d] float32 = rope(q) * scale, rope(k) and v
+    into K, V at row pos[0], and live (uint8) [:n_live] = arange(n_live) <= pos[0] (n_live 0: nothing). -> qs"""
+    sfx = _suffix(q, k, v, cs, K, V)
+    Hq, d = q.shape
+    Hkv = k.shape[0]
+    if K.stride(1) != d or V.stride(1) != d or K.stride(0) != V.stride(0) or d % 2 or cs.shape[-1] != d:
+        raise ValueError(f"rope_store: K {tuple(K.shape)} strides {K.stride()}, V strides {V.stride()}, d {d}")
+    with _backend().session(q.device) as L:
+        L.launch("layer.cu", "rope_store_" + sfx, (Hq + 2 * Hkv,), (_ROPE_THREADS,),
+                 (q, _i64(q.stride(0)), k, _i64(k.stride(0)), v, _i64(v.stride(0)), _i32(Hq), _i32(Hkv), _i32(d), cs,
+                  pos, np.float32(scale), qs, K, V, _i64(K.stride(0)), live, _i32(n_live)))
+    return qs

@@ -60,10 +60,11 @@ class Model:
         a = self.args
         cos, sin = rope_cos_sin_at(self.inv_freq64, pos, self.dtype)
         cs = rope_table(cos, sin) if self.cuda_decode else None
+        turned = cs is not None and cache.rotates_at(a.num_attention_heads, self.dtype)   # (RoPE in its first launch)
         x = embed(token, self.w["embed"])                                         # [1, D]
         for il, lw in enumerate(self.w["layers"]):
-            q, k, v = attention_input(x, lw, cos, sin, None, a, cs)
-            o = cache.attend_at(il, q, k, v, pos, n_keys)
+            q, k, v = attention_input(x, lw, cos, sin, None, a, cs, rotate=not turned)
+            o = cache.attend_at(il, q, k, v, pos, n_keys, rope=cs[0] if turned else None)
             x = attention_output_and_mlp(x, o, lw, a)
         cache.commit_at(pos)                         # (HCA: the ring's oldest token into the store)
         return output_logits(x, self.w, a)

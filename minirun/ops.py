@@ -191,16 +191,17 @@ def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Tensor, pos0: int, args: ModelArgs,
-                    cs: torch.Tensor | None = None):
+                    cs: torch.Tensor | None = None, rotate: bool = True):
     """x [T, D] at positions pos0.. -> q [T, Hq, hd], k, v [T, Hkv, hd]: rms_norm, the fused QKV
     projection, RoPE (cos, sin [T, hd/2]; the CPU's fused kernel makes its own from pos0 -- pos0
     None: a step whose position lives on the device, cos and sin used --; the GPU one-token path
-    reads cs = rope_table(cos, sin))."""
+    reads cs = rope_table(cos, sin), and without `rotate` leaves RoPE to the cache's attend_at)."""
     T, hd, Hq, Hkv = x.shape[0], args.head_dim, args.num_attention_heads, args.num_key_value_heads
     if T == 1 and "cuda" in lw:
         from kernels_cuda import layer as kl
         qkv = linear(kl.rms_norm(x, lw["attn_norm"], args.rms_norm_eps), lw["wqkv"])
-        kl.rope_(qkv, Hq + Hkv, hd, cs[0] if cs is not None else rope_table(cos, sin)[0])
+        if rotate:
+            kl.rope_(qkv, Hq + Hkv, hd, cs[0] if cs is not None else rope_table(cos, sin)[0])
         qkv = qkv.view(T, Hq + 2 * Hkv, hd)
         return qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
     fused = T == 1 and "np" in lw and pos0 is not None

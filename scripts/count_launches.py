@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the CPU kernel emulator lives with the tests
 import cuda_emu  # noqa: E402
 from kernels_cuda import launch as klaunch  # noqa: E402
+from kernels_cuda.dense_decode import DenseDecodeAttention  # noqa: E402
 from minirun import Engine, ops  # noqa: E402
 from minirun.cuda_graph import GraphedDecode  # noqa: E402
 from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
@@ -75,10 +76,14 @@ def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]
             lw.pop("np", None)                       # (the CPU's own fused path)
         eng.model.cpu_token = None                   # (and its numpy token)
         if kv == "dense":
-            eng.cache._k_np = None                   # (the CPU's numpy step; a GPU takes SDPA)
+            eng.cache._k_np = None                   # (the CPU's numpy step)
         if layer_kernels:
             eng.model.cuda_decode = ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype,
                                                             force=True)
+            if kv == "dense":                        # (its GPU attention, as on a GPU: SDPA otherwise)
+                a = eng.args
+                eng.cache._gpu_attn = DenseDecodeAttention(eng.device, a.num_attention_heads, a.num_key_value_heads,
+                                                           a.head_dim, eng.cache.capacity, eng.model.dtype)
         eng.prefill(list(range(5, 5 + depth)))
         step = eng.step
         if graphs:

@@ -80,11 +80,15 @@ def test_eager_graph_step_after_rewind_and_at_capacity(tiny_model_dir):
 
 
 @emu_only
+@pytest.mark.parametrize("attention", ["sdpa", "kernels"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype):
+def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype, attention):
     """The GPU's one-token layer kernels (kernels_cuda.layer, on the emulator) inside the
-    capturable step: RoPE from the device position's table (rope_table of rope_cos_sin_at)."""
+    capturable step: RoPE from the device position's table (rope_table of rope_cos_sin_at); with
+    the GPU's dense attention (kernels_cuda.dense_decode, as on a GPU) RoPE is left to its first
+    launch (layer.rope_store), which also writes k, v into the cache."""
     import cuda_emu
+    from kernels_cuda.dense_decode import DenseDecodeAttention
     d = tiny_model_dir("gqa-untied")
     ref, eng = _pair(d, dtype)
     assert ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype, force=True)
@@ -95,11 +99,19 @@ def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype):
     toks = ref.generate(IDS, max_new_tokens=6, ignore_eos=True).tokens
     la = _decode(ref, toks, ref.step)
     gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=8, capture=False)
+    sfx = "f32" if dtype == "float32" else "bf16"
     with cuda_emu.emulated() as be:
+        if attention == "kernels":
+            a = eng.args
+            eng.cache._gpu_attn = DenseDecodeAttention(eng.device, a.num_attention_heads, a.num_key_value_heads,
+                                                       a.head_dim, eng.cache.capacity, eng.model.dtype)
         lb = _decode(eng, toks, gd.step)
-    assert "rope_" + ("f32" if dtype == "float32" else "bf16") in {x[0] for x in be.launches}
+    names = {x[0] for x in be.launches}
+    assert ("rope_store_" + sfx in names) == (attention == "kernels") != ("rope_" + sfx in names)
     assert (la - lb).abs().max().item() <= TOL[dtype]
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
+    n = ref.cache.offset
+    assert (ref.cache.k[:, :, :n].float() - eng.cache.k[:, :, :n].float()).abs().max().item() <= TOL[dtype]
 
 
 HCA = dict(kv="hca", kv_budget=0.5, window=8, sinks=4)

@@ -15,7 +15,9 @@ import torch
 
 import kernels_cuda
 from cuda_checks import Env, np_
+from kernels_cuda import layer as kl
 from kernels_cuda.dense_decode import DenseDecodeAttention
+from minirun import ops
 from minirun.kv.dense import DenseCache, dense_attention
 
 HAVE_GPU = kernels_cuda.available()
@@ -87,8 +89,8 @@ def test_gpu_dense_decode_attention(n, cap, dtype, masked):
 
 
 def check_cache_steps(env, dtype):
-    """DenseCache's one-token attend (eager) and attend_at (a graph's step) through the kernel agree
-    with dense_attention, and write k, v at the position."""
+    """DenseCache's one-token attend (eager) and attend_at (a graph's step; also with RoPE left to
+    its first launch) through the kernels agree with dense_attention, and write k, v at the position."""
     L, Hkv, Hq, d, cap = 2, 3, 9, 64, 700
     g = torch.Generator().manual_seed(3)
     with env.ctx():
@@ -103,13 +105,25 @@ def check_cache_steps(env, dtype):
         q, k, v = (torch.randn(1, h, d, generator=g).to(dtype).to(env.device) for h in (Hq, Hkv, Hkv))
         o = cache.attend(0, q, k, v).clone()          # (a view of the kernel's persistent output)
         want = dense_attention(q.float(), cache.k[0, :, :T + 1].float(), cache.v[0, :, :T + 1].float(), T)
-        o_at = cache.attend_at(1, q, k, v, torch.tensor([T], device=env.device), 512 + 64)
+        o_at = cache.attend_at(1, q, k, v, torch.tensor([T], device=env.device), 512 + 64).clone()
         want_at = dense_attention(q.float(), cache.k[1, :, :T + 1].float(), cache.v[1, :, :T + 1].float(), T)
-    assert cache._gpu_decode(q) is not None
+        # the next token with RoPE left to the cache (rotates_at): q, k unturned, cs their angles;
+        # layer 0 (its launch writes the live mask the later layers of the token read)
+        assert cache.rotates_at(Hq, dtype)
+        ang = torch.rand(1, d // 2, generator=g, dtype=torch.float64) * 40
+        cs = ops.rope_table(ang.cos().to(dtype), ang.sin().to(dtype))[0].to(env.device)
+        qu, ku, vu = (torch.randn(1, h, d, generator=g).to(dtype).to(env.device) for h in (Hq, Hkv, Hkv))
+        o_rot = cache.attend_at(0, qu, ku, vu, torch.tensor([T + 1], device=env.device), 512 + 64, rope=cs)
+        turned = kl.rope_(torch.cat([qu[0], ku[0]]).reshape(1, -1).clone(), Hq + Hkv, d, cs).view(Hq + Hkv, d)
+        want_rot = dense_attention(turned[None, :Hq].float(), cache.k[0, :, :T + 2].float(), cache.v[0, :, :T + 2].float(),
+                                   T + 1)
+    assert cache._gpu_decode(Hq, dtype) is not None
     assert torch.equal(cache.k[1, :, T].cpu(), k[0].cpu()) and torch.equal(cache.v[1, :, T].cpu(), v[0].cpu())
+    assert torch.equal(cache.k[0, :, T + 1].cpu(), turned[Hq:].cpu()) and torch.equal(cache.v[0, :, T + 1].cpu(), vu[0].cpu())
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     np.testing.assert_allclose(np_(o), np_(want), rtol=tol, atol=tol)
     np.testing.assert_allclose(np_(o_at), np_(want_at), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np_(o_rot), np_(want_rot), rtol=tol, atol=tol)
 
 
 @emu_only

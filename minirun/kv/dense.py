@@ -36,8 +36,9 @@ class DenseCache(KVCache):
         self._o_np = None         # attend_np's output rows, made on its first call
         self._gpu_attn = None     # kernels_cuda's split-K decode attention, made on the first GPU step
 
-    def _gpu_decode(self, q):
-        """The GPU's one-query attention (kernels_cuda.dense_decode), or None (CPU, or no cupy)."""
+    def _gpu_decode(self, Hq: int, dtype: torch.dtype):
+        """The GPU's one-query attention (kernels_cuda.dense_decode) for Hq query heads and output
+        dtype, or None (CPU, or no cupy)."""
         if self._gpu_attn is None and self.k.is_cuda:
             import kernels_cuda
             if not kernels_cuda.available():
@@ -45,7 +46,7 @@ class DenseCache(KVCache):
             else:
                 from kernels_cuda.dense_decode import DenseDecodeAttention
                 L, Hkv, cap, hd = self.k.shape
-                self._gpu_attn = DenseDecodeAttention(self.k.device, q.shape[1], Hkv, hd, cap, q.dtype)
+                self._gpu_attn = DenseDecodeAttention(self.k.device, Hq, Hkv, hd, cap, dtype)
         return self._gpu_attn or None
 
     def attend_np(self, layer, q, k, v):
@@ -67,7 +68,7 @@ class DenseCache(KVCache):
             return from_numpy_bits(o.copy())[None]
         self.k[layer, :, pos0:end] = k.transpose(0, 1)
         self.v[layer, :, pos0:end] = v.transpose(0, 1)
-        if T == 1 and self._gpu_decode(q) is not None:
+        if T == 1 and self._gpu_decode(q.shape[1], q.dtype) is not None:
             return self._gpu_attn(q[0], self.k[layer], self.v[layer], end)[None]
         return dense_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], pos0)
 
@@ -95,15 +96,23 @@ class DenseCache(KVCache):
     def graph_restore(self, snap) -> None:
         pass
 
-    def attend_at(self, layer, q, k, v, pos, n_keys):
+    def rotates_at(self, n_heads: int, dtype: torch.dtype) -> bool:
+        """Whether attend_at takes q, k before RoPE (with rope=, their position's cos | sin) and
+        turns them in its own first launch: the GPU's step, where the cache's dtype is the model's."""
+        return dtype == self.k.dtype and self._gpu_decode(n_heads, dtype) is not None
+
+    def attend_at(self, layer, q, k, v, pos, n_keys, rope=None):
         """attend for one token whose position is a device tensor pos [1] int64 (a CUDA graph's step,
         Model.decode_at): k, v [1, Hkv, hd] written at pos, then attention over the first n_keys
         slots (n_keys > pos, fixed per graph: fixed shapes) with those past pos masked.
-        q [1, Hq, hd] -> [1, Hq, hd]."""
+        q [1, Hq, hd] -> [1, Hq, hd]. rope: [hd] cos | sin of pos where q, k are not turned yet
+        (rotates_at)."""
         K, V = self.k[layer], self.v[layer]                                       # [Hkv, capacity, hd]
+        if rope is not None:
+            return self._gpu_attn.step_unrotated(q[0], k[0], v[0], rope, K, V, n_keys, pos, layer == 0)[None]
         K.index_copy_(1, pos, k.transpose(0, 1).to(K.dtype))
         V.index_copy_(1, pos, v.transpose(0, 1).to(V.dtype))
-        if self._gpu_decode(q) is not None:
+        if self._gpu_decode(q.shape[1], q.dtype) is not None:
             return self._gpu_attn(q[0], K, V, n_keys, pos)[None]
         live = (torch.arange(n_keys, device=pos.device) <= pos).view(1, 1, 1, n_keys)   # bool
         _, Hq, hd = q.shape

@@ -78,9 +78,14 @@ class CapturedSteps:
             self._length_factor.fill_(self._q_scale(1) / self.scale)
         self.values.device_wait()
 
-    def attend_at(self, layer, q, k, v, pos, n_keys):
+    def rotates_at(self, n_heads: int, dtype) -> bool:
+        """(attend_at takes q, k turned: decode_prep stages the key as it comes.)"""
+        return False
+
+    def attend_at(self, layer, q, k, v, pos, n_keys, rope=None):
         """_attend_hca with the GPU's value sum, every per-token value read from the device state:
-        q [1, Hq, hd], k, v [1, Hkv, hd] -> [1, Hq, hd] (model dtype). pos: unused (the state has it)."""
+        q [1, Hq, hd], k, v [1, Hkv, hd] -> [1, Hq, hd] (model dtype). pos: unused (the state has it);
+        rope: None (rotates_at)."""
         ds = self._decode_kernels()
         S, W = self.S, self.W
         far = self.far is not None
