@@ -5,7 +5,7 @@ import torch
 
 from .config import ModelArgs
 from .cpu_token import CPUToken
-from .ops import (attention_input, attention_output_and_mlp, embed, output_logits, prepare_cuda_decode,
+from .ops import (Residual, attention_input, attention_output_and_mlp, embed, output_logits, prepare_cuda_decode,
                   prepare_fused_decode, rope_cos_sin, rope_cos_sin_at, rope_inv_freq, rope_table)
 
 
@@ -43,6 +43,8 @@ class Model:
             o = cache.attend(il, q, k, v)                        # [T, Hq, hd]
             x = attention_output_and_mlp(x, o, lw, a)            # x + o_proj(o); x + mlp(rms_norm(x))
         cache.advance(T)
+        if isinstance(x, Residual):   # (a GPU token: the last MLP output not added yet)
+            return x.value().clone() if hidden else output_logits(x, self.w, a)
         if hidden:   # (a copy: on the CPU x may be a buffer the next step reuses)
             return x[-1:].clone()
         return output_logits(x if all_logits else x[-1:], self.w, a)   # [T or 1, V] float32

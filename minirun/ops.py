@@ -185,6 +185,31 @@ def prepare_cuda_decode(weights: dict, args: ModelArgs, device: torch.device, dt
     return ok
 
 
+class Residual:
+    """A GPU decode token's residual stream s + r, the MLP's output r not added yet: the next
+    rms_norm adds it in its own launch (layer.add_rms_norm), one launch less a layer. s, r [1, D]."""
+    __slots__ = ("s", "r")
+
+    def __init__(self, s: torch.Tensor, r: torch.Tensor | None = None):
+        self.s, self.r = s, r
+
+    @property
+    def shape(self):
+        return self.s.shape
+
+    def norm(self, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(s + r, w, eps); s becomes the sum."""
+        from kernels_cuda import layer as kl
+        if self.r is None:
+            return kl.rms_norm(self.s, w, eps)
+        self.s, h = kl.add_rms_norm(self.s, self.r, w, eps)
+        self.r = None
+        return h
+
+    def value(self) -> torch.Tensor:
+        return self.s if self.r is None else self.s + self.r
+
+
 def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """cos, sin [T, hd/2] -> [T, hd] = cos | sin (what kernels_cuda.layer.rope_ reads)."""
     return torch.cat([cos, sin], dim=-1)
@@ -199,7 +224,8 @@ def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Ten
     T, hd, Hq, Hkv = x.shape[0], args.head_dim, args.num_attention_heads, args.num_key_value_heads
     if T == 1 and "cuda" in lw:
         from kernels_cuda import layer as kl
-        qkv = linear(kl.rms_norm(x, lw["attn_norm"], args.rms_norm_eps), lw["wqkv"])
+        x = x if isinstance(x, Residual) else Residual(x)
+        qkv = linear(x.norm(lw["attn_norm"], args.rms_norm_eps), lw["wqkv"])
         if rotate:
             kl.rope_(qkv, Hq + Hkv, hd, cs[0] if cs is not None else rope_table(cos, sin)[0])
         qkv = qkv.view(T, Hq + 2 * Hkv, hd)
@@ -219,12 +245,15 @@ def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Ten
 
 
 def attention_output_and_mlp(x: torch.Tensor, o: torch.Tensor, lw: dict, args: ModelArgs) -> torch.Tensor:
-    """The rest of the layer: x + o_proj(o), then + mlp(rms_norm(.)). x [T, D], o [T, Hq, hd] -> [T, D]."""
+    """The rest of the layer: x + o_proj(o), then + mlp(rms_norm(.)). x [T, D], o [T, Hq, hd] -> [T, D];
+    the GPU's one-token path: a Residual (x its normed stream: attention_input added its part)
+    whose MLP output the next norm adds."""
     T = x.shape[0]
     if T == 1 and "cuda" in lw:
         from kernels_cuda import layer as kl
-        s, h = kl.add_rms_norm(x, linear(o.reshape(T, -1), lw["wo"]), lw["ffn_norm"], args.rms_norm_eps)
-        return s + linear(kl.silu_mul(linear(h, lw["w_gate_up"])), lw["w_down"])
+        s, h = kl.add_rms_norm(x.value() if isinstance(x, Residual) else x, linear(o.reshape(T, -1), lw["wo"]),
+                               lw["ffn_norm"], args.rms_norm_eps)
+        return Residual(s, linear(kl.silu_mul(linear(h, lw["w_gate_up"])), lw["w_down"]))
     if T == 1 and "np" in lw:
         w = lw["np"]
         out = kernels_cpu.attn_out(as_numpy(x).reshape(-1), as_numpy(o).reshape(-1), w["wo"], w["ffn_norm"], args.rms_norm_eps,
@@ -235,7 +264,9 @@ def attention_output_and_mlp(x: torch.Tensor, o: torch.Tensor, lw: dict, args: M
 
 
 def output_logits(x: torch.Tensor, weights: dict, args: ModelArgs) -> torch.Tensor:
-    """Final norm and LM head: x [T, D] -> logits [T, V] float32."""
+    """Final norm and LM head: x [T, D] (or a GPU token's Residual) -> logits [T, V] float32."""
+    if isinstance(x, Residual):
+        return linear(x.norm(weights["norm"], args.rms_norm_eps), weights["lm_head"]).float()
     if x.shape[0] == 1 and "np" in weights:
         w = weights["np"]
         return torch.from_numpy(kernels_cpu.norm_gemv(as_numpy(x).reshape(-1), w["norm"], args.rms_norm_eps,
