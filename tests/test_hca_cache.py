@@ -197,6 +197,55 @@ def test_partial_attention_paths_and_merge_of_splits():
     assert torch.isfinite(o0).all() and (o0 == 0).all() and (l0 == 0).all()
 
 
+def check_exact_tier_partial(far, live_share, device="cpu", dtype=torch.float32, tol=1e-5):
+    """A prompt chunk against sinks + ring + itself as fused parts (exact_tier_partial) equals one
+    masked attention over [sinks + ring | chunk] (causal in the chunk, dead slots masked), the
+    sinks read with the far queries where far positions are on."""
+    from minirun.kv.attention import exact_tier_partial, merge, partial_attention
+    g = torch.Generator().manual_seed(5)
+    T, Hq, Hkv, hd, S, W = 7, 6, 2, 64, 3, 11
+    qs, qf = (torch.randn(T, Hq, hd, generator=g) * 0.2 for _ in range(2))
+    ek, ev = (torch.randn(Hkv, S + W, hd, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(T, Hkv, hd, generator=g).to(dtype) for _ in range(2))
+    live = torch.rand(S + W, generator=g) < live_share
+    got = exact_tier_partial(*(t.to(device) for t in (qs, qf, ek, ev)), live, S, k.to(device), v.to(device), far)
+    near = live.clone()
+    if far:
+        near[:S] = False
+    mask = torch.cat([near[None].expand(T, -1), torch.ones(T, T, dtype=torch.bool).tril()], 1)
+    ek, ev, k, v = (t.float() for t in (ek, ev, k, v))
+    want = partial_attention(qs, torch.cat([ek, k.transpose(0, 1)], 1), torch.cat([ev, v.transpose(0, 1)], 1), mask)
+    if far and live[:S].any():
+        want = merge(want, partial_attention(qf, ek[:, :S], ev[:, :S], live[:S][None].expand(T, -1)))
+    got = [t.cpu() for t in got]
+    assert (got[0] - want[0]).abs().max() < tol
+    assert (got[1] + torch.log(got[2]) - want[1] - torch.log(want[2])).abs().max() < 10 * tol
+
+
+@pytest.mark.parametrize("refused", [False, True])
+@pytest.mark.parametrize("far", [False, True])
+@pytest.mark.parametrize("live_share", [1.0, 0.6, 0.0])
+def test_exact_tier_partial_is_the_masked_attention(far, live_share, refused, monkeypatch):
+    """On the CPU (its flash kernel): a full, a part-live and an empty ring; and the unfused
+    parts a device takes where torch refused its fused attention."""
+    from minirun.kv import attention
+    if refused:
+        monkeypatch.setitem(attention.FUSED_REFUSED, "cpu", "refused")
+        monkeypatch.setattr(attention, "_flash_partial", None)   # (not called)
+    check_exact_tier_partial(far, live_share)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_exact_tier_partial_is_the_masked_attention(dtype):
+    """On a GPU: flash (bfloat16) or the memory-efficient kernel (float32) with their log-sum-exp,
+    not refused by torch (else prompt chunks would take the unfused path)."""
+    from minirun.kv.attention import FUSED_REFUSED
+    for far in (False, True):
+        check_exact_tier_partial(far, 0.6, "cuda", dtype, tol=1e-4 if dtype == torch.float32 else 2e-2)
+    assert "cuda" not in FUSED_REFUSED
+
+
 def test_partial_attention_key_blocks_bound_the_scores(monkeypatch):
     """Many queries over many keys: the keys go in blocks of at most SCORE_ELEMS scores (here 256
     keys for 5 x 6 queries), merged exactly: the same (o, m, l) as one block, masked too."""

@@ -5,6 +5,8 @@ disjoint key sets merge exactly into attention over their union; an empty part h
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 KEY_BLOCK = 16384   # keys per block at most
@@ -24,8 +26,10 @@ def partial_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
     if n == 0:
         return (q.new_zeros(T, Hq, hd, dtype=torch.float32), q.new_full((T, Hq), float("-inf"), dtype=torch.float32),
                 q.new_zeros(T, Hq, dtype=torch.float32))
-    if mask is None and T > 1 and q.device.type == "cpu":
-        return _flash_partial(q, K, V)
+    if mask is None and T > 1:
+        fused = _fused(q, K, V)
+        if fused is not None:
+            return fused
     qg = q.float().reshape(T, Hkv, rep, hd).permute(1, 0, 2, 3).reshape(Hkv, T * rep, hd)
     parts = []
     block = max(256, min(KEY_BLOCK, SCORE_ELEMS // (T * Hq)))
@@ -48,15 +52,80 @@ def partial_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
     return back(o), back(m), back(l)
 
 
-def _flash_partial(q, K, V) -> tuple:
-    """Unmasked prefill chunk over many keys with torch's fused CPU flash kernel, which also returns
-    the log-sum-exp: (o, m = lse, l = 1) is an equivalent (o, m, l) triple for `merge`."""
+def _flash_partial(q, K, V, causal: bool = False) -> tuple:
+    """partial_attention without a mask (causal: the chunk against itself, n == T, query t sees
+    keys <= t) through torch's fused attention, which also returns the log-sum-exp: (o, m = lse,
+    l = 1) is an equivalent triple for `merge`, and no [Hq, T, n] scores are held. Float32 on the
+    CPU (its flash kernel); on a GPU in the values' dtype (the model's: flash for bfloat16 / float16,
+    the memory-efficient kernel for float32). Without causal the rep query heads of a kv head act
+    as rep * T queries of one head (K, V not copied per query head)."""
     T, Hq, hd = q.shape
-    rep = Hq // K.shape[0]
-    Kq, Vq = (t.float().repeat_interleave(rep, 0)[None] if rep > 1 else t.float()[None] for t in (K, V))
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.float().transpose(0, 1)[None], Kq, Vq, scale=1.0)                     # q is pre-scaled
-    return o[0].transpose(0, 1), lse[0].transpose(0, 1), torch.ones_like(lse[0].transpose(0, 1))
+    Hkv = K.shape[0]
+    rep = Hq // Hkv
+    dt = V.dtype if q.is_cuda and V.dtype in (torch.bfloat16, torch.float16) and hd <= 256 else torch.float32
+    K, V = K.to(dt), V.to(dt)
+    if causal:
+        q4 = q.to(dt).transpose(0, 1)[None]                                         # [1, Hq, T, hd]
+        K4, V4 = ((t.repeat_interleave(rep, 0) if rep > 1 else t)[None] for t in (K, V))
+    else:
+        q4 = q.to(dt).reshape(T, Hkv, rep, hd).permute(1, 0, 2, 3).reshape(1, Hkv, T * rep, hd)
+        K4, V4 = K[None], V[None]
+    if not q.is_cuda:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, K4, V4, is_causal=causal, scale=1.0)
+    elif dt != torch.float32:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q4, K4, V4, is_causal=causal, scale=1.0)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q4, K4, V4, None, True, is_causal=causal,
+                                                                         scale=1.0)[:2]
+    o, lse = o[0].float(), lse[0, :, :q4.shape[2]].float()                         # [H', L, hd], [H', L]
+    if causal:
+        o, lse = o.transpose(0, 1), lse.transpose(0, 1)
+    else:
+        o = o.reshape(Hkv, T, rep, hd).transpose(0, 1).reshape(T, Hq, hd)
+        lse = lse.reshape(Hkv, T, rep).transpose(0, 1).reshape(T, Hq)
+    return o, lse, torch.ones_like(lse)
+
+
+FUSED_REFUSED = {}   # device type -> why torch's fused attention failed there (then the unfused path)
+
+
+def _fused(q, K, V, causal: bool = False):
+    """_flash_partial, or None where torch's fused attention refused these inputs on this device
+    before (a GPU without the kernel, a head size it does not take): said once on stderr, and the
+    callers take the unfused path (tests/test_hca_cache.py's GPU test asserts it is not refused)."""
+    dev = q.device.type
+    if dev in FUSED_REFUSED:
+        return None
+    try:
+        return _flash_partial(q, K, V, causal)
+    except RuntimeError as e:
+        if dev == "cpu":
+            raise
+        FUSED_REFUSED[dev] = str(e).splitlines()[0]
+        print(f"minirun: torch's fused attention failed on {dev} ({FUSED_REFUSED[dev]}): prompt chunks take the "
+              f"unfused attention", file=sys.stderr)
+        return None
+
+
+def exact_tier_partial(qs, qf, ek, ev, live, S: int, k, v, far: bool) -> tuple:
+    """A prompt chunk of T > 1 queries against the exact tier: sinks + ring slots `live` (bool
+    [S + W], all before the chunk) and the chunk itself (causal), as fused parts merged: the chunk's
+    causal part, the live ring (and sinks) slots read with qs, and with far positions the sinks
+    (held unrotated) read with the far queries qf. qs, qf [T, Hq, hd] float32 (scaled); ek, ev
+    [Hkv, >= S + W, hd]; k, v [T, Hkv, hd] -> (o, m, l)."""
+    kc, vc = k.transpose(0, 1), v.transpose(0, 1)
+    T = qs.shape[0]
+    parts = [_fused(qs, kc, vc, causal=True) or partial_attention(qs, kc, vc, torch.ones(T, T, dtype=torch.bool,
+                                                                                          device=qs.device).tril())]
+    spans = [(S, live[S:], qs), (0, live[:S], qf)] if far else [(0, live, qs)]
+    for start, rows, queries in spans:
+        idx = rows.nonzero()[:, 0]
+        if idx.numel() == rows.numel() > 0:             # (a full ring: slices, no copy)
+            parts.append(partial_attention(queries, ek[:, start:start + rows.numel()], ev[:, start:start + rows.numel()]))
+        elif idx.numel():
+            idx = (idx + start).to(ek.device)
+            parts.append(partial_attention(queries, ek.index_select(1, idx), ev.index_select(1, idx)))
+    return merge(*parts)
 
 
 def merge(*parts) -> tuple:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import hugepages
-from .attention import merge, partial_attention
+from .attention import exact_tier_partial, merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
 from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
@@ -201,6 +201,8 @@ class HCABase(SavedState, KVCache):
         sinks (held unrotated) in a partial of their own with the far queries qf."""
         T = qs.shape[0]
         valid = self.slot_pos >= 0                                               # [S+W]
+        if T > 1:   # a prompt chunk: fused parts, no [Hq, T, S+W+T] scores
+            return exact_tier_partial(qs, qf, self.ek[layer], self.ev[layer], valid, self.S, k, v, self.far is not None)
         sinks = valid[:self.S].clone()
         if self.far:
             valid[:self.S] = False
