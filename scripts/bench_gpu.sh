@@ -27,9 +27,10 @@ if [ "$DEVICE" = cpu ]; then
     TESTS=${TESTS-tests/test_kernels_cuda_decode.py::test_wrapper_argument_errors}
 else
     SCALE=${SCALE:-full}; EMULATE=
-    TESTS=${TESTS-tests/test_kernels_cuda.py tests/test_kernels_cuda_decode.py tests/test_kernels_cuda_layer.py \
+    TESTS=${TESTS-tests/test_hca_cache.py::test_gpu_exact_tier_partial_is_the_masked_attention \
+tests/test_dense_decode.py tests/test_kernels_cuda_layer.py tests/test_kernels_cuda.py tests/test_kernels_cuda_decode.py \
 tests/test_kernels_cuda_live.py tests/test_hca_cuda.py tests/test_cuda_graph.py tests/test_rescore.py \
-tests/test_quant_cuda.py tests/test_dense_decode.py}
+tests/test_quant_cuda.py}
 fi
 TEST_LIMIT=${TEST_LIMIT:-100}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
