@@ -52,6 +52,14 @@ __device__ __forceinline__ float mr_bf16_to_float(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
 }
 
+// x rounded to the nearest bfloat16 (ties to even), as a float32; NaN stays NaN.
+__device__ __forceinline__ float mr_bf16_round(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return x;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return __uint_as_float(u & 0xffff0000u);
+}
+
 // load2: elements p[0], p[1] in one load (p aligned to two elements: an even index into rows of
 // even length); the low half of a 32-bit word is the first 16-bit element (little endian).
 struct alignas(8) MrF32x2 {

@@ -37,33 +37,78 @@ __device__ __forceinline__ void mr_store(unsigned short* p, float x) {
 // turned by the angles cs = [cos (d/2) | sin (d/2)] in HF Llama's half split
 // ([x1 c - x2 s, x2 c + x1 s]); block Hq + j: k[j] -> k_slot[j]; block Hq + Hkv + j: v[j] -> v_slot[j]
 // (raw element copies, same dtype).  Every block also zeroes its share of zero[0:n_zero].
+// has_rope (float32 / bfloat16 only): q and k come before RoPE and are turned first by rope = the
+// position's [cos | sin] in their dtype, rounded where kernels_cuda/layer.cu's rope_ rounds.
 // Launch: block MR_PREP_THREADS, grid (Hq + 2 Hkv).  d even.  qf is not written without has_far.
 // ---------------------------------------------------------------------------
+template <typename Tag> struct MrRopeRound { static constexpr bool ok = false; };
+template <> struct MrRopeRound<MrF32> {
+    static constexpr bool ok = true;
+    static __device__ __forceinline__ float rnd(float x) { return x; }
+};
+template <> struct MrRopeRound<MrBF16> {
+    static constexpr bool ok = true;
+    static __device__ __forceinline__ float rnd(float x) { return mr_bf16_round(x); }
+};
+
+// Element i of head row x (d elements): as it is, or turned by rope (the pair (f, f + d/2) it
+// belongs to, rounded as rope_ rounds); `other` gets the pair's other element the same way.
+template <typename Tag>
+__device__ __forceinline__ float mr_prep_elem(const typename Tag::S* x, int i, int d, const typename Tag::S* rope,
+                                              float& other) {
+    const int half = d / 2;
+    const bool lo = i < half;
+    const int f = lo ? i : i - half;
+    const float x1 = Tag::cvt(x[f]), x2 = Tag::cvt(x[f + half]);
+    float r1 = x1, r2 = x2;
+    if constexpr (MrRopeRound<Tag>::ok) {
+        if (rope != nullptr) {
+            typedef MrRopeRound<Tag> R;
+            const float c = Tag::cvt(rope[f]), s = Tag::cvt(rope[half + f]);
+            r1 = R::rnd(R::rnd(x1 * c) - R::rnd(x2 * s));
+            r2 = R::rnd(R::rnd(x2 * c) + R::rnd(x1 * s));
+        }
+    }
+    other = lo ? r2 : r1;
+    return lo ? r1 : r2;
+}
+
 template <typename Tag>
 __device__ __forceinline__ void decode_prep_impl(
     const typename Tag::S* __restrict__ q, long long q_s0, const typename Tag::S* __restrict__ k, long long k_s0,
     const typename Tag::S* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
-    int Hq, int Hkv, int d, float* __restrict__ qs, float* __restrict__ qf, typename Tag::S* __restrict__ k_slot,
-    long long ks_s0, typename Tag::S* __restrict__ v_slot, long long vs_s0, float* __restrict__ zero,
-    long long n_zero) {
+    const typename Tag::S* __restrict__ rope_cs, int has_rope, int Hq, int Hkv, int d, float* __restrict__ qs,
+    float* __restrict__ qf, typename Tag::S* __restrict__ k_slot, long long ks_s0, typename Tag::S* __restrict__ v_slot,
+    long long vs_s0, float* __restrict__ zero, long long n_zero) {
     const int b = blockIdx.x;
+    const typename Tag::S* rope = has_rope ? rope_cs : nullptr;
     if (b < Hq) {
         const int half = d / 2;
         const typename Tag::S* qh = q + (long long)b * q_s0;
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
-            const float x = Tag::cvt(qh[i]) * scale;
+            float y;
+            const float x = mr_prep_elem<Tag>(qh, i, d, rope, y) * scale;
             qs[(long long)b * d + i] = x;
             if (has_far) {
+                y *= scale;   // the pair's other half
                 const bool lo = i < half;
                 const int f = lo ? i : i - half;
-                const float y = Tag::cvt(qh[lo ? i + half : i - half]) * scale;   // the pair's other half
                 const float c = cs[f], s = cs[half + f];
                 qf[(long long)b * d + i] = lo ? x * c - y * s : x * c + y * s;
             }
         }
     } else if (b < Hq + Hkv) {
         const int j = b - Hq;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) k_slot[j * ks_s0 + i] = k[j * k_s0 + i];
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            if constexpr (MrRopeRound<Tag>::ok) {
+                if (rope != nullptr) {   // (the rounded value's bits: mr_store rounds no further)
+                    float y;
+                    mr_store(k_slot + j * ks_s0 + i, mr_prep_elem<Tag>(k + j * k_s0, i, d, rope, y));
+                    continue;
+                }
+            }
+            k_slot[j * ks_s0 + i] = k[j * k_s0 + i];
+        }
     } else if (b < Hq + 2 * Hkv) {
         const int j = b - Hq - Hkv;
         for (int i = threadIdx.x; i < d; i += blockDim.x) v_slot[j * vs_s0 + i] = v[j * v_s0 + i];
@@ -74,32 +119,32 @@ __device__ __forceinline__ void decode_prep_impl(
 
 extern "C" __global__ void __launch_bounds__(MR_PREP_THREADS)
 decode_prep_f32(const float* __restrict__ q, long long q_s0, const float* __restrict__ k, long long k_s0,
-                const float* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
-                int Hq, int Hkv, int d, float* __restrict__ qs, float* __restrict__ qf, float* __restrict__ k_slot,
-                long long ks_s0, float* __restrict__ v_slot, long long vs_s0, float* __restrict__ zero,
-                long long n_zero) {
-    decode_prep_impl<MrF32>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, Hq, Hkv, d, qs, qf, k_slot, ks_s0, v_slot,
-                          vs_s0, zero, n_zero);
+               const float* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
+               const float* __restrict__ rope_cs, int has_rope, int Hq, int Hkv, int d, float* __restrict__ qs,
+               float* __restrict__ qf, float* __restrict__ k_slot, long long ks_s0, float* __restrict__ v_slot,
+               long long vs_s0, float* __restrict__ zero, long long n_zero) {
+    decode_prep_impl<MrF32>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, rope_cs, has_rope, Hq, Hkv, d, qs, qf, k_slot,
+                           ks_s0, v_slot, vs_s0, zero, n_zero);
 }
 
 extern "C" __global__ void __launch_bounds__(MR_PREP_THREADS)
 decode_prep_f16(const unsigned short* __restrict__ q, long long q_s0, const unsigned short* __restrict__ k, long long k_s0,
-                const unsigned short* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
-                int Hq, int Hkv, int d, float* __restrict__ qs, float* __restrict__ qf, unsigned short* __restrict__ k_slot,
-                long long ks_s0, unsigned short* __restrict__ v_slot, long long vs_s0, float* __restrict__ zero,
-                long long n_zero) {
-    decode_prep_impl<MrF16>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, Hq, Hkv, d, qs, qf, k_slot, ks_s0, v_slot,
-                          vs_s0, zero, n_zero);
+               const unsigned short* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
+               const unsigned short* __restrict__ rope_cs, int has_rope, int Hq, int Hkv, int d, float* __restrict__ qs,
+               float* __restrict__ qf, unsigned short* __restrict__ k_slot, long long ks_s0, unsigned short* __restrict__ v_slot,
+               long long vs_s0, float* __restrict__ zero, long long n_zero) {
+    decode_prep_impl<MrF16>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, rope_cs, has_rope, Hq, Hkv, d, qs, qf, k_slot,
+                           ks_s0, v_slot, vs_s0, zero, n_zero);
 }
 
 extern "C" __global__ void __launch_bounds__(MR_PREP_THREADS)
 decode_prep_bf16(const unsigned short* __restrict__ q, long long q_s0, const unsigned short* __restrict__ k, long long k_s0,
-                 const unsigned short* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
-                 int Hq, int Hkv, int d, float* __restrict__ qs, float* __restrict__ qf, unsigned short* __restrict__ k_slot,
-                 long long ks_s0, unsigned short* __restrict__ v_slot, long long vs_s0, float* __restrict__ zero,
-                 long long n_zero) {
-    decode_prep_impl<MrBF16>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, Hq, Hkv, d, qs, qf, k_slot, ks_s0, v_slot,
-                          vs_s0, zero, n_zero);
+                const unsigned short* __restrict__ v, long long v_s0, float scale, const float* __restrict__ cs, int has_far,
+                const unsigned short* __restrict__ rope_cs, int has_rope, int Hq, int Hkv, int d, float* __restrict__ qs,
+                float* __restrict__ qf, unsigned short* __restrict__ k_slot, long long ks_s0, unsigned short* __restrict__ v_slot,
+                long long vs_s0, float* __restrict__ zero, long long n_zero) {
+    decode_prep_impl<MrBF16>(q, q_s0, k, k_s0, v, v_s0, scale, cs, has_far, rope_cs, has_rope, Hq, Hkv, d, qs, qf, k_slot,
+                            ks_s0, v_slot, vs_s0, zero, n_zero);
 }
 
 // ---------------------------------------------------------------------------

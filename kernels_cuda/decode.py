@@ -29,12 +29,14 @@ _GATHER_MAX_GROUP = _sources.constant("gather.cu", "MR_GATHER_MAX_GROUP")
 _OUT_SUFFIX = {"torch.float32": "f32", "torch.bfloat16": "bf16"}
 
 
-def _launch_prep(L, q, k, v, scale, cs, has_far, qs, qf, k_slot, v_slot, zero, n_zero):
+def _launch_prep(L, q, k, v, scale, cs, has_far, qs, qf, k_slot, v_slot, zero, n_zero, rope=None):
+    """rope: q, k before RoPE, turned by this [cos | sin] (their dtype: float32 / bfloat16) first."""
     Hq, d = q.shape
     Hkv = k.shape[0]
     L.launch("decode.cu", "decode_prep_" + _KV_SUFFIX[str(q.dtype)], (Hq + 2 * Hkv,), (_PREP_THREADS,),
              (q, _i64(q.stride(0)), k, _i64(k.stride(0)), v, _i64(v.stride(0)), np.float32(scale), cs,
-              _i32(has_far), _i32(Hq), _i32(Hkv), _i32(d), qs, qf, k_slot, _i64(k_slot.stride(0)), v_slot,
+              _i32(has_far), q if rope is None else rope, _i32(rope is not None), _i32(Hq), _i32(Hkv), _i32(d), qs, qf,
+              k_slot, _i64(k_slot.stride(0)), v_slot,
               _i64(v_slot.stride(0)), zero, _i64(n_zero)))  # fmt: skip
 
 
@@ -135,12 +137,13 @@ class DecodeStep:
     def session(self):
         return _backend().session(self.device)
 
-    def prep(self, L, q, k, v, scale, k_slot, v_slot, far: bool, zero_hist: bool):
+    def prep(self, L, q, k, v, scale, k_slot, v_slot, far: bool, zero_hist: bool, rope=None):
         """q [Hq, d], k, v [Hkv, d] (model dtype, contiguous rows) -> (qs, qf or qs); the new token
         into k_slot / v_slot [Hkv, d]; the histogram zeroed when the selection will use it. With
-        far, self.cs must hold this position's [cos | sin] (the caller copies it in)."""
+        far, self.cs must hold this position's [cos | sin] (the caller copies it in). rope: q, k
+        are not turned yet, this [d] is their position's cos | sin (float32 / bfloat16)."""
         _launch_prep(L, q, k, v, scale, self.cs, far, self.qs, self.qf, k_slot, v_slot, self.hists,
-                     self.hists.numel() if zero_hist else 0)
+                     self.hists.numel() if zero_hist else 0, rope)
         return self.qs, (self.qf if far else self.qs)
 
     def scores(self, L, q, q2k, codebooks, P, n, z, n_live=None):

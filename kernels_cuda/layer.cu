@@ -18,13 +18,6 @@
 
 #define MR_LAYER_THREADS 256
 
-__device__ __forceinline__ float mr_bf16_round(float x) {
-    unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return x;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return __uint_as_float(u & 0xffff0000u);
-}
-
 struct MrLayerF32 {
     typedef float S;
     static __device__ __forceinline__ float ld(float x) { return x; }

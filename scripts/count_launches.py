@@ -70,8 +70,10 @@ def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]
     graphs: of the step a CUDA graph captures (minirun/cuda_graph.py, run eagerly), and also the
     torch ops outside it (the copies before a replay) -> (torch, kernels_cuda, outside)."""
     with cuda_emu.emulated_hca_cuda():   # (a dense engine stays dense)
-        eng = Engine.load(model, device="cpu", dtype="bfloat16", ctx=max(2048, 2 * depth), kv=kv,
-                          **(HCA if kv == "hca" else {}))
+        # (HCA in float32: on the CPU a bfloat16 model's exact tier is float16, which a GPU's is not,
+        # and the GPU's step leaves RoPE to decode_prep only where the tier has the model's dtype)
+        dtype = "bfloat16" if kv == "dense" else "float32"
+        eng = Engine.load(model, device="cpu", dtype=dtype, ctx=max(2048, 2 * depth), kv=kv, **(HCA if kv == "hca" else {}))
         for lw in eng.model.w["layers"]:
             lw.pop("np", None)                       # (the CPU's own fused path)
         eng.model.cpu_token = None                   # (and its numpy token)

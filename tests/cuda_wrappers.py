@@ -273,11 +273,12 @@ def attend_exact(q, K, V, q_to_kv, n, valid=None, kernel="auto"):
     return o, m, l
 
 
-def decode_prep(q, k, v, scale, k_slot, v_slot, cs=None, zero=None):
+def decode_prep(q, k, v, scale, k_slot, v_slot, cs=None, zero=None, rope=None):
     """q [Hq, d], k, v [Hkv, d] of one dtype (f32 / f16 / bf16; contiguous rows), k_slot, v_slot
     [Hkv, d] views of that dtype (written), cs optional f32 [d] = [cos | sin] of the far turn, zero
     optional f32 tensor (contiguous; zeroed) -> (qs [Hq, d] f32 = q * scale, qf [Hq, d] f32 = qs
-    turned by cs, or None without cs); k_slot <- k, v_slot <- v."""
+    turned by cs, or None without cs); k_slot <- k, v_slot <- v. rope: optional [d] of q's dtype
+    (f32 / bf16), the position's [cos | sin]: q and k are turned by it first (as layer.rope_)."""
     torch = _torch()
     be = _backend()
     _check(be, q, "q", 2)
@@ -306,8 +307,13 @@ def decode_prep(q, k, v, scale, k_slot, v_slot, cs=None, zero=None):
         if zero.dtype != torch.float32 or not zero.is_contiguous():
             raise ValueError("zero must be a contiguous float32 tensor")
         n_zero = zero.numel()
+    if rope is not None:
+        _check(be, rope, "rope", 1, dev)
+        if rope.dtype != q.dtype or q.dtype not in (torch.float32, torch.bfloat16) or rope.shape[0] != d:
+            raise ValueError(f"rope must be float32 / bfloat16 [{d}] of q's dtype")
     with be.session(dev) as L:
-        _launch_prep(L, q, k, v, scale, cs_t, cs is not None, qs, qf, k_slot, v_slot, zero, n_zero)
+        _launch_prep(L, q, k, v, scale, cs_t, cs is not None, qs, qf, k_slot, v_slot, zero, n_zero,
+                     None if rope is None else rope.contiguous())
     return qs, (qf if cs is not None else None)
 
 

@@ -190,6 +190,34 @@ def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, 
 
 
 @emu_only
+@pytest.mark.parametrize("kw", [{}, {"far_positions": "on"}], ids=["tau0.9", "far"])
+def test_eager_whole_hca_token_through_layer_kernels(tiny_model_dir, monkeypatch, kw):
+    """With the GPU's layer kernels the capturable HCA token leaves RoPE to decode_prep
+    (rotates_at), which turns q and k as it stages the key: the same logits as the ordinary steps
+    (q, k turned by rope_ first), the same exact tier."""
+    import cuda_emu
+    prompt = list(range(5, 45))
+    with cuda_emu.emulated() as be:
+        ref, eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, {**HCA_GPU, **kw})
+        for e in (ref, eng):
+            assert ops.prepare_cuda_decode(e.model.w, e.args, e.device, e.model.dtype, force=True)
+            e.model.cuda_decode = True
+        assert eng.cache.rotates_at(eng.args.num_attention_heads, eng.model.dtype)
+        gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=16, capture=False)
+        ref.prefill(prompt)
+        eng.prefill(prompt)
+        toks = [int(t) for t in torch.randint(4, 300, (10,), generator=torch.Generator().manual_seed(2))]
+        la = torch.stack([ref.step(t).reshape(-1) for t in toks])
+        n0 = len(be.launches)
+        lb = torch.stack([gd.step(t).reshape(-1) for t in toks])
+    names = [x[0] for x in be.launches[n0:]]
+    assert gd.eager_steps == 0 and "decode_prep_f32" in names and "rope_f32" not in names
+    assert (la - lb).abs().max().item() <= 1e-4
+    for a, b in ((eng.cache.ek, ref.cache.ek), (eng.cache.ev, ref.cache.ev)):
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+@emu_only
 def test_whole_hca_tokens_need_the_gpu_value_sum(tiny_model_dir, monkeypatch):
     """With the host's value sum an HCA token cannot be captured: the engine decodes it eagerly. A
     cap is captured at any tau (the histogram caps on the device)."""

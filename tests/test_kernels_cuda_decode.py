@@ -56,6 +56,25 @@ def check_decode_prep(env, Hq, Hkv, d, dtype, far, seed=0):
     keep = [0, 1, 2, 4]
     assert torch.equal(tier_h[:, :, keep], tier[:, :, keep])
     assert not zero_d.cpu().any()
+    if dtype == torch.float16:
+        return
+    # q, k before RoPE and their position's [cos | sin]: turned first, as layer.rope_ turns them
+    from kernels_cuda import layer as kl
+    from minirun import ops
+    rope = ops.rope_table(ang.cos()[None].to(dtype), ang.sin()[None].to(dtype))[0]
+    with env.ctx():
+        turned = kl.rope_(qkv.clone().reshape(1, -1).to(env.device), Hq + Hkv, d, rope.to(env.device))
+        turned = turned.view(Hq + 2 * Hkv, d).cpu()
+        tier_d = tier.to(env.device)
+        qs2, qf2 = cw.decode_prep(q.to(env.device), k.to(env.device), v.to(env.device), 0.125, tier_d[0, :, 3],
+                                  tier_d[1, :, 3], cs=None if cs is None else cs.to(env.device), rope=rope.to(env.device))
+    rq, rf = R.decode_prep_ref(turned[:Hq].float().numpy(), 0.125, None if cs is None else cs.numpy())
+    np.testing.assert_array_equal(np_(qs2), rq)
+    if far:
+        np.testing.assert_allclose(np_(qf2), rf, rtol=1e-6, atol=1e-6)
+    tier_h = tier_d.cpu()
+    assert torch.equal(tier_h[0, :, 3], turned[Hq:Hq + Hkv]) and torch.equal(tier_h[1, :, 3], v)
+    assert torch.equal(tier_h[:, :, keep], tier[:, :, keep])
 
 
 def check_pack_selection(env, Hq, n, width, w, cap, seed=1):

@@ -172,7 +172,8 @@ def test_count_launches_script(capsys):
     """scripts/count_launches.py: the layer kernels cut a layer's launches (dense 41 -> 13 with the
     GPU's attention, HCA 50 -> 18), and they stay bounded (a new op in the decode path shows up
     here); with CUDA graphs a token is a few launches, the dense graph's layer 10 (RoPE, the scale,
-    the cache writes and the mask in one launch; the residual added by the next norm)."""
+    the cache writes and the mask in one launch; the residual added by the next norm), HCA's 17
+    (RoPE in decode_prep)."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).parent.parent / "scripts" / "count_launches.py"
@@ -184,10 +185,11 @@ def test_count_launches_script(capsys):
     def per_layer(name):
         return r[name]["torch_per_layer"] + r[name]["kernels_cuda_per_layer"]
     assert per_layer("dense, layer kernels on") <= 13 < per_layer("dense, layer kernels off")
-    assert per_layer("dense, cuda graphs") <= 10
+    assert per_layer("dense, cuda graphs") <= 10 and per_layer("hca, cuda graphs") <= 17
     assert per_layer("hca, layer kernels on") <= 18 < per_layer("hca, layer kernels off")
     assert r["hca, layer kernels on"]["kernels_cuda_per_layer"] == 4 + decode_launches(0.9)["kernels_cuda"]
     assert "| hca, layer kernels on |" in capsys.readouterr().out
     # CUDA graphs: a token is one replay, the copies of its inputs and the logits' clone
     assert r["dense, cuda graphs"]["per_token"] == 3 and r["hca, cuda graphs"]["per_token"] == 4
-    assert r["hca, cuda graphs"]["kernels_cuda_per_layer"] == r["hca, layer kernels on"]["kernels_cuda_per_layer"]
+    # (the graph's step leaves RoPE to decode_prep: one launch less than the eager step)
+    assert r["hca, cuda graphs"]["kernels_cuda_per_layer"] == r["hca, layer kernels on"]["kernels_cuda_per_layer"] - 1

@@ -79,13 +79,14 @@ class CapturedSteps:
         self.values.device_wait()
 
     def rotates_at(self, n_heads: int, dtype) -> bool:
-        """(attend_at takes q, k turned: decode_prep stages the key as it comes.)"""
-        return False
+        """Whether attend_at takes q, k before RoPE (rope=: their position's cos | sin): decode_prep
+        turns them as it stages the key (float32 / bfloat16 models, whose exact tier has their dtype)."""
+        return dtype in (torch.float32, torch.bfloat16) and self.ek.dtype == dtype
 
     def attend_at(self, layer, q, k, v, pos, n_keys, rope=None):
         """_attend_hca with the GPU's value sum, every per-token value read from the device state:
         q [1, Hq, hd], k, v [1, Hkv, hd] -> [1, Hq, hd] (model dtype). pos: unused (the state has it);
-        rope: None (rotates_at)."""
+        rope: [hd] cos | sin of the position where q, k are not turned yet (rotates_at)."""
         ds = self._decode_kernels()
         S, W = self.S, self.W
         far = self.far is not None
@@ -95,7 +96,7 @@ class CapturedSteps:
         tau = self.tau
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self.scale, self._ekx[layer, :, S + W],
-                             self._evx[layer, :, S + W], far, self._histogram_cut(n_keys))
+                             self._evx[layer, :, S + W], far, self._histogram_cut(n_keys), rope)
             if self.length_ctx:   # (its factor moves every token: read from device memory)
                 qs.mul_(self._length_factor)
                 if far:
