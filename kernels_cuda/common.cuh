@@ -60,6 +60,22 @@ __device__ __forceinline__ float mr_bf16_round(float x) {
     return __uint_as_float(u & 0xffff0000u);
 }
 
+// Where torch's ops round a float32 / bfloat16 result: rnd(x) (as a float32).
+struct MrRoundF32 {
+    static __device__ __forceinline__ float rnd(float x) { return x; }
+};
+struct MrRoundBF16 {
+    static __device__ __forceinline__ float rnd(float x) { return mr_bf16_round(x); }
+};
+
+// RoPE of one (x1, x2) pair by (c, s) in HF Llama's half split, r1 = x1 c - x2 s, r2 = x2 c + x1 s,
+// each product and each sum rounded by R::rnd as torch's ops round them.
+template <typename R>
+__device__ __forceinline__ void mr_rope_pair(float x1, float x2, float c, float s, float& r1, float& r2) {
+    r1 = R::rnd(R::rnd(x1 * c) - R::rnd(x2 * s));
+    r2 = R::rnd(R::rnd(x2 * c) + R::rnd(x1 * s));
+}
+
 // load2: elements p[0], p[1] in one load (p aligned to two elements: an even index into rows of
 // even length); the low half of a 32-bit word is the first 16-bit element (little endian).
 struct alignas(8) MrF32x2 {

@@ -42,14 +42,8 @@ __device__ __forceinline__ void mr_store(unsigned short* p, float x) {
 // Launch: block MR_PREP_THREADS, grid (Hq + 2 Hkv).  d even.  qf is not written without has_far.
 // ---------------------------------------------------------------------------
 template <typename Tag> struct MrRopeRound { static constexpr bool ok = false; };
-template <> struct MrRopeRound<MrF32> {
-    static constexpr bool ok = true;
-    static __device__ __forceinline__ float rnd(float x) { return x; }
-};
-template <> struct MrRopeRound<MrBF16> {
-    static constexpr bool ok = true;
-    static __device__ __forceinline__ float rnd(float x) { return mr_bf16_round(x); }
-};
+template <> struct MrRopeRound<MrF32> : MrRoundF32 { static constexpr bool ok = true; };
+template <> struct MrRopeRound<MrBF16> : MrRoundBF16 { static constexpr bool ok = true; };
 
 // Element i of head row x (d elements): as it is, or turned by rope (the pair (f, f + d/2) it
 // belongs to, rounded as rope_ rounds); `other` gets the pair's other element the same way.
@@ -62,12 +56,7 @@ __device__ __forceinline__ float mr_prep_elem(const typename Tag::S* x, int i, i
     const float x1 = Tag::cvt(x[f]), x2 = Tag::cvt(x[f + half]);
     float r1 = x1, r2 = x2;
     if constexpr (MrRopeRound<Tag>::ok) {
-        if (rope != nullptr) {
-            typedef MrRopeRound<Tag> R;
-            const float c = Tag::cvt(rope[f]), s = Tag::cvt(rope[half + f]);
-            r1 = R::rnd(R::rnd(x1 * c) - R::rnd(x2 * s));
-            r2 = R::rnd(R::rnd(x2 * c) + R::rnd(x1 * s));
-        }
+        if (rope != nullptr) mr_rope_pair<MrRopeRound<Tag>>(x1, x2, Tag::cvt(rope[f]), Tag::cvt(rope[half + f]), r1, r2);
     }
     other = lo ? r2 : r1;
     return lo ? r1 : r2;

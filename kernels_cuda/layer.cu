@@ -18,16 +18,14 @@
 
 #define MR_LAYER_THREADS 256
 
-struct MrLayerF32 {
+struct MrLayerF32 : MrRoundF32 {
     typedef float S;
     static __device__ __forceinline__ float ld(float x) { return x; }
-    static __device__ __forceinline__ float rnd(float x) { return x; }
     static __device__ __forceinline__ float st(float x) { return x; }
 };
-struct MrLayerBF16 {
+struct MrLayerBF16 : MrRoundBF16 {
     typedef unsigned short S;
     static __device__ __forceinline__ float ld(unsigned short x) { return mr_bf16_to_float(x); }
-    static __device__ __forceinline__ float rnd(float x) { return mr_bf16_round(x); }
     static __device__ __forceinline__ unsigned short st(float x) {
         return (unsigned short)(__float_as_uint(mr_bf16_round(x)) >> 16);
     }
@@ -121,10 +119,10 @@ __device__ __forceinline__ void rope_impl(typename Tag::S* __restrict__ x, long 
     for (int p = threadIdx.x; p < n_rot * half; p += blockDim.x) {   // one (x1, x2) pair per step
         const int h = p / half, f = p - h * half;
         typename Tag::S* xh = xr + (long long)h * d;
-        const float x1 = Tag::ld(xh[f]), x2 = Tag::ld(xh[f + half]);
-        const float c = Tag::ld(cs[f]), s = Tag::ld(cs[half + f]);
-        xh[f] = Tag::st(Tag::rnd(x1 * c) - Tag::rnd(x2 * s));
-        xh[f + half] = Tag::st(Tag::rnd(x2 * c) + Tag::rnd(x1 * s));
+        float r1, r2;
+        mr_rope_pair<Tag>(Tag::ld(xh[f]), Tag::ld(xh[f + half]), Tag::ld(cs[f]), Tag::ld(cs[half + f]), r1, r2);
+        xh[f] = Tag::st(r1);
+        xh[f + half] = Tag::st(r2);
     }
 }
 
@@ -189,10 +187,8 @@ __device__ __forceinline__ void rope_store_impl(const typename Tag::S* __restric
         const typename Tag::S* x = is_q ? q + (long long)b * q_s0 : k + (long long)(b - Hq) * k_s0;
         typename Tag::S* kr = K + (long long)(b - Hq) * kv_s0 + p * d;   // (dereferenced for keys only)
         for (int f = threadIdx.x; f < half; f += blockDim.x) {
-            const float x1 = Tag::ld(x[f]), x2 = Tag::ld(x[f + half]);
-            const float c = Tag::ld(cs[f]), s = Tag::ld(cs[half + f]);
-            const float r1 = Tag::rnd(Tag::rnd(x1 * c) - Tag::rnd(x2 * s));
-            const float r2 = Tag::rnd(Tag::rnd(x2 * c) + Tag::rnd(x1 * s));
+            float r1, r2;
+            mr_rope_pair<Tag>(Tag::ld(x[f]), Tag::ld(x[f + half]), Tag::ld(cs[f]), Tag::ld(cs[half + f]), r1, r2);
             if (is_q) {
                 qs[(long long)b * d + f] = r1 * scale;
                 qs[(long long)b * d + f + half] = r2 * scale;

@@ -32,11 +32,12 @@ class DeviceExactKeys:
     def __init__(self, c):
         self.c = c
 
-    def score(self, ds, L, layer, q, zb, start: int = 0) -> None:
-        """Tokens [start, n) from the exact keys (held from exact_base = start on), stats over all n."""
+    def score(self, ds, L, layer, q, zb) -> None:
+        """Tokens [exact_base, n) from the exact keys (those before it are encoded: DeviceCodes
+        scored them), stats over all n."""
         c, n = self.c, self.c.n_store
         Kx = c.exact_keys.view(layer, n - c.exact_base)
-        zb[:, start:n] = torch.bmm(q.view(c.Hkv, -1, c.hd), Kx.transpose(1, 2)).reshape(c.Hq, -1)
+        zb[:, c.exact_base:n] = torch.bmm(q.view(c.Hkv, -1, c.hd), Kx.transpose(1, 2)).reshape(c.Hq, -1)
         torch.amax(zb[:, :n], 1, out=ds.m)
         torch.sum(torch.exp(zb[:, :n] - ds.m[:, None]), 1, out=ds.l)
 
@@ -62,7 +63,7 @@ class DeviceCodes:
         if ne:
             ds.scores(L, q, c.q2k_dev, self.centroids()[layer], c.indices.data[layer], ne, zb)
         if c.n_store > ne:
-            self.exact.score(ds, L, layer, q, zb, ne)
+            self.exact.score(ds, L, layer, q, zb)
 
     def encode(self, K: torch.Tensor) -> torch.Tensor:
         Lr, Hkv, m, hd = K.shape
