@@ -1,4 +1,10 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty."""
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+
+Any parameters SamplingParams accepts give a token: non-finite logits (a penalty that overflows
+float32, a model that produced inf or nan) are made finite or dropped, a temperature too small to
+divide by is greedy, top-p keeps at least the most likely token, and a distribution left with no
+finite mass falls back to the most likely token.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import MiniRunError
+
+GREEDY_BELOW = 1e-5   # temperatures below it are greedy (vLLM's sampling epsilon): logits / t would overflow
 
 
 @dataclass(frozen=True)
@@ -48,9 +56,11 @@ class Sampler:
             picked = logits[ids]
             logits = logits.clone()
             logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-        if p.temperature == 0.0:
+            logits = finite(logits)     # (a penalty far from 1 overflows: x / 1e-30 = inf, -inf * 1e-30 = nan)
+        if p.temperature < GREEDY_BELOW:
             return int(logits.argmax())
-        logits = (logits / p.temperature).cpu()
+        logits = finite(logits)
+        logits = ((logits - logits.max()) / p.temperature).cpu()    # <= 0: exp cannot overflow
         if p.top_k > 0 and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -59,6 +69,17 @@ class Sampler:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p   # always keeps the most likely token
+            keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+            keep[0] = True    # the most likely token, even when top_p rounds to 0 in float32
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        total = float(probs.sum())
+        if not 0.0 < total < float("inf"):   # (nothing finite left to sample from)
+            return int(logits.argmax())
         return int(torch.multinomial(probs, 1, generator=self.gen))
+
+
+def finite(logits: torch.Tensor) -> torch.Tensor:
+    """logits [V] float32 with nan as -inf (never picked) and +-inf clamped to float32's range, so that
+    subtracting the maximum leaves no nan."""
+    big = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(logits, nan=float("-inf")).clamp(-big, big)
