@@ -3,6 +3,10 @@
 Unknown fields are kept (extra="allow") so that `unsupported()` can name them in a 400 instead of
 ignoring them: a client asking for tools or log-probabilities must learn that it did not get them.
 A few OpenAI fields are accepted at their neutral value only (n = 1, logprobs false, penalties 0).
+Types are strict (a JSON string is not an integer, 1 is not a boolean; an integer is a float) and
+every number has a range: the sampler's own ones, OpenAI's where it states one (penalties, n, seed
+as a signed 64-bit integer that is not negative), and a bound that keeps the sampler's float32
+arithmetic finite where neither does (temperature, top_p, repetition_penalty).
 """
 from __future__ import annotations
 
@@ -24,33 +28,38 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+MAX_INT = 2**31 - 1       # token counts and top_k: more than any context or vocabulary
+MAX_SEED = 2**63 - 1      # OpenAI's seed is a signed 64-bit integer; torch's generator takes it as is
+TOP_P_MIN = 1e-6          # below it nucleus sampling keeps the most likely token alone: temperature 0 says so
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class Request(BaseModel):
     """The fields /v1/chat/completions and /v1/completions share."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None                  # one model is served: any name is answered by it
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, ge=TOP_P_MIN, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=128)
     user: str | None = None                   # a label for the caller's own records: accepted, unused
     # the CLI's sampling extensions
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_INT)
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0)
     ignore_eos: bool = False
     # OpenAI fields accepted at their neutral value only
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict | None = None
 
     NEUTRAL: ClassVar[dict] = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
@@ -86,7 +95,7 @@ class Request(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[dict], None] = None     # a string, or content parts: text ones only
     name: str | None = None
@@ -105,7 +114,7 @@ class Message(BaseModel):
 
 class ChatRequest(Request):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool | None = None
     NEUTRAL: ClassVar[dict] = {**Request.NEUTRAL, "logprobs": (None, False)}
 
@@ -131,11 +140,11 @@ class ChatRequest(Request):
 
 class CompletionRequest(Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)   # (OpenAI's default for completions)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)   # (OpenAI's default for completions)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1, le=20)
+    logprobs: int | None = Field(None, ge=0, le=5)
     NEUTRAL: ClassVar[dict] = {**Request.NEUTRAL, "echo": (False,), "suffix": (None,), "best_of": (None, 1),
                                "logprobs": (None,)}
 
