@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from .cli_bench import SizeType
 from .cli_common import engine_options, load_engine, sampling_options, split_kwargs
 from .errors import MiniRunError
 
@@ -92,6 +93,12 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
         click.echo(f"[{prompt_part} | generated {len(r.tokens)} tok, {r.decode_tps:.1f} tok/s]", err=True)
 
 
+def max_body_callback(ctx, param, value: int) -> int:
+    if not 1 << 10 <= value <= 1 << 30:
+        raise click.BadParameter(f"{value} bytes is not in the range 1K to 1G", ctx, param)
+    return value
+
+
 @cli.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -104,8 +111,10 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
               help="load a KV cache file at start (made by chat or generate --prompt-cache): requests that start "
                    "with its tokens prefill only the rest")
 @click.option("--model-name", default=None, help="the model id /v1/models reports (default: the directory's name)")
+@click.option("--max-body", type=SizeType(), default="8M", show_default=True, callback=max_body_callback,
+              help="the largest request body (1K to 1G; K, M, G suffixes): a larger one is refused (413)")
 @engine_options
-def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, **engine_kw):
+def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, max_body, **engine_kw):
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
     MODEL: a model directory, or a name in the models directory (smollm2)."""
@@ -115,7 +124,7 @@ def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, **eng
     if prompt_cache is not None:
         n = eng.load_prompt_cache(prompt_cache)
         click.echo(f"minirun serve: {n} tokens from {prompt_cache}", err=True)
-    run(eng, model_name or eng.path.name, sock, api_key, max_queue)
+    run(eng, model_name or eng.path.name, sock, api_key, max_queue, max_body)
 
 
 @cli.command()

@@ -7,8 +7,10 @@ decode tokens/s; streams put it in the chunk with the finish_reason.
 GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions. Prompts are
 tokenized here, off the event loop (the tokenizer is thread-safe; the engine is not and stays in
 the worker), so an over-long prompt is refused before it waits in the queue. Bodies are parsed by
-hand from JSON into the pydantic models of schemas.py, so that every failure, invalid JSON
-included, is answered with OpenAI's error object and status 400.
+hand from JSON into the pydantic models of schemas.py, so that every failure is answered with
+OpenAI's error object: a body that is not JSON (415 by its Content-Type), one over --max-body (413,
+by its Content-Length before any of it is read, else as it arrives), JSON that is invalid, nested
+deeper than the parser's limit or holds a lone surrogate (400), fields out of range (400).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+from pydantic_core import from_json
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,6 +32,7 @@ from .schemas import ApiError, ChatRequest, CompletionRequest
 from .worker import EngineWorker, InternalError, Job, QueueFull, ShuttingDown
 
 FINISH = {"stop": "stop", "length": "length", "ctx": "length", "cancelled": "length"}
+MAX_BODY = 8 << 20     # bytes of a request body (--max-body): a 16K-token prompt is ~100 KB
 
 
 def error_of(e: Exception) -> ApiError:
@@ -55,12 +59,37 @@ def describe(e: ValidationError) -> tuple[str, str | None]:
     return f"{param + ': ' if param else ''}{first['msg']}{more}", param
 
 
-async def parse_body(request: Request, model):
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) by its Content-Length before reading or once more than `limit` bytes
+    arrived (a chunked body has no length); 415 unless it says it is JSON (or says nothing)."""
+    kind = request.headers.get("content-type")
+    if kind is not None and kind.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, f"the request body must be JSON: send 'Content-Type: application/json' (got {kind!r})",
+                       code="unsupported_media_type")
+    too_big = ApiError(413, f"the request body is larger than the server's limit of {limit} bytes (--max-body)",
+                       code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes, model):
+    """The body as `model` (run in a thread: a large body does not hold up the event loop). The
+    parser refuses nesting deeper than 200 levels, lone surrogates and NaN/Infinity, so no string
+    the tokenizer cannot encode gets past it."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        data = from_json(raw, allow_inf_nan=False)
+    except ValueError as e:
+        why = (": a string is not valid Unicode (a lone surrogate such as \\ud800, or a broken \\u escape)"
+               if any(w in str(e) for w in ("surrogate", "hex escape", "unicode")) else "")
+        raise ApiError(400, f"the request body is not valid JSON ({e}){why}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
@@ -70,6 +99,10 @@ async def parse_body(request: Request, model):
         raise ApiError(400, message, param, "invalid_value") from None
     body.check()
     return body
+
+
+async def parse_body(request: Request, model, limit: int):
+    return await run_in_threadpool(parse_json, await read_body(request, limit), model)
 
 
 def sse(obj) -> str:
@@ -140,31 +173,43 @@ async def stream(job: Job, ans: Answer):
 
 
 async def collect(job: Job, request: Request):
-    """The final result of a job (non-streamed answers); a client that leaves cancels it."""
-    while True:
-        try:
-            kind, value = await asyncio.wait_for(job.next_event(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
+    """The final result of a job (non-streamed answers), or None when the client left first: then the
+    job is cancelled at once, so the engine stops within a token, as a dropped stream's does."""
+    gone = asyncio.create_task(disconnected(request))
+    try:
+        while True:
+            event = asyncio.create_task(job.next_event())
+            await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
                 job.cancel.set()
                 return None
-            continue
-        if kind == "done":
-            return value
-        if kind == "error":
-            raise error_of(value)
+            kind, value = event.result()
+            if kind == "done":
+                return value
+            if kind == "error":
+                raise error_of(value)
+    finally:
+        gone.cancel()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (its body is read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class ApiKeyCheck:
-    """ASGI middleware: /v1 requests need 'Authorization: Bearer KEY' (before the body is read)."""
+    """ASGI middleware: /v1 requests need one header 'Authorization: Bearer KEY' (checked before the
+    body is read; a second Authorization header fails the check, whatever either says)."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
+            auths = [v for k, v in scope["headers"] if k == b"authorization"]   # (ASGI names are lower case)
+            scheme, _, token = (auths[0] if len(auths) == 1 else b"").partition(b" ")   # two keys: neither counts
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 err = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                                code="invalid_api_key")
@@ -173,8 +218,9 @@ class ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
-def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The API over `worker` (started by the caller); model_name: the id /v1/models reports."""
+def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
+    """The API over `worker` (started by the caller); model_name: the id /v1/models reports; max_body:
+    the largest request body in bytes."""
     eng = worker.engine
     ctx = eng.config.ctx
     started = int(time.time())
@@ -234,7 +280,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parse_body(request, ChatRequest)
+        body = await parse_body(request, ChatRequest, max_body)
         t0 = time.perf_counter()
         try:
             ids = await run_in_threadpool(eng.chat_prompt, body.chat_messages())
@@ -245,7 +291,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, max_body)
         prompt = body.prompt_input()
         t0 = time.perf_counter()
         if isinstance(prompt, str):

@@ -10,7 +10,7 @@ import threading
 import uvicorn
 
 from ..errors import MiniRunError
-from .app import create_app
+from .app import MAX_BODY, create_app
 from .worker import EngineWorker
 
 
@@ -31,13 +31,14 @@ class Server(uvicorn.Server):
 
 
 def make_server(engine, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-                max_queue: int = 16, log_level: str = "info", start_worker: bool = True) -> Server:
+                max_queue: int = 16, log_level: str = "info", start_worker: bool = True,
+                max_body: int = MAX_BODY) -> Server:
     """A server over `engine` (its worker's thread started, unless start_worker is False: then the
     caller runs server.worker.run()); .run() serves until stopped."""
     worker = EngineWorker(engine, max_queue)
     if start_worker:
         worker.start()
-    app = create_app(worker, model_name, api_key)
+    app = create_app(worker, model_name, api_key, max_body)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                             timeout_graceful_shutdown=5)
     return Server(config, worker)
@@ -63,7 +64,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(engine, model_name: str, sock: socket.socket, api_key: str | None, max_queue: int) -> None:
+def run(engine, model_name: str, sock: socket.socket, api_key: str | None, max_queue: int,
+        max_body: int = MAX_BODY) -> None:
     """Serve on `sock` (from bind) until SIGINT or SIGTERM. The engine's work runs in this thread,
     the one that loaded it, and HTTP in another: torch's and Numba's OpenMP thread pools belong to
     the thread that first ran parallel work, and a second thread running the kernels got pools of
@@ -71,7 +73,8 @@ def run(engine, model_name: str, sock: socket.socket, api_key: str | None, max_q
     0.5 on 2 cores)."""
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
-    server = make_server(engine, model_name, host, port, api_key, max_queue, start_worker=False)
+    server = make_server(engine, model_name, host, port, api_key, max_queue, start_worker=False,
+                         max_body=max_body)
     if not is_loopback(host) and not api_key:
         print(f"minirun serve: note: listening on {host} without --api-key: anyone who can reach this port can "
               "use the model", file=sys.stderr)
