@@ -178,6 +178,22 @@ def test_no_key_server_ignores_authorization_headers(servers):
     conn.close()
 
 
+def test_a_bug_is_a_json_500_and_the_connection_stays_open(servers, monkeypatch):
+    """An unexpected exception in a handler is answered as a JSON 500 inside the app; left to
+    Starlette's outermost middleware it reached uvicorn, which reset the connection."""
+    keyed, _ = servers
+
+    def broken(text):
+        raise TypeError("simulated bug")
+    monkeypatch.setattr(keyed.engine, "tokenize", broken)
+    conn = http.client.HTTPConnection("127.0.0.1", keyed.port, timeout=60)
+    status, answer = send(conn, "POST", COMPLETIONS, encoded({"prompt": "text", "max_tokens": 2}))
+    check_error(status, answer, 500, "TypeError: simulated bug")
+    status, answer = send(conn, "POST", COMPLETIONS, encoded({"prompt": [5, 6], "max_tokens": 2}))
+    assert status == 200 and answer["usage"]["completion_tokens"] <= 2
+    conn.close()
+
+
 def raw_request(port: int, path: str, head: str) -> socket.socket:
     """A socket that has sent a request's head (no body yet)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=30)

@@ -17,11 +17,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
+import traceback
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from pydantic_core import from_json
 from starlette.concurrency import run_in_threadpool
@@ -61,7 +65,8 @@ def describe(e: ValidationError) -> tuple[str, str | None]:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) by its Content-Length before reading or once more than `limit` bytes
-    arrived (a chunked body has no length); 415 unless it says it is JSON (or says nothing)."""
+    arrived (a chunked body has no length); 415 unless it says it is JSON (or says nothing).
+    (Starlette's RequestBodyLimitMiddleware answers some of its 413s in plain text.)"""
     kind = request.headers.get("content-type")
     if kind is not None and kind.split(";")[0].strip().lower() != "application/json":
         raise ApiError(415, f"the request body must be JSON: send 'Content-Type: application/json' (got {kind!r})",
@@ -199,6 +204,25 @@ async def disconnected(request: Request) -> None:
         pass
 
 
+class JsonErrorRoute(APIRoute):
+    """A route whose unexpected exceptions (bugs) become a JSON 500 inside the app: one left to
+    Starlette's ServerErrorMiddleware is answered too, but then re-raised to uvicorn, which resets
+    the connection (a keep-alive client's next request failed)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def guarded(request):
+            try:
+                return await handler(request)
+            except (ApiError, StarletteHTTPException, RequestValidationError):
+                raise
+            except Exception as e:
+                traceback.print_exc(file=sys.stderr)
+                raise error_of(e) from None
+        return guarded
+
+
 class ApiKeyCheck:
     """ASGI middleware: /v1 requests need one header 'Authorization: Bearer KEY' (checked before the
     body is read; a second Authorization header fails the check, whatever either says)."""
@@ -225,6 +249,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     ctx = eng.config.ctx
     started = int(time.time())
     app = FastAPI(title="minirun", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = JsonErrorRoute
     if api_key:
         app.add_middleware(ApiKeyCheck, key=api_key)
     eng.tokenizer.apply_chat_template([{"role": "user", "content": "."}])   # compile the template once, here
