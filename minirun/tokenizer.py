@@ -87,11 +87,19 @@ class Tokenizer:
         i = self._sp.piece_to_id(token)
         return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
 
+    def longest_token_chars(self) -> int:
+        """The most characters of text one token stands for, at most: its piece's length (a
+        byte-level piece has a character per byte, a sentencepiece one is the text or a byte)."""
+        if self._tok is not None:
+            return max(map(len, self._tok.get_vocab(with_added_tokens=True)))
+        return max(len(self._sp.id_to_piece(i)) for i in range(self._sp.get_piece_size()))
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """text -> ids; BOS is prepended when the model wants it (once, even if the text starts with it)."""
         add_bos = self.add_bos if add_bos is None else add_bos
-        if self._tok is not None:
-            ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._tok is not None:   # (encode_batch lets go of the GIL, encode holds it: a server's
+            # event loop stalled for the whole of a long text)
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         else:
             ids = self._sp.encode(text)
         if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):

@@ -23,7 +23,7 @@ from test_serve import ThreadServer
 
 CTX = 2048
 KEY = "sesame"
-LIMIT = 64 << 10          # the servers' --max-body
+LIMIT = 256 << 10         # the servers' --max-body
 AUTH = [("Authorization", f"Bearer {KEY}")]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -124,6 +124,16 @@ ROWS = [
     ("token ids as floats", COMPLETIONS, encoded({"prompt": [1.0, 2.0]}), [JSON, *AUTH], 400, "prompt"),
     ("token ids as booleans", COMPLETIONS, encoded({"prompt": [True]}), [JSON, *AUTH], 400, "prompt"),
     ("best_of 0", COMPLETIONS, encoded({"prompt": "a", "best_of": 0}), [JSON, *AUTH], 400, "best_of"),
+    ("messages 10001", CHAT, encoded({"messages": [{"role": "user"}] * 10_001}), [JSON, *AUTH], 400,
+     "messages: List should have at most 10000 items"),
+    ("a prompt no context holds", COMPLETIONS, encoded({"prompt": "a" * 200_000}), [JSON, *AUTH], 400,
+     "the prompt is 200000 characters, more than the context of 2048 tokens"),
+    ("a conversation no context holds", CHAT, encoded({"messages": [{"role": "user", "content": "b" * 100_000}] * 2}),
+     [JSON, *AUTH], 400, "the prompt is 200000 characters"),
+    ("2049 token ids", COMPLETIONS, encoded({"prompt": [1] * (CTX + 1)}), [JSON, *AUTH], 400,
+     "the prompt is 2049 tokens, longer than the context of 2048"),
+    ("token id outside the vocabulary", COMPLETIONS, encoded({"prompt": [1, 10**9]}), [JSON, *AUTH], 400,
+     "token id 1000000000 is outside the vocabulary"),
     ("no key", CHAT, encoded(chat_body()), [JSON], 401, "API key"),
     ("two keys, wrong then right", CHAT, encoded(chat_body()), [JSON, ("Authorization", "Bearer nope"), *AUTH],
      401, "API key"),
@@ -276,3 +286,16 @@ def test_max_body_option_bounds(value, fragment, capsys):
     code, _, err = run_cli(["serve", "/nonexistent/minirun-model", "--port", "0", "--max-body", value], capsys)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and fragment in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_a_token_stands_for_at_most_longest_token_chars(which, tiny_model_dir, request):
+    """The bound the server refuses long texts by, before tokenizing them: never below the truth."""
+    from minirun.tokenizer import Tokenizer
+    path = tiny_model_dir("gqa-untied") if which == "tiny" else request.getfixturevalue("smollm2_dir")
+    tok = Tokenizer(path)
+    longest = tok.longest_token_chars()
+    texts = ["#" * 500, " " * 300 + "\n" * 40, "naïve café – 東京 🎉 " * 30, "<|im_start|>user\nhi<|im_end|>" * 20,
+             "".join(chr(c) for c in range(32, 2000)), "def f(x):\n" + "    return x\n" * 50]
+    for text in texts:
+        assert len(text) <= len(tok.encode(text, add_bos=False)) * longest, text[:40]

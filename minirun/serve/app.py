@@ -267,6 +267,15 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         err = error_of(e)
         return JSONResponse(err.body(), err.status)
 
+    per_token = eng.tokenizer.longest_token_chars()
+
+    def check_text(chars: int, param: str) -> None:
+        """Refuse a text that cannot fit before tokenizing it (megabytes take the tokenizer seconds
+        and gigabytes of memory): a token stands for at most `per_token` characters."""
+        if chars > ctx * per_token:
+            raise ApiError(400, f"the prompt is {chars} characters, more than the context of {ctx} tokens (--ctx) "
+                           f"can hold (a token is at most {per_token} characters)", param, "context_length_exceeded")
+
     def check_prompt(ids: list[int], param: str) -> None:
         if not ids:
             raise ApiError(400, "the prompt is empty", param)
@@ -306,9 +315,11 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatRequest, max_body)
+        messages = body.chat_messages()
+        check_text(sum(len(m["content"]) for m in messages), "messages")
         t0 = time.perf_counter()
         try:
-            ids = await run_in_threadpool(eng.chat_prompt, body.chat_messages())
+            ids = await run_in_threadpool(eng.chat_prompt, messages)
         except MiniRunError as e:   # the template refused the conversation (its raise_exception)
             raise ApiError(400, str(e), "messages") from None
         check_prompt(ids, "messages")
@@ -320,9 +331,11 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         prompt = body.prompt_input()
         t0 = time.perf_counter()
         if isinstance(prompt, str):
+            check_text(len(prompt), "prompt")
             ids = await run_in_threadpool(eng.tokenize, prompt) if prompt else []
         else:
-            ids = [int(i) for i in prompt]
+            ids = list(prompt)     # (ints: the model is strict)
+            check_prompt(ids, "prompt")     # (its length before a pass over a million ids)
             bad = [i for i in ids if not 0 <= i < eng.args.vocab_size]
             if bad:
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{eng.args.vocab_size - 1})",
