@@ -179,11 +179,14 @@ def test_extreme_sampling_values_in_range_answer(servers):
 
 
 def test_no_key_server_ignores_authorization_headers(servers):
-    """Without --api-key nothing is checked: any number of Authorization headers is answered."""
+    """Without --api-key nothing is checked: any number of Authorization headers is answered. A body
+    without a Content-Type is read as JSON (one that names another type is a 415)."""
     _, open_ = servers
     conn = http.client.HTTPConnection("127.0.0.1", open_.port, timeout=60)
     status, answer = send(conn, "POST", CHAT, encoded(chat_body(ignore_eos=True)),
                           [JSON, ("Authorization", "Bearer a"), ("Authorization", "Bearer b")])
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    status, answer = send(conn, "POST", CHAT, encoded(chat_body(ignore_eos=True)), [])   # no Content-Type: JSON
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
     conn.close()
 
@@ -295,7 +298,7 @@ def test_a_token_stands_for_at_most_longest_token_chars(which, tiny_model_dir, r
     path = tiny_model_dir("gqa-untied") if which == "tiny" else request.getfixturevalue("smollm2_dir")
     tok = Tokenizer(path)
     longest = tok.longest_token_chars()
-    texts = ["#" * 500, " " * 300 + "\n" * 40, "naïve café – 東京 🎉 " * 30, "<|im_start|>user\nhi<|im_end|>" * 20,
-             "".join(chr(c) for c in range(32, 2000)), "def f(x):\n" + "    return x\n" * 50]
+    texts = ["#" * 500, " " * 300 + "\n" * 40, "naïve café – 東京 🎉 " * 30,
+             "<|im_start|>user\nhi<|im_end|>" * 20, "".join(chr(c) for c in range(32, 2000)), "def f(x):\n" + "    return x\n" * 50]
     for text in texts:
         assert len(text) <= len(tok.encode(text, add_bos=False)) * longest, text[:40]

@@ -110,6 +110,14 @@ async def parse_body(request: Request, model, limit: int):
     return await run_in_threadpool(parse_json, await read_body(request, limit), model)
 
 
+def check_text(chars: int, ctx: int, per_token: int, param: str) -> None:
+    """Refuse a text that cannot fit in ctx tokens before tokenizing it (megabytes take the
+    tokenizer seconds and gigabytes of memory): a token stands for at most `per_token` characters."""
+    if chars > ctx * per_token:
+        raise ApiError(400, f"the prompt is {chars} characters, more than the context of {ctx} tokens (--ctx) can "
+                       f"hold (a token is at most {per_token} characters)", param, "context_length_exceeded")
+
+
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -268,14 +276,6 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         return JSONResponse(err.body(), err.status)
 
     per_token = eng.tokenizer.longest_token_chars()
-
-    def check_text(chars: int, param: str) -> None:
-        """Refuse a text that cannot fit before tokenizing it (megabytes take the tokenizer seconds
-        and gigabytes of memory): a token stands for at most `per_token` characters."""
-        if chars > ctx * per_token:
-            raise ApiError(400, f"the prompt is {chars} characters, more than the context of {ctx} tokens (--ctx) "
-                           f"can hold (a token is at most {per_token} characters)", param, "context_length_exceeded")
-
     def check_prompt(ids: list[int], param: str) -> None:
         if not ids:
             raise ApiError(400, "the prompt is empty", param)
@@ -316,7 +316,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatRequest, max_body)
         messages = body.chat_messages()
-        check_text(sum(len(m["content"]) for m in messages), "messages")
+        check_text(sum(len(m["content"]) for m in messages), ctx, per_token, "messages")
         t0 = time.perf_counter()
         try:
             ids = await run_in_threadpool(eng.chat_prompt, messages)
@@ -331,7 +331,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         prompt = body.prompt_input()
         t0 = time.perf_counter()
         if isinstance(prompt, str):
-            check_text(len(prompt), "prompt")
+            check_text(len(prompt), ctx, per_token, "prompt")
             ids = await run_in_threadpool(eng.tokenize, prompt) if prompt else []
         else:
             ids = list(prompt)     # (ints: the model is strict)
