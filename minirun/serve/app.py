@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import MiniRunError
 from .schemas import ApiError, ChatRequest, CompletionRequest
@@ -77,11 +78,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:    # (no traceback for it: nobody reads the answer)
+        raise ApiError(499, "client closed the request while sending its body") from None
     return b"".join(chunks)
 
 
