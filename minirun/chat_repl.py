@@ -96,8 +96,9 @@ def fit_conversation(eng, messages: list[dict], keep: int, room: int,
 
 
 def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None, prompt_cache=None,
-             document: str | None = None):
-    """The chat loop over stdin. document: the text of `file` when the caller read it already."""
+             document: str | None = None, prompt_cache_ro: bool = False):
+    """The chat loop over stdin. document: the text of `file` when the caller read it already;
+    prompt_cache_ro: load the prompt-cache file when it fits, never write it."""
     sampling = sampling or {}
     base: list[dict] = []
     if system or file:
@@ -117,7 +118,7 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
             raise MiniRunError(f"{what} is {len(prefix)} tokens, more than the context of {eng.config.ctx} (--ctx)")
     if file or prompt_cache:
         # the document now (or from the prompt cache), so the first question only pays for itself
-        prefill_document(eng, prefix, prompt_cache)
+        prefill_document(eng, prefix, prompt_cache, write=not prompt_cache_ro)
         if kv_report:
             click.echo(kv_report_line(eng), err=True)
     click.echo(f"minirun chat: {eng.path.name}, ctx {eng.config.ctx}, kv {eng.config.kv}. {HELP}", err=True)
@@ -139,7 +140,7 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
             messages = list(base)
             eng.rewind(len(prefix))   # (the document stays where the cache can drop what followed it)
             if prefix and eng.cache.offset < len(prefix) and prompt_cache:
-                prefill_document(eng, prefix, prompt_cache)
+                prefill_document(eng, prefix, prompt_cache, write=not prompt_cache_ro)
             kept = " (the document kept)" if prefix and eng.cache.offset == len(prefix) else ""
             click.echo(f"[conversation reset{kept}]")
             continue
@@ -162,7 +163,7 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
                 if prefix:     # as /reset: the document stays where the cache can drop what followed it
                     eng.rewind(len(prefix))
                     if eng.cache.offset < len(prefix) and prompt_cache:
-                        prefill_document(eng, prefix, prompt_cache)
+                        prefill_document(eng, prefix, prompt_cache, write=not prompt_cache_ro)
             text, interrupted, raised = "", False, False
             try:
                 with stop_on_sigint() as stopped:
@@ -195,11 +196,25 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
             click.echo(f"error: {e}", err=True)
 
 
-def prefill_document(eng, prefix: list[int], prompt_cache: Path | None = None) -> None:
+def check_prompt_cache(path: Path | None, read_only: bool) -> None:
+    """--prompt-cache and --prompt-cache-ro, before the model loads: a path that holds something else
+    than a prompt cache (a document, a directory) is refused, as --prompt-cache-ro without a file."""
+    from . import prompt_cache as pc
+    if read_only and path is None:
+        raise MiniRunError("--prompt-cache-ro reads the file of --prompt-cache: give it")
+    if read_only and not path.is_file():
+        raise MiniRunError(f"--prompt-cache-ro: no such file {path} (without --prompt-cache-ro, the first run "
+                           f"writes it)")
+    if path is not None:
+        pc.inspect_file(path)
+
+
+def prefill_document(eng, prefix: list[int], prompt_cache: Path | None = None, write: bool = True) -> None:
     """Make the cache hold `prefix` (the system prompt with the document): from the prompt-cache
-    file when it holds exactly that for this model and setting, else by prefilling it (and then
-    writing the file). A file that does not fit is said so in one line and rewritten."""
-    if prompt_cache is not None and prompt_cache.exists():
+    file when it holds exactly that for this model and setting, else by prefilling it (and then,
+    write, writing the file). A file that does not fit is said so in one line and (write) replaced."""
+    from . import prompt_cache as pc
+    if prompt_cache is not None and pc.inspect_file(prompt_cache) is not None:
         t0 = time.perf_counter()
         try:
             n = eng.load_prompt_cache(prompt_cache, prefix)
@@ -207,23 +222,31 @@ def prefill_document(eng, prefix: list[int], prompt_cache: Path | None = None) -
                        f"{time.perf_counter() - t0:.1f}s]", err=True)
             return
         except MiniRunError as e:
-            click.echo(f"[{e}: prefilling again]", err=True)
+            click.echo(f"[{e}: prefilling again{'' if write else _KEPT}]", err=True)
     eng.prefill(prefix, progress=_progress_bar("prefill"))
     r = eng.last_prefill
     click.echo(f"[document: {len(prefix)} tokens in context, prefilled in {r['seconds']:.1f}s "
                f"({r['tps']:.0f} tok/s, mode {r['mode']})]", err=True)
-    if prompt_cache is not None:
+    if prompt_cache is not None and write:
         write_prompt_cache(eng, prompt_cache)
 
 
+_KEPT = " (--prompt-cache-ro: the file is kept as it is)"
+
+
 def write_prompt_cache(eng, path: Path) -> None:
+    """Save the cache to path, in one line saying what the file held when it held another cache."""
+    from . import prompt_cache as pc
     t0 = time.perf_counter()
+    held = pc.inspect_file(path)
     try:
         nbytes = eng.save_prompt_cache(path)
-        click.echo(f"[prompt cache: {format_bytes(nbytes)} written to {path} in {time.perf_counter() - t0:.1f}s]",
-                   err=True)
     except OSError as e:   # (a full disk, no permission: the answer goes on without the file)
         click.echo(f"[prompt cache {path} not written: {e.strerror or e}]", err=True)
+        return
+    replaced = f", replacing {pc.summary(held)}" if held else ""
+    click.echo(f"[prompt cache: {format_bytes(nbytes)} written to {path} in {time.perf_counter() - t0:.1f}s"
+               f"{replaced}]", err=True)
 
 
 def prefill_prompt_head(eng, ids: list[int], prompt_cache: Path, write: bool = True) -> tuple[int, float]:
@@ -234,7 +257,7 @@ def prefill_prompt_head(eng, ids: list[int], prompt_cache: Path, write: bool = T
     from . import prompt_cache as pc
     head, from_file, held = ids[:-1], 0, -1
     t0 = time.perf_counter()
-    if prompt_cache.exists():
+    if pc.inspect_file(prompt_cache) is not None:
         try:
             held, shared = pc.load_prefix(eng, prompt_cache, head)
             if shared:
@@ -242,9 +265,11 @@ def prefill_prompt_head(eng, ids: list[int], prompt_cache: Path, write: bool = T
             from_file = len(eng._cached_ids)
             why = ("" if held == from_file else f" (it holds {held}, {shared} alike)" if from_file == shared else
                    f" (it holds {held}, {shared} alike: more than the cache can rewind)")
-            click.echo(f"[prompt cache: {from_file} of {len(ids)} prompt tokens from {prompt_cache}{why}]", err=True)
+            kept = "" if write or from_file == len(head) else _KEPT
+            click.echo(f"[prompt cache: {from_file} of {len(ids)} prompt tokens from {prompt_cache}{why}{kept}]",
+                       err=True)
         except MiniRunError as e:
-            click.echo(f"[{e}: prefilling the prompt]", err=True)
+            click.echo(f"[{e}: prefilling the prompt{'' if write else _KEPT}]", err=True)
     if from_file < len(head):
         eng.prefill(head, progress=_progress_bar("prefill") if len(head) - from_file > 4096 else None)
     seconds = time.perf_counter() - t0

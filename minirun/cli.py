@@ -23,18 +23,21 @@ def cli():
 @click.option("--kv-report", is_flag=True, help="print the KV cache's bytes per tier after each answer")
 @click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="a file for the KV cache of the --file document: written after its prefill, loaded by "
-                   "later chats instead of prefilling again (same model, document and cache settings)")
+                   "later chats instead of prefilling again (same model, document and cache settings); only a "
+                   "prompt cache is ever written over")
+@click.option("--prompt-cache-ro", is_flag=True, help="load the --prompt-cache file when it fits, never write it")
 @engine_options
 @sampling_options(temperature=0.0, max_tokens=512)   # greedy: the 135M default model answers best so
-def chat(model, system, file_, kv_report, prompt_cache, max_tokens, **kw):
+def chat(model, system, file_, kv_report, prompt_cache, prompt_cache_ro, max_tokens, **kw):
     """Interactive chat (streams tokens; /reset, /exit; Ctrl-C stops the current answer).
 
     MODEL: a model directory, or a name in the models directory (smollm2); default: the default
     model there ($MINIRUN_MODELS or ~/.cache/minirun/models), pulled on first use."""
-    from .chat_repl import read_document, run_chat
+    from .chat_repl import check_prompt_cache, read_document, run_chat
     from .pull import default_model_dir, pull
     if prompt_cache and not (system or file_):
         raise MiniRunError("--prompt-cache holds the prefill of --file (or --system): give one of them")
+    check_prompt_cache(prompt_cache, prompt_cache_ro)
     document = read_document(file_) if file_ is not None else None     # (a bad --file before the model loads)
     if model is None:
         model = default_model_dir()
@@ -44,7 +47,7 @@ def chat(model, system, file_, kv_report, prompt_cache, max_tokens, **kw):
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
     run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling,
-             prompt_cache=prompt_cache, document=document)
+             prompt_cache=prompt_cache, document=document, prompt_cache_ro=prompt_cache_ro)
 
 
 @cli.command()
@@ -55,21 +58,18 @@ def chat(model, system, file_, kv_report, prompt_cache, max_tokens, **kw):
 @click.option("--chat/--raw", "as_chat", default=False, help="wrap the prompt as one user message")
 @click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="a file for the KV cache of the prompt: when the prompt starts with what it holds, only the "
-                   "rest is prefilled; written after the prefill (same model and cache settings)")
-@click.option("--prompt-cache-ro", is_flag=True, help="read the --prompt-cache file, never write it")
+                   "rest is prefilled; written after the prefill (same model and cache settings); only a prompt "
+                   "cache is ever written over")
+@click.option("--prompt-cache-ro", is_flag=True, help="load the --prompt-cache file when it fits, never write it")
 @click.option("--stats/--no-stats", default=True, help="print tokens/s to stderr")
 @engine_options
 @sampling_options(temperature=0.0, max_tokens=128)
 def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats, max_tokens, **kw):
     """Complete one prompt, streaming the text to stdout."""
-    from .chat_repl import read_document
+    from .chat_repl import check_prompt_cache, read_document
     if (prompt is None) == (file_ is None):
         raise MiniRunError("give the prompt as -p TEXT or -f FILE (one of them)")
-    if prompt_cache_ro and prompt_cache is None:
-        raise MiniRunError("--prompt-cache-ro reads the file of --prompt-cache: give it")
-    if prompt_cache_ro and not prompt_cache.is_file():
-        raise MiniRunError(f"--prompt-cache-ro: no such file {prompt_cache} (without --prompt-cache-ro, the first "
-                           f"run writes it)")
+    check_prompt_cache(prompt_cache, prompt_cache_ro)
     if file_ is not None:
         prompt = read_document(file_)
     eng_kw, sampling = split_kwargs(kw)
@@ -118,7 +118,11 @@ def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, max_b
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
     MODEL: a model directory, or a name in the models directory (smollm2)."""
+    from .prompt_cache import inspect_file
     from .serve.server import bind, run
+    if prompt_cache is not None and inspect_file(prompt_cache) is None:   # (and not a cache: refused there)
+        raise MiniRunError(f"--prompt-cache: no prompt cache {prompt_cache} (serve reads one that chat or generate "
+                           f"--prompt-cache wrote)")
     sock = bind(host, port)          # (before loading: a port in use fails at once)
     eng = load_engine(model, **engine_kw)
     if prompt_cache is not None:

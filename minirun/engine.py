@@ -359,7 +359,8 @@ class Engine:
 
     def save_prompt_cache(self, path) -> int:
         """Write what the cache holds, and its tokens, to a prompt-cache file (minirun/prompt_cache.py)
-        -> bytes written. Between prompts only (not inside a prefill)."""
+        -> bytes written. Between prompts only (not inside a prefill). Written only where nothing is
+        or a prompt cache is: anything else at path is left as it is (prompt_cache.NotAPromptCache)."""
         return prompt_cache.save(self, path)
 
     @torch.inference_mode()

@@ -6,24 +6,30 @@ Why: a long document's prefill is the slow part of a chat over it (minutes on a 
 for its cache; here the file holds whatever the cache holds (its state_dict): dense K and V, or the
 HCA tiers (sinks and ring, key codes, host values, codebooks).
 
-Format: a safetensors file (one tensor per name, little-endian, readable by any safetensors
-reader), written by streaming the cache's own buffers (no second copy of a 45 GB value pool in
-memory) to FILE.tmp, renamed over FILE when complete: never a half-written file. Its metadata
-(`minirun`: JSON) holds the format version, the model's fingerprint (config.json, and each weight
-file's size and first MiB), the engine settings that shape the state, the cache signature, the
-counters and the token ids, and a CRC-32 of the data that follows the header (`checksum`: computed
-while the data is written, checked when a file is loaded: a file whose bytes changed on disk is
-refused instead of decoding garbage; files without one, from before, load unchecked). A file that
-does not match the engine is refused with the reason (PromptCacheMismatch), one that cannot be read
-or fails its checksum with a one-line error: the chat then prefills again and rewrites it.
+Format: a safetensors file (one tensor per name, little-endian, readable by any safetensors reader),
+written by streaming the cache's own buffers (no second copy of a 45 GB value pool in memory) to a
+temporary file of its own beside FILE (created exclusively, never through a symlink), synced and
+renamed over FILE when complete: never a half-written file, and FILE keeps its mode. FILE is written
+only where nothing is or a prompt cache is (inspect_file(): a document named by mistake is refused,
+not replaced). Its metadata (`minirun`: JSON, first in the header) holds the format version, the
+model's fingerprint (config.json, and each weight file's size and first MiB), the engine settings
+that shape the state, the cache signature, the counters and the token ids, and a CRC-32 of the data
+that follows the header (`checksum`: computed while the data is written, checked when a file is
+loaded: a file whose bytes changed on disk is refused instead of decoding garbage; files without one
+load unchecked). A file that does not match the engine is refused with the reason
+(PromptCacheMismatch), one that cannot be read or fails its checksum with a one-line error: the chat
+then prefills again and replaces it, saying what it held (--prompt-cache-ro: keeps it).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -45,6 +51,10 @@ _CHUNK = 64 << 20   # device or strided tensors are copied out in pieces of at m
 
 class PromptCacheMismatch(MiniRunError):
     """The file is a prompt cache, but of another model, setting or prompt."""
+
+
+class NotAPromptCache(MiniRunError):
+    """The path holds something else than a prompt cache (a document, a directory): never written over."""
 
 
 CHECKSUM_PENDING = "crc32:" + "?" * 8     # written in the header first, patched with f"crc32:{crc:08x}" at the end
@@ -85,7 +95,7 @@ def model_fingerprint(model_dir: Path) -> dict:
 
 def _meta(eng) -> dict:
     cfg = eng.config
-    return {"format": FORMAT, "version": VERSION, "model": model_fingerprint(eng.path),
+    return {"format": FORMAT, "version": VERSION, "model": model_fingerprint(eng.path), "model_name": eng.path.name,
             "settings": {k: getattr(cfg, k) for k in STATE_SETTINGS}, "device": eng.device.type,
             "cache": eng.cache.state_signature()}
 
@@ -108,28 +118,65 @@ def _write_tensor(f, t: torch.Tensor) -> None:
             _write_tensor(f, t[i:i + step])
 
 
-def save(eng, path) -> int:
-    """Write the engine's cache and its token ids to path (atomically). -> bytes written."""
-    path = Path(path)
-    sig = eng.cache.state_signature()
+def _header(eng) -> tuple[bytes, int, list]:
+    """-> (the safetensors header, padded to 8 bytes; where its checksum goes; (name, tensor) in the
+    file's order). The metadata comes first: inspect_file() knows a file cut short for one of ours."""
     scalars, tensors = eng.cache.state_dict()
     tensors = [("tokens", torch.tensor(eng._cached_ids, dtype=torch.int64))] + tensors
-    meta = {**_meta(eng), "cache": sig, "scalars": scalars, "checksum": CHECKSUM_PENDING}
-    header, off = {}, 0
+    meta = {**_meta(eng), "scalars": scalars, "checksum": CHECKSUM_PENDING}
+    header, off = {"__metadata__": {"minirun": json.dumps(meta)}}, 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nbytes]}
         off += nbytes
-    header["__metadata__"] = {"minirun": json.dumps(meta)}
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    pending = raw.index(CHECKSUM_PENDING.encode())
-    tmp = path.with_name(path.name + ".tmp")
-    free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
-    if 8 + len(raw) + off > free:   # (say so before writing tens of GiB, not after)
-        raise OSError(errno.ENOSPC, f"{format_bytes(8 + len(raw) + off)} needed, {format_bytes(free)} free")
+    return raw, raw.index(CHECKSUM_PENDING.encode()), tensors
+
+
+def _create_beside(target: Path) -> tuple[int, Path]:
+    """A new, empty file of a unique name in target's directory -> (fd, path). O_EXCL and O_NOFOLLOW:
+    never a file that was there, nor one a symlink points to. Its mode: the umask's."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = target.with_name(f".{target.name[:200]}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)   # (the umask and the directory's default ACL apply)
+        except FileExistsError:
+            continue
+        return fd, tmp
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside {target}")
+
+
+def _sync_dir(d: Path) -> None:
+    """Make a rename in d durable (where the platform lets a directory be opened and synced)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save(eng, path) -> int:
+    """Write the engine's cache and its token ids to path (atomically, through a symlink at path to its
+    target) -> bytes written. NotAPromptCache: path holds something else (left as it is)."""
+    target = Path(os.path.realpath(path))
+    inspect_file(target)
+    raw, pending, tensors = _header(eng)
+    total = 8 + len(raw) + sum(t.numel() * t.element_size() for _, t in tensors)
+    free = shutil.disk_usage(target.parent).free
+    if total > free:   # (say so before writing tens of GiB, not after)
+        raise OSError(errno.ENOSPC, f"{format_bytes(total)} needed, {format_bytes(free)} free")
     try:
-        with open(tmp, "wb") as f:
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = None
+    fd, tmp = _create_beside(target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if mode is not None:       # (a 0600 file stays 0600)
+                os.fchmod(f.fileno(), mode)
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             data = _Crc32Writer(f)
@@ -137,11 +184,59 @@ def save(eng, path) -> int:
                 _write_tensor(data, t)
             f.seek(8 + pending)
             f.write(f"crc32:{data.crc:08x}".encode())
-        os.replace(tmp, path)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
     except BaseException:   # (a full disk, Ctrl-C: no half-written file, at either name)
         tmp.unlink(missing_ok=True)
         raise
-    return 8 + len(raw) + off
+    _sync_dir(target.parent)
+    return total
+
+
+# the start of the metadata's format field, as it stands (escaped) inside the safetensors header
+_MARK = json.dumps(f'"format": "{FORMAT}"')[1:-1].encode()
+_MAX_HEADER = 100 << 20    # (safetensors' own limit)
+
+
+def inspect_file(path) -> dict | None:
+    """What is at path, from the header alone (the data unread): None where nothing is (no file, or an
+    empty one); the file's minirun metadata and "n_tokens" for a prompt cache; {"damaged": True} for
+    one whose header is cut short or garbled (still ours to replace). NotAPromptCache for anything
+    else (a directory, a document, another safetensors file), MiniRunError where it cannot be read."""
+    path = Path(path)
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise NotAPromptCache(f"{path} is {kind}, not a minirun prompt cache")
+        if st.st_size == 0:
+            return None
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8).ljust(8, b"\xff"))[0]
+            raw = f.read(n) if n <= _MAX_HEADER else b""
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise MiniRunError(f"cannot read prompt cache {path} ({e.strerror or e})") from None
+    if not (raw.startswith(b"{") and _MARK in raw):
+        raise NotAPromptCache(f"{path} is a file but not a minirun prompt cache: left as it is (name a new "
+                              f"file for the cache, or one minirun wrote)")
+    try:
+        header = json.loads(raw)
+        return {**json.loads(header["__metadata__"]["minirun"]), "n_tokens": header["tokens"]["shape"][0]}
+    except (ValueError, KeyError, TypeError, IndexError):
+        return {"damaged": True}
+
+
+def summary(info: dict) -> str:
+    """What a prompt-cache file holds, from inspect_file(), in a few words:
+    "1046 tokens of SmolLM2-135M-Instruct (ctx 4096, kv hca, dtype float32)"."""
+    if info.get("damaged"):
+        return "a damaged prompt cache"
+    s = info.get("settings") or {}
+    model = info.get("model_name") or f"the model with config {str((info.get('model') or {}).get('config'))[:8]}"
+    return f"{info.get('n_tokens')} tokens of {model} (ctx {s.get('ctx')}, kv {s.get('kv')}, dtype {s.get('dtype')})"
 
 
 def _mismatch(want: dict, have: dict, what: str) -> str | None:
