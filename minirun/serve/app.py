@@ -4,7 +4,8 @@ Answers carry OpenAI's fields plus `timings` (as llama.cpp's server does): secon
 tokenizing, queued, to the first text (wall and the process's CPU time), in the prefill, and the
 decode tokens/s; streams put it in the chunk with the finish_reason.
 
-GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions. Prompts are
+GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions; the chat page at
+GET / and GET /props (page.py). Prompts are
 tokenized here, off the event loop (the tokenizer is thread-safe; the engine is not and stays in
 the worker), so an over-long prompt is refused before it waits in the queue. Bodies are parsed by
 hand from JSON into the pydantic models of schemas.py, so that every failure, invalid JSON
@@ -25,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import MiniRunError
+from .page import add_page
 from .schemas import ApiError, ChatRequest, CompletionRequest
 from .worker import EngineWorker, InternalError, Job, QueueFull, ShuttingDown
 
@@ -219,6 +221,8 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         if res is None:   # the client left: nobody reads this
             return JSONResponse(ApiError(499, "client closed the request").body(), 499)
         return JSONResponse(ans.full(res, job.timings))
+
+    add_page(app, eng, model_name, bool(api_key))
 
     @app.get("/health")
     async def health():
