@@ -258,15 +258,18 @@ def test_the_page_asks_for_the_api_key(keyed, browser):
 
 
 def test_the_page_fits_a_phone(served, browser):
-    browser.set_window_size(390, 844)
+    # a headless window is at least 500 pixels wide: the viewport is set as a phone reports it
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                            {"width": 390, "height": 844, "deviceScaleFactor": 3, "mobile": True})
     try:
         open_page(browser, served, max_tokens="8")
         finished(browser, ask(browser, "Hello from a phone"))
         width = browser.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
+        assert width[1] == 390
         assert width[0] <= width[1], f"the page is {width[0]} px wide in a {width[1]} px window"
         for name in ("send", "new-chat", "input"):
             el = browser.find_element(By.ID, name)
             assert el.is_displayed() and el.rect["x"] + el.rect["width"] <= width[1]
         assert severe(browser) == []
     finally:
-        browser.set_window_size(1280, 900)
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

@@ -110,7 +110,7 @@ function addUserMessage(question, file) {
   if (file) {
     const chip = document.createElement("div");
     chip.className = "file";
-    chip.textContent = "📄 " + file.name + " · " + file.text.length.toLocaleString("en-US") + " characters";
+    chip.textContent = "attached: " + file.name + " · " + file.text.length.toLocaleString("en-US") + " characters";
     el.prepend(chip);
   }
   el.querySelector(".content").textContent = question;
@@ -236,7 +236,7 @@ function setAttachment(file) {
   $("attachment").hidden = !file;
   $("attachment").classList.remove("error");
   $("attachment-name").textContent = file
-    ? "📄 " + file.name + " · " + file.text.length.toLocaleString("en-US") + " characters, sent with the next question"
+    ? "attached: " + file.name + " · " + file.text.length.toLocaleString("en-US") + " characters, sent with the next question"
     : "";
   $("file").value = "";
 }
