@@ -170,6 +170,7 @@ async function ask(question) {
   el.dataset.state = "waiting";
   const view = el.querySelector(".content");
   view.innerHTML = '<span class="typing" aria-label="thinking"></span>';
+  const waiting = waitingClock(view);
   const conversation = state.messages;   // (a new chat started meanwhile replaces it)
   conversation.push({ role: "user", content });
   setAttachment(null);
@@ -178,10 +179,15 @@ async function ask(question) {
   state.controller = controller;
   setBusy(true);
   let text = "", usage = null, timings = null, finish = null, drawn = true;
-  const draw = () => { view.innerHTML = minirunMarkdown.render(text); drawn = true; scrollDown(); };
+  const draw = () => {
+    clearInterval(waiting);
+    view.innerHTML = minirunMarkdown.render(text);
+    if (el.dataset.state === "waiting") el.dataset.state = "streaming";   // (the prefill is over)
+    drawn = true;
+    scrollDown();
+  };
   try {
     const res = await post(requestBody(conversation), controller.signal);
-    el.dataset.state = "streaming";
     await readEvents(res, (chunk) => {
       const choice = chunk.choices && chunk.choices[0];
       if (choice && choice.delta && choice.delta.content) {
@@ -209,10 +215,21 @@ async function ask(question) {
       if (!$("input").value) $("input").value = question;
     }
   } finally {
+    clearInterval(waiting);
     state.controller = null;
     setBusy(false);
     scrollDown();
   }
+}
+
+// a long prompt takes a while before the first word: say how long it has been
+function waitingClock(view) {
+  const t0 = performance.now();
+  const clock = setInterval(() => {
+    const s = Math.round((performance.now() - t0) / 1000);
+    if (s >= 2) view.innerHTML = '<span class="waiting">reading the prompt · ' + s + ' s</span><span class="typing"></span>';
+  }, 1000);
+  return clock;
 }
 
 function newChat() {
