@@ -1,6 +1,6 @@
 """Regenerate the README's picture of the chat page: a document attached, two questions answered.
 
-    python scripts/screenshot_chat_page.py                      # docs/chat-page.png, 1280x860
+    python scripts/screenshot_chat_page.py                      # docs/chat-page.png, 1100x640
     python scripts/screenshot_chat_page.py --size 390x844 -o /tmp/phone.png
 
 Serves MODEL (default: the pulled SmolLM2-135M-Instruct, else a tiny random checkpoint) with
@@ -38,12 +38,14 @@ Its tower is 38 metres tall and has 164 steps. The first keeper, Agnes Moyle, ke
 The light was automated in 1986. Today the keeper's cottage is a small museum that opens from
 April to October, and the log books are kept in its reading room.
 """
-QUESTIONS = ["Who was the first keeper of the lighthouse?", "How many steps does the tower have?"]
+QUESTIONS = ["Who was the first keeper of the lighthouse?", "How tall is the tower?"]
 
 
 def serve(model_dir: Path, ctx: int):
     """A started server over model_dir on a free local port: (server, thread, url)."""
     eng = Engine.load(model_dir, device="cpu", ctx=ctx)
+    eng.generate("Hello", max_new_tokens=4)      # kernels compiled (or read from Numba's cache) before the picture
+    eng.reset()
     server = make_server(eng, model_dir.name, log_level="warning")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -93,7 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="a model directory (default: the pulled SmolLM2)")
     ap.add_argument("-o", "--out", type=Path, default=REPO / "docs" / "chat-page.png")
-    ap.add_argument("--size", default="1280x860", help="the window, WIDTHxHEIGHT in CSS pixels")
+    ap.add_argument("--size", default="1100x640", help="the window, WIDTHxHEIGHT in CSS pixels")
     ap.add_argument("--max-tokens", type=int, default=96)
     a = ap.parse_args()
     width, height = (int(v) for v in a.size.lower().split("x"))

@@ -107,7 +107,7 @@ def wait(driver, cond, timeout=30):
 
 def open_page(driver, srv, temperature="0", max_tokens="24"):
     driver.get(srv.url + "/")
-    wait(driver, lambda: driver.find_element(By.ID, "model").text == "tiny")
+    wait(driver, lambda: driver.find_element(By.ID, "model").get_attribute("textContent") == "tiny")
     driver.execute_script("localStorage.clear()")
     settings(driver, temperature, max_tokens)
 
@@ -281,6 +281,7 @@ def test_the_page_fits_a_phone(served, browser):
         width = browser.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
         assert width[1] == 390
         assert width[0] <= width[1], f"the page is {width[0]} px wide in a {width[1]} px window"
+        assert browser.find_element(By.ID, "facts").text.startswith("tiny · context")   # the name moved there
         for name in ("send", "new-chat", "input"):
             el = browser.find_element(By.ID, name)
             assert el.is_displayed() and el.rect["x"] + el.rect["width"] <= width[1]

@@ -30,7 +30,10 @@ async function loadProps() {
   const p = state.props;
   const cache = p.cache.kind === "hca" ? "HCA" + (p.cache.budget ? " " + p.cache.budget : "") : "dense";
   $("model").textContent = p.model;
-  $("facts").textContent = "context " + p.n_ctx.toLocaleString("en-US") + " tokens · " + cache + " cache";
+  const name = document.createElement("span");
+  name.className = "facts-model";         // (narrow screens: the name on this line, beside the figures)
+  name.textContent = p.model + " · ";
+  $("facts").replaceChildren(name, "context " + p.n_ctx.toLocaleString("en-US") + " tokens · " + cache + " cache");
   document.title = p.model + " · minirun";
 }
 
