@@ -4,8 +4,7 @@ Answers carry OpenAI's fields plus `timings` (as llama.cpp's server does): secon
 tokenizing, queued, to the first text (wall and the process's CPU time), in the prefill, and the
 decode tokens/s; streams put it in the chunk with the finish_reason.
 
-GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions; the chat page at
-GET / and GET /props (page.py). Prompts are
+GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions. Prompts are
 tokenized here, off the event loop (the tokenizer is thread-safe; the engine is not and stays in
 the worker), so an over-long prompt is refused before it waits in the queue. Bodies are parsed by
 hand from JSON into the pydantic models of schemas.py, so that every failure, invalid JSON
@@ -222,7 +221,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
             return JSONResponse(ApiError(499, "client closed the request").body(), 499)
         return JSONResponse(ans.full(res, job.timings))
 
-    add_page(app, eng, model_name, bool(api_key))
+    add_page(app, eng, model_name, bool(api_key))   # GET / (the chat page), /static/*, /props
 
     @app.get("/health")
     async def health():
