@@ -1,7 +1,7 @@
-"""`minirun serve`: an OpenAI-compatible HTTP server over one Engine.
+"""`minirun serve`: an OpenAI-compatible HTTP server over one Engine, with a chat page.
 
-app.py (the endpoints), schemas.py (request bodies), worker.py (the engine's thread and queue),
-server.py (uvicorn, signals).
+app.py (the endpoints), page.py (the chat page and /props), schemas.py (request bodies),
+worker.py (the engine's thread and queue), server.py (uvicorn, signals).
 """
 from .app import create_app
 from .worker import EngineWorker, Job

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import MiniRunError
+from .page import add_page
 from .schemas import ApiError, ChatRequest, CompletionRequest
 from .worker import EngineWorker, InternalError, Job, QueueFull, ShuttingDown
 
@@ -303,6 +304,8 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         if res is None:   # the client left: nobody reads this
             return JSONResponse(ApiError(499, "client closed the request").body(), 499)
         return JSONResponse(ans.full(res, job.timings))
+
+    add_page(app, eng, model_name, bool(api_key))   # GET / (the chat page), /static/*, /props
 
     @app.get("/health")
     async def health():

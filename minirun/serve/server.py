@@ -78,8 +78,8 @@ def run(engine, model_name: str, sock: socket.socket, api_key: str | None, max_q
     if not is_loopback(host) and not api_key:
         print(f"minirun serve: note: listening on {host} without --api-key: anyone who can reach this port can "
               "use the model", file=sys.stderr)
-    print(f"minirun serve: {model_name} (ctx {engine.config.ctx}, kv {engine.config.kv}) on http://{where}:{port}/v1 "
-          f"(Ctrl-C stops)", file=sys.stderr)
+    print(f"minirun serve: {model_name} (ctx {engine.config.ctx}, kv {engine.config.kv}) on http://{where}:{port}/ "
+          f"(the chat page; the API at /v1; Ctrl-C stops)", file=sys.stderr)
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minirun-http", daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):   # (uvicorn listens to signals only from the main thread)
         signal.signal(sig, server.handle_exit)
