@@ -44,9 +44,10 @@ def test_readme_command_parses(line):
 
 
 def test_readme_flags_and_hca_opts_exist():
-    """Every flag in the options table is a chat option; every --hca-opt key is a real one."""
-    chat = cli.commands["chat"]
-    names = {o for p in chat.params for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])}
+    """Every flag in the options section is an option of chat (or, in its server paragraph, of
+    serve); every --hca-opt key is a real one."""
+    names = {o for name in ("chat", "serve") for p in cli.commands[name].params
+             for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])}
     table = README[README.index("## Options"):README.index("## Performance")]
     flags = set(re.findall(r"`(--[a-z-]+)", table))
     assert flags and flags <= names, flags - names
