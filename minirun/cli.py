@@ -98,7 +98,7 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
               help="address to listen on (0.0.0.0: every interface; then set --api-key)")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--api-key", default=None, help="answer /v1 requests only with the header 'Authorization: Bearer KEY'")
-@click.option("--max-queue", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--max-queue", type=click.IntRange(1, 100_000), default=16, show_default=True,
               help="requests waiting behind the one being answered; more are refused (503, Retry-After)")
 @click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="load a KV cache file at start (made by chat or generate --prompt-cache): requests that start "

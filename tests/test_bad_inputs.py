@@ -4,6 +4,7 @@ name a model directory that does not exist: a check made after loading would say
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -15,6 +16,8 @@ import pytest
 from minirun.cli import main
 
 NO_MODEL = "/nonexistent/minirun-model"
+CPUS = os.cpu_count()
+HUGE = "99999999999999999999"          # past a C long: an OverflowError deep in torch when not bounded
 USAGE, ERROR = 2, 1            # click's status for a bad option value; MiniRunError's
 
 
@@ -22,12 +25,12 @@ def _numeric_rows():
     """(args, exit status, fragment of the message) for every numeric option's bounds."""
     g = ["generate", NO_MODEL, "-p", "hi"]
     rows = [
-        (g + ["--kv", "hca", "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
-        (g + ["--kv", "hca", "--window", "-5"], USAGE, "'--window': -5 is not in the range x>=1"),
-        (g + ["--sinks", "-1"], USAGE, "'--sinks': -1 is not in the range x>=0"),
-        (g + ["-n", "-1"], USAGE, "'--max-tokens': -1 is not in the range x>=0"),
-        (g + ["--threads", "0"], USAGE, "'--threads': 0 is not in the range x>=1"),
-        (g + ["--max-select", "0"], USAGE, "'--max-select': 0 is not in the range x>=1"),
+        (g + ["--kv", "hca", "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
+        (g + ["--kv", "hca", "--window", "-5"], USAGE, "'--window': -5 is not in the range 1<=x<=1099511627776"),
+        (g + ["--sinks", "-1"], USAGE, "'--sinks': -1 is not in the range 0<=x<=1099511627776"),
+        (g + ["-n", "-1"], USAGE, "'--max-tokens': -1 is not in the range 0<=x<=1099511627776"),
+        (g + ["--threads", "0"], USAGE, f"'--threads': 0 is not in the range 1<=x<={CPUS}"),
+        (g + ["--max-select", "0"], USAGE, "'--max-select': 0 is not in the range 1<=x<=1099511627776"),
         (g + ["--tau", "0"], USAGE, "'--tau': 0.0 is not in the range 0.0<x<=1.0"),
         (g + ["--tau", "1.5"], USAGE, "'--tau': 1.5 is not in the range"),
         (g + ["--tau", "nan"], USAGE, "'--tau': 'nan' is not a finite number"),
@@ -36,30 +39,63 @@ def _numeric_rows():
         (g + ["--ctx", "lots"], USAGE, "bad context size 'lots'"),
         (g + ["--temperature", "-1"], USAGE, "'--temp': -1.0 is not in the range x>=0.0"),
         (g + ["--temperature", "inf"], USAGE, "'inf' is not a finite number"),
-        (g + ["--top-k", "-1"], USAGE, "'--top-k': -1 is not in the range x>=0"),
+        (g + ["--top-k", "-1"], USAGE, "'--top-k': -1 is not in the range 0<=x<=1099511627776"),
         (g + ["--top-p", "0"], USAGE, "'--top-p': 0.0 is not in the range 0.0<x<=1.0"),
         (g + ["--top-p", "1.5"], USAGE, "'--top-p': 1.5 is not in the range"),
         (g + ["--min-p", "1"], USAGE, "'--min-p': 1.0 is not in the range 0.0<=x<1.0"),
         (g + ["--repetition-penalty", "0"], USAGE, "'--repetition-penalty': 0.0 is not in the range x>0.0"),
         (g + ["--seed", "-1"], USAGE, "'--seed': -1 is not in the range"),
-        (["chat", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
-        (["chat", NO_MODEL, "-n", "-3"], USAGE, "'--max-tokens': -3 is not in the range x>=0"),
-        (["bench", NO_MODEL, "-r", "0"], USAGE, "'--reps': 0 is not in the range x>=1"),
-        (["bench", NO_MODEL, "-n", "-1"], USAGE, "'--n-gen': -1 is not in the range x>=0"),
-        (["bench", NO_MODEL, "--threads", "0"], USAGE, "'--threads': 0 is not in the range x>=1"),
-        (["bench", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
+        (["chat", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
+        (["chat", NO_MODEL, "-n", "-3"], USAGE, "'--max-tokens': -3 is not in the range 0<=x<=1099511627776"),
+        (["bench", NO_MODEL, "-r", "0"], USAGE, "'--reps': 0 is not in the range 1<=x<=1000"),
+        (["bench", NO_MODEL, "-n", "-1"], USAGE, "'--n-gen': -1 is not in the range 0<=x<=1099511627776"),
+        (["bench", NO_MODEL, "--threads", "0"], USAGE, f"'--threads': 0 is not in the range 1<=x<={CPUS}"),
+        (["bench", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
         (["bench", NO_MODEL, "--tau", "2"], USAGE, "'--tau': 2.0 is not in the range"),
-        (["plan", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
-        (["plan", NO_MODEL, "--sinks", "-1"], USAGE, "'--sinks': -1 is not in the range x>=0"),
+        (["plan", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
+        (["plan", NO_MODEL, "--sinks", "-1"], USAGE, "'--sinks': -1 is not in the range 0<=x<=1099511627776"),
         (["plan", NO_MODEL, "--gpu-mem", "lots"], USAGE, "bad memory size 'lots'"),
-        (["calibrate", NO_MODEL, "--tokens", "0"], USAGE, "'--tokens': 0 is not in the range x>=1"),
-        (["calibrate", NO_MODEL, "--iters", "0"], USAGE, "'--iters': 0 is not in the range x>=1"),
+        (["calibrate", NO_MODEL, "--tokens", "0"], USAGE, "'--tokens': 0 is not in the range 1<=x<=1099511627776"),
+        (["calibrate", NO_MODEL, "--iters", "0"], USAGE, "'--iters': 0 is not in the range 1<=x<=1000000"),
         (["calibrate", NO_MODEL, "--centroids", "1"], USAGE, "'--centroids': 1 is not in the range 2<=x<=32768"),
-        (["eval", NO_MODEL, "--trials", "0"], USAGE, "'--trials': 0 is not in the range x>=1"),
-        (["eval", NO_MODEL, "--ppl-tokens", "-1"], USAGE, "'--ppl-tokens': -1 is not in the range x>=0"),
-        (["eval", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
+        (["eval", NO_MODEL, "--trials", "0"], USAGE, "'--trials': 0 is not in the range 1<=x<=1000000"),
+        (["eval", NO_MODEL, "--ppl-tokens", "-1"], USAGE, "'--ppl-tokens': -1 is not in the range 0<=x<=1099511627776"),
+        (["eval", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
     ]
-    return rows
+    huge = [   # every integer option bounded above where it is parsed (sizes read without a float)
+        (g + ["--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range 1<=x<={CPUS}"),
+        (g + ["--threads", str(CPUS + 1)], USAGE, f"is not in the range 1<=x<={CPUS}"),
+        (["chat", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["bench", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["serve", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["calibrate", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["eval", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["serve", NO_MODEL, "--max-queue", HUGE], USAGE, "'--max-queue': 99999999999999999999 is not in the range"),
+        (["bench", NO_MODEL, "-r", HUGE], USAGE, f"'--reps': {HUGE} is not in the range 1<=x<=1000"),
+        (["bench", NO_MODEL, "-n", HUGE], USAGE, f"'--n-gen': {HUGE} is not in the range 0<=x<=1099511627776"),
+        (["bench", NO_MODEL, "-p", HUGE], ERROR, f"-p: {HUGE} is more than the largest context minirun takes"),
+        (["bench", NO_MODEL, "-d", "0," + HUGE], ERROR, f"-d: {HUGE} is more than the largest context"),
+        (["bench", NO_MODEL, "--ctx", HUGE], USAGE, "is more than the largest minirun takes, 1099511627776"),
+        (g + ["--ctx", "99999999999999999999999999"], USAGE, "context size '99999999999999999999999999' is more than"),
+        (g + ["--ctx", "2049G"], USAGE, "context size '2049G' is more than the largest minirun takes"),
+        (g + ["-n", HUGE], USAGE, f"'--max-tokens': {HUGE} is not in the range 0<=x<=1099511627776"),
+        (g + ["--top-k", HUGE], USAGE, f"'--top-k': {HUGE} is not in the range"),
+        (g + ["--window", HUGE], USAGE, f"'--window': {HUGE} is not in the range 1<=x<=1099511627776"),
+        (g + ["--sinks", HUGE], USAGE, f"'--sinks': {HUGE} is not in the range 0<=x<=1099511627776"),
+        (g + ["--max-select", HUGE], USAGE, f"'--max-select': {HUGE} is not in the range"),
+        (g + ["--hca-opt", "far_distance=" + HUGE], USAGE, f"far_distance must be at most 1099511627776, got {HUGE}"),
+        (g + ["--hca-opt", "prefill_chunk=" + HUGE], USAGE, "prefill_chunk must be at most 1099511627776"),
+        (g + ["--hca-opt", "far_distance=1e20"], USAGE, "far_distance: '1e20' is not a valid int"),
+        (g + ["--kv", "hca", "--kv-budget", f"g{HUGE}c16"], ERROR, f"groups must be at most 65536, got {HUGE}"),
+        (["plan", NO_MODEL, "--gpu-mem", "99999999999999999999999T"], USAGE,
+         "memory size '99999999999999999999999T' is more than 1024 TiB"),
+        (["plan", NO_MODEL, "--window", HUGE], USAGE, f"'--window': {HUGE} is not in the range"),
+        (["calibrate", NO_MODEL, "--groups", HUGE], USAGE, f"'--groups': {HUGE} is not in the range 1<=x<=65536"),
+        (["calibrate", NO_MODEL, "--tokens", HUGE], USAGE, f"'--tokens': {HUGE} is not in the range"),
+        (["eval", NO_MODEL, "--passkey-copies", HUGE], USAGE, f"'--passkey-copies': {HUGE} is not in the range"),
+        (["eval", NO_MODEL, "--ppl-tokens", HUGE], USAGE, f"'--ppl-tokens': {HUGE} is not in the range"),
+    ]
+    return rows + huge
 
 
 def _file_rows(tmp: Path, tiny: Path):
@@ -132,7 +168,11 @@ def test_bad_files(tiny_model_dir, tmp_path, capsys):
     ("sinks", -1, "sinks must be at least 0"), ("threads", 0, "threads must be at least 1"),
     ("max_select", 0, "max_select must be at least 1"), ("prefill_chunk", 0, "prefill_chunk must be at least 1"),
     ("window", "256", "window must be an integer"), ("tau", 0.0, "tau must be in (0, 1]"),
-    ("kv_budget", "0.25", "kv_budget must be a number")])
+    ("kv_budget", "0.25", "kv_budget must be a number"),
+    ("threads", 10**20, "threads must be at most"), ("threads", (os.cpu_count() or 1) + 1, "(this machine's CPUs)"),
+    ("far_distance", 10**20, "far_distance must be at most 1099511627776"),
+    ("prefill_chunk", 10**20, "prefill_chunk must be at most"), ("ctx", 10**20, "is more than the largest"),
+    ("ctx", "99999999999999999999999999", "is more than the largest"), ("centroids", 1 << 20, "at most 32768")])
 def test_engine_settings_fail_before_loading(setting, value, fragment):
     """The same bounds from Python: EngineConfig refuses them before Engine.load looks at the model."""
     from minirun import Engine
