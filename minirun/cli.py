@@ -30,6 +30,7 @@ def chat(model, system, file_, kv_report, prompt_cache, max_tokens, **kw):
 
     MODEL: a model directory, or a name in the models directory (smollm2); default: the default
     model there ($MINIRUN_MODELS or ~/.cache/minirun/models), pulled on first use."""
+    from .chat_input import MessageReader
     from .chat_repl import read_document, run_chat
     from .pull import default_model_dir, pull
     if prompt_cache and not (system or file_):
@@ -42,8 +43,10 @@ def chat(model, system, file_, kv_report, prompt_cache, max_tokens, **kw):
             model = pull(models_dir=model.parent)
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
-    run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling,
-             prompt_cache=prompt_cache, document=document)
+    reader = MessageReader(sys.stdin.fileno())
+    with reader.bracketed_paste():
+        run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling,
+                 prompt_cache=prompt_cache, document=document, reader=reader)
 
 
 @cli.command()
@@ -71,6 +74,8 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
                            f"run writes it)")
     if file_ is not None:
         prompt = read_document(file_)
+    elif not prompt:
+        raise MiniRunError("empty prompt: give some text with -p (or a file with -f)")
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
     ids = eng.chat_prompt([{"role": "user", "content": prompt}]) if as_chat else eng._ids(prompt)
