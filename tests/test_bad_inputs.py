@@ -109,6 +109,9 @@ def _file_rows(tmp: Path, tiny: Path):
     gguf = tmp / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2, 5) + bytes(8))   # version 3, 2 tensors, 5 keys: cut short
     g = ["-p", "hi"]
+    empty, blank = tmp / "empty.txt", tmp / "blank.txt"
+    empty.write_bytes(b"")
+    blank.write_text(" \n\n\t\n")
     return [
         (["generate", model_with([cfg]), *g], ERROR, "config.json: the top level is a list, not an object"),
         (["generate", model_with({**cfg, "hidden_size": "64"}), *g], ERROR,
@@ -132,6 +135,17 @@ def _file_rows(tmp: Path, tiny: Path):
         (["generate", str(tiny), "-f", str(tmp)], USAGE, "is a directory"),
         (["chat", str(tiny), "--file", str(tmp)], ERROR, "cannot read --file"),
         (["chat", str(tiny), "--file", str(tmp / "missing.txt")], ERROR, "cannot read --file"),
+        (["chat", str(tiny), "--file", str(empty)], ERROR, f"--file {empty} is empty: nothing to read"),
+        (["chat", str(tiny), "--file", str(blank)], ERROR, f"--file {blank} is empty (only white space)"),
+        (["generate", str(tiny), "-f", str(empty)], ERROR, f"--file {empty} is empty: nothing to read"),
+        (["generate", str(tiny), "-p", ""], ERROR, "empty prompt: give some text with -p"),
+        # nothing fits at any context: what does not is named (it was "the largest context that fits is 0")
+        (["generate", str(tiny), *g, "--kv", "hca", "--window", str(10**12)], ERROR,
+         "--window 1000000000000 does not fit at any context: the 1000000000016 tokens kept exact"),
+        (["generate", str(tiny), *g, "--kv", "hca", "--sinks", str(10**12)], ERROR,
+         "--sinks 1000000000000 does not fit at any context"),
+        (["generate", model_with({**cfg, "vocab_size": 10**12}), *g], ERROR,
+         "the model itself does not fit at any context: its weights need"),
     ]
 
 
@@ -224,3 +238,56 @@ def test_default_model_lives_in_one_per_user_place(tiny_model_dir, tmp_path, mon
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert default_models_dir() == tmp_path / ".cache" / "minirun" / "models"
+
+
+def test_plan_names_what_never_fits(tiny_model_dir, tmp_path, capsys):
+    """`plan` where no context fits: the verdict names the window or the model itself, not
+    "largest ctx that fits: 0" (whose --ctx 0 is refused)."""
+    cfg = json.loads((tiny_model_dir("gqa-untied") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 10**12}))
+    for args, fragment in (([str(tmp_path / "config.json")], "the model itself does not fit at any context"),
+                           ([str(tiny_model_dir("gqa-untied")), "--kv", "hca", "--window", str(10**12)],
+                            "--window 1000000000000 does not fit at any context")):
+        code, out, err = run_cli(["plan", *args, "--device", "cpu"], capsys)
+        verdict = [ln for ln in out.splitlines() if ln.startswith("does NOT fit")]
+        assert code == 1 and "Traceback" not in err and len(verdict) == 1 and fragment in verdict[0], out
+        assert "largest ctx that fits: 0" not in out
+        code, out, _ = run_cli(["plan", *args, "--device", "cpu", "-o", "json"], capsys)
+        report = json.loads(out)
+        assert report["largest_ctx"] == 0 and fragment in report["note"]
+
+
+@pytest.mark.parametrize("args,warning", [
+    (["--hca-opt", "rescore=true"], "--hca-opt rescore=true does nothing with --kv dense"),
+    (["--window", "512"], "--window 512 does nothing with --kv dense"),
+    (["--kv-budget", "g16c16"], "--kv-budget g16c16 does nothing with --kv dense"),
+    (["--kv", "hca", "--hca-opt", "value_sum=gpu"], "--hca-opt value_sum=gpu does nothing on a CPU"),
+    (["--kv", "hca", "--hca-opt", "cuda_graphs=false"], "--hca-opt cuda_graphs=false does nothing on a CPU"),
+    (["--kv", "hca", "--kv-budget", "0.5", "--hca-opt", "rescore=true"], "rescore=true does nothing with exact keys"),
+    (["--kv", "hca", "--hca-opt", "far_positions=off", "--hca-opt", "far_distance=64"],
+     "far_distance=64 does nothing with far_positions=off"),
+    (["--kv", "hca", "--hca-opt", "prefill_mode=exact", "--hca-opt", "anchor_tokens=64"],
+     "anchor_tokens=64 does nothing with prefill_mode=exact"),
+])
+def test_settings_that_do_nothing_are_warned_about(args, warning, tiny_model_dir, capsys):
+    """One warning line on stderr for a setting the chosen mode ignores (plan: the same check as
+    every command taking --hca-opt); the command still runs."""
+    code, _, err = run_cli(["plan", str(tiny_model_dir("gqa-untied")), "--device", "cpu", "--ctx", "1K", *args],
+                           capsys)
+    warnings = [ln for ln in err.splitlines() if "warning" in ln]
+    assert code == 0 and len(warnings) == 1 and warning in warnings[0], err
+
+
+def test_settings_in_use_are_not_warned_about(tiny_model_dir, capsys):
+    """The same settings where they act, and defaults given explicitly: no warning; generate and
+    bench warn as plan does."""
+    d = str(tiny_model_dir("gqa-untied"))
+    for args in (["--kv", "hca", "--hca-opt", "rescore=true", "--window", "512"], ["--hca-opt", "rescore=false"],
+                 ["--window", "256"], ["--kv", "hca", "--hca-opt", "value_sum=auto"]):
+        code, _, err = run_cli(["plan", d, "--device", "cpu", "--ctx", "1K", *args], capsys)
+        assert code == 0 and "warning" not in err, (args, err)
+    code, _, err = run_cli(["generate", d, "-p", "hi", "-n", "1", "--device", "cpu", "--tau", "0.5"], capsys)
+    assert code == 0 and err.count("warning") == 1 and "--tau 0.5 does nothing with --kv dense" in err
+    code, _, err = run_cli(["bench", d, "--kv", "dense", "-p", "8", "-n", "0", "-r", "1", "--device", "cpu",
+                            "--hca-opt", "rescore=true"], capsys)
+    assert code == 0 and err.count("warning") == 1 and "rescore=true does nothing with --kv dense" in err
