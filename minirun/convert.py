@@ -414,12 +414,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         prepare_target(out, path, overwrite)
         if out.is_dir() and not os.access(out, os.W_OK):     # (before the minutes a conversion takes)
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(out))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))   # (beside it: renamed in)
     except OSError as e:
         raise write_error(e, out) from None
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as e:
-        raise CheckpointError(f"cannot write beside {out} (in {out.parent}): {e.strerror}") from None
     try:
         umask = os.umask(0)
         os.umask(umask)

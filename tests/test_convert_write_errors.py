@@ -3,6 +3,7 @@ the space free there, exit status 1, no traceback and nothing half-written (no t
 left beside the target, an existing directory's files untouched)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -93,18 +94,36 @@ def test_existing_read_only_directory(gguf_path, tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and leftovers(tmp_path) == []
 
 
-def test_really_full_disk(gguf_path, tmp_path, capsys):
-    """A real 64 KiB tmpfs (mounting one needs root): the conversion's ~200 KiB do not fit."""
+@contextlib.contextmanager
+def small_tmpfs(where, options: str):
+    """A tmpfs mounted at `where` with `options` (mounting needs root: else the test is skipped, the
+    mocked tests above covering the same path)."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (the mocked tests above cover the path)")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("mount is not permitted here (the mocked tests above cover the path)")
+        pytest.skip("mounting a tmpfs needs root")
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("mount is not permitted here")
     try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_really_full_disk(gguf_path, tmp_path, capsys):
+    """A real 64 KiB file system: the conversion's ~200 KiB do not fit."""
+    with small_tmpfs(tmp_path / "small", "size=64k") as mnt:
         code, err = convert([gguf_path, mnt / "model", "--dtype", "float32"], capsys)
         line = one_line(err)
         assert code == 1 and "No space left on device" in line and "free there" in line, line
         assert list(mnt.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_really_read_only_file_system(gguf_path, tmp_path, capsys):
+    """A read-only mount: into a new directory on it, or into the mount point itself (an existing
+    directory), one line each."""
+    with small_tmpfs(tmp_path / "ro", "size=1m,ro") as mnt:
+        for out, extra in ((mnt / "model", []), (mnt, ["--overwrite"])):
+            code, err = convert([gguf_path, out, *extra], capsys)
+            line = one_line(err)
+            assert code == 1 and f"cannot write the model into {out}: it is read-only (" in line, line
+        assert list(mnt.iterdir()) == [] and leftovers(tmp_path) == []
