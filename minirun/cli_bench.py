@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import AT_LEAST_0, AT_LEAST_1, COUNT, CTX, TAU, hca_opt_option, threads_option
+from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU, hca_opt_option, threads_option
 from .config import KV_BUDGET_PRESETS, MAX_CTX, WEIGHTS, hca_setting
 from .errors import MiniRunError
 
