@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 
 import click
 
+from .chat_input import MessageReader
 from .errors import ContextError, MiniRunError
 from .planner import format_bytes
 
@@ -30,6 +32,8 @@ def read_document(path: Path) -> str:
     except OSError as e:
         raise MiniRunError(f"cannot read --file {path}: {e.strerror}") from None
     text = data.decode("utf-8", errors="replace")
+    if not text.strip():      # (as an empty prompt is refused: nothing for the model to read)
+        raise MiniRunError(f"--file {path} is empty{'' if not data else ' (only white space)'}: nothing to read")
     if b"\0" in data[:1 << 20]:
         click.echo(f"minirun: warning: --file {path} looks binary (it holds NUL bytes): read as text anyway", err=True)
     elif "\ufffd" in text and "\ufffd".encode() not in data:
@@ -96,9 +100,10 @@ def fit_conversation(eng, messages: list[dict], keep: int, room: int,
 
 
 def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None, prompt_cache=None,
-             document: str | None = None, prompt_cache_ro: bool = False):
-    """The chat loop over stdin. document: the text of `file` when the caller read it already;
-    prompt_cache_ro: load the prompt-cache file when it fits, never write it."""
+             document: str | None = None, prompt_cache_ro: bool = False, reader: MessageReader | None = None):
+    """The chat loop over stdin (reader: its messages; default: a chat_input.MessageReader of stdin).
+    document: the text of `file` when the caller read it already; prompt_cache_ro: load the
+    prompt-cache file when it fits, never write it."""
     sampling = sampling or {}
     base: list[dict] = []
     if system or file:
@@ -122,15 +127,19 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
         if kv_report:
             click.echo(kv_report_line(eng), err=True)
     click.echo(f"minirun chat: {eng.path.name}, ctx {eng.config.ctx}, kv {eng.config.kv}. {HELP}", err=True)
+    reader = reader or MessageReader(sys.stdin.fileno())
     while True:
         try:
-            line = input(">>> ")
-        except EOFError:
-            click.echo()
-            return
+            click.echo(">>> ", nl=False)
+            sys.stdout.flush()
+            line = reader.read()             # (a paste: one message; chat_input)
         except KeyboardInterrupt:
+            reader.drop_queued()
             click.echo("\n(/exit or Ctrl-D to quit)")
             continue
+        if line is None:
+            click.echo()
+            return
         cmd = line.strip()
         if not cmd:
             continue
@@ -147,7 +156,7 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
         if cmd == "/kv":
             click.echo(kv_report_line(eng))
             continue
-        if cmd.startswith("/"):
+        if cmd.startswith("/") and "\n" not in cmd:     # (a pasted text may start with a slash)
             click.echo(HELP)
             continue
         messages.append({"role": "user", "content": line})
@@ -177,6 +186,9 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
             full = not raised and eng.last_result.finish_reason == "ctx"
             if interrupted:
                 click.echo(" [interrupted]", nl=False)
+                dropped = reader.drop_queued()     # (what was typed or pasted meanwhile: not sent)
+                if dropped:
+                    click.echo(f" [{dropped} queued line{'s' if dropped > 1 else ''} dropped]", nl=False)
             elif full:
                 click.echo(" [context full]", nl=False)
             click.echo()

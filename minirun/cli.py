@@ -33,6 +33,7 @@ def chat(model, system, file_, kv_report, prompt_cache, prompt_cache_ro, max_tok
 
     MODEL: a model directory, or a name in the models directory (smollm2); default: the default
     model there ($MINIRUN_MODELS or ~/.cache/minirun/models), pulled on first use."""
+    from .chat_input import MessageReader
     from .chat_repl import check_prompt_cache, read_document, run_chat
     from .pull import default_model_dir, pull
     if prompt_cache and not (system or file_):
@@ -46,8 +47,10 @@ def chat(model, system, file_, kv_report, prompt_cache, prompt_cache_ro, max_tok
             model = pull(models_dir=model.parent)
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
-    run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling,
-             prompt_cache=prompt_cache, document=document, prompt_cache_ro=prompt_cache_ro)
+    reader = MessageReader(sys.stdin.fileno())
+    with reader.bracketed_paste():
+        run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling,
+                 prompt_cache=prompt_cache, document=document, prompt_cache_ro=prompt_cache_ro, reader=reader)
 
 
 @cli.command()
@@ -72,6 +75,8 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
     check_prompt_cache(prompt_cache, prompt_cache_ro)
     if file_ is not None:
         prompt = read_document(file_)
+    elif not prompt:
+        raise MiniRunError("empty prompt: give some text with -p (or a file with -f)")
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
     ids = eng.chat_prompt([{"role": "user", "content": prompt}]) if as_chat else eng._ids(prompt)
@@ -105,7 +110,7 @@ def max_body_callback(ctx, param, value: int) -> int:
               help="address to listen on (0.0.0.0: every interface; then set --api-key)")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--api-key", default=None, help="answer /v1 requests only with the header 'Authorization: Bearer KEY'")
-@click.option("--max-queue", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--max-queue", type=click.IntRange(1, 100_000), default=16, show_default=True,
               help="requests waiting behind the one being answered; more are refused (503, Retry-After)")
 @click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="load a KV cache file at start (made by chat or generate --prompt-cache): requests that start "

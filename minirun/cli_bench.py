@@ -4,22 +4,29 @@ from __future__ import annotations
 import json
 import re
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import click
 
-from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU, hca_opt_option
-from .config import KV_BUDGET_PRESETS, WEIGHTS, hca_setting
+from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU, hca_opt_option, threads_option
+from .config import KV_BUDGET_PRESETS, MAX_CTX, WEIGHTS, hca_setting
 from .errors import MiniRunError
 
 
+MAX_REPS = 1000        # timed repetitions of one test
+
+
 def _ints(s: str, what: str) -> list[int]:
+    """"512,2048" -> [512, 2048]: token counts, each in [0, MAX_CTX]."""
     try:
         vals = [int(x) for x in str(s).split(",") if x.strip() != ""]
     except ValueError:
         raise MiniRunError(f"{what}: expected comma-separated integers, got {s!r}") from None
     if any(v < 0 for v in vals):
         raise MiniRunError(f"{what}: negative values in {s!r}")
+    if any(v > MAX_CTX for v in vals):
+        raise MiniRunError(f"{what}: {max(vals)} is more than the largest context minirun takes, {MAX_CTX}")
     return vals
 
 
@@ -34,10 +41,12 @@ class AutoCtxType(click.ParamType):
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+MAX_MEMORY = 1 << 50     # 1024 TiB: more memory than any machine minirun plans for
 
 
 class SizeType(click.ParamType):
-    """A memory size in bytes with binary suffixes: 80G = 80GB = 80GiB = 80 * 2**30."""
+    """A memory size in bytes with binary suffixes: 80G = 80GB = 80GiB = 80 * 2**30 (read as an exact
+    fraction, never through a float), at most MAX_MEMORY."""
     name = "size"
 
     def convert(self, value, param, ctx):
@@ -47,7 +56,10 @@ class SizeType(click.ParamType):
         if not m:
             self.fail(f"bad memory size {value!r}: use a number with an optional K, M, G or T suffix (e.g. 80G)",
                       param, ctx)
-        return int(float(m.group(1)) * (1 << (10 * "_kmgt".index(m.group(2).lower() or "_"))))
+        n = int(Fraction(m.group(1)) * (1 << (10 * "_kmgt".index(m.group(2).lower() or "_"))))
+        if n > MAX_MEMORY:
+            self.fail(f"memory size {value!r} is more than {MAX_MEMORY >> 40} TiB", param, ctx)
+        return n
 
 
 def _modes(kv_modes: str, budgets: str) -> list[tuple[str, float | str | None]]:
@@ -107,14 +119,14 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--kv-budget", "budgets", default="0.25", show_default=True,
               help="HCA budgets, comma-separated: 0.5, 0.25, 0.125, or gGcC codebooks such as g64c16 "
                    "(one engine each)")
-@click.option("-r", "--reps", type=AT_LEAST_1, default=3, show_default=True, help="timed repetitions (after one warm-up)")
+@click.option("-r", "--reps", type=click.IntRange(1, MAX_REPS), default=3, show_default=True, help="timed repetitions (after one warm-up)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--weights", type=click.Choice(WEIGHTS), default="stored", show_default=True,
               help="weight matrices as stored (GGUF blocks stay blocks), dequantized, or quantized at load")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
 @click.option("--ctx", type=AutoCtxType(), default="auto", show_default=True,
               help="cache size of every engine (K/M suffixes); auto: the largest test, rounded up to 256")
-@click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
+@threads_option()
 @click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: attention mass kept per head")
 @click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")

@@ -1,11 +1,12 @@
 """Pieces shared by the click commands (kept apart from cli.py so `python -m minirun.cli` works)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import click
 
-from .config import WEIGHTS, parse_ctx
+from .config import MAX_CTX, MAX_THREADS, WEIGHTS, parse_ctx
 from .errors import MiniRunError
 
 
@@ -33,9 +34,14 @@ class FiniteFloatRange(click.FloatRange):
         return rv
 
 
-# numeric options' ranges, checked where click parses them: before any model is loaded
-AT_LEAST_1 = click.IntRange(min=1)
-AT_LEAST_0 = click.IntRange(min=0)
+# numeric options' ranges, checked where click parses them: before any model is loaded. Every one
+# has an upper bound (a number past a C long was an OverflowError deep in torch): token counts at
+# most MAX_CTX, threads at most this machine's CPUs, repetitions and such at most MAX_COUNT.
+MAX_COUNT = 1_000_000
+AT_LEAST_1 = click.IntRange(1, MAX_CTX)          # tokens
+AT_LEAST_0 = click.IntRange(0, MAX_CTX)
+COUNT = click.IntRange(1, MAX_COUNT)            # repetitions, trials, iterations, copies
+THREADS = click.IntRange(1, MAX_THREADS)
 SEED = click.IntRange(min=0, max=2**64 - 1)          # (torch.Generator.manual_seed's range)
 TAU = FiniteFloatRange(0.0, 1.0, min_open=True)
 
@@ -108,9 +114,69 @@ def hca_opts_callback(ctx, param, value) -> dict:
     return opts
 
 
+def threads_option():
+    return click.option("--threads", type=THREADS, default=None,
+                        help=f"CPU threads for torch and the kernels (at most this machine's {MAX_THREADS})")
+
+
 def hca_opt_option(help_text: str = HCA_OPT_HELP):
-    return click.option("--hca-opt", "hca_opts", multiple=True, metavar="KEY=VALUE", callback=hca_opts_callback,
-                        help=help_text)
+    """--hca-opt, and on the command it decorates the warning of warn_idle_settings before it runs:
+    every command that takes engine settings takes --hca-opt, so they are all checked here."""
+    option = click.option("--hca-opt", "hca_opts", multiple=True, metavar="KEY=VALUE", callback=hca_opts_callback,
+                          help=help_text)
+
+    def deco(f):
+        @functools.wraps(f)         # (keeps the click parameters declared below this one)
+        def checked(*args, **kw):
+            warn_idle_settings(click.get_current_context(), kw)
+            return f(*args, **kw)
+        return option(checked)
+    return deco
+
+
+# the flags that are EngineConfig fields: parameter name -> (field, how the flag is spelt)
+_FLAG_FIELDS = {"kv_budget": ("kv_budget", "--kv-budget"), "budgets": ("kv_budget", "--kv-budget"),
+                "tau": ("tau", "--tau"), "window": ("window", "--window"), "sinks": ("sinks", "--sinks"),
+                "max_select": ("max_select", "--max-select")}
+
+
+def _device_type(kw: dict) -> str:
+    """--device as the engine resolves it ("auto": cuda when torch sees a GPU; plan's --gpu-mem: cuda)."""
+    device = str(kw.get("device") or "auto")
+    if device == "auto":
+        if kw.get("gpu_mem") is not None:
+            return "cuda"
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def warn_idle_settings(ctx: click.Context, kw: dict) -> None:
+    """One line on stderr for each setting given on the command line that changes nothing in the
+    mode chosen (config.idle_settings): an HCA setting with --kv dense, a GPU one on a CPU, ..."""
+    from click.core import ParameterSource
+
+    from .config import EngineConfig, hca_setting, idle_settings
+    modes = kw.get("kv", kw.get("kv_modes"))
+    if modes is None:               # (eval: always dense against HCA)
+        return
+    settings, spelt = dict(kw.get("hca_opts") or {}), {}
+    for key, value in settings.items():
+        spelt[key] = f"--hca-opt {key}={str(value).lower() if isinstance(value, bool) else value}"
+    try:
+        for param, (field, flag) in _FLAG_FIELDS.items():
+            if param in kw and ctx.get_parameter_source(param) == ParameterSource.COMMANDLINE:
+                given = hca_setting(str(kw[param]).split(",")[0]) if field == "kv_budget" else {field: kw[param]}
+                settings.update(given)
+                spelt.update({name: f"{flag} {kw[param]}" for name in given})
+        kv = "hca" if "hca" in [m.strip() for m in str(modes).split(",")] else "dense"
+        cfg = EngineConfig(kv=kv, **settings)
+    except MiniRunError:            # (a bad value: the command says so itself)
+        return
+    lines = {f"minirun: warning: {spelt[name]} does nothing {why}"
+             for name, why in idle_settings(cfg, list(spelt), _device_type(kw))}
+    for line in sorted(lines):
+        click.echo(line, err=True)
 
 
 def engine_options(f):
@@ -132,7 +198,7 @@ def engine_options(f):
         click.option("--max-select", type=AT_LEAST_1, default=None,
                      help="HCA: attend to at most this many old tokens per head and step, the top-scoring "
                           "(bounds decode time where attention is diffuse; default: tau alone)"),
-        click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch"),
+        threads_option(),
         hca_opt_option(),
     ]
     for o in reversed(opts):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import AT_LEAST_0, AT_LEAST_1, SEED, TAU, hca_opt_option
+from .cli_common import AT_LEAST_0, AT_LEAST_1, COUNT, SEED, TAU, hca_opt_option, threads_option
 from .calibrate import DEFAULT_ITERS, DEFAULT_TOKENS, DEFAULT_WINDOWS
 from .errors import MiniRunError
 
@@ -43,19 +43,19 @@ def _ints(value: str, what: str) -> list[int]:
               help="calibration text file (default: the stdlib's pydoc topics, calibration half)")
 @click.option("--kv-budget", type=click.Choice(["0.25", "0.125"]), default="0.25", show_default=True,
               help="preset giving the groups (0.25: head_dim/2, 0.125: head_dim/4)")
-@click.option("--groups", type=AT_LEAST_1, default=None, help="sub-vectors per key (overrides --kv-budget)")
+@click.option("--groups", type=click.IntRange(1, 1 << 16), default=None, help="sub-vectors per key (overrides --kv-budget)")
 @click.option("--centroids", type=click.IntRange(2, 32768), default=1024, show_default=True, help="centroids per group")
 @click.option("--tokens", type=AT_LEAST_1, default=DEFAULT_TOKENS, show_default=True,
               help="keys per (layer, kv-head) to fit on, sub-sampled across windows and positions")
-@click.option("--windows", type=AT_LEAST_1, default=DEFAULT_WINDOWS, show_default=True,
+@click.option("--windows", type=COUNT, default=DEFAULT_WINDOWS, show_default=True,
               help="2048-token windows of the text to run, spread over it")
-@click.option("--iters", type=AT_LEAST_1, default=DEFAULT_ITERS, show_default=True,
+@click.option("--iters", type=COUNT, default=DEFAULT_ITERS, show_default=True,
               help="mini-batch k-means steps (4096 samples each)")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--unrotated", is_flag=True,
               help="keys without their RoPE rotation: the codebooks far_positions on / auto runs load "
                    "(grouped ones load the plain, rotated ones)")
-@click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
+@threads_option()
 def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, unrotated, threads):
     """Fit key codebooks on text and write codebooks-g{G}-c{C}[-unrotated].safetensors into MODEL."""
     from .calibrate import calibrate as run
@@ -86,10 +86,10 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
 @click.option("--passkey-lengths", default="1K,2K,4K,8000", show_default=True,
               help="passkey prompt lengths in tokens (empty skips passkey)")
 @click.option("--passkey-depths", default="0.1,0.5,0.9", show_default=True, help="where the key sits (0..1)")
-@click.option("--trials", type=AT_LEAST_1, default=2, show_default=True, help="random keys per passkey cell")
+@click.option("--trials", type=COUNT, default=2, show_default=True, help="random keys per passkey cell")
 @click.option("--passkey-haystack", type=click.Choice(["filler", "text"]), default="filler", show_default=True,
               help="hide the key in filler sentences, or in the evaluation text's start")
-@click.option("--passkey-copies", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--passkey-copies", type=COUNT, default=1, show_default=True,
               help="with --passkey-haystack text: that text repeated this many times (as a 4M-token book is)")
 @click.option("--tau", type=TAU, default=0.9, show_default=True, help="HCA: softmax mass kept per head")
 @click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
@@ -99,7 +99,7 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @hca_opt_option("an advanced setting, KEY=VALUE (repeatable): " + ", ".join(EVAL_OPTS) + " (README: options)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch")
+@threads_option()
 @click.option("--seed", type=SEED, default=0, show_default=True, help="passkey keys")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey_lengths, passkey_depths, trials,

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from .errors import CheckpointError, MiniRunError
@@ -164,20 +166,24 @@ class ModelArgs:
 
 
 _CTX_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
+MAX_CTX = 1 << 40          # the largest context (and token count of any setting) taken: 1T tokens
 
 
 def parse_ctx(value: str | int) -> int:
-    """'8192' -> 8192, '32K' -> 32768, '4M' -> 4194304 (binary suffixes)."""
-    if isinstance(value, int):
+    """'8192' -> 8192, '32K' -> 32768, '4M' -> 4194304, '1.5K' -> 1536 (binary suffixes; read as an
+    exact fraction, never through a float, so 99999999999999999999 is itself, and refused)."""
+    if isinstance(value, int) and not isinstance(value, bool):
         n = value
     else:
         m = _CTX_RE.match(str(value))
         if not m:
             raise MiniRunError(f"bad context size {value!r}: use a number with an optional K or M suffix (e.g. 32K, 4M)")
         mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
-        n = int(float(m.group(1)) * mult)
+        n = int(Fraction(m.group(1)) * mult)
     if n < 1:
         raise MiniRunError(f"context size must be positive, got {value!r}")
+    if n > MAX_CTX:
+        raise MiniRunError(f"context size {value!r} is more than the largest minirun takes, {MAX_CTX} (1024G)")
     return n
 
 
@@ -265,8 +271,8 @@ class EngineConfig:
             raise MiniRunError(f"unknown length_scale {self.length_scale!r}: use auto, on or off")
         if self.value_sum not in ("auto", "gpu", "host"):
             raise MiniRunError(f"unknown value_sum {self.value_sum!r}: use auto, gpu or host")
-        for name, low in _INT_SETTINGS.items():
-            _check_setting(name, getattr(self, name), low)
+        for name, (low, high) in _INT_SETTINGS.items():
+            _check_setting(name, getattr(self, name), low, high)
         if self.kv_budget is not None and (isinstance(self.kv_budget, bool)
                                            or not isinstance(self.kv_budget, (int, float))):
             raise MiniRunError(f"kv_budget must be a number (0.5, 0.25 or 0.125), got {self.kv_budget!r}")
@@ -274,18 +280,59 @@ class EngineConfig:
             raise MiniRunError(f"tau must be in (0, 1], got {self.tau!r}")
 
 
-# integer settings -> their least value (None: unset, where the field allows it): checked when an
-# EngineConfig is made, so a bad one fails before any model is loaded (a window of 0 divided by zero
-# in the ring; a negative one indexed out of range)
-_INT_SETTINGS = {"window": 1, "sinks": 0, "fit_min_tokens": 1, "exact_prefill_max": 0, "anchor_tokens": 0,
-                 "prefill_chunk": 1, "far_distance": 1, "max_select": 1, "threads": 1, "groups": 1, "centroids": 2}
+# settings that only an HCA cache reads, and those only a GPU reads: idle_settings
+HCA_ONLY = ("kv_budget", "groups", "centroids", "key_store", "tau", "window", "sinks", "fit_min_tokens",
+            "prefill_mode", "exact_prefill_max", "anchor_tokens", "far_positions", "far_distance", "max_select",
+            "length_scale", "rescore", "value_sum")
+GPU_ONLY = ("value_sum", "cuda_graphs")
+
+
+def idle_settings(cfg: EngineConfig, given, device_type: str) -> list[tuple[str, str]]:
+    """The settings among `given` (names of EngineConfig fields the user set) that change nothing for
+    `cfg` on `device_type` ("cpu" | "cuda"): [(name, why)], why as "with --kv dense". A setting left
+    at its default is not counted (setting it changes nothing anywhere)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    exact_keys = cfg.key_store == "exact" or (cfg.groups is None and (cfg.kv_budget or 0.25) >= 0.5)  # (resolve_layout)
+    out = []
+    for name in given:
+        if getattr(cfg, name) == defaults.get(name):
+            continue
+        if cfg.kv == "dense" and name in HCA_ONLY:
+            why = "with --kv dense (it is an HCA cache setting)"
+        elif device_type == "cpu" and name in GPU_ONLY:
+            why = "on a CPU (it is a GPU setting)"
+        elif name in ("rescore", "fit_min_tokens", "groups", "centroids") and exact_keys:
+            why = "with exact keys (key_store=exact, or the 0.5 preset): there are no codebooks"
+        elif name == "far_distance" and cfg.far_positions == "off":
+            why = "with far_positions=off"
+        elif name == "exact_prefill_max" and cfg.prefill_mode != "auto":
+            why = f"with prefill_mode={cfg.prefill_mode} (only auto reads it)"
+        elif name == "anchor_tokens" and cfg.prefill_mode in ("exact", "hca"):
+            why = f"with prefill_mode={cfg.prefill_mode} (only anchor prefills read it)"
+        else:
+            continue
+        out.append((name, why))
+    return out
+
+
+# integer settings -> their (least, largest) values (None: unset, where the field allows it): checked
+# when an EngineConfig is made, so a bad one fails before any model is loaded (a window of 0 divided
+# by zero in the ring; a negative one indexed out of range; threads past a C long overflowed torch)
+MAX_THREADS = os.cpu_count() or 1
+_INT_SETTINGS = {"window": (1, MAX_CTX), "sinks": (0, MAX_CTX), "fit_min_tokens": (1, MAX_CTX),
+                 "exact_prefill_max": (0, MAX_CTX), "anchor_tokens": (0, MAX_CTX), "prefill_chunk": (1, MAX_CTX),
+                 "far_distance": (1, MAX_CTX), "max_select": (1, MAX_CTX), "threads": (1, MAX_THREADS),
+                 "groups": (1, 1 << 16), "centroids": (2, 32768)}
 _OPTIONAL_SETTINGS = ("prefill_chunk", "far_distance", "max_select", "threads", "groups", "centroids")
 
 
-def _check_setting(name: str, v, low: int) -> None:
+def _check_setting(name: str, v, low: int, high: int) -> None:
     if v is None and name in _OPTIONAL_SETTINGS:
         return
     if isinstance(v, bool) or not isinstance(v, int):
         raise MiniRunError(f"{name} must be an integer, got {v!r}")
     if v < low:
         raise MiniRunError(f"{name} must be at least {low}, got {v}")
+    if v > high:
+        what = " (this machine's CPUs)" if name == "threads" else ""
+        raise MiniRunError(f"{name} must be at most {high}{what}, got {v}")

@@ -13,9 +13,11 @@ directory, never anything else in it.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -323,6 +325,26 @@ def _write_json(path: Path, obj: Any) -> None:
         f.write("\n")
 
 
+def write_error(e: BaseException, out: Path) -> CheckpointError | None:
+    """A failed write into `out` (an OSError, or safetensors' error with the OS error in its text:
+    "... No space left on device (os error 28)") as one line naming the path and the space free
+    there; None for any other error."""
+    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+    if code is None and type(e).__name__ == "SafetensorError":
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else None
+    if code is None:
+        return None
+    from .planner import format_bytes
+    where = out if out.is_dir() else out.parent
+    try:
+        free = f"{format_bytes(shutil.disk_usage(where).free)} free there"
+    except OSError:
+        free = "its free space unknown"
+    what = "it is read-only" if code in (errno.EROFS, errno.EACCES, errno.EPERM) else os.strerror(code)
+    return CheckpointError(f"cannot write the model into {out}: {what} ({free}); nothing was written")
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
                  progress: bool = True, overwrite: bool = False,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
@@ -388,11 +410,13 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         raise CheckpointError(f"{path}: cannot build the tokenizer: {str(e).splitlines()[0] if str(e) else e!r}") from None
     tok_config = build_tokenizer_config(meta, config["max_position_embeddings"])
 
-    prepare_target(out, path, overwrite)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        prepare_target(out, path, overwrite)
+        if out.is_dir() and not os.access(out, os.W_OK):     # (before the minutes a conversion takes)
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(out))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))   # (beside it: renamed in)
     except OSError as e:
-        raise CheckpointError(f"cannot write beside {out} (in {out.parent}): {e.strerror}") from None
+        raise write_error(e, out) from None
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -405,7 +429,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600 files
         install(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        err = write_error(e, out)
+        if err is not None:
+            raise err from None
         raise
     return Path(out_dir)

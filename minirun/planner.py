@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineConfig, ModelArgs
+from .config import MAX_CTX, EngineConfig, ModelArgs
 from .errors import ContextError
 from .kv.hca_layout import ELEM
 from .quant.sizes import weights_label
@@ -121,7 +121,7 @@ def available_bytes(device: torch.device) -> dict:
 
 def largest_ctx(args: ModelArgs, cfg: EngineConfig, device: torch.device, avail: dict) -> int:
     """The largest ctx whose plan fits `avail` (bisection over the monotone plan)."""
-    lo, hi = 0, 1 << 34
+    lo, hi = 0, MAX_CTX
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _fits(plan(args, cfg, mid), device, avail):
@@ -148,9 +148,31 @@ def check_fits(args: ModelArgs, cfg: EngineConfig, device: torch.device, avail: 
     need = p.bytes_on("device") + (0 if device.type == "cuda" else p.bytes_on("host"))
     have = avail["device"] if device.type == "cuda" else avail["host"]
     hint = " or --kv hca" if cfg.kv == "dense" else ""
-    raise ContextError(f"--ctx {cfg.ctx} needs {need / GiB:.1f} GiB of {where} memory for kv={cfg.kv} "
-                       f"but {have / GiB:.1f} GiB is free: the largest context that fits is {best}"
-                       f" (use --ctx {best}{hint})")
+    head = (f"--ctx {cfg.ctx} needs {format_bytes(need)} of {where} memory for kv={cfg.kv} but "
+            f"{format_bytes(have)} is free")
+    if best == 0:
+        raise ContextError(f"{head}: {what_never_fits(args, cfg, device, avail)}")
+    raise ContextError(f"{head}: the largest context that fits is {best} (use --ctx {best}{hint})")
+
+
+def what_never_fits(args: ModelArgs, cfg: EngineConfig, device: torch.device, avail: dict) -> str:
+    """Why no context at all fits `avail` (largest_ctx is 0), naming the part that does not: the
+    model's weights, or an HCA cache's exact sinks and window (held whole whatever the context)."""
+    cuda = device.type == "cuda"
+    p = plan(args, cfg, 1)
+    have = avail["device"] if cuda else avail["host"]
+    weights = p.tiers["weights"][0]
+    if weights > have:
+        return (f"the model itself does not fit at any context: its weights need {format_bytes(weights)} "
+                f"({param_count(args)} parameters, vocab_size {args.vocab_size})")
+    exact = sum(b for name, (b, _) in p.tiers.items() if name.startswith("sinks+ring"))
+    if cfg.kv == "hca" and exact + weights > have:
+        what = f"--window {cfg.window}" if cfg.window >= cfg.sinks else f"--sinks {cfg.sinks}"
+        return (f"{what} does not fit at any context: the {cfg.sinks + cfg.window} tokens kept exact "
+                f"(--sinks {cfg.sinks} + --window {cfg.window}) need {format_bytes(exact)} beside the weights' "
+                f"{format_bytes(weights)}: give a smaller {what.split()[0]}")
+    return (f"not even a context of 1 token fits: the weights and fixed buffers need "
+            f"{format_bytes(p.bytes_on('device') + (0 if cuda else p.bytes_on('host')))}")
 
 
 def format_bytes(n: int) -> str:
@@ -239,6 +261,8 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
     else:
         report["fits"] = _fits(p, dev, avail)
         report["largest_ctx"] = largest_ctx(args, cfg, dev, avail)
+        if report["largest_ctx"] == 0:
+            report["note"] = what_never_fits(args, cfg, dev, avail)
     return report
 
 
@@ -292,7 +316,7 @@ def format_plan(r: dict) -> str:
             parts.insert(0, f"GPU {format_bytes(r['device_bytes'])} of {format_bytes(av['device'])}"
                          + ("" if gpu_ok or r["fits"] else " (too little)"))
         lines.append(f"{'fits' if r['fits'] else 'does NOT fit'}: {', '.join(parts)} "
-                     f"(largest ctx that fits: {r['largest_ctx']})")
+                     + (f"(largest ctx that fits: {r['largest_ctx']})" if r["largest_ctx"] else f"({r['note']})"))
     if r.get("ctx_note"):
         lines.append(f"note: {r['ctx_note']}")
     return "\n".join(lines)

@@ -4,6 +4,7 @@ name a model directory that does not exist: a check made after loading would say
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -15,6 +16,8 @@ import pytest
 from minirun.cli import main
 
 NO_MODEL = "/nonexistent/minirun-model"
+CPUS = os.cpu_count()
+HUGE = "99999999999999999999"          # past a C long: an OverflowError deep in torch when not bounded
 USAGE, ERROR = 2, 1            # click's status for a bad option value; MiniRunError's
 
 
@@ -22,12 +25,12 @@ def _numeric_rows():
     """(args, exit status, fragment of the message) for every numeric option's bounds."""
     g = ["generate", NO_MODEL, "-p", "hi"]
     rows = [
-        (g + ["--kv", "hca", "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
-        (g + ["--kv", "hca", "--window", "-5"], USAGE, "'--window': -5 is not in the range x>=1"),
-        (g + ["--sinks", "-1"], USAGE, "'--sinks': -1 is not in the range x>=0"),
-        (g + ["-n", "-1"], USAGE, "'--max-tokens': -1 is not in the range x>=0"),
-        (g + ["--threads", "0"], USAGE, "'--threads': 0 is not in the range x>=1"),
-        (g + ["--max-select", "0"], USAGE, "'--max-select': 0 is not in the range x>=1"),
+        (g + ["--kv", "hca", "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
+        (g + ["--kv", "hca", "--window", "-5"], USAGE, "'--window': -5 is not in the range 1<=x<=1099511627776"),
+        (g + ["--sinks", "-1"], USAGE, "'--sinks': -1 is not in the range 0<=x<=1099511627776"),
+        (g + ["-n", "-1"], USAGE, "'--max-tokens': -1 is not in the range 0<=x<=1099511627776"),
+        (g + ["--threads", "0"], USAGE, f"'--threads': 0 is not in the range 1<=x<={CPUS}"),
+        (g + ["--max-select", "0"], USAGE, "'--max-select': 0 is not in the range 1<=x<=1099511627776"),
         (g + ["--tau", "0"], USAGE, "'--tau': 0.0 is not in the range 0.0<x<=1.0"),
         (g + ["--tau", "1.5"], USAGE, "'--tau': 1.5 is not in the range"),
         (g + ["--tau", "nan"], USAGE, "'--tau': 'nan' is not a finite number"),
@@ -36,30 +39,63 @@ def _numeric_rows():
         (g + ["--ctx", "lots"], USAGE, "bad context size 'lots'"),
         (g + ["--temperature", "-1"], USAGE, "'--temp': -1.0 is not in the range x>=0.0"),
         (g + ["--temperature", "inf"], USAGE, "'inf' is not a finite number"),
-        (g + ["--top-k", "-1"], USAGE, "'--top-k': -1 is not in the range x>=0"),
+        (g + ["--top-k", "-1"], USAGE, "'--top-k': -1 is not in the range 0<=x<=1099511627776"),
         (g + ["--top-p", "0"], USAGE, "'--top-p': 0.0 is not in the range 0.0<x<=1.0"),
         (g + ["--top-p", "1.5"], USAGE, "'--top-p': 1.5 is not in the range"),
         (g + ["--min-p", "1"], USAGE, "'--min-p': 1.0 is not in the range 0.0<=x<1.0"),
         (g + ["--repetition-penalty", "0"], USAGE, "'--repetition-penalty': 0.0 is not in the range x>0.0"),
         (g + ["--seed", "-1"], USAGE, "'--seed': -1 is not in the range"),
-        (["chat", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
-        (["chat", NO_MODEL, "-n", "-3"], USAGE, "'--max-tokens': -3 is not in the range x>=0"),
-        (["bench", NO_MODEL, "-r", "0"], USAGE, "'--reps': 0 is not in the range x>=1"),
-        (["bench", NO_MODEL, "-n", "-1"], USAGE, "'--n-gen': -1 is not in the range x>=0"),
-        (["bench", NO_MODEL, "--threads", "0"], USAGE, "'--threads': 0 is not in the range x>=1"),
-        (["bench", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
+        (["chat", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
+        (["chat", NO_MODEL, "-n", "-3"], USAGE, "'--max-tokens': -3 is not in the range 0<=x<=1099511627776"),
+        (["bench", NO_MODEL, "-r", "0"], USAGE, "'--reps': 0 is not in the range 1<=x<=1000"),
+        (["bench", NO_MODEL, "-n", "-1"], USAGE, "'--n-gen': -1 is not in the range 0<=x<=1099511627776"),
+        (["bench", NO_MODEL, "--threads", "0"], USAGE, f"'--threads': 0 is not in the range 1<=x<={CPUS}"),
+        (["bench", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
         (["bench", NO_MODEL, "--tau", "2"], USAGE, "'--tau': 2.0 is not in the range"),
-        (["plan", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
-        (["plan", NO_MODEL, "--sinks", "-1"], USAGE, "'--sinks': -1 is not in the range x>=0"),
+        (["plan", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
+        (["plan", NO_MODEL, "--sinks", "-1"], USAGE, "'--sinks': -1 is not in the range 0<=x<=1099511627776"),
         (["plan", NO_MODEL, "--gpu-mem", "lots"], USAGE, "bad memory size 'lots'"),
-        (["calibrate", NO_MODEL, "--tokens", "0"], USAGE, "'--tokens': 0 is not in the range x>=1"),
-        (["calibrate", NO_MODEL, "--iters", "0"], USAGE, "'--iters': 0 is not in the range x>=1"),
+        (["calibrate", NO_MODEL, "--tokens", "0"], USAGE, "'--tokens': 0 is not in the range 1<=x<=1099511627776"),
+        (["calibrate", NO_MODEL, "--iters", "0"], USAGE, "'--iters': 0 is not in the range 1<=x<=1000000"),
         (["calibrate", NO_MODEL, "--centroids", "1"], USAGE, "'--centroids': 1 is not in the range 2<=x<=32768"),
-        (["eval", NO_MODEL, "--trials", "0"], USAGE, "'--trials': 0 is not in the range x>=1"),
-        (["eval", NO_MODEL, "--ppl-tokens", "-1"], USAGE, "'--ppl-tokens': -1 is not in the range x>=0"),
-        (["eval", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range x>=1"),
+        (["eval", NO_MODEL, "--trials", "0"], USAGE, "'--trials': 0 is not in the range 1<=x<=1000000"),
+        (["eval", NO_MODEL, "--ppl-tokens", "-1"], USAGE, "'--ppl-tokens': -1 is not in the range 0<=x<=1099511627776"),
+        (["eval", NO_MODEL, "--window", "0"], USAGE, "'--window': 0 is not in the range 1<=x<=1099511627776"),
     ]
-    return rows
+    huge = [   # every integer option bounded above where it is parsed (sizes read without a float)
+        (g + ["--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range 1<=x<={CPUS}"),
+        (g + ["--threads", str(CPUS + 1)], USAGE, f"is not in the range 1<=x<={CPUS}"),
+        (["chat", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["bench", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["serve", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["calibrate", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["eval", NO_MODEL, "--threads", HUGE], USAGE, f"'--threads': {HUGE} is not in the range"),
+        (["serve", NO_MODEL, "--max-queue", HUGE], USAGE, "'--max-queue': 99999999999999999999 is not in the range"),
+        (["bench", NO_MODEL, "-r", HUGE], USAGE, f"'--reps': {HUGE} is not in the range 1<=x<=1000"),
+        (["bench", NO_MODEL, "-n", HUGE], USAGE, f"'--n-gen': {HUGE} is not in the range 0<=x<=1099511627776"),
+        (["bench", NO_MODEL, "-p", HUGE], ERROR, f"-p: {HUGE} is more than the largest context minirun takes"),
+        (["bench", NO_MODEL, "-d", "0," + HUGE], ERROR, f"-d: {HUGE} is more than the largest context"),
+        (["bench", NO_MODEL, "--ctx", HUGE], USAGE, "is more than the largest minirun takes, 1099511627776"),
+        (g + ["--ctx", "99999999999999999999999999"], USAGE, "context size '99999999999999999999999999' is more than"),
+        (g + ["--ctx", "2049G"], USAGE, "context size '2049G' is more than the largest minirun takes"),
+        (g + ["-n", HUGE], USAGE, f"'--max-tokens': {HUGE} is not in the range 0<=x<=1099511627776"),
+        (g + ["--top-k", HUGE], USAGE, f"'--top-k': {HUGE} is not in the range"),
+        (g + ["--window", HUGE], USAGE, f"'--window': {HUGE} is not in the range 1<=x<=1099511627776"),
+        (g + ["--sinks", HUGE], USAGE, f"'--sinks': {HUGE} is not in the range 0<=x<=1099511627776"),
+        (g + ["--max-select", HUGE], USAGE, f"'--max-select': {HUGE} is not in the range"),
+        (g + ["--hca-opt", "far_distance=" + HUGE], USAGE, f"far_distance must be at most 1099511627776, got {HUGE}"),
+        (g + ["--hca-opt", "prefill_chunk=" + HUGE], USAGE, "prefill_chunk must be at most 1099511627776"),
+        (g + ["--hca-opt", "far_distance=1e20"], USAGE, "far_distance: '1e20' is not a valid int"),
+        (g + ["--kv", "hca", "--kv-budget", f"g{HUGE}c16"], ERROR, f"groups must be at most 65536, got {HUGE}"),
+        (["plan", NO_MODEL, "--gpu-mem", "99999999999999999999999T"], USAGE,
+         "memory size '99999999999999999999999T' is more than 1024 TiB"),
+        (["plan", NO_MODEL, "--window", HUGE], USAGE, f"'--window': {HUGE} is not in the range"),
+        (["calibrate", NO_MODEL, "--groups", HUGE], USAGE, f"'--groups': {HUGE} is not in the range 1<=x<=65536"),
+        (["calibrate", NO_MODEL, "--tokens", HUGE], USAGE, f"'--tokens': {HUGE} is not in the range"),
+        (["eval", NO_MODEL, "--passkey-copies", HUGE], USAGE, f"'--passkey-copies': {HUGE} is not in the range"),
+        (["eval", NO_MODEL, "--ppl-tokens", HUGE], USAGE, f"'--ppl-tokens': {HUGE} is not in the range"),
+    ]
+    return rows + huge
 
 
 def _file_rows(tmp: Path, tiny: Path):
@@ -73,6 +109,9 @@ def _file_rows(tmp: Path, tiny: Path):
     gguf = tmp / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2, 5) + bytes(8))   # version 3, 2 tensors, 5 keys: cut short
     g = ["-p", "hi"]
+    empty, blank = tmp / "empty.txt", tmp / "blank.txt"
+    empty.write_bytes(b"")
+    blank.write_text(" \n\n\t\n")
     return [
         (["generate", model_with([cfg]), *g], ERROR, "config.json: the top level is a list, not an object"),
         (["generate", model_with({**cfg, "hidden_size": "64"}), *g], ERROR,
@@ -96,6 +135,17 @@ def _file_rows(tmp: Path, tiny: Path):
         (["generate", str(tiny), "-f", str(tmp)], USAGE, "is a directory"),
         (["chat", str(tiny), "--file", str(tmp)], ERROR, "cannot read --file"),
         (["chat", str(tiny), "--file", str(tmp / "missing.txt")], ERROR, "cannot read --file"),
+        (["chat", str(tiny), "--file", str(empty)], ERROR, f"--file {empty} is empty: nothing to read"),
+        (["chat", str(tiny), "--file", str(blank)], ERROR, f"--file {blank} is empty (only white space)"),
+        (["generate", str(tiny), "-f", str(empty)], ERROR, f"--file {empty} is empty: nothing to read"),
+        (["generate", str(tiny), "-p", ""], ERROR, "empty prompt: give some text with -p"),
+        # nothing fits at any context: what does not is named (it was "the largest context that fits is 0")
+        (["generate", str(tiny), *g, "--kv", "hca", "--window", str(10**12)], ERROR,
+         "--window 1000000000000 does not fit at any context: the 1000000000016 tokens kept exact"),
+        (["generate", str(tiny), *g, "--kv", "hca", "--sinks", str(10**12)], ERROR,
+         "--sinks 1000000000000 does not fit at any context"),
+        (["generate", model_with({**cfg, "vocab_size": 10**12}), *g], ERROR,
+         "the model itself does not fit at any context: its weights need"),
     ]
 
 
@@ -132,7 +182,11 @@ def test_bad_files(tiny_model_dir, tmp_path, capsys):
     ("sinks", -1, "sinks must be at least 0"), ("threads", 0, "threads must be at least 1"),
     ("max_select", 0, "max_select must be at least 1"), ("prefill_chunk", 0, "prefill_chunk must be at least 1"),
     ("window", "256", "window must be an integer"), ("tau", 0.0, "tau must be in (0, 1]"),
-    ("kv_budget", "0.25", "kv_budget must be a number")])
+    ("kv_budget", "0.25", "kv_budget must be a number"),
+    ("threads", 10**20, "threads must be at most"), ("threads", (os.cpu_count() or 1) + 1, "(this machine's CPUs)"),
+    ("far_distance", 10**20, "far_distance must be at most 1099511627776"),
+    ("prefill_chunk", 10**20, "prefill_chunk must be at most"), ("ctx", 10**20, "is more than the largest"),
+    ("ctx", "99999999999999999999999999", "is more than the largest"), ("centroids", 1 << 20, "at most 32768")])
 def test_engine_settings_fail_before_loading(setting, value, fragment):
     """The same bounds from Python: EngineConfig refuses them before Engine.load looks at the model."""
     from minirun import Engine
@@ -184,3 +238,56 @@ def test_default_model_lives_in_one_per_user_place(tiny_model_dir, tmp_path, mon
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert default_models_dir() == tmp_path / ".cache" / "minirun" / "models"
+
+
+def test_plan_names_what_never_fits(tiny_model_dir, tmp_path, capsys):
+    """`plan` where no context fits: the verdict names the window or the model itself, not
+    "largest ctx that fits: 0" (whose --ctx 0 is refused)."""
+    cfg = json.loads((tiny_model_dir("gqa-untied") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 10**12}))
+    for args, fragment in (([str(tmp_path / "config.json")], "the model itself does not fit at any context"),
+                           ([str(tiny_model_dir("gqa-untied")), "--kv", "hca", "--window", str(10**12)],
+                            "--window 1000000000000 does not fit at any context")):
+        code, out, err = run_cli(["plan", *args, "--device", "cpu"], capsys)
+        verdict = [ln for ln in out.splitlines() if ln.startswith("does NOT fit")]
+        assert code == 1 and "Traceback" not in err and len(verdict) == 1 and fragment in verdict[0], out
+        assert "largest ctx that fits: 0" not in out
+        code, out, _ = run_cli(["plan", *args, "--device", "cpu", "-o", "json"], capsys)
+        report = json.loads(out)
+        assert report["largest_ctx"] == 0 and fragment in report["note"]
+
+
+@pytest.mark.parametrize("args,warning", [
+    (["--hca-opt", "rescore=true"], "--hca-opt rescore=true does nothing with --kv dense"),
+    (["--window", "512"], "--window 512 does nothing with --kv dense"),
+    (["--kv-budget", "g16c16"], "--kv-budget g16c16 does nothing with --kv dense"),
+    (["--kv", "hca", "--hca-opt", "value_sum=gpu"], "--hca-opt value_sum=gpu does nothing on a CPU"),
+    (["--kv", "hca", "--hca-opt", "cuda_graphs=false"], "--hca-opt cuda_graphs=false does nothing on a CPU"),
+    (["--kv", "hca", "--kv-budget", "0.5", "--hca-opt", "rescore=true"], "rescore=true does nothing with exact keys"),
+    (["--kv", "hca", "--hca-opt", "far_positions=off", "--hca-opt", "far_distance=64"],
+     "far_distance=64 does nothing with far_positions=off"),
+    (["--kv", "hca", "--hca-opt", "prefill_mode=exact", "--hca-opt", "anchor_tokens=64"],
+     "anchor_tokens=64 does nothing with prefill_mode=exact"),
+])
+def test_settings_that_do_nothing_are_warned_about(args, warning, tiny_model_dir, capsys):
+    """One warning line on stderr for a setting the chosen mode ignores (plan: the same check as
+    every command taking --hca-opt); the command still runs."""
+    code, _, err = run_cli(["plan", str(tiny_model_dir("gqa-untied")), "--device", "cpu", "--ctx", "1K", *args],
+                           capsys)
+    warnings = [ln for ln in err.splitlines() if "warning" in ln]
+    assert code == 0 and len(warnings) == 1 and warning in warnings[0], err
+
+
+def test_settings_in_use_are_not_warned_about(tiny_model_dir, capsys):
+    """The same settings where they act, and defaults given explicitly: no warning; generate and
+    bench warn as plan does."""
+    d = str(tiny_model_dir("gqa-untied"))
+    for args in (["--kv", "hca", "--hca-opt", "rescore=true", "--window", "512"], ["--hca-opt", "rescore=false"],
+                 ["--window", "256"], ["--kv", "hca", "--hca-opt", "value_sum=auto"]):
+        code, _, err = run_cli(["plan", d, "--device", "cpu", "--ctx", "1K", *args], capsys)
+        assert code == 0 and "warning" not in err, (args, err)
+    code, _, err = run_cli(["generate", d, "-p", "hi", "-n", "1", "--device", "cpu", "--tau", "0.5"], capsys)
+    assert code == 0 and err.count("warning") == 1 and "--tau 0.5 does nothing with --kv dense" in err
+    code, _, err = run_cli(["bench", d, "--kv", "dense", "-p", "8", "-n", "0", "-r", "1", "--device", "cpu",
+                            "--hca-opt", "rescore=true"], capsys)
+    assert code == 0 and err.count("warning") == 1 and "rescore=true does nothing with --kv dense" in err
