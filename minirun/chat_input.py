@@ -17,6 +17,7 @@ drop_queued can then throw away everything queued, which the chat does when Ctrl
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import select
 import sys
@@ -113,3 +114,31 @@ class MessageReader:
             out.write("\x1b[?2004l")
             out.flush()
             termios.tcsetattr(self.fd, termios.TCSANOW, saved)
+
+
+class StreamReader:
+    """Messages from a text stream without a file descriptor (a caller's io.StringIO): a line each;
+    nothing is queued outside the stream, so nothing is dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def read(self) -> str | None:
+        line = self.stream.readline()
+        return line.removesuffix("\n") if line else None
+
+    def drop_queued(self) -> int:
+        return 0
+
+    @contextlib.contextmanager
+    def bracketed_paste(self, out=None):
+        yield
+
+
+def stdin_reader(stream=None) -> MessageReader | StreamReader:
+    """The reader of `stream` (default sys.stdin): its descriptor's, else the stream's lines."""
+    stream = sys.stdin if stream is None else stream
+    try:
+        return MessageReader(stream.fileno())
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return StreamReader(stream)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .chat_input import MessageReader
+from .chat_input import MessageReader, StreamReader, stdin_reader
 from .errors import ContextError, MiniRunError
 from .planner import format_bytes
 
@@ -100,7 +100,7 @@ def fit_conversation(eng, messages: list[dict], keep: int, room: int,
 
 
 def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampling=None, prompt_cache=None,
-             document: str | None = None, prompt_cache_ro: bool = False, reader: MessageReader | None = None):
+             document: str | None = None, prompt_cache_ro: bool = False, reader: MessageReader | StreamReader | None = None):
     """The chat loop over stdin (reader: its messages; default: a chat_input.MessageReader of stdin).
     document: the text of `file` when the caller read it already; prompt_cache_ro: load the
     prompt-cache file when it fits, never write it."""
@@ -127,7 +127,7 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
         if kv_report:
             click.echo(kv_report_line(eng), err=True)
     click.echo(f"minirun chat: {eng.path.name}, ctx {eng.config.ctx}, kv {eng.config.kv}. {HELP}", err=True)
-    reader = reader or MessageReader(sys.stdin.fileno())
+    reader = reader or stdin_reader()
     while True:
         try:
             click.echo(">>> ", nl=False)

@@ -33,7 +33,7 @@ def chat(model, system, file_, kv_report, prompt_cache, prompt_cache_ro, max_tok
 
     MODEL: a model directory, or a name in the models directory (smollm2); default: the default
     model there ($MINIRUN_MODELS or ~/.cache/minirun/models), pulled on first use."""
-    from .chat_input import MessageReader
+    from .chat_input import stdin_reader
     from .chat_repl import check_prompt_cache, read_document, run_chat
     from .pull import default_model_dir, pull
     if prompt_cache and not (system or file_):
@@ -47,7 +47,7 @@ def chat(model, system, file_, kv_report, prompt_cache, prompt_cache_ro, max_tok
             model = pull(models_dir=model.parent)
     eng_kw, sampling = split_kwargs(kw)
     eng = load_engine(model, **eng_kw)
-    reader = MessageReader(sys.stdin.fileno())
+    reader = stdin_reader()
     with reader.bracketed_paste():
         run_chat(eng, system=system, file=file_, kv_report=kv_report, max_tokens=max_tokens, sampling=sampling,
                  prompt_cache=prompt_cache, document=document, prompt_cache_ro=prompt_cache_ro, reader=reader)

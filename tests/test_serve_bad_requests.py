@@ -249,7 +249,7 @@ def test_chunked_body_is_counted_as_it_arrives_while_health_answers(servers):
 
 def test_abandoned_non_streamed_request_stops_generating(servers, monkeypatch):
     """A /v1/completions whose client closes the connection is cancelled when it closes: the engine
-    takes no decode step after the cancel, stops far short of max_tokens, and the next request is
+    takes at most the step in flight after the cancel, stops far short of max_tokens, and the next request is
     answered without waiting for it."""
     _, open_ = servers
     eng, worker = open_.engine, open_.worker
@@ -270,7 +270,9 @@ def test_abandoned_non_streamed_request_stops_generating(servers, monkeypatch):
         time.sleep(0.005)
     res = eng.last_result
     assert jobs[-1].cancel.is_set() and res.finish_reason == "cancelled"
-    assert not any(steps), "the engine stepped after the cancel"
+    # the flag is read before each step: a cancel that lands between that read and the step lets
+    # that one step run (within a token), never more
+    assert sum(steps) <= 1, "the engine went on stepping after the cancel"
     assert len(res.tokens) == len(steps) < CTX // 2, (len(res.tokens), len(steps))
     # the close is seen as it happens, not at the next poll: a few tokens at most while the event
     # loop's thread waits for the GIL (~170 tokens/s here: a 0.5 s poll would let ~40 through)
