@@ -104,11 +104,30 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
               help="load a KV cache file at start (made by chat or generate --prompt-cache): requests that start "
                    "with its tokens prefill only the rest")
 @click.option("--model-name", default=None, help="the model id /v1/models reports (default: the directory's name)")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="run N engines on Ray Serve (each its own process with --threads CPUs) behind this one "
+                   "endpoint, each request sent to the replica whose cache holds most of its prompt (needs "
+                   "minirun[ray]; README: several machines)")
+@click.option("--address", default=None,
+              help="with --replicas: the Ray cluster to join (auto: the one `ray start` made on this machine); "
+                   "default: a local Ray instance of its own")
+@click.option("--router", type=click.Choice(["document", "ray-default"]), default="document", show_default=True,
+              help="with --replicas: document (the replica holding the prompt's prefix, else the less loaded) or "
+                   "Ray Serve's own power-of-two router")
 @engine_options
-def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, **engine_kw):
+def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, replicas, address, router, **engine_kw):
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
     MODEL: a model directory, or a name in the models directory (smollm2)."""
+    if replicas is not None:
+        if prompt_cache is not None:
+            raise MiniRunError("--prompt-cache is not taken with --replicas")
+        from .serve.launch import run as run_replicas
+        run_replicas(model, engine_kw, replicas, address=address, host=host, port=port, max_queue=max_queue,
+                     model_name=model_name, api_key=api_key, router=router)
+        return
+    if address is not None:
+        raise MiniRunError("--address joins a Ray cluster for --replicas: give --replicas N too")
     from .serve.server import bind, run
     sock = bind(host, port)          # (before loading: a port in use fails at once)
     eng = load_engine(model, **engine_kw)
