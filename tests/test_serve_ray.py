@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from minirun import Engine
+from minirun.cli import main
 from minirun.errors import MiniRunError
 from minirun.serve.server import make_server
 
@@ -125,6 +126,18 @@ def replicas(model_dir):
 
 def engine_actors() -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]}
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--replicas", "2"], "no such model directory"),                       # found before Ray starts
+    (["--address", "auto"], "--address joins a Ray cluster for --replicas"),
+    (["--replicas", "2", "--prompt-cache", "x.kv"], "--prompt-cache is not taken with --replicas"),
+])
+def test_cli_refusals_are_one_line(args, words, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path / "nope"), *args])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("error: ") and words in err and "\n" not in err
 
 
 def test_model_that_does_not_load_is_one_line(model_dir, tmp_path):

@@ -51,9 +51,8 @@ def build_app(model, options: dict, replicas: int, max_queue: int, model_name: s
         logging_config=quiet, **routing)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress").options(
         num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}, logging_config=quiet)
-    capacity = replicas * (1 + max_queue)
     return ingress.bind(engines.bind(model, options, max_queue, affinity.BLOCK), model, engine_settings(**options),
-                        model_name, api_key, capacity)
+                        model_name, api_key, replicas, max_queue)
 
 
 def why_not_started(e: Exception, name: str) -> str:

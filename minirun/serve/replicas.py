@@ -65,10 +65,11 @@ def error_of_event(ev: tuple) -> Exception:
 
 class RemoteWorker:
     """EngineWorker's interface over the replicas' handle, so create_app serves them as one engine.
-    capacity: requests in flight at most (every replica's 1 + max_queue); more: QueueFull (503)."""
+    Requests in flight at most: replicas x (1 + max_queue); more: QueueFull (503)."""
 
-    def __init__(self, front: EngineFront, handle, capacity: int, block: int = affinity.BLOCK):
-        self.engine, self.handle, self.capacity, self.block = front, handle, capacity, block
+    def __init__(self, front: EngineFront, handle, replicas: int, max_queue: int, block: int = affinity.BLOCK):
+        self.engine, self.handle, self.block = front, handle, block
+        self.replicas, self.capacity = replicas, replicas * (1 + max_queue)
         self.stopping = threading.Event()
         self.in_flight = 0
         self.served = 0
@@ -80,7 +81,7 @@ class RemoteWorker:
 
     @property
     def queued(self) -> int:
-        return max(0, self.in_flight - 1)
+        return max(0, self.in_flight - self.replicas)
 
     def retry_after(self) -> int:
         mean = sum(self._seconds) / len(self._seconds) if self._seconds else 1.0
@@ -115,7 +116,8 @@ class RemoteWorker:
         except asyncio.CancelledError:
             raise
         except Exception as e:     # the replica died (ActorDiedError...) or Ray could not reach it
-            job.put("error", replica_lost(e))
+            if not job.cancel.is_set():   # (else the call was cancelled here: nobody listens)
+                job.put("error", replica_lost(e))
         finally:
             watch.cancel()
             self.in_flight -= 1
@@ -205,9 +207,10 @@ class EngineReplica:
 class Ingress:
     """The HTTP side: create_app over a RemoteWorker (late-bound app of serve.ingress)."""
 
-    def __init__(self, engine_handle, model, settings: dict, model_name: str, api_key: str | None, capacity: int):
+    def __init__(self, engine_handle, model, settings: dict, model_name: str, api_key: str | None, replicas: int,
+                 max_queue: int):
         from .app import create_app
-        self.worker = RemoteWorker(EngineFront(model, settings), engine_handle, capacity)
+        self.worker = RemoteWorker(EngineFront(model, settings), engine_handle, replicas, max_queue)
         self.asgi = create_app(self.worker, model_name, api_key)
 
     def __serve_build_asgi_app__(self):

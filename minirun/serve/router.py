@@ -41,7 +41,10 @@ class DocumentRouter(RequestRouter):
         out, unknown = {}, []
         for r in replicas:
             n = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
-            (unknown.append(r) if n is None else out.__setitem__(r.replica_id, n))
+            if n is None:
+                unknown.append(r)
+            else:
+                out[r.replica_id] = n
         if unknown:
             for r, n in await self._probe_queue_lens(unknown, 0):
                 out[r.replica_id] = r.max_ongoing_requests if n is None else n
