@@ -102,13 +102,19 @@ def main():
                 r = one_run(a, label, flags, Path(tmp) / "run.json")
                 r["label"], r["commit"] = f"{label} (round {rnd + 1})", commit
                 runs.append(r)
+                write(a, commit, runs)   # (after each run: an interrupted series keeps what it measured)
+
+
+def write(a, commit: str, runs: list[dict]) -> None:
     result = {"title": f"One engine against 2 replicas on Ray Serve: {Path(a.model).name}, --ctx {a.ctx}, "
                        f"{a.clients} clients x {a.requests} streamed requests, then 2 documents of {a.doc_tokens} "
                        f"tokens whose questions take turns; {a.rounds} paired rounds",
               "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "machine": a.machine, "date": datetime.now(timezone.utc).date().isoformat(), "commit": commit,
               "kind": "serve", "runs": runs}
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    tmp = Path(a.out).with_suffix(".part")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(a.out)
 
 
 if __name__ == "__main__":
