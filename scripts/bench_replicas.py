@@ -108,7 +108,8 @@ def main():
 def write(a, commit: str, runs: list[dict]) -> None:
     result = {"title": f"One engine against 2 replicas on Ray Serve: {Path(a.model).name}, --ctx {a.ctx}, "
                        f"{a.clients} clients x {a.requests} streamed requests, then 2 documents of {a.doc_tokens} "
-                       f"tokens whose questions take turns; {a.rounds} paired rounds",
+                       f"tokens whose questions take turns; {-(-len(runs) // len(SERVERS))} round(s) of the 3 "
+                       "servers one after the other",
               "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "machine": a.machine, "date": datetime.now(timezone.utc).date().isoformat(), "commit": commit,
               "kind": "serve", "runs": runs}
