@@ -14,7 +14,7 @@ $(BIN)/minirun: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch first (on these machines it is on disk); then the project
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,ray]'
 	# compile the Numba kernels once (cached on disk): the first answer then runs at full speed
 	$(BIN)/python scripts/warmup_kernels.py
 	touch $(BIN)/minirun

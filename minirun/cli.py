@@ -118,12 +118,33 @@ def max_body_callback(ctx, param, value: int) -> int:
 @click.option("--model-name", default=None, help="the model id /v1/models reports (default: the directory's name)")
 @click.option("--max-body", type=SizeType(), default="8M", show_default=True, callback=max_body_callback,
               help="the largest request body (1K to 1G; K, M, G suffixes): a larger one is refused (413)")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="run N engines on Ray Serve (each its own process with --threads CPUs) behind this one "
+                   "endpoint, each request sent to the replica whose cache holds most of its prompt (needs "
+                   "minirun[ray]; README: several machines)")
+@click.option("--address", default=None,
+              help="with --replicas: the Ray cluster to join (auto: the one `ray start` made on this machine); "
+                   "default: a local Ray instance of its own")
+@click.option("--router", type=click.Choice(["document", "ray-default"]), default="document", show_default=True,
+              help="with --replicas: document (the replica holding the prompt's prefix, else the less loaded) or "
+                   "Ray Serve's own power-of-two router")
 @engine_options
-def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, max_body, **engine_kw):
-    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health.
+def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, max_body, replicas, address, router,
+          **engine_kw):
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, and a
+    chat page at /.
 
     MODEL: a model directory, or a name in the models directory (smollm2)."""
     from .prompt_cache import inspect_file
+    if replicas is not None:
+        if prompt_cache is not None:
+            raise MiniRunError("--prompt-cache is not taken with --replicas")
+        from .serve.launch import run as run_replicas
+        run_replicas(model, engine_kw, replicas, address=address, host=host, port=port, max_queue=max_queue,
+                     model_name=model_name, api_key=api_key, router=router, max_body=max_body)
+        return
+    if address is not None:
+        raise MiniRunError("--address joins a Ray cluster for --replicas: give --replicas N too")
     from .serve.server import bind, run
     if prompt_cache is not None and inspect_file(prompt_cache) is None:   # (and not a cache: refused there)
         raise MiniRunError(f"--prompt-cache: no prompt cache {prompt_cache} (serve reads one that chat or generate "

@@ -224,14 +224,19 @@ def sampling_options(temperature: float, max_tokens: int):
     return deco
 
 
-def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, max_select=None,
-                hca_opts=None, weights="stored", **extra):
-    from .engine import Engine
+def engine_settings(ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, max_select=None,
+                    hca_opts=None, weights="stored", **extra) -> dict:
+    """The engine options' values -> Engine.load's keywords (every one an EngineConfig field)."""
     from .config import hca_setting
-    eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
-                      threads=threads, max_select=max_select, weights=weights, **hca_setting(kv_budget),
-                      **(hca_opts or {}),
-                      **extra)
+    return dict(device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks, threads=threads,
+                max_select=max_select, weights=weights, **hca_setting(kv_budget), **(hca_opts or {}), **extra)
+
+
+def load_engine(model, **options):
+    """Engine.load with the engine options (engine_settings), and the trained-context note."""
+    from .engine import Engine
+    kv = options["kv"]
+    eng = Engine.load(model, **engine_settings(**options))
     far = getattr(eng.cache, "far", False)
     note = trained_context_note(eng.args.max_position_embeddings, eng.config.ctx, far, hca=kv == "hca")
     if note:

@@ -7,6 +7,8 @@
 2. A long document (--doc-tokens, counted with --tokenizer) with a question, then --followups more
    questions about the same document: time to first token of the first request (the whole
    prefill) against the next ones (the document reused: usage.prompt_tokens_details.cached_tokens).
+   --documents 2: two documents, their questions alternating (replicas behind one endpoint: does
+   each follow-up reach the replica holding its document?).
    Each answer is --doc-answer-tokens long, so question + answer pass the HCA cache's 256-token
    ring and the next request must come back to the end of the document past it.
 
@@ -134,19 +136,27 @@ def make_document(tokenizer_dir: str, n_tokens: int, seed: int = 0) -> tuple[str
     return text, questions
 
 
-def document_phase(client: Client, doc: str, questions: list[str], followups: int, max_tokens: int) -> list[dict]:
+def document_phase(client: Client, docs: list[tuple[str, list[str]]], followups: int, max_tokens: int) -> list[dict]:
+    """Each document's first question, then its follow-ups, the documents taking turns."""
     rows = []
-    for i, q in enumerate(questions[:followups + 1]):
-        r = client.chat(f"Read this document:\n\n{doc}\n\nQuestion: {q}", max_tokens)
-        r["question"] = q
-        rows.append(r)
-        sv = r["server"]
-        inside = (f" (server: tokenize {sv['tokenize_s']:.2f} s, first text {sv['first_text_s']:.2f} s wall, "
-                  f"{sv['first_text_cpu_s']:.2f} s CPU)" if "first_text_cpu_s" in sv else "")
-        print(f"  {'first' if i == 0 else f'follow-up {i}'}: prompt {r['prompt_tokens']} tok, cached "
-              f"{r['cached_tokens']}, first token {r['ttft']:.2f} s{inside}, {r['tokens']} tok at "
-              f"{r['decode_tps'] or 0:.1f} tok/s", file=sys.stderr)
+    for i in range(followups + 1):
+        for d, (doc, questions) in enumerate(docs):
+            q = questions[i]
+            r = client.chat(f"Read this document:\n\n{doc}\n\nQuestion: {q}", max_tokens)
+            r["question"], r["document"], r["round"] = q, d, i
+            rows.append(r)
+            report_row(r, i, d if len(docs) > 1 else None)
     return rows
+
+
+def report_row(r: dict, i: int, doc: int | None) -> None:
+    """One line on stderr: request i (0: the first question) of document `doc` (None: the only one)."""
+    sv = r["server"]
+    inside = (f" (server: tokenize {sv['tokenize_s']:.2f} s, first text {sv['first_text_s']:.2f} s wall, "
+              f"{sv['first_text_cpu_s']:.2f} s CPU)" if "first_text_cpu_s" in sv else "")
+    which = ("" if doc is None else f"document {doc} ") + ("first" if i == 0 else f"follow-up {i}")
+    print(f"  {which}: prompt {r['prompt_tokens']} tok, cached {r['cached_tokens']}, first token {r['ttft']:.2f} s"
+          f"{inside}, {r['tokens']} tok at {r['decode_tps'] or 0:.1f} tok/s", file=sys.stderr)
 
 
 def main():
@@ -158,6 +168,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per answer in the concurrent phase")
     ap.add_argument("--doc-tokens", type=int, default=16384, help="0: no document phase")
     ap.add_argument("--followups", type=int, default=3)
+    ap.add_argument("--documents", type=int, default=1, help="documents whose questions take turns")
     ap.add_argument("--doc-answer-tokens", type=int, default=300)
     ap.add_argument("--tokenizer", default="models/SmolLM2-135M-Instruct", help="model directory to size the document")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -178,13 +189,15 @@ def main():
         for e in c["errors"]:
             print(f"  error: {e}")
     if a.doc_tokens:
-        doc, questions = make_document(a.tokenizer, a.doc_tokens)
-        rows = document_phase(client, doc, questions, a.followups, a.doc_answer_tokens)
-        report["document"] = {"doc_tokens": a.doc_tokens, "answer_tokens": a.doc_answer_tokens, "requests": rows}
-        follow = [r["ttft"] for r in rows[1:]]
-        print(f"document of {a.doc_tokens} tokens: first token {rows[0]['ttft']:.2f} s (cached "
-              f"{rows[0]['cached_tokens']}); follow-ups {', '.join(f'{t:.2f}' for t in follow)} s (cached "
-              f"{', '.join(str(r['cached_tokens']) for r in rows[1:])})")
+        docs = [make_document(a.tokenizer, a.doc_tokens, seed=d) for d in range(a.documents)]
+        rows = document_phase(client, docs, a.followups, a.doc_answer_tokens)
+        report["document"] = {"doc_tokens": a.doc_tokens, "documents": a.documents,
+                              "answer_tokens": a.doc_answer_tokens, "requests": rows}
+        firsts, follow = [r for r in rows if r["round"] == 0], [r for r in rows if r["round"] > 0]
+        ttft = lambda rs: ", ".join(f"{r['ttft']:.2f}" for r in rs)   # noqa: E731
+        print(f"{a.documents} document(s) of {a.doc_tokens} tokens: first token {ttft(firsts)} s; follow-ups "
+              f"{ttft(follow)} s (cached/prompt tokens "
+              f"{', '.join(str(r['cached_tokens']) + '/' + str(r['prompt_tokens']) for r in follow)})")
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
 

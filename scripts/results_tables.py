@@ -78,16 +78,22 @@ def serve_table(runs: list[dict]) -> str:
         lines.append(f"| {r.get('label') or r['server']['kv']} | {c['wall_s']:.1f} | {c['aggregate_tps']:.1f} | {c['ttft_p50']:.2f} / "
                      f"{c['ttft_p95']:.2f} | {c['decode_tps_p50']:.1f} / {c['decode_tps_p95']:.1f} |")
     doc = runs[0]["document"]
-    lines += ["", f"A {doc['doc_tokens']}-token document and a question, then {len(doc['requests']) - 1} more "
-              f"questions about it, each answered in {doc['answer_tokens']} tokens: first token in seconds, "
+    n_docs = doc.get("documents", 1)
+    what = (f"A {doc['doc_tokens']}-token document and a question, then {len(doc['requests']) - 1} more questions about it"
+            if n_docs == 1 else f"{n_docs} documents of {doc['doc_tokens']} tokens, a question each, then "
+            f"{len(doc['requests']) // n_docs - 1} more about each, the documents taking turns")
+    lines += ["", f"{what}, each answered in {doc['answer_tokens']} tokens: first token in seconds, "
               "wall (server CPU)", "",
-              "| server | prompt tokens | first request | follow-ups | cached tokens | decode tok/s |",
+              f"| server | prompt tokens | first request{'s' if n_docs > 1 else ''} | follow-ups | cached tokens | decode tok/s |",
               "|---|---:|---:|---:|---:|---:|"]
     for r in runs:
         q = r["document"]["requests"]
+        first = [x for i, x in enumerate(q) if x.get("round", i) == 0]   # (one document: no "round", its first request)
+        later = [x for i, x in enumerate(q) if x.get("round", i) != 0]
         t = lambda x: f"{x['ttft']:.2f} ({x['server']['first_text_cpu_s']:.2f})"   # noqa: E731
         tps = [x["decode_tps"] for x in q]
-        lines.append(f"| {r.get('label') or r['server']['kv']} | {q[0]['prompt_tokens']} | {t(q[0])} | {', '.join(t(x) for x in q[1:])} | "
+        lines.append(f"| {r.get('label') or r['server']['kv']} | {q[0]['prompt_tokens']} | {', '.join(t(x) for x in first)} | "
+                     f"{', '.join(t(x) for x in later)} | "
                      f"{', '.join(str(x['cached_tokens']) for x in q)} | {min(tps):.1f}-{max(tps):.1f} |")
     return "\n".join(lines)
 

@@ -1,0 +1,122 @@
+"""One engine against replicas on Ray Serve, from the client's side (scripts/bench_serve.py), in
+paired rounds: each round starts every server in turn, alone on the machine, and runs the same
+load against it.
+
+    python scripts/bench_replicas.py --model ~/.cache/minirun/models/SmolLM2-135M-Instruct \
+        --rounds 2 --doc-tokens 4096 -o docs/results/serve-replicas.json
+
+Servers: `minirun serve --threads 2` (one engine), `--replicas 2 --threads 1` with the document
+router, and the same with Ray Serve's own router (--router ray-default). The load: --clients x
+--requests streamed answers of --max-tokens tokens, then two documents whose questions take turns
+(bench_serve.py --documents 2). Writes a results file of kind "serve" (scripts/results_tables.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SERVERS = {
+    "1 engine x 2 threads": ["--threads", "2"],
+    "2 replicas x 1 thread, document router": ["--threads", "1", "--replicas", "2"],
+    "2 replicas x 1 thread, Ray Serve's router": ["--threads", "1", "--replicas", "2", "--router", "ray-default"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode})")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("the server did not answer /health in time")
+
+
+def one_run(a, label: str, flags: list[str], out: Path) -> dict:
+    """Start one server, run bench_serve.py against it, stop it -> bench_serve.py's report."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "minirun", "serve", a.model, "--ctx", a.ctx, "--port", str(port),
+                               *flags], cwd=REPO)
+    try:
+        wait_ready(url, server, a.start_timeout)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "bench_serve.py"), "--url", url,
+                        "--clients", str(a.clients), "--requests", str(a.requests), "--max-tokens", str(a.max_tokens),
+                        "--doc-tokens", str(a.doc_tokens), "--documents", "2", "--followups", str(a.followups),
+                        "--doc-answer-tokens", str(a.doc_answer_tokens), "--tokenizer", a.model, "-o", str(out)],
+                       check=True, cwd=REPO)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    report = json.loads(out.read_text())
+    report["label"] = label
+    return report
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--ctx", default="8K")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--doc-tokens", type=int, default=4096)
+    ap.add_argument("--followups", type=int, default=2)
+    ap.add_argument("--doc-answer-tokens", type=int, default=64)
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--machine", default=f"{platform.machine()}, shared with other work")
+    ap.add_argument("-o", "--out", required=True)
+    a = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(a.rounds):
+            for label, flags in SERVERS.items():
+                print(f"round {rnd + 1}: {label}", file=sys.stderr)
+                r = one_run(a, label, flags, Path(tmp) / "run.json")
+                r["label"], r["commit"] = f"{label} (round {rnd + 1})", commit
+                runs.append(r)
+                write(a, commit, runs)   # (after each run: an interrupted series keeps what it measured)
+
+
+def write(a, commit: str, runs: list[dict]) -> None:
+    result = {"title": f"One engine against 2 replicas on Ray Serve: {Path(a.model).name}, --ctx {a.ctx}, "
+                       f"{a.clients} clients x {a.requests} streamed requests, then 2 documents of {a.doc_tokens} "
+                       f"tokens whose questions take turns; {-(-len(runs) // len(SERVERS))} round(s) of the 3 "
+                       "servers one after the other",
+              "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+              "machine": a.machine, "date": datetime.now(timezone.utc).date().isoformat(), "commit": commit,
+              "kind": "serve", "runs": runs}
+    tmp = Path(a.out).with_suffix(".part")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(a.out)
+
+
+if __name__ == "__main__":
+    main()
