@@ -290,7 +290,7 @@ def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts
     """caps: optional int32 [Hq] on the device, each head's cap in place of cap (< 0: none selected)."""
     L.launch("scores.cu", "zcut", (m.shape[0],), (_THREADS,),
              (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts, hcount, _i32(cap),
-              *((caps, _i32(1)) if caps is not None else (counts, _i32(0)))))
+              *((caps, _i32(1)) if caps is not None else (hcount, _i32(0)))))   # (unread dummy: an input)
 
 
 def launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts, n_live=None):
