@@ -145,3 +145,69 @@ def test_emu_zcut_per_head_caps(order, tau):
                 continue
             i1, c1, _, _ = cw.threshold_select(zt[h:h + 1].contiguous(), tau, cap=int(cap) or None)
             assert set(idx[h, :counts[h]].tolist()) == set(np_(i1)[0, :int(np_(c1)[0])].tolist()), h
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="g++ not found (CPU kernel emulator)")
+def test_emulated_gpu_cache_keeps_the_cpu_caches_head_caps(tiny_model_dir):
+    """Far positions on, per-head caps (a head skipping the store, one capped at 6 tokens, one at
+    tau alone): the CPU cache and the GPU cache on the emulator select alike per head (skipping
+    heads none, capped ones at most their cap) and decode the same tokens."""
+    import torch
+    import cuda_emu
+    from minirun import Engine
+    d = tiny_model_dir("gqa-untied")
+    ids = torch.randint(4, 300, (140,), generator=torch.Generator().manual_seed(5)).tolist()
+    kw = dict(ctx=256, kv="hca", key_store="exact", tau=0.9, window=16, sinks=4, prefill_chunk=32,
+              far_positions="on")
+    cpu = Engine.load(d, device="cpu", **kw)
+    with cuda_emu.emulated_hca_cuda():
+        gpu = Engine.load(d, device="cpu", **kw)
+    L, Hq = cpu.args.num_hidden_layers, cpu.args.num_attention_heads
+    caps = np.tile(np.array([-1, 6, 0, 2])[:Hq], (L, 1))
+    outs = []
+    for eng, where in ((cpu, __import__("contextlib").nullcontext), (gpu, cuda_emu.emulated_hca_cuda)):
+        assert eng.cache.head_caps is not None                  # (far positions on: the default rule)
+        eng.cache.set_head_caps(caps)
+        with where():
+            eng.prefill(ids)
+            eng.cache.record_selection = []
+            outs.append(torch.stack([eng.step(t).reshape(-1) for t in (3, 7, 12)]))
+        n = eng.cache.n_store                                       # (the steps' stores: n - 3 .. n - 1)
+        sel = np.stack(eng.cache.record_selection)                  # [steps * L, Hq] shares selected
+        assert n > 100 and (sel[:, 0] == 0).all()
+        assert (sel[:, 1] <= 6 / (n - 3) + 1e-9).all() and (sel[:, 3] <= 2 / (n - 3) + 1e-9).all()
+        assert (sel[:, 2] > 6 / (n - 3)).any()                      # tau alone reads more than the caps
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).all()
+    assert (outs[0] - outs[1]).abs().max().item() <= 0.01
+
+
+def test_caps_from_measured_mass():
+    """A head whose store holds <= 5% of its mass skips it; the others keep the fewest top tokens
+    that leave at most 5% of the whole mass out (the largest k measured when none does)."""
+    from minirun import head_budgets as hb
+    share = np.array([[0.03, 0.5, 0.5, 0.9]])
+    cap = np.zeros((1, 4, len(hb.TOP_K)))
+    cap[0, 1] = [0.5, 0.8, 0.95, 0.99, 1, 1, 1]           # 0.5 * (1 - 0.95) = 0.025 <= 0.05 at k = 256
+    cap[0, 2] = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]       # never: the largest k
+    cap[0, 3] = [0.96, 1, 1, 1, 1, 1, 1]                  # 0.9 * 0.04 = 0.036 at k = 64
+    np.testing.assert_array_equal(hb.caps_from(share, cap), [[-1, 256, hb.TOP_K[-1], 64]])
+
+
+def test_head_caps_file_and_rule(tmp_path):
+    """The cache's caps: none without far positions or with head_budgets off; the codebook file's
+    where it holds them (max_select bounding them), else the default rule."""
+    import torch
+    from minirun import head_budgets as hb
+    from minirun.config import EngineConfig
+    from minirun.kv.codebooks import Codebooks
+    f = tmp_path / "cb.safetensors"
+    caps = np.array([[-1, 300, 5000], [64, 0, -1]])
+    Codebooks(torch.zeros(2, 1, 1, 2, 4)).save(f, extra={"head_caps": torch.from_numpy(caps.astype(np.int32))})
+    cfg = EngineConfig(kv="hca")
+    assert hb.head_caps_for(cfg, False, f, (2, 3)) is None
+    assert hb.head_caps_for(EngineConfig(kv="hca", head_budgets="off"), True, f, (2, 3)) is None
+    np.testing.assert_array_equal(hb.head_caps_for(cfg, True, f, (2, 3)), caps)
+    np.testing.assert_array_equal(hb.head_caps_for(EngineConfig(kv="hca", max_select=1000), True, f, (2, 3)),
+                                  [[-1, 300, 1000], [64, 1000, -1]])
+    np.testing.assert_array_equal(hb.head_caps_for(cfg, True, f, (3, 3)), hb.default_caps(3, 3))   # another model
+    np.testing.assert_array_equal(hb.head_caps_for(cfg, True, tmp_path / "none", (2, 3)), hb.default_caps(2, 3))

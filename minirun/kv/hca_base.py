@@ -120,6 +120,10 @@ class HCABase(SavedState, KVCache):
             print(f"minirun: no {name} in the model directory: codebooks will be fitted from the prompt's own keys "
                   f"(run `minirun calibrate{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
 
+    def set_head_caps(self, caps) -> None:
+        """Replace the per-head caps: int [L, Hq] (head_budgets.py), or None (max_select alone)."""
+        self.head_caps = None if caps is None else np.asarray(caps, np.int64).reshape(self.n_layers, self.Hq)
+
     def select_cap(self, layer: int):
         """The selection cap of the layer's steps: per query head int64 [Hq] (head budgets; -1 skips
         the store) or one int for all (max_select; 0 none)."""
