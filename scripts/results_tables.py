@@ -10,7 +10,7 @@ scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval
 table), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" ("report":
 scripts/bench_vs_llamacpp.py's, whose --json writes the whole file), "plan" (`minirun plan -o
 json`), "serve" ("runs": scripts/bench_serve.py reports, one per server), "longdoc" ("rows":
-scripts/bench_longdoc.py's). A document shows a file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
+scripts/bench_longdoc.py's), "budgets" ("rows": scripts/head_budget_rules.py's). A document shows a file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
 name without .json; VIEW "summary": an eval report's settings and main table only), headed by its
 title and followed by its command, machine and date.
 """
@@ -123,6 +123,18 @@ def longdoc_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def budgets_table(rows: list[dict]) -> str:
+    """Head-budget rules on one passkey prompt each (rows: length, depth, rule, answer, ok, decode
+    tok/s median, selected share): each rule's answer, speed and selection share."""
+    lines = ["| tokens | key depth | kv | rule | decode tok/s (median) | selected | answer | found |",
+             "|---:|---:|---|---|---:|---:|---|---|"]
+    for r in rows:
+        sel = "-" if r.get("selected") is None else f"{100 * r['selected']:.1f}%"
+        lines.append(f"| {r['N']:,} | {r['depth']:g} | {r.get('kv', 'hca g64c16')} | {r['rule']} | "
+                     f"{r['tps_median']:.2f} | {sel} | {r['answer']} | {'yes' if r['ok'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def render(d: dict, view: str | None = None) -> str:
     """A results file as markdown: its title, its table, its command, machine and date. view
     "summary": an eval report's settings and main table only."""
@@ -149,6 +161,8 @@ def render(d: dict, view: str | None = None) -> str:
         body = serve_table(d["runs"])
     elif kind == "longdoc":
         body = longdoc_table(d["rows"])
+    elif kind == "budgets":
+        body = budgets_table(d["rows"])
     else:
         raise SystemExit(f"results_tables: unknown kind {kind!r}")
     return (f"**{d['title']}**\n\n{body}\n\n"
