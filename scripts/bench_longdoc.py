@@ -95,7 +95,7 @@ def run_one(a) -> dict:
     hca = dict(hca_setting(a.kv_budget)) if a.kv == "hca" else {}
     eng = Engine.load(a.model, device="cpu", ctx=a.ctx, kv=a.kv, threads=a.threads, **hca, **a.hca_opts)
     planted = facts(a.facts, a.seed)
-    doc = build_document(eng.tokenizer, a.tokens, planted, a.seed, paragraphs(a.botchan))
+    doc = build_document(eng.tokenizer, parse_tokens(a.tokens)[0], planted, a.seed, paragraphs(a.botchan))
     base = [{"role": "system", "content": SYSTEM + "\n\nThe user has shared this document:\n\n" + doc}]
     prefix = eng.tokenize(eng.tokenizer.apply_chat_template(base, add_generation_prompt=False), add_bos=None)
     t0 = time.perf_counter()
