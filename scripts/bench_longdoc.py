@@ -2,7 +2,8 @@
 
 Usage:
   python scripts/bench_longdoc.py [MODEL] --tokens 32K [--kv dense,hca] [--kv-budget g64c16]
-         [--ctx N] [--facts 4] [--decode 64] [--threads 2] [--hca-opt KEY=VALUE ...] [--json out.json]
+         [--ctx N] [--facts 4] [--decode 64] [--threads 2] [--device cpu|cuda] [--hca-opt KEY=VALUE ...]
+         [--json out.json]
 
 The document: Botchan (scripts/eval_quality.py's copy) and the stdlib's pydoc topics (evaluation
 half), their paragraphs repeated and shuffled (seeded) to about N tokens, with `--facts` sentences
@@ -13,7 +14,7 @@ keeps the document; the first question's prefill plus its first token is the tim
 answered greedily in at most 16 tokens; a fact counts as answered when its number's digits appear
 in the answer's. Decode speed: 64 tokens (EOS ignored) after the first question; the selection
 share is the mean share of the store each HCA query head kept over those steps. Each (kv, tokens)
-pair runs in a process of its own, so its peak RSS is its own. JSON: one object (title, command,
+pair runs in a process of its own, so its peak RSS (and on a GPU its peak device memory) is its own. JSON: one object (title, command,
 machine, date, kind "longdoc", rows); scripts/results_tables.py renders it.
 """
 from __future__ import annotations
@@ -93,7 +94,7 @@ def run_one(a) -> dict:
     from minirun import Engine
     from minirun.config import hca_setting
     hca = dict(hca_setting(a.kv_budget)) if a.kv == "hca" else {}
-    eng = Engine.load(a.model, device="cpu", ctx=a.ctx, kv=a.kv, threads=a.threads, **hca, **a.hca_opts)
+    eng = Engine.load(a.model, device=a.device, ctx=a.ctx, kv=a.kv, threads=a.threads, **hca, **a.hca_opts)
     planted = facts(a.facts, a.seed)
     doc = build_document(eng.tokenizer, parse_tokens(a.tokens)[0], planted, a.seed, paragraphs(a.botchan))
     base = [{"role": "system", "content": SYSTEM + "\n\nThe user has shared this document:\n\n" + doc}]
@@ -127,7 +128,7 @@ def run_one(a) -> dict:
         cache.record_selection = None
     row["answered"] = sum(f["ok"] for f in row["facts"])
     row["peak_rss_bytes"] = peak_rss()
-    row["peak_device_bytes"] = None      # (a CPU run; a GPU run would read torch.cuda.max_memory_allocated)
+    row["peak_device_bytes"] = torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else None
     return row
 
 
@@ -162,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--facts", type=int, default=4, choices=range(1, len(THINGS) + 1))
     ap.add_argument("--decode", type=int, default=64, help="tokens decoded for the decode speed")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hca-opt", action="append", default=[], help="KEY=VALUE: any other EngineConfig field")
     ap.add_argument("--botchan", type=Path, default=None, help="Botchan's text (default: eval_quality's copy, "
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
         for kv in [k.strip() for k in a.kv.split(",") if k.strip()]:
             child = [sys.executable, __file__, a.model, "--one", "--tokens", str(n), "--kv", kv, "--kv-budget",
                      a.kv_budget, "--ctx", str(a.ctx or n + 1024), "--facts", str(a.facts), "--decode", str(a.decode),
-                     "--seed", str(a.seed), "--botchan", str(a.botchan)] + \
+                     "--seed", str(a.seed), "--botchan", str(a.botchan), "--device", a.device] + \
                     (["--threads", str(a.threads)] if a.threads else []) + sum((["--hca-opt", o] for o in a.hca_opt), [])
             out = subprocess.run(child, stdout=subprocess.PIPE, text=True)
             if out.returncode:
@@ -189,7 +191,7 @@ def main(argv=None) -> int:
                 return 1
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(summary(rows[-1]), file=sys.stderr)
-    report = {"title": f"A long document through Engine.chat ({Path(a.model).name}, CPU)",
+    report = {"title": f"A long document through Engine.chat ({Path(a.model).name}, {a.device})",
               "command": "python scripts/bench_longdoc.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{platform.processor() or platform.machine()}, {a.threads or 'default'} threads",
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "kind": "longdoc", "rows": rows}
