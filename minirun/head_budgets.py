@@ -81,14 +81,13 @@ def _head_masses(cache, layer, q, k, v, pick, top_k) -> tuple:
     """Queries q [P, Hq, hd] (rows `pick` of the chunk whose keys and values are k, v) -> (mean share of
     the mass on the store [Hq], mean share of the store's mass in its top k [Hq, len(top_k)]).
     The exact part is the chunk's causal attention over sinks + ring + itself, as the cache attends."""
-    P = q.shape[0]
     qs = q.float() * cache._q_scale(k.shape[0])
-    qf = cache.far.queries(qs, cache.offset)            # (one turn for all: the same far distance)
-    # the exact tier for each picked query: its rows of the whole chunk's partial
+    # the whole chunk's rows (the others zero), so each query is turned at its own position and
+    # the exact tier's partial is the chunk's causal one; the picked rows are read back
     full_q = torch.zeros(k.shape[0], *q.shape[1:])
     full_q[pick] = qs
-    full_f = torch.zeros_like(full_q)
-    full_f[pick] = qf
+    full_f = cache.far.queries(full_q, cache.offset)
+    qf = full_f[pick]
     _, me, le = cache._attend_exact_tier(layer, full_q, k, v, full_f)
     lse_exact = (me + le.log())[pick].double()                                         # [P, Hq]
     K = cache.exact_keys.view(layer, cache.n_store).float()                            # [Hkv, n, hd]
