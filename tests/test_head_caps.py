@@ -211,3 +211,21 @@ def test_head_caps_file_and_rule(tmp_path):
                                   [[-1, 300, 1000], [64, 1000, -1]])
     np.testing.assert_array_equal(hb.head_caps_for(cfg, True, f, (3, 3)), hb.default_caps(3, 3))   # another model
     np.testing.assert_array_equal(hb.head_caps_for(cfg, True, tmp_path / "none", (2, 3)), hb.default_caps(2, 3))
+
+
+def test_measure_store_share_and_top_k(tiny_model_dir):
+    """head_budgets.measure on a tiny model with far positions on: per (layer, head) a share of the
+    mass on the store in [0, 1] and top-k shares growing with k to all of it past the store's size."""
+    import torch
+    from minirun import Engine
+    from minirun import head_budgets as hb
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=512, kv="hca", kv_budget=0.5,
+                      prefill_mode="exact", far_positions="on", window=16, sinks=4, prefill_chunk=64)
+    ids = torch.randint(4, 300, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    m = hb.measure(eng, ids, queries=8, top_k=(4, 16, 1024))
+    L, Hq = eng.args.num_hidden_layers, eng.args.num_attention_heads
+    share, cap = m["store_share"], m["captured"]
+    assert share.shape == (L, Hq) and cap.shape == (L, Hq, 3) and m["store_tokens"] > 200
+    assert (share >= 0).all() and (share <= 1).all() and share.max() > 0.05
+    assert (np.diff(cap, axis=-1) >= -1e-6).all() and np.allclose(cap[..., -1], 1.0, atol=1e-5)
+    assert eng.cache.offset == 0                                   # (the engine reset afterwards)
