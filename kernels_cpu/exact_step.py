@@ -28,7 +28,7 @@ from numba import njit, prange
 from ._common import _NEG_INF, _as_f32, _as_pool, _c_rows
 from .attention import _row_dots
 from .hca_step import _step_partials, _step_scratch, _sum_and_merge, _valid_mask
-from .level_select import NB, _bucket_cut, _merged_counts
+from .level_select import NB, _bucket_cut, _merged_counts, head_caps
 from .packed import LANES
 
 _BLOCK = 1024                  # keys per scoring task
@@ -103,8 +103,8 @@ def _k_exact_scores(q, K, n, lanes, z, hist, ref, smax, nt):
 
 @njit(cache=True, parallel=True)
 def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref, cap):
-    # Per head: the float cut zcut [Hq] f32 (select z >= zcut; cap > 0: at most cap tokens, whole
-    # buckets from the top) and the exact max score mref [Hq] f32.
+    # Per head: the float cut zcut [Hq] f32 (select z >= zcut; cap int64 [Hq], head_caps: > 0 at
+    # most cap[h] tokens, whole buckets from the top, < 0 none) and the exact max score mref [Hq] f32.
     # Re-numbers the threads' counts in hist (scratch) onto the highest reference bucket.
     for h in prange(zcut.shape[0]):
         R = _NO_REF
@@ -113,17 +113,17 @@ def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref, cap):
             R = max(R, ref[sl, h])
             M = max(M, smax[sl, h])
         mref[h] = M
-        if n == 0 or tau <= 0.0 or R == _NO_REF:
+        if n == 0 or tau <= 0.0 or R == _NO_REF or cap[h] < 0:
             zcut[h] = np.inf
             continue
-        if tau >= 1.0 and (cap <= 0 or cap >= n):
+        if tau >= 1.0 and (cap[h] <= 0 or cap[h] >= n):
             zcut[h] = _NEG_INF
             continue
         for sl in range(nt):                           # every thread's counts from bucket R
             if ref[sl, h] != _NO_REF and ref[sl, h] < R:
                 _raise_ref(hist[sl, h], min(R - ref[sl, h], NB))
         H = _merged_counts(hist, h, nt)
-        bstar = _bucket_cut(H, 0, 1.0 / _PER_LOGIT, tau, cap)   # (bucket 0 holds the max score)
+        bstar = _bucket_cut(H, 0, 1.0 / _PER_LOGIT, tau, cap[h])   # (bucket 0 holds the max score)
         zcut[h] = _NEG_INF if bstar == NB - 1 else np.float32((R - bstar) / _PER_LOGIT)
 
 
@@ -166,5 +166,5 @@ def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_k
     counts, out, _, nt = _step_scratch(q, n_store, counts, (None, hist))
     _k_exact_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                     _valid_mask(exact_valid, n_exact), K,
-                    int(n_store), _as_pool(V), float(tau), q_to_kv, lanes, zr, hist, nt, counts, out, int(cap or 0))
+                    int(n_store), _as_pool(V), float(tau), q_to_kv, lanes, zr, hist, nt, counts, out, head_caps(cap, Hq))
     return out

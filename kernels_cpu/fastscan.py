@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from ._common import _as_f32, _as_pool, _prefetch
 from .hca_step import _encode_args, _host_keys, _step_partials, _step_scratch, _sum_and_merge, _valid_mask
-from .level_select import _count_levels
+from .level_select import _count_levels, head_caps
 from .level_sum import _k_level_cuts
 from .packed import _head_step, _quantize
 from .pq import _nearest
@@ -306,7 +306,7 @@ def hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_
     _k_hca_decode_fs(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                      _valid_mask(exact_valid, n_exact), F, fnorm, nh, PT, int(n_store), _as_pool(V), float(tau),
                      lut.lanes, lut.T, lut.tabs, lut.scale, lut.offset, lut.top, lut.shift, lev, hist, nt, z, idx,
-                     counts, out, int(slot), codes, K, rescore, int(cap or 0))
+                     counts, out, int(slot), codes, K, rescore, head_caps(cap, q.shape[0]))
     return out
 
 

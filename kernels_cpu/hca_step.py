@@ -15,7 +15,7 @@ from numba import njit
 
 from ._common import _NEG_INF, _as_f32, _as_pool, _ld
 from .attention import _ALL_VALID, _k_lse_merge
-from .level_select import _k_packed_levels, level_hist
+from .level_select import _k_packed_levels, head_caps, level_hist
 from .level_sum import _k_level_cuts, _k_level_value_sum
 from .packed import _k_lut_pack
 
@@ -98,7 +98,8 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     host_keys: optional [Hkv, >=n_store, d] of V's type (rescore): the selected store tokens are
     weighted by their exact scores over these keys instead of the codebook scores.
     cap: > 0, at most that many store tokens per head (whole level buckets from the top: the
-    selection's cap, level_select._bucket_cut).
+    selection's cap, level_select._bucket_cut); or per query head [Hq] (level_select.head_caps:
+    0 no cap, < 0 the head skips the store).
     """
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
     K, rescore = _host_keys(host_keys, V, n_store)
@@ -106,7 +107,7 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                   _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv,
                   packed.lanes, lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist,
-                  nt, z, idx, counts, out, int(slot), cnorm, codes, K, rescore, int(cap or 0))
+                  nt, z, idx, counts, out, int(slot), cnorm, codes, K, rescore, head_caps(cap, q.shape[0]))
     return out
 
 

@@ -38,6 +38,18 @@ NB = 4096           # level buckets per head
 _COVER = 40.0       # logits: the catch-all bucket must lie this far below the top bucket
 
 
+def head_caps(cap, Hq: int) -> np.ndarray:
+    """The selection's cap per query head as the steps take it, int64 [Hq]: > 0 at most that many
+    store tokens, 0 no cap (tau alone), < 0 the head skips the store (selects nothing). cap: None
+    or an int (every head alike), or a sequence of Hq of them (per-head budgets)."""
+    if cap is None or np.isscalar(cap):
+        return np.full(Hq, int(cap or 0), np.int64)
+    out = np.ascontiguousarray(cap, np.int64)
+    if out.shape != (Hq,):
+        raise ValueError(f"cap must be an int or [Hq={Hq}] ints, got shape {out.shape}")
+    return out
+
+
 def level_hist(Hq: int) -> np.ndarray:
     """Scratch for the per-thread bucket counts: int32 [max threads, Hq, NB]."""
     return np.empty((numba.config.NUMBA_NUM_THREADS, Hq, NB), np.int32)
@@ -117,9 +129,9 @@ def _level_cut(lh, n, tau, s, o, tp, sh, H, idx_row, z_row, cap=0):
     """One head's cut: the selection is every token with level >= the returned lcut (lcut > 65535:
     none). lh uint16 [>=n] its levels, H int64 [NB] its bucket counts, s / o / tp / sh its scale,
     offset, top and shift; cap > 0: at most that many tokens, in whole buckets from the top
-    (_bucket_cut; the exact fallback: the cap highest levels); idx_row / z_row [>=n]: scratch of
-    the exact float fallback."""
-    if n == 0 or tau <= 0.0:
+    (_bucket_cut; the exact fallback: the cap highest levels), cap < 0: none (a head that skips
+    the store: head_caps); idx_row / z_row [>=n]: scratch of the exact float fallback."""
+    if n == 0 or tau <= 0.0 or cap < 0:
         return np.int64(1 << 17)                         # above every level: nothing selected
     if tau >= 1.0 and (cap <= 0 or cap >= n):
         return np.int64(0)

@@ -34,11 +34,11 @@ _PF_DIST = 16       # value rows prefetched ahead
 
 @njit(cache=True, parallel=True)
 def _k_level_cuts(lev, n, tau, scale, offset, top, shift, hist, nt, idx, zs, lcut, mref, cap):
-    # Per head: sum the threads' bucket counts, the cut level (cap > 0: at most cap tokens, whole
-    # buckets) and the reference score m. idx / zs [Hq, >=n]: scratch of _level_cut's exact fallback.
+    # Per head: sum the threads' bucket counts, the cut level (cap int64 [Hq], head_caps: > 0 at
+    # most cap[h] tokens, whole buckets; < 0 none) and the reference score m. idx / zs [Hq, >=n]: scratch of _level_cut's exact fallback.
     for h in prange(lev.shape[0]):
         H = _merged_counts(hist, h, nt)
-        lcut[h] = _level_cut(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H, idx[h], zs[h], cap)
+        lcut[h] = _level_cut(lev[h], n, tau, scale[h], offset[h], top[h], shift[h], H, idx[h], zs[h], cap[h])
         bt = _top_bucket(H)
         if bt < NB - 1:
             lhi = max(top[h] - (np.int64(bt) << shift[h]), 0)

@@ -162,18 +162,20 @@ class DecodeStep:
             self.T = _torch().empty((self.Hq, g, c), dtype=_torch().float32, device=self.device)
         return self.T
 
-    def select(self, L, z, n, tau, idx, cap=0, n_live=None):
+    def select(self, L, z, n, tau, idx, cap=0, n_live=None, caps=None):
         """threshold_select of z's first n columns on the stats in m, l (ops.threshold_select's
         semantics, cap included: 0 = none; the histograms zeroed by prep when select_mode(tau, cap, n)
         is 0) -> counts [Hq]; idx
-        int32 [Hq, >= n] rows <- the selected indices (first counts[h], unordered). n_live: as scores."""
+        int32 [Hq, >= n] rows <- the selected indices (first counts[h], unordered). n_live: as scores.
+        caps: int32 [Hq] on the device, per-head caps in place of cap (< 0: the head selects none)."""
         nb = self.n_bins
         tpb, _ = _score_blocks(n, self.Hq, self.num_sms)
-        mode = select_mode(tau, cap, n)
+        mode = select_mode(tau, cap if caps is None else caps, n)
         if mode == 0:
-            launch_zhist(L, z, n, tpb, self.m, self.z_range, nb, self.hist, self.hcount, cap > 0, n_live)
+            launch_zhist(L, z, n, tpb, self.m, self.z_range, nb, self.hist, self.hcount, cap > 0 or caps is not None,
+                         n_live)
         launch_zcut(L, self.hist, self.hcount, nb, zcut_tau(tau), mode, self.m, self.l, self.cut, self.l_sel,
-                    self.counts, cap if mode == 0 else 0)
+                    self.counts, cap if mode == 0 else 0, caps)
         launch_zcompact(L, z, n, tpb, self.m, self.z_range, nb, self.cut, idx, self.counts, n_live)
         return self.counts
 

@@ -212,12 +212,15 @@ def _attend_split_max(capacity: int, Hq: int, num_sms: int, Hkv: int = 0, d: int
     return max(1, min(_cdiv(max(capacity, 1), unit), want))
 
 
-def select_mode(tau: float, cap: int | None, n: int) -> int:
+def select_mode(tau: float, cap, n: int) -> int:
     """zcut's mode for a selection over n scores: 0 = the histogram cut (0 < tau < 1, or tau >= 1
-    with a cap below n: whole bins from the top, at most cap tokens, the cap alone cutting),
+    with a cap below n: whole bins from the top, at most cap tokens, the cap alone cutting; per-head
+    caps, any array: always),
     1 = every token, 2 = none (tau <= 0). The one rule behind every GPU selection."""
     if tau <= 0.0:
         return 2
+    if cap is not None and not np.isscalar(cap):    # per-head caps: each head cuts its histogram
+        return 0
     return 0 if tau < 1.0 or (cap and 0 < cap < n) else 1
 
 
@@ -283,9 +286,11 @@ def launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, with_count, n_l
              shared_mem=n_bins * 4 * (2 if with_count else 1))  # fmt: skip
 
 
-def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap):
+def launch_zcut(L, hist, hcount, n_bins, tau, mode, m, l_all, cut, l_sel, counts, cap, caps=None):
+    """caps: optional int32 [Hq] on the device, each head's cap in place of cap (< 0: none selected)."""
     L.launch("scores.cu", "zcut", (m.shape[0],), (_THREADS,),
-             (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts, hcount, _i32(cap)))
+             (hist, _i32(n_bins), np.float32(tau), _i32(mode), m, l_all, cut, l_sel, counts, hcount, _i32(cap),
+              *((caps, _i32(1)) if caps is not None else (hcount, _i32(0)))))   # (unread dummy: an input)
 
 
 def launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts, n_live=None):

@@ -231,12 +231,15 @@ zhist(const float* __restrict__ z, long long z_s0, int n, int tokens_per_block,
 // bin width of each other).  So the selection is a top set of at most cap
 // tokens (or the top bin), possibly fewer than cap (the bin that would cross
 // cap is left out whole).
+// has_caps: head h's cap is caps[h] instead of cap (per-head budgets), and caps[h] < 0 selects
+// none (the head skips the store).
 // Launch: block 256, grid (Hq), no dynamic shared memory.  hist and hcount
-// are only read in mode 0 (any valid pointers otherwise).
+// are only read in mode 0 (any valid pointers otherwise); caps only with has_caps.
 extern "C" __global__ void __launch_bounds__(256)
 zcut(const float* __restrict__ hist, int n_bins, float tau, int mode, const float* __restrict__ m_in,
      const float* __restrict__ l_all, int* __restrict__ cut_bin, float* __restrict__ l_sel,
-     int* __restrict__ counts, const int* __restrict__ hcount, int cap) {
+     int* __restrict__ counts, const int* __restrict__ hcount, int cap, const int* __restrict__ caps,
+     int has_caps) {
     __shared__ float fscratch[64];
     __shared__ int iscratch[64];
     __shared__ int found;
@@ -244,6 +247,8 @@ zcut(const float* __restrict__ hist, int n_bins, float tau, int mode, const floa
     const int h = blockIdx.x;
     const float m = m_in[h];
     const bool live = (m > mr_neg_inf());
+    if (has_caps) cap = caps[h];
+    if (cap < 0) mode = 2;     // (per head, so uniform over the block)
     if (mode != 0 || !live) {  // uniform over the block: no barrier below is skipped by part of it
         if (threadIdx.x == 0) {
             const bool all = (mode == 1) && live;

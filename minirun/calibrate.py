@@ -117,9 +117,10 @@ def collect_keys(eng, ids: list[int], window: int = DEFAULT_WINDOW, max_tokens: 
 def calibrate(model_dir: str | Path, groups: int, centroids: int = 1024, data=None,
               tokens: int = DEFAULT_TOKENS, iters: int = DEFAULT_ITERS, window: int = DEFAULT_WINDOW,
               windows: int = DEFAULT_WINDOWS, dtype: str = "float32", seed: int = 0, progress: bool = True,
-              unrotated: bool = False, log=print) -> Path:
+              unrotated: bool = False, log=print, budgets: bool = True) -> Path:
     """Fit and write `codebooks-g{G}-c{C}.safetensors` (unrotated: `...-unrotated.safetensors`, of
-    keys without their RoPE rotation, for far positions) into model_dir; returns its path."""
+    keys without their RoPE rotation, for far positions, and with budgets the per-head selection
+    caps measured past the trained context: head_budgets) into model_dir; returns its path."""
     from .config import ModelArgs
     from .engine import Engine
     model_dir = Path(model_dir)
@@ -157,7 +158,31 @@ def calibrate(model_dir: str | Path, groups: int, centroids: int = 1024, data=No
             "windows": windows, "window": window, "seed": seed, "unrotated": unrotated,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "seconds": round(t_keys + t_fit, 1)}
-    return cb.save(path, meta=meta)
+    extra = head_budgets(model_dir, args, ids, dtype, meta, log) if unrotated and budgets else None
+    return cb.save(path, meta=meta, extra=extra)
+
+
+def head_budgets(model_dir: Path, args, ids: list[int], dtype: str, meta: dict, log=print) -> dict | None:
+    """The per-head selection caps for far positions (minirun/head_budgets.py), measured past the
+    trained context on the calibration text (repeated to length) -> the file's extra tensors
+    {"head_caps" int32 [L, Hq], "store_share" f32 [L, Hq]}, with what was measured in meta; None
+    when the model states no trained context."""
+    from . import head_budgets as hb
+    from .engine import Engine
+    trained = args.max_position_embeddings
+    if not trained:
+        return None
+    n = trained + hb.MEASURE_PAST
+    t0 = time.perf_counter()
+    eng = Engine.load(model_dir, device="cpu", dtype=dtype, ctx=n + 64, kv="hca", kv_budget=0.5, prefill_mode="exact")
+    m = hb.measure(eng, (ids * (n // max(1, len(ids)) + 1))[:n])
+    caps = hb.caps_from(m["store_share"], m["captured"])
+    meta.update(head_budget_tokens=n, head_budget_lost=hb.LOST_MASS,
+                heads_skipping=int((caps < 0).sum()), heads=int(caps.size))
+    log(f"calibrate: per-head budgets at {n} tokens in {time.perf_counter() - t0:.1f}s: {int((caps < 0).sum())} of "
+        f"{caps.size} heads skip the store, the others keep at most {int(caps[caps > 0].mean()) if (caps > 0).any() else 0} "
+        f"tokens on average")
+    return {"head_caps": torch.from_numpy(caps.astype("int32")), "store_share": torch.from_numpy(m["store_share"])}
 
 
 class _Bar:

@@ -56,7 +56,11 @@ def _ints(value: str, what: str) -> list[int]:
               help="keys without their RoPE rotation: the codebooks far_positions on / auto runs load "
                    "(grouped ones load the plain, rotated ones)")
 @threads_option()
-def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, unrotated, threads):
+@click.option("--head-budgets/--no-head-budgets", default=True, show_default=True,
+              help="with --unrotated: also measure each head's selection cap past the trained context "
+                   "(an exact prefill of that many tokens) and write it into the file")
+def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters, seed, unrotated, threads,
+              head_budgets):
     """Fit key codebooks on text and write codebooks-g{G}-c{C}[-unrotated].safetensors into MODEL."""
     from .calibrate import calibrate as run
     from .config import ModelArgs
@@ -68,7 +72,7 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
     hd = ModelArgs.from_path(model).head_dim
     g = groups or {"0.25": hd // 2, "0.125": hd // 4}[kv_budget]
     path = run(model, g, centroids, data=data, tokens=tokens, iters=iters, windows=windows, seed=seed,
-               unrotated=unrotated, log=lambda s: click.echo(s, err=True))
+               unrotated=unrotated, log=lambda s: click.echo(s, err=True), budgets=head_budgets)
     click.echo(str(path))
 
 

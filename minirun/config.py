@@ -231,11 +231,12 @@ class EngineConfig:
     fit_min_tokens: int = 4096        # HCA without calibrated codebooks: fit once this many keys are stored
     prefill_chunk: int | None = None  # prompt tokens per forward (None: chunk_for picks by device)
     prefill_mode: str = "auto"        # "auto" | "exact" | "anchor" | "hca": how an HCA prompt attends to old tokens
-    exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens, anchor beyond
+    exact_prefill_max: int = 8192     # auto: exact prefill up to this many prompt tokens (quadratic), anchor beyond
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
     far_positions: str = "auto"       # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (those of highest score)
+    head_budgets: str = "auto"        # HCA: "auto" (per-head caps with far positions on: minirun/head_budgets.py) | "off"
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     rescore: bool = False             # HCA: exact keys on the host beside the values weight the selected tokens
     threads: int | None = None
@@ -269,6 +270,8 @@ class EngineConfig:
             raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on, grouped or off")
         if self.length_scale not in ("auto", "on", "off"):
             raise MiniRunError(f"unknown length_scale {self.length_scale!r}: use auto, on or off")
+        if self.head_budgets not in ("auto", "off"):
+            raise MiniRunError(f"unknown head_budgets {self.head_budgets!r}: use auto or off")
         if self.value_sum not in ("auto", "gpu", "host"):
             raise MiniRunError(f"unknown value_sum {self.value_sum!r}: use auto, gpu or host")
         for name, (low, high) in _INT_SETTINGS.items():

@@ -221,11 +221,34 @@ class Engine:
         """Forward ids[start:end] after the `start` tokens the cache holds, chunk by chunk, between
         begin_prefill and end_prefill -> (last logits [1, V], tokens done, prefill mode). progress
         gets (before + tokens done, total)."""
-        todo = torch.tensor(ids[start:end], dtype=torch.long, device=self.device)
-        chunk = self.config.chunk_for(self.device.type)
         mode = self.config.prefill_mode
         if mode == "auto":   # (an HCA cache that holds a store takes "hca": begin_prefill says)
             mode = "exact" if end <= self.config.exact_prefill_max else "anchor"
+        tail = self._hca_tail(mode, start, end)
+        if tail:             # a long prompt's last tokens read the whole store, through the selection
+            logits, done, mode = self._prefill_mode_span(ids, start, end - tail, mode, progress, should_stop, total,
+                                                         before)
+            if start + done < end - tail or (should_stop is not None and should_stop()):
+                return logits, done, mode
+            logits, more, _ = self._prefill_mode_span(ids, end - tail, end, "hca", progress, should_stop, total,
+                                                      before + done)
+            return logits, done + more, mode
+        return self._prefill_mode_span(ids, start, end, mode, progress, should_stop, total, before)
+
+    def _hca_tail(self, mode: str, start: int, end: int) -> int:
+        """Of an anchor prefill of ids[start:end] in an HCA cache, how many last tokens go through
+        the HCA path instead (a window's worth: the question at a document's end then reads every
+        stored token through the selection, as it does after a cached document), else 0."""
+        if mode != "anchor" or self.config.kv != "hca" or self.cache.n_store:
+            return 0
+        tail = self.config.window
+        return tail if end - start > tail + self.cache.S + self.cache.W + self.config.anchor_tokens else 0
+
+    def _prefill_mode_span(self, ids, start, end, mode, progress, should_stop, total, before):
+        """_prefill_span's forward of ids[start:end] in one prefill mode (begin_prefill may change
+        it) -> (last logits [1, V], tokens done, the mode taken)."""
+        todo = torch.tensor(ids[start:end], dtype=torch.long, device=self.device)
+        chunk = self.config.chunk_for(self.device.type)
         mode = self.cache.begin_prefill(mode)
         if mode == "hca" and self.config.kv == "hca" and self.device.type == "cuda" and todo.numel() <= HCA_STEPS_MAX:
             chunk = 1   # a question after a document on a GPU: the decode step per token (a chunk's

@@ -9,8 +9,8 @@ scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval
 `minirun eval -o json`), "eval-grid" ("reports": several, as one continuation perplexity
 table), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" ("report":
 scripts/bench_vs_llamacpp.py's, whose --json writes the whole file), "plan" (`minirun plan -o
-json`), "serve" ("runs": scripts/bench_serve.py reports, one per server). A document shows a
-file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
+json`), "serve" ("runs": scripts/bench_serve.py reports, one per server), "longdoc" ("rows":
+scripts/bench_longdoc.py's), "budgets" ("rows": scripts/head_budget_rules.py's). A document shows a file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
 name without .json; VIEW "summary": an eval report's settings and main table only), headed by its
 title and followed by its command, machine and date.
 """
@@ -116,6 +116,31 @@ def eval_grid_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def longdoc_table(rows: list[dict]) -> str:
+    """scripts/bench_longdoc.py's rows: per (kv, document length) the document's prefill, the first
+    question's first token, decode speed, selection share, planted facts answered and peak RSS."""
+    lines = ["| kv | document tokens | prefill s (tok/s, mode) | first token s | decode tok/s | selected | facts "
+             "answered | peak RSS |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        sel = "-" if r["selected"] is None else f"{100 * r['selected']:.1f}%"
+        lines.append(f"| {r['kv']} | {r['tokens']:,} | {r['prefill_s']:.1f} ({r['prefill_tps']:.0f}, "
+                     f"{r['prefill_mode']}) | {r['first_token_s']:.1f} | {r['decode_tps']:.2f} | {sel} | "
+                     f"{r['answered']} of {len(r['facts'])} | {r['peak_rss_bytes'] / 2**30:.2f} GiB |")
+    return "\n".join(lines)
+
+
+def budgets_table(rows: list[dict]) -> str:
+    """Head-budget rules on one passkey prompt each (rows: length, depth, rule, answer, ok, decode
+    tok/s median, selected share): each rule's answer, speed and selection share."""
+    lines = ["| tokens | key depth | kv | rule | decode tok/s (median) | selected | answer | found |",
+             "|---:|---:|---|---|---:|---:|---|---|"]
+    for r in rows:
+        sel = "-" if r.get("selected") is None else f"{100 * r['selected']:.1f}%"
+        lines.append(f"| {r['N']:,} | {r['depth']:g} | {r.get('kv', 'hca g64c16')} | {r['rule']} | "
+                     f"{r['tps_median']:.2f} | {sel} | {r['answer']} | {'yes' if r['ok'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def render(d: dict, view: str | None = None) -> str:
     """A results file as markdown: its title, its table, its command, machine and date. view
     "summary": an eval report's settings and main table only."""
@@ -140,6 +165,10 @@ def render(d: dict, view: str | None = None) -> str:
         body = "```\n" + format_plan(d["report"]) + "\n```"
     elif kind == "serve":
         body = serve_table(d["runs"])
+    elif kind == "longdoc":
+        body = longdoc_table(d["rows"])
+    elif kind == "budgets":
+        body = budgets_table(d["rows"])
     else:
         raise SystemExit(f"results_tables: unknown kind {kind!r}")
     return (f"**{d['title']}**\n\n{body}\n\n"

@@ -123,7 +123,7 @@ def approx_scores(T, P, q_to_kv, n, out=None):
     return z, (m, l)
 
 
-def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range=Z_RANGE, cap=None):
+def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range=Z_RANGE, cap=None, caps=None):
     """Per head, the tokens holding >= tau of the softmax mass of z, without a sort.
 
     z [Hq, n] f32 (contiguous rows), tau float, out_idx optional int32 [Hq, >=n]
@@ -133,6 +133,8 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
     top bins whose count stays <= cap and whose mass reaches tau, the top bin
     always (scores.cu, zcut); counts may then exceed cap only when the top bin
     alone does (take any cap of them)
+    caps: int32 [Hq] on z's device, each head's own cap in place of cap (0: none, < 0: the head
+    selects nothing)
     -> (idx int32 [Hq, n] (view of out_idx when given; the first counts[h] entries of
     row h are the selected token indices in unspecified order, the rest is
     scratch), counts int32 [Hq], m f32 [Hq] = max z[h] (the stats tensor when
@@ -177,10 +179,10 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
         m = stats[0] if stats is not None else torch.full((Hq,), -math.inf, device=dev)
         return idx, torch.zeros(Hq, dtype=torch.int32, device=dev), m, torch.zeros(Hq, device=dev)
     num_sms, optin = be.device_info(dev)
-    if n_bins * 4 * (2 if cap else 1) > optin - _SMEM_MARGIN:
+    if n_bins * 4 * (2 if cap or caps is not None else 1) > optin - _SMEM_MARGIN:
         raise ValueError(f"n_bins={n_bins} does not fit in shared memory")
     tpb, nblk = _score_blocks(n, Hq, num_sms)
-    mode = select_mode(tau, cap, n)
+    mode = select_mode(tau, cap if caps is None else caps, n)
     cut = be.empty((Hq,), torch.int32, dev)
     l_sel = be.empty((Hq,), torch.float32, dev)
     counts = be.empty((Hq,), torch.int32, dev)  # zeroed by zcut
@@ -197,13 +199,14 @@ def threshold_select(z, tau, out_idx=None, *, stats=None, n_bins=N_BINS, z_range
                 if tuple(t.shape) != (Hq,) or t.dtype != torch.float32:
                     raise ValueError(f"{w} must be float32 [{Hq}]")
             m, l_all = m.contiguous(), l_all.contiguous()
-        capped = mode == 0 and cap is not None and 0 < cap < n
+        capped = mode == 0 and (caps is not None or (cap is not None and 0 < cap < n))
         hists = be.empty((2, Hq, n_bins), torch.float32, dev)   # mass | token counts (int32 bits)
         hist, hcount = hists[0], hists[1].view(torch.int32)
         if mode == 0:
             hists.zero_()
             launch_zhist(L, z, n, tpb, m, z_range, n_bins, hist, hcount, capped)
-        launch_zcut(L, hist, hcount, n_bins, zcut_tau(tau), mode, m, l_all, cut, l_sel, counts, cap if capped else 0)
+        launch_zcut(L, hist, hcount, n_bins, zcut_tau(tau), mode, m, l_all, cut, l_sel, counts,
+                    cap if capped and caps is None else 0, caps)
         launch_zcompact(L, z, n, tpb, m, z_range, n_bins, cut, idx, counts)
     return idx, counts, m, l_sel
 

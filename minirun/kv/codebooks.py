@@ -121,13 +121,14 @@ class Codebooks:
         C = fit_kmeans(x.contiguous(), centroids, iters=iters, seed=seed, progress=progress)
         return cls(C.reshape(L, Hkv, groups, centroids, ds), source)
 
-    def save(self, path: str | Path, meta: dict | None = None) -> Path:
+    def save(self, path: str | Path, meta: dict | None = None, extra: dict | None = None) -> Path:
+        """extra: more tensors for the file (the per-head selection budgets: minirun/head_budgets.py)."""
         from safetensors.torch import save_file
         path = Path(path)
         tmp = path.with_suffix(".tmp")
         L, Hkv, g, c, ds = self.shape
         info = {"layers": L, "kv_heads": Hkv, "groups": g, "centroids": c, "sub_dim": ds, **(meta or {})}
-        save_file({"centroids": self.centroids.cpu().contiguous()}, str(tmp),
+        save_file({"centroids": self.centroids.cpu().contiguous(), **(extra or {})}, str(tmp),
                   metadata={k: json.dumps(v) for k, v in info.items()})
         tmp.replace(path)   # atomic: never a half-written codebook file
         return path

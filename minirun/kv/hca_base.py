@@ -32,6 +32,7 @@ from .. import hugepages
 from .attention import exact_tier_partial, merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
+from ..head_budgets import head_caps_for
 from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
 from .hca_layout import Buffer, hca_tiers, prefill_buffers, resolve_layout
 from .hca_state import SavedState
@@ -96,6 +97,9 @@ class HCABase(SavedState, KVCache):
         if not layout.exact_keys and model_dir is not None and (model_dir / name).is_file():
             cb = Codebooks.load(model_dir / name, (L, Hkv, *geometry))
             self.codebooks = cb.paired() if layout.pairs else cb
+        # per-head selection caps [L, Hq] (head_budgets.py: -1 the head skips the store), or None: max_select alone
+        self.head_caps = head_caps_for(config, far and not group, model_dir / name if model_dir is not None else None,
+                                       (L, self.Hq))
         self.fit_min_tokens = config.fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
         self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32, during an anchor prefill only
@@ -115,6 +119,15 @@ class HCABase(SavedState, KVCache):
         if not layout.exact_keys and self.codebooks is None:
             print(f"minirun: no {name} in the model directory: codebooks will be fitted from the prompt's own keys "
                   f"(run `minirun calibrate{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
+
+    def set_head_caps(self, caps) -> None:
+        """Replace the per-head caps: int [L, Hq] (head_budgets.py), or None (max_select alone)."""
+        self.head_caps = None if caps is None else np.asarray(caps, np.int64).reshape(self.n_layers, self.Hq)
+
+    def select_cap(self, layer: int):
+        """The selection cap of the layer's steps: per query head int64 [Hq] (head budgets; -1 skips
+        the store) or one int for all (max_select; 0 none)."""
+        return self.max_select or 0 if self.head_caps is None else self.head_caps[layer]
 
     # ---- what a backend provides ------------------------------------------------------------------------
     backend = ""   # whose kernels ("cpu" | "cuda"): the tiers it declares (kv/hca_layout.hca_tiers)

@@ -95,6 +95,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self.value_sum = value_sum_choice(config.value_sum, device, rescore,
                                           kcu_decode.group_size(args.num_attention_heads, args.num_key_value_heads))
         super().__init__(args, config, device, dtype, capacity, model_dir)
+        self.set_head_caps(self.head_caps)
         Hq, hd = self.Hq, self.hd
         if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
@@ -136,7 +137,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
     def _histogram_cut(self, n: int = 2**31 - 1) -> bool:
         """Whether a selection over n store tokens cuts a histogram (kernels_cuda select_mode 0):
         then decode_prep zeroes the histograms first."""
-        return kcu_launch.select_mode(self.tau, self.max_select, n) == 0
+        return self.head_caps is not None or kcu_launch.select_mode(self.tau, self.max_select, n) == 0
 
     def set_value_sum(self, choice: str) -> None:
         """Switch where later decode steps sum the selected values (VALUE_SUMS) on a filled cache, so
@@ -279,9 +280,27 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         zb = self.z.data[..., 0]                                                  # [Hq, cap]
         (self.key_store if self.n_encoded else self.exact_store).score(ds, L, layer, q, zb)
         idx = self.sel.data[..., 0]
-        cap = self.max_select if self.max_select and n > self.max_select else 0
-        ds.select(L, zb, n, self.tau, idx, cap)     # (the cap inside: whole bins from the top, zcut)
+        cap = self.max_select if self.max_select and n > self.max_select and self.head_caps is None else 0
+        ds.select(L, zb, n, self.tau, idx, cap, caps=self.device_caps(layer))   # (whole bins from the top, zcut)
         return zb, idx, n, cap or 2**31 - 1
+
+    def set_head_caps(self, caps) -> None:
+        """HCABase's, and their copy on the device (zcut reads its layer's row; a captured step too:
+        graphs captured before a change read the new values, from the same buffer where the
+        caps' presence did not change)."""
+        had = getattr(self, "_caps_dev", None)
+        super().set_head_caps(caps)
+        if self.head_caps is None:
+            self._caps_dev = None
+        elif had is not None:
+            with torch.inference_mode():   # (the cache's tensors are inference tensors)
+                had.copy_(torch.from_numpy(self.head_caps.astype(np.int32)))
+        else:
+            self._caps_dev = torch.from_numpy(self.head_caps.astype(np.int32)).to(self.device)
+
+    def device_caps(self, layer: int):
+        """The layer's per-head caps int32 [Hq] on the device (head budgets), or None."""
+        return None if self._caps_dev is None else self._caps_dev[layer]
 
     def _copy_back(self, L, ds, zb, idx, n, w, cap):
         """pack [counts | idx[:, :w] | z at those idx] (each block whole: the host sum reads idx and z

@@ -105,8 +105,8 @@ class CapturedSteps:
             ds.scores(L, qf, self.q2k_dev, self.key_store.centroids()[layer], self.indices.data[layer], n_keys, zb,
                       n_live=self._n_live)
             # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
-            cap = self.max_select or 0
-            ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live)
+            cap = self.max_select or 0 if self.head_caps is None else 0
+            ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live, caps=self.device_caps(layer))
             P = self._exact_parts(L, ds, layer, qs, qf, self._mask)   # (graph_key made it)
             P = ds.gather(L, idx, zb, n_keys, cap, self.values.data[layer], P)
             o = ds.merge(L, P, ds.no_stage)

@@ -77,7 +77,7 @@ class ExactKeys(KeyStore):
         K = c.exact_keys.view(layer, c.exact_keys.cap).numpy()
         return kc.hca_exact_decode_attend(q, kn, vn, EK, EV, n_exact, K, c.n_store, views[0], c.tau, c.q_to_kv,
                                           self.lanes, views[1], self.levels(), self.counts, exact_valid=valid,
-                                          cap=c.max_select or 0)
+                                          cap=c.select_cap(layer))
 
 
 class CodedKeys(KeyStore):
@@ -150,7 +150,7 @@ class CodebookKeys(CodedKeys):
         encode = None if leaving is None else (leaving[1], self.cnorm[layer], self._ahead(layer, leaving[0]))
         o = kc.hca_decode_attend(q, kn, vn, EK, EV, n_exact, self.cbt[layer], PT, c.n_store, V, c.tau, c.q_to_kv,
                                  self.packed, self.lut, z, sel, self.counts, encode=encode, levels=(lev, self.hist),
-                                 exact_valid=valid, host_keys=Kh, cap=c.max_select or 0)
+                                 exact_valid=valid, host_keys=Kh, cap=c.select_cap(layer))
         if encode is not None:
             self.done[layer] = True
         return o
@@ -180,7 +180,7 @@ class PairKeys(CodedKeys):
         encode = None if leaving is None else (leaving[1], self._ahead(layer, leaving[0]))
         o = fs.hca_decode_attend_fs(q, kn, vn, EK, EV, n_exact, self.F[layer], PT, c.n_store, V, c.tau, c.q_to_kv,
                                     self.lut, z, sel, self.counts, fnorm=self.fnorm[layer], encode=encode,
-                                    levels=(lev, self.hist), exact_valid=valid, host_keys=Kh, cap=c.max_select or 0)
+                                    levels=(lev, self.hist), exact_valid=valid, host_keys=Kh, cap=c.select_cap(layer))
         if encode is not None:
             self.done[layer] = True
         return o

@@ -118,7 +118,7 @@ def levels_select_ref(levels, top, scale, offset, tau, cap=0):
     """The level selection of kernels_cpu.level_select: levels int64 [Hq, n] (z = scale * L + offset),
     top int64 [Hq] (the sum of the tables' row maxima) -> packed_select_ref's tuple. cap > 0: at
     most cap tokens per head, whole buckets from the top (the exact fallback: the cap highest
-    levels, ties at the last one included)."""
+    levels, ties at the last one included); cap < 0: none; or one such cap per head [Hq]."""
     from kernels_cpu.level_select import _COVER, NB
     from kernels_cpu.packed import _BUCKET_LOGITS
     Hq, n = levels.shape
@@ -127,8 +127,9 @@ def levels_select_ref(levels, top, scale, offset, tau, cap=0):
     m, l_sel = np.full(Hq, -np.inf, np.float32), np.zeros(Hq, np.float32)
     if n == 0:
         return idx, counts, m, l_sel, zsel
+    caps = _caps_ref(cap, Hq)
     for h in range(Hq):
-        L = levels[h]
+        L, cap = levels[h], caps[h]
         z = L.astype(np.float32) * scale[h] + offset[h]
         top_h, sh = int(top[h]), 0
         while sh < 15 and np.float64(scale[h]) * 2 ** (sh + 1) <= _BUCKET_LOGITS:
@@ -136,10 +137,10 @@ def levels_select_ref(levels, top, scale, offset, tau, cap=0):
         w = np.float64(scale[h]) * 2 ** sh
         H = np.bincount(np.minimum((top_h - L) >> sh, NB - 1), minlength=NB)
         bt = int(np.flatnonzero(H)[0])
-        if tau >= 1 and not 0 < cap < n:
-            sel = np.arange(n)
-        elif tau <= 0:
+        if tau <= 0 or cap < 0:
             sel = np.arange(0)
+        elif tau >= 1 and not 0 < cap < n:
+            sel = np.arange(n)
         elif tau < 1 and H[NB - 1] > 0 and (NB - 1 - bt) * w < _COVER:      # the exact fallback
             ridx, rcnt, _, _ = threshold_select_ref(z[None], tau)
             sel = ridx[0, :rcnt[0]]
@@ -155,6 +156,11 @@ def levels_select_ref(levels, top, scale, offset, tau, cap=0):
         m[h] = z.max()
         l_sel[h] = np.exp(z[sel].astype(np.float64) - np.float64(m[h])).astype(np.float32).astype(np.float64).sum()
     return idx, counts, m, l_sel, zsel
+
+
+def _caps_ref(cap, Hq):
+    """cap as an int per head [Hq] (an int: the same for every head)."""
+    return [int(cap or 0)] * Hq if np.isscalar(cap) or cap is None else [int(c) for c in cap]
 
 
 def _bucket_cut_ref(H, bt, w, tau, cap=0):
@@ -491,15 +497,18 @@ def exact_select_ref(z, tau, cap=0):
     down from the highest (the last, NB - 1, takes the rest); the cut bucket b* is the first whose
     cumulative mass, estimated as count_b * exp(-b / 32), reaches tau times the estimated total.
     z [Hq, n] f32 -> sel bool [Hq, n] (z >= (R - b*) / 32, R the top bucket). cap > 0: at most cap
-    per head, whole buckets from the top (_bucket_cut_ref)."""
+    per head, whole buckets from the top (_bucket_cut_ref); cap < 0: none; or one per head [Hq]."""
     from kernels_cpu.level_select import NB
     Hq, n = z.shape
     sel = np.zeros((Hq, n), bool)
     if n == 0 or tau <= 0:
         return sel
-    if tau >= 1 and not 0 < cap < n:
-        return np.ones((Hq, n), bool)
-    for h in range(Hq):
+    for h, cap in enumerate(_caps_ref(cap, Hq)):
+        if cap < 0:
+            continue
+        if tau >= 1 and not 0 < cap < n:
+            sel[h] = True
+            continue
         B = np.floor(z[h].astype(np.float32) * np.float32(32)).astype(np.int64)
         R = B.max()
         H = np.bincount(np.minimum(R - B, NB - 1), minlength=NB)
