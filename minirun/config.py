@@ -231,7 +231,7 @@ class EngineConfig:
     fit_min_tokens: int = 4096        # HCA without calibrated codebooks: fit once this many keys are stored
     prefill_chunk: int | None = None  # prompt tokens per forward (None: chunk_for picks by device)
     prefill_mode: str = "auto"        # "auto" | "exact" | "anchor" | "hca": how an HCA prompt attends to old tokens
-    exact_prefill_max: int = 8192     # auto: exact prefill up to this many prompt tokens (quadratic), anchor beyond
+    exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens (quadratic), anchor beyond
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
     far_positions: str = "auto"       # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)

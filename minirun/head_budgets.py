@@ -9,7 +9,9 @@ per (layer, query head) the share of the softmax mass that falls on the store an
 mass the top k store tokens hold. `caps_from` turns it into the selection's cap per head (the
 step's head_caps: -1 the head skips the store, else at most that many tokens); `minirun calibrate
 --unrotated` writes them into its codebook file, and a cache with far positions on reads them
-(HCABase), or takes `default_caps` where the file has none.
+(HCABase); without measured budgets the selection is tau and max_select alone (a cap for every head,
+`default_caps`, is one of the rules scripts/head_budget_rules.py compares, not a default before its
+answers are measured).
 """
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ import torch
 
 TOP_K = (64, 128, 256, 512, 1024, 2048, 4096)   # selection sizes whose captured mass is measured
 LOST_MASS = 0.05     # caps_from: the share of a head's whole softmax mass its cap may leave out
-DEFAULT_CAP = 1024   # default_caps: every head's cap where no measurement exists
+DEFAULT_CAP = 1024   # default_caps: every head's cap in that rule
 MEASURE_PAST = 4096  # minirun calibrate measures at the trained context + this many tokens
 
 
 def default_caps(L: int, Hq: int, cap: int = DEFAULT_CAP) -> np.ndarray:
-    """The rule for a model without measured budgets: every head keeps at most `cap` store tokens
-    (the highest-scoring) -> int64 [L, Hq]."""
+    """A rule without measured budgets: every head keeps at most `cap` store tokens (the
+    highest-scoring) -> int64 [L, Hq]."""
     return np.full((L, Hq), cap, np.int64)
 
 
@@ -104,12 +106,13 @@ def _head_masses(cache, layer, q, k, v, pick, top_k) -> tuple:
 def head_caps_for(config, far: bool, codebook_file, shape: tuple) -> np.ndarray | None:
     """The cache's per-head caps int64 [L, Hq] (-1: the head skips the store), or None (max_select
     alone): with far positions on (one distance: far) and config.head_budgets "auto", the
-    calibrated codebook file's where it holds them, else default_caps; max_select, where set, bounds
-    every head's cap."""
+    calibrated codebook file's where it holds them, else None; max_select, where set, bounds every
+    head's cap."""
     if config.head_budgets == "off" or not far:
         return None
     caps = load_caps(codebook_file, shape) if codebook_file is not None else None
-    caps = default_caps(*shape) if caps is None else caps
+    if caps is None:     # (no measurement: tau and max_select alone, as without head budgets)
+        return None
     if config.max_select:
         caps = np.where(caps < 0, caps, np.minimum(np.where(caps == 0, config.max_select, caps), config.max_select))
     return caps

@@ -195,7 +195,7 @@ def test_caps_from_measured_mass():
 
 def test_head_caps_file_and_rule(tmp_path):
     """The cache's caps: none without far positions or with head_budgets off; the codebook file's
-    where it holds them (max_select bounding them), else the default rule."""
+    where it holds them (max_select bounding them), else none (tau and max_select alone)."""
     import torch
     from minirun import head_budgets as hb
     from minirun.config import EngineConfig
@@ -209,8 +209,8 @@ def test_head_caps_file_and_rule(tmp_path):
     np.testing.assert_array_equal(hb.head_caps_for(cfg, True, f, (2, 3)), caps)
     np.testing.assert_array_equal(hb.head_caps_for(EngineConfig(kv="hca", max_select=1000), True, f, (2, 3)),
                                   [[-1, 300, 1000], [64, 1000, -1]])
-    np.testing.assert_array_equal(hb.head_caps_for(cfg, True, f, (3, 3)), hb.default_caps(3, 3))   # another model
-    np.testing.assert_array_equal(hb.head_caps_for(cfg, True, tmp_path / "none", (2, 3)), hb.default_caps(2, 3))
+    assert hb.head_caps_for(cfg, True, f, (3, 3)) is None                 # another model's file
+    assert hb.head_caps_for(cfg, True, tmp_path / "none", (2, 3)) is None
 
 
 def test_measure_store_share_and_top_k(tiny_model_dir):
