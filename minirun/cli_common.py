@@ -113,6 +113,13 @@ def hca_opt_option(help_text: str = HCA_OPT_HELP):
                         help=help_text)
 
 
+def kv_values_option(f):
+    """--kv-values, shared by every command that makes or plans an HCA cache."""
+    return click.option("--kv-values", type=click.Choice(["float", "q8", "q4"]), default="float", show_default=True,
+                        help="HCA: the store's values in host memory: float (float16; float32 runs: float32), or "
+                             "q8 / q4 codes per 32 channels (0.53x / 0.31x float16's bytes)")(f)
+
+
 def engine_options(f):
     """The product flags of every command that loads a model, and --hca-opt for the rest."""
     opts = [
@@ -132,6 +139,7 @@ def engine_options(f):
         click.option("--max-select", type=AT_LEAST_1, default=None,
                      help="HCA: attend to at most this many old tokens per head and step, the top-scoring "
                           "(bounds decode time where attention is diffuse; default: tau alone)"),
+        kv_values_option,
         click.option("--threads", type=AT_LEAST_1, default=None, help="CPU threads for torch"),
         hca_opt_option(),
     ]
@@ -159,11 +167,12 @@ def sampling_options(temperature: float, max_tokens: int):
 
 
 def load_engine(model, ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, max_select=None,
-                hca_opts=None, weights="stored", **extra):
+                hca_opts=None, weights="stored", kv_values="float", **extra):
     from .engine import Engine
     from .config import hca_setting
     eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks,
-                      threads=threads, max_select=max_select, weights=weights, **hca_setting(kv_budget),
+                      threads=threads, max_select=max_select, weights=weights, kv_values=kv_values,
+                      **hca_setting(kv_budget),
                       **(hca_opts or {}),
                       **extra)
     far = getattr(eng.cache, "far", False)
@@ -188,7 +197,7 @@ def trained_context_note(trained: int | None, ctx: int, far: bool = False, hca: 
 def split_kwargs(kw: dict):
     """Separate engine options from sampling options."""
     engine_keys = ("ctx", "device", "dtype", "weights", "kv", "kv_budget", "tau", "window", "sinks", "max_select",
-                   "threads", "hca_opts")
+                   "kv_values", "threads", "hca_opts")
     eng = {k: kw.pop(k) for k in engine_keys}
     sampling = dict(temperature=kw.pop("temperature"), top_k=kw.pop("top_k"), top_p=kw.pop("top_p"),
                     min_p=kw.pop("min_p"), repetition_penalty=kw.pop("repetition_penalty"), seed=kw.pop("seed"),

@@ -232,6 +232,8 @@ class EngineConfig:
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (those of highest score)
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     rescore: bool = False             # HCA: exact keys on the host beside the values weight the selected tokens
+    kv_values: str = "float"          # HCA: the store's values on the host: "float" (float16; float32 runs:
+                                      # float32), "q8" / "q4" (8 / 4-bit codes per 32 channels: kv/value_codes.py)
     threads: int | None = None
     cuda_graphs: bool = True          # GPU: decode tokens replayed from CUDA graphs where the cache can be
                                       # captured (dense; HCA with the GPU value sum): minirun/cuda_graph.py
@@ -263,6 +265,8 @@ class EngineConfig:
             raise MiniRunError(f"unknown far_positions {self.far_positions!r}: use auto, on, grouped or off")
         if self.length_scale not in ("auto", "on", "off"):
             raise MiniRunError(f"unknown length_scale {self.length_scale!r}: use auto, on or off")
+        if self.kv_values not in ("float", "q8", "q4"):
+            raise MiniRunError(f"unknown kv_values {self.kv_values!r}: use float, q8 or q4")
         if self.value_sum not in ("auto", "gpu", "host"):
             raise MiniRunError(f"unknown value_sum {self.value_sum!r}: use auto, gpu or host")
         for name, low in _INT_SETTINGS.items():
