@@ -84,5 +84,6 @@ def test_kv_values_checked():
         from minirun.config import ModelArgs
         from minirun.kv.hca_layout import hca_tier_bytes
         args = ModelArgs.from_dict(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=300))
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                        model_type="llama"))
         hca_tier_bytes(args, EngineConfig(kv="hca", kv_values="q4"), 1024)
