@@ -197,11 +197,12 @@ def _ld_impl(x):
 
 
 def _as_pool(a):
-    """float16 -> zero-copy uint16 view; float32 kept; anything else -> float32."""
+    """float16 -> zero-copy uint16 view; float32 and uint8 (quantized value rows) kept; anything
+    else -> float32."""
     a = np.asarray(a)
     if a.dtype == np.float16:
         return np.ascontiguousarray(a).view(np.uint16)
-    if a.dtype == np.float32:
+    if a.dtype in (np.float32, np.uint8):
         return np.ascontiguousarray(a)
     return np.ascontiguousarray(a, dtype=np.float32)
 

@@ -5,6 +5,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._common import _FASTMATH, _NEG_INF, _exp32, _ld, _as_pool, _prefetch, _rows_in, _as_i32
+from .value_rows import acc_row
 
 
 # ---------------------------------------------------------------------------
@@ -194,8 +195,9 @@ def chunk_items(counts, chunk):
 def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l, compact=False):
     # compact: z[h, t] is the score of token idx[h, t], else z[h, idx[h, t]]
     Hq = z.shape[0]
-    Hkv, ncap, d = V.shape
-    Vflat = V.reshape(Hkv * ncap * d)
+    Hkv, ncap, rw = V.shape     # rw: a row's elements (d for float rows; quantized: value_rows)
+    d = o.shape[1]
+    Vflat = V.reshape(Hkv * ncap * rw)
     pf_step = max(1, 64 // V.itemsize)  # elements per 64-byte cache line
     first, item_h = chunk_items(counts, chunk)
     total = first[Hq]
@@ -209,10 +211,10 @@ def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l, compact=Fa
         t1 = min(np.int64(counts[h]), t0 + chunk)
         zh = z[h]
         ih = idx[h]
-        base = np.int64(kv) * ncap * d
+        base = np.int64(kv) * ncap * rw
         # prime the prefetch pipeline while scanning for the chunk max
         for t in range(t0, min(t1, t0 + _PF_DIST)):
-            _prefetch(Vflat, base + np.int64(ih[t]) * d)
+            _prefetch(Vflat, base + np.int64(ih[t]) * rw)
         mx = _NEG_INF
         for t in range(t0, t1):
             v = zh[t] if compact else zh[ih[t]]
@@ -225,25 +227,24 @@ def _k_weighted_value_sum(z, idx, counts, V, q_to_kv, chunk, o, m, l, compact=Fa
         lsum = np.float32(0.0)
         for t in range(t0, t1):
             if t + _PF_DIST < t1:
-                off = base + np.int64(ih[t + _PF_DIST]) * d
-                for e in range(0, d, pf_step):
+                off = base + np.int64(ih[t + _PF_DIST]) * rw
+                for e in range(0, rw, pf_step):
                     _prefetch(Vflat, off + e)
             j = ih[t]
             w = _exp32((zh[t] if compact else zh[j]) - mx)
             lsum += w
-            Vj = V[kv, j]
-            for k in range(d):
-                acc[k] += w * _ld(Vj[k])
+            acc_row(V[kv, j], w, acc)
         pl[it] = lsum
     for h in prange(Hq):
         _merge_partials(first, po, pm, pl, h, o, m, l)
 
 
-def weighted_value_sum(z, idx, counts, V, q_to_kv, compact=False):
+def weighted_value_sum(z, idx, counts, V, q_to_kv, compact=False, head_dim=None):
     """Softmax-weighted sum of selected value rows (the GPU cache's value sum on the host).
 
     z [Hq, >=n] f32 scores, idx int32 [Hq, >=max(counts)] token indices,
-    counts int32 [Hq], V [Hkv, n_cap, d] f32 or f16 (host value pool, must be
+    counts int32 [Hq], V [Hkv, n_cap, d] f32 or f16, or [Hkv, n_cap, width] uint8 quantized rows
+    (minirun/kv/value_codes.py, dequantized in registers: value_rows) (host value pool, must be
     C-contiguous -- it is never copied), q_to_kv int32 [Hq]
     -> (o [Hq, d] f32, m [Hq] f32, l [Hq] f32):
     over j in idx[h, :counts[h]], w_j = exp(z[h, j] - m_h) with m_h the max
@@ -253,12 +254,14 @@ def weighted_value_sum(z, idx, counts, V, q_to_kv, compact=False):
     value rows software-prefetched 16 ahead), chunks merged exactly by
     log-sum-exp in float64.  Indices are not bounds-checked.
     compact=True: z[h, t] is the score of token idx[h, t] (the selected scores compacted, as the
-    GPU cache copies them to the host).
+    GPU cache copies them to the host). head_dim: d of a quantized pool's rows (required there).
     """
     z = _rows_in(z, np.float32)
     Hq = z.shape[0]
     idx, counts, q_to_kv, V, selected = _selection_args(idx, counts, q_to_kv, V, Hq, "V (value pool)")
-    o = np.zeros((Hq, V.shape[2]), dtype=np.float32)
+    if V.dtype == np.uint8 and head_dim is None:
+        raise ValueError("a quantized value pool (uint8 rows) needs head_dim")
+    o = np.zeros((Hq, V.shape[2] if head_dim is None else int(head_dim)), dtype=np.float32)
     m = np.full(Hq, -np.inf, dtype=np.float32)
     l = np.zeros(Hq, dtype=np.float32)
     if selected:

@@ -141,7 +141,7 @@ def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv
         _k_float_cuts(hist, ref, smax, nt, n_store, tau, zcut, mref, cap)
     # the value sum over the selection (float scores: scale 1, offset 0), sinks + ring, the merge
     _sum_and_merge(z, n_store, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref, lanes, V, nt, counts,
-                   q, EK, EV, n_exact, valid, os, ms, ls, out, V, False)
+                   q, EK, EV, n_exact, valid, os, ms, ls, out, K, False)
 
 
 def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes, z, hist,

@@ -298,7 +298,7 @@ def hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_
     factor codebooks (fnorm: factor_norms(F)), PT [Hkv, G/2, >=n_store] uint8, lut the FastScanLUT
     scratch; encode (slot, codes uint8 [Hkv, 1, G/2]) writes the nibble pairs of EK[:, slot].
     The rest (host_keys: rescore; cap) as hca_decode_attend. -> o [Hq, d] f32. Needs available()."""
-    K, rescore = _host_keys(host_keys, V, n_store)
+    K, rescore = _host_keys(host_keys, V, n_store, q.shape[1])
     nh = heads_per_kv(q_to_kv)
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
     fnorm = factor_norms(F) if fnorm is None else fnorm

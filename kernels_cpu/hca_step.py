@@ -81,7 +81,8 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     q [Hq, d] f32 (pre-scaled by 1/sqrt(d)); k, v [Hkv, d] (the token's own key and value);
     EK, EV [Hkv, >=n_exact, d] the exact tier; codebooks_t [Hkv, g, ds, c] f32 (the codebooks
     [Hkv, g, c, ds] transposed, contiguous); PT [Hkv, g, >=n_store] uint8/int16 indices,
-    group-major, C-contiguous; V [Hkv, >=n_store, d] the value pool. K/V arrays f32 or f16. Scratch (C-contiguous rows):
+    group-major, C-contiguous; V [Hkv, >=n_store, d] the value pool (or its quantized rows, uint8
+    [Hkv, >=n_store, width]: minirun/kv/value_codes.py). K/V arrays f32 or f16. Scratch (C-contiguous rows):
     packed (a PackedLUT of preallocated arrays, its lanes from lane_map), lut f32 [Hq, g, c],
     z f32 [Hq, >=n_store], idx int32 [Hq, >=n_store] (scratch of the selection's exact fallback),
     counts int32 [Hq]; levels optional (lev uint16 [Hq, >=n_store], level_hist(Hq)).
@@ -102,7 +103,7 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     0 no cap, < 0 the head skips the store).
     """
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
-    K, rescore = _host_keys(host_keys, V, n_store)
+    K, rescore = _host_keys(host_keys, V, n_store, q.shape[1])
     slot, cnorm, codes = _encode_args(encode, (-1, _NO_CNORM, _NO_CODES[PT.dtype.itemsize]), n_exact, n_store)
     _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
                   _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv,
@@ -111,17 +112,18 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     return out
 
 
-def _host_keys(host_keys, V, n_store):
-    """(K, rescore) as the steps take them: the host key pool in V's pool type, or V itself
-    (unread) without rescoring, so both cases share one compiled kernel."""
+def _host_keys(host_keys, V, n_store, d=None):
+    """(K, rescore) as the steps take them: the host key pool (f32 or f16), or without rescoring V
+    itself (unread; a quantized pool: a float stand-in), so both cases share one compiled kernel
+    where they can. d: the head dim (V's row width for float rows)."""
     V = _as_pool(V)
     if host_keys is None:
-        return V, False
+        return (_NO_KEYS if V.dtype == np.uint8 else V), False
     K = _as_pool(host_keys)
-    if K.dtype != V.dtype or K.ndim != 3 or K.shape[0] != V.shape[0] or K.shape[2] != V.shape[2] \
+    d = V.shape[2] if d is None else d
+    if K.dtype == np.uint8 or K.ndim != 3 or K.shape[0] != V.shape[0] or K.shape[2] != d \
             or K.shape[1] < n_store or not K.flags.c_contiguous:
-        raise ValueError(f"host_keys must be C-contiguous [Hkv, >={n_store}, d] of the value pool's type, "
-                         f"got {K.dtype} {K.shape}")
+        raise ValueError(f"host_keys must be C-contiguous float [Hkv, >={n_store}, {d}], got {K.dtype} {K.shape}")
     return K, True
 
 
@@ -155,4 +157,5 @@ def _valid_mask(valid, n_exact):
 
 
 _NO_CNORM = np.zeros((1, 1, 1), np.float32)
+_NO_KEYS = np.zeros((1, 1, 1), np.uint16)   # (rescore off over a quantized pool: K is not read)
 _NO_CODES = {1: np.zeros((1, 1, 1), np.uint8), 2: np.zeros((1, 1, 1), np.int16)}

@@ -27,6 +27,7 @@ from ._common import _FASTMATH, _NEG_INF, _ctz64, _exp32, _ld, _prefetch
 from .attention import _exact_chunk, _merge_partials, dot4
 from .level_select import NB, _level_cut, _merged_counts, _top_bucket
 from .packed import LANES
+from .value_rows import acc_pair4
 
 _RANGE = 1024       # tokens per task (a multiple of 64)
 _PF_DIST = 16       # value rows prefetched ahead
@@ -86,8 +87,9 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
     # lev >= its cut. Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects the token), ul
     # int64 [>= j1 - j0] (the union's tokens), G [LANES, >= j1 - j0] of lev's dtype (their levels),
     # W f32 [LANES, >= j1 - j0] (their weights). rescore: the weights from exact scores of the
-    # queries q [Hq, d] over host keys K [Hkv, >= j1, d] (of V's type) instead of the levels.
-    d = V.shape[2]
+    # queries q [Hq, d] over host keys K [Hkv, >= j1, d] (f32 or half bits) instead of the levels.
+    # V [Hkv, cap, width]: float rows (width d) or quantized ones (uint8: value_rows).
+    rw = V.shape[2]
     kv = r // (lanes.shape[0] // V.shape[0])
     h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
     # an empty lane reads lane 0's head and never selects (cut above every level)
@@ -131,11 +133,11 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
     a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
     Vkv = V[kv]
     Vflat = V.reshape(V.size)
-    base = np.int64(kv) * V.shape[1] * d
+    base = np.int64(kv) * V.shape[1] * rw
     pf_step = max(1, 64 // V.itemsize)
     for t in range(min(nu, _PF_DIST)):
-        off = base + ul[t] * d
-        for e in range(0, d, pf_step):
+        off = base + ul[t] * rw
+        for e in range(0, rw, pf_step):
             _prefetch(Vflat, off + e)
     l0 = l1 = l2 = l3 = 0.0
     n0 = n1 = n2 = n3 = 0
@@ -154,8 +156,8 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
     t = 0
     while t < nu:
         for tt in range(t + _PF_DIST, min(t + _PF_DIST + 2, nu)):
-            off = base + ul[tt] * d
-            for e in range(0, d, pf_step):
+            off = base + ul[tt] * rw
+            for e in range(0, rw, pf_step):
                 _prefetch(Vflat, off + e)
         ja = ul[t]
         tb = t + 1 if t + 1 < nu else t
@@ -163,14 +165,7 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
         wb = np.float32(1.0) if t + 1 < nu else np.float32(0.0)   # an odd last row pairs with nothing
         w0a, w1a, w2a, w3a = W0[t], W1[t], W2[t], W3[t]
         w0b, w1b, w2b, w3b = W0[tb] * wb, W1[tb] * wb, W2[tb] * wb, W3[tb] * wb
-        Va, Vb = Vkv[ja], Vkv[jb]
-        for k in range(d):
-            xa = _ld(Va[k])
-            xb = _ld(Vb[k])
-            a0[k] += w0a * xa + w0b * xb
-            a1[k] += w1a * xa + w1b * xb
-            a2[k] += w2a * xa + w2b * xb
-            a3[k] += w3a * xa + w3b * xb
+        acc_pair4(Vkv[ja], Vkv[jb], w0a, w1a, w2a, w3a, w0b, w1b, w2b, w3b, a0, a1, a2, a3)
         t += 2
     lsum[0] += l0
     lsum[1] += l1

@@ -70,12 +70,15 @@ def gather_splits(width: int, Hq: int, group: int, num_sms: int) -> int:
     return max(1, min(_cdiv(4 * num_sms, max(1, Hq // group)), _cdiv(max(width * group, 1), _GATHER_MIN_SHARE)))
 
 
-def _launch_gather_grouped(L, idx, z, counts, cap, n, m, cut, z_range, n_bins, g, V, nsplit, o_p, m_p, l_p):
+def _launch_gather_grouped(L, idx, z, counts, cap, n, m, cut, z_range, n_bins, g, V, nsplit, o_p, m_p, l_p, d=None):
+    """d: the head dim (V's row width for float rows; uint8 V: quantized rows, q8 when wider than d)."""
     size = "g3" if g == 3 else ("g4" if g == 4 else "g8")   # (register arrays of the group's size)
-    L.launch("gather.cu", f"gather_value_sum_grouped_{_KV_SUFFIX[str(V.dtype)]}_{size}", (nsplit, V.shape[0]),
+    d = V.shape[2] if d is None else d
+    kind = ("q8" if V.shape[2] >= d else "q4") if V.element_size() == 1 else _KV_SUFFIX[str(V.dtype)]
+    L.launch("gather.cu", f"gather_value_sum_grouped_{kind}_{size}", (nsplit, V.shape[0]),
              (_GATHER_THREADS,),
              (idx, _i64(idx.stride(0)), z, _i64(z.stride(0)), counts, _i32(cap), _i32(n), m, cut, np.float32(z_range),
-              _i32(n_bins), _i32(g), V, _i64(V.stride(0)), _i64(V.stride(1)), _i32(V.shape[2]), o_p, m_p, l_p))  # fmt: skip
+              _i32(n_bins), _i32(g), V, _i64(V.stride(0)), _i64(V.stride(1)), _i32(d), o_p, m_p, l_p))  # fmt: skip
 
 
 def host_pool_readable(device) -> bool:
@@ -198,7 +201,8 @@ class DecodeStep:
         return part0 + nsplit
 
     def gather(self, L, idx, z, n, cap, V, part0):
-        """The selection's value sum read from the host pool V [Hkv, >= n, d] (pinned, mapped) into
+        """The selection's value sum read from the host pool V [Hkv, >= n, d] (pinned, mapped; or its
+        quantized rows, uint8 [Hkv, >= n, width], dequantized on the device) into
         os / ms / ls [part0:], on the stats in m and the cut and counts `select` left (query head h
         on kv head h // group); returns the next free part. idx: select's int32 rows; cap: 0 = none."""
         cap = cap or 2**31 - 1
@@ -206,7 +210,7 @@ class DecodeStep:
         if part0 + nsplit > self.os.shape[0]:   # (sized in __init__ for the capacity: cannot happen)
             raise RuntimeError(f"gather: {part0} + {nsplit} partials > {self.os.shape[0]} allocated")
         _launch_gather_grouped(L, idx, z, self.counts, cap, n, self.m, self.cut, self.z_range, self.n_bins,
-                               self.group, V, nsplit, self.os[part0:], self.ms[part0:], self.ls[part0:])
+                               self.group, V, nsplit, self.os[part0:], self.ms[part0:], self.ls[part0:], self.d)
         return part0 + nsplit
 
     def store_rows(self, L, src, dst, row):

@@ -2,7 +2,7 @@
 // minirun/kv/hca_cuda.py): the selected value rows are read straight from the host value pool
 // (page-locked and mapped), so a decode step needs no copy-back, no host sum and no host wait.
 // gather_value_sum_grouped_* reads each row once per kv group, weighted for every query head that
-// chose it.
+// chose it; _q8 / _q4 read quantized rows (codes and scales) and dequantize them on the device.
 //
 // Their partials are merged by decode.cu's lse_merge_staged.  Compiled without --use_fast_math:
 // the grouped kernel recomputes scores.cu's histogram bins (mr_bin) and must agree bit for bit.
@@ -35,10 +35,45 @@
 // row read by the group's first head) and tau <= 0 (empty lists) too.
 // Launch: block MR_GATHER_THREADS, grid (nsplit, Hkv), 1 <= g <= G (the kernel's group size: 3, 4 or
 // MR_GATHER_MAX_GROUP; arrays of G in registers), d even, 2 <= d <= MR_GATHER_THREADS, V's rows
-// aligned to two elements, no dynamic shared memory.  Per entry the g scores z[h', j] are loaded
+// aligned to two elements (q8 / q4 rows: bytes, d a multiple of 32), no dynamic shared memory.  Per entry the g scores z[h', j] are loaded
 // once; a bit mask of the heads that take the row keeps a row a head did not select out of its sum
 // (0 * inf would be NaN), and MR_GATHER_ILP owned rows are read at a time.
 // ---------------------------------------------------------------------------
+// A value row's channels e, e + 1 (e even) as floats.  Float rows (MrF32 / MrF16 / MrBF16): two
+// elements.  Quantized rows (minirun/kv/value_codes.py: uint8 [width], the codes, then float16
+// scales per group of 32 channels) are dequantized here, on the device, from the codes read over
+// the bus: q8 (MrQ8) x = (c - 128) s; q4 (MrQ4) x = c s + min, channel 32 k + i in byte 16 k +
+// (i mod 16), the low nibble for i < 16.  Rows are 2-byte aligned (even widths), e even.
+struct MrQ8 { typedef unsigned char S; };
+struct MrQ4 { typedef unsigned char S; };
+
+template <typename Tag>
+struct MrRow {
+    static __device__ __forceinline__ void load2(const typename Tag::S* row, int e, int d, float& a, float& b) {
+        Tag::load2(row + e, a, b);
+    }
+};
+template <>
+struct MrRow<MrQ8> {
+    static __device__ __forceinline__ void load2(const unsigned char* row, int e, int d, float& a, float& b) {
+        const float s = mr_half_to_float(*reinterpret_cast<const unsigned short*>(row + d + 2 * (e >> 5)));
+        const unsigned int c = *reinterpret_cast<const unsigned short*>(row + e);
+        a = ((float)(int)(c & 0xffu) - 128.f) * s;
+        b = ((float)(int)(c >> 8) - 128.f) * s;
+    }
+};
+template <>
+struct MrRow<MrQ4> {
+    static __device__ __forceinline__ void load2(const unsigned char* row, int e, int d, float& a, float& b) {
+        const int g = e >> 5, i = e & 31, shift = (i >> 4) * 4;
+        const unsigned short* meta = reinterpret_cast<const unsigned short*>(row + (d >> 1) + 4 * g);
+        const float s = mr_half_to_float(meta[0]), lo = mr_half_to_float(meta[1]);
+        const unsigned int c = *reinterpret_cast<const unsigned short*>(row + 16 * g + (i & 15));
+        a = fmaf((float)((c >> shift) & 15u), s, lo);
+        b = fmaf((float)((c >> (8 + shift)) & 15u), s, lo);
+    }
+};
+
 template <typename Tag, int G>
 __device__ __forceinline__ void gather_value_sum_grouped_impl(
     const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z, long long z_s0,
@@ -124,7 +159,7 @@ __device__ __forceinline__ void gather_value_sum_grouped_impl(
                 for (int u = 0; u < MR_GATHER_ILP; ++u) {   // (a row's threads agree on every branch)
                     const int iu = i + u * ngroups;
                     a[u] = b[u] = 0.f;
-                    if (iu < cnt && js[iu] >= 0) Tag::load2(Vh + (long long)js[iu] * v_s1 + e, a[u], b[u]);
+                    if (iu < cnt && js[iu] >= 0) MrRow<Tag>::load2(Vh + (long long)js[iu] * v_s1, e, d, a[u], b[u]);
                 }
 #pragma unroll
                 for (int u = 0; u < MR_GATHER_ILP; ++u) {
@@ -234,5 +269,59 @@ gather_value_sum_grouped_bf16_g8(const int* __restrict__ idx, long long idx_s0, 
     const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned short* __restrict__ V, long long v_s0,
     long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
     gather_value_sum_grouped_impl<MrBF16, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_q8_g3(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned char* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrQ8, 3>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_q8_g4(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned char* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrQ8, 4>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_q8_g8(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned char* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrQ8, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_q4_g3(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned char* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrQ4, 3>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_q4_g4(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned char* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrQ4, 4>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
+        v_s0, v_s1, d, o_part, m_part, l_part);
+}
+
+extern "C" __global__ void __launch_bounds__(MR_GATHER_THREADS)
+gather_value_sum_grouped_q4_g8(const int* __restrict__ idx, long long idx_s0, const float* __restrict__ z,
+    long long z_s0, const int* __restrict__ counts, int cap, int n, const float* __restrict__ m,
+    const int* __restrict__ cut, float z_range, int n_bins, int g, const unsigned char* __restrict__ V, long long v_s0,
+    long long v_s1, int d, float* __restrict__ o_part, float* __restrict__ m_part, float* __restrict__ l_part) {
+    gather_value_sum_grouped_impl<MrQ4, MR_GATHER_MAX_GROUP>(idx, idx_s0, z, z_s0, counts, cap, n, m, cut, z_range, n_bins, g, V,
         v_s0, v_s1, d, o_part, m_part, l_part);
 }

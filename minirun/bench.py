@@ -39,7 +39,8 @@ JSON/CSV fields, one object/row per (mode, test):
   rescore"), device_name (the GPU's or the CPU's model name), value_sum (HCA on a GPU: "gpu" or
   "host", where the selected values were summed), max_select (the selection's cap, or None),
   weights (how the weight matrices are held: the dtype, or a block format such as "Q4_1"; markdown:
-  the weights column, "Q4_1 (float32)" for quantized weights and float32 activations).
+  the weights column, "Q4_1 (float32)" for quantized weights and float32 activations), values (HCA:
+  the store's values on the host, "float", "q8" or "q4"; None for dense).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ from .quant.sizes import weights_label
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
           "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected",
           "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version", "cuda_graphs",
-          "rescore", "device_name", "value_sum", "max_select", "weights"]
+          "rescore", "device_name", "value_sum", "max_select", "weights", "values"]
 CTX_ROUND = 256
 
 
@@ -100,6 +101,7 @@ class BenchResult:
     value_sum: str | None = None    # HCA on a GPU: where the selected values are summed ("cpu" | "gpu" | ...)
     max_select: int | None = None   # HCA: the selection's cap per head and step (None: tau alone)
     weights: str = ""               # how the weight matrices are held: the dtype, or a block format ("Q4_1")
+    values: str | None = None       # HCA: the store's values on the host ("float" | "q8" | "q4"; kv_values)
 
 
 def device_name(device: torch.device) -> str:
@@ -138,7 +140,8 @@ def result(eng, model, kv: str, budget, name: str, kind: str, n: int, depth: int
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), cuda_graphs=eng.cuda_graphs_mode(),
         rescore=getattr(cache, "host_keys", None) is not None, device_name=device_name(eng.device),
         value_sum=getattr(cache, "value_sum", None) if kv == "hca" else None,
-        max_select=getattr(cache, "max_select", None) if kv == "hca" else None, **fields)
+        max_select=getattr(cache, "max_select", None) if kv == "hca" else None,
+        values=eng.config.kv_values if kv == "hca" else None, **fields)
 
 
 def _reset_peak_host() -> bool:

@@ -28,8 +28,8 @@ def kv_split(stats: dict) -> tuple[int, int]:
     return dev, host
 
 
-MD_HEAD = ["model", "size", "params", "device", "threads", "weights", "kv", "budget", "codebooks", "context", "test",
-           "t/s", "selected", "peak host", "peak device", "kv device", "kv host"]
+MD_HEAD = ["model", "size", "params", "device", "threads", "weights", "kv", "budget", "values", "codebooks", "context",
+           "test", "t/s", "selected", "peak host", "peak device", "kv device", "kv host"]
 
 
 def to_markdown(results: list[BenchResult]) -> str:
@@ -41,7 +41,7 @@ def to_markdown(results: list[BenchResult]) -> str:
         rows.append("| " + " | ".join([
             r.model, format_bytes(r.model_bytes), _params(r.model_params), r.device, str(r.threads),
             r.dtype if r.weights in ("", r.dtype) else f"{r.weights} ({r.dtype})",
-            r.kv + (" rescore" if r.rescore else "") + ("" if r.cuda_graphs == "off" else f" ({r.cuda_graphs} graphs)"), "-" if r.kv_budget is None else str(r.kv_budget), r.codebooks, r.context, r.test,
+            r.kv + (" rescore" if r.rescore else "") + ("" if r.cuda_graphs == "off" else f" ({r.cuda_graphs} graphs)"), "-" if r.kv_budget is None else str(r.kv_budget), r.values or "-", r.codebooks, r.context, r.test,
             f"{r.tps_mean:.2f} ± {r.tps_std:.2f}", "-" if r.selected is None else f"{100 * r.selected:.1f}%",
             _size(r.peak_host_bytes) + ("" if r.peak_host_scope == "test" else " (process)"),
             _size(r.peak_device_bytes), _size(dev), _size(host)]) + " |")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU, hca_opt_option, threads_option
+from .cli_common import AT_LEAST_0, AT_LEAST_1, CTX, TAU, hca_opt_option, kv_values_option, threads_option
 from .config import KV_BUDGET_PRESETS, MAX_CTX, WEIGHTS, hca_setting
 from .errors import MiniRunError
 
@@ -132,6 +132,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
 @click.option("--max-select", type=AT_LEAST_1, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
+@kv_values_option
 @hca_opt_option()
 @click.option("--context", default="random", show_default=True,
               help="what prompts and contexts are made of: random (token ids, as llama-bench), text (the "
@@ -140,7 +141,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
 def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, weights, device, ctx, threads, tau, window,
-          sinks, max_select, hca_opts, context, output, plot_path):
+          sinks, max_select, kv_values, hca_opts, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
     from . import bench_output as out
@@ -151,7 +152,8 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, weights
         out.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
-                          sinks=sinks, max_select=max_select, weights=weights, context=context, **hca_opts,
+                          sinks=sinks, max_select=max_select, weights=weights, context=context, kv_values=kv_values,
+                          **hca_opts,
                           log=lambda s: click.echo(s, err=True))
     click.echo({"md": out.to_markdown, "json": out.to_json, "csv": out.to_csv}[output](results).rstrip("\n"))
     if plot_path:
@@ -195,23 +197,30 @@ def plan_device(device: str, gpu_mem: int | None) -> str:
                    "or --gpu-mem is given, else cpu)")
 @click.option("--window", type=AT_LEAST_1, default=256, show_default=True, help="HCA: recent tokens kept exact")
 @click.option("--sinks", type=AT_LEAST_0, default=16, show_default=True, help="HCA: first tokens kept exact")
+@kv_values_option
 @hca_opt_option()
 @click.option("--gpu-mem", type=SizeType(), default=None,
               help="GPU memory to check against (e.g. 80G); default: the free memory of this machine's GPU")
+@click.option("--host-mem", type=SizeType(), default=None,
+              help="host memory to check against (e.g. 128G); default: what this machine has available")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
-def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, weights, device, window, sinks, hca_opts, gpu_mem, output):
+def plan_cmd(model_or_config, ctx, kv, kv_budget, dtype, weights, device, window, sinks, kv_values, hca_opts, gpu_mem,
+             host_mem, output):
     """Bytes of every memory tier for a context, before anything is allocated, and whether it fits
     (the defaults are those of chat and generate).
 
     MODEL_OR_CONFIG: a model directory or a bare config.json (no weights needed)."""
     from .config import EngineConfig, ModelArgs
-    from .planner import format_plan, plan_report
+    from .planner import format_bytes, format_plan, plan_report
     from .pull import find_model
     args = ModelArgs.from_path(find_model(model_or_config))
     device = plan_device(device, gpu_mem)
     cfg = EngineConfig(ctx=ctx, device=device, dtype=dtype, weights=weights, kv=kv, window=window, sinks=sinks,
-                       **hca_setting(kv_budget), **hca_opts)
-    report = plan_report(args, cfg, device, gpu_mem)
+                       kv_values=kv_values, **hca_setting(kv_budget), **hca_opts)
+    report = plan_report(args, cfg, device, gpu_mem, host_mem)
     click.echo(json.dumps(report, indent=2) if output == "json" else format_plan(report))
+    if host_mem is not None and not report["host_fits"]:
+        click.echo(f"minirun plan: the host tiers need {format_bytes(report['host_bytes'])}, more than --host-mem "
+                   f"{format_bytes(host_mem)}", err=True)
     if report["fits"] is False or (report["fits"] is None and not report["host_fits"]):
         sys.exit(1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import AT_LEAST_0, AT_LEAST_1, COUNT, SEED, TAU, hca_opt_option, threads_option
+from .cli_common import AT_LEAST_0, AT_LEAST_1, COUNT, SEED, TAU, hca_opt_option, kv_values_option, threads_option
 from .calibrate import DEFAULT_ITERS, DEFAULT_TOKENS, DEFAULT_WINDOWS
 from .errors import MiniRunError
 
@@ -102,13 +102,14 @@ def calibrate(model, data, kv_budget, groups, centroids, tokens, windows, iters,
 @click.option("--max-select", type=AT_LEAST_1, default=None,
               help="HCA: at most this many old tokens per head and step, the top-scoring (default: tau alone)")
 @hca_opt_option("an advanced setting, KEY=VALUE (repeatable): " + ", ".join(EVAL_OPTS) + " (README: options)")
+@kv_values_option
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @threads_option()
 @click.option("--seed", type=SEED, default=0, show_default=True, help="passkey keys")
 @click.option("-o", "--output", type=click.Choice(["md", "json"]), default="md", show_default=True)
 def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey_lengths, passkey_depths, trials,
-             passkey_haystack, passkey_copies, tau, window, sinks, centroids, max_select, hca_opts, dtype, threads,
-             seed, output):
+             passkey_haystack, passkey_copies, tau, window, sinks, centroids, max_select, hca_opts, kv_values, dtype,
+             threads, seed, output):
     """Dense vs HCA on the same inputs: perplexity, top-1 agreement and KL, passkey accuracy."""
     from .calibrate import read_text
     from .config import ModelArgs
@@ -128,7 +129,7 @@ def eval_cmd(model, data, budgets, ppl_tokens, prompt_tokens, positions, passkey
                       lengths=_ints(passkey_lengths, "--passkey-lengths"),
                       depths=_floats(passkey_depths, "--passkey-depths"), trials=trials, tau=tau, window=window,
                       sinks=sinks, dtype=dtype, centroids=centroids, threads=threads, seed=seed, max_select=max_select,
-                      passkey_haystack=passkey_haystack, passkey_copies=passkey_copies, **opts,
+                      passkey_haystack=passkey_haystack, passkey_copies=passkey_copies, kv_values=(kv_values,), **opts,
                       log=lambda s: click.echo(s, err=True))
     report["data"] = source
     click.echo(json.dumps(report, indent=1) if output == "json" else format_markdown(report, data=source))

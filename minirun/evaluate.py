@@ -216,14 +216,16 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
              depths=(0.1, 0.5, 0.9), trials: int = 2, tau: float = 0.9, window: int = 256, sinks: int = 16,
              dtype: str = "float32", key_store: str = "codebook", centroids: int | None = None, threads=None,
              seed: int = 0, far_positions: str = "auto", max_select: int | None = None, length_scale: str = "off",
-             rescore: bool = False, passkey_haystack: str = "filler", passkey_copies: int = 1, log=print) -> dict:
+             rescore: bool = False, passkey_haystack: str = "filler", passkey_copies: int = 1, kv_values=("float",),
+             log=print) -> dict:
     """Dense, then HCA at each budget, on the same token ids; one engine loaded at a time.
 
     ids: the evaluation text's tokens (perplexity on ids[:ppl_tokens]; agreement after the prompt
     ids[:prompt_tokens] over the next `positions` tokens). 0 / empty skips a measurement.
     passkey_haystack: "filler" (the classic task) or "text" (the key hidden in the evaluation text's
     start, repeated passkey_copies times: evaluate.passkey's text_ids).
-    centroids: codebook size for the codebook budgets (default: the preset's 1024).
+    centroids: codebook size for the codebook budgets (default: the preset's 1024). kv_values: the
+    store's value types, each budget run with each ("hca 0.25", "hca 0.25 q4 values", ...).
     Returns {"settings", "rows": [one per mode]}; the dense row (the reference) comes first.
     """
     from .engine import Engine
@@ -231,21 +233,23 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
     if len(ids) < need_text:
         raise MiniRunError(f"the evaluation text has {len(ids)} tokens; this run needs {need_text}")
     ctx = max([ppl_tokens, prompt_tokens + positions] + [n + 32 for n in lengths])
-    modes = [None] + list(budgets)
+    modes = [(None, None)] + [(b, v) for b in budgets for v in kv_values]
     settings = {"model": str(model), "tau": tau, "window": window, "sinks": sinks, "dtype": dtype,
                 "key_store": key_store, "centroids": centroids, "far_positions": far_positions,
-                "max_select": max_select, "length_scale": length_scale, "rescore": rescore, "ppl_tokens": ppl_tokens,
+                "max_select": max_select, "length_scale": length_scale, "rescore": rescore,
+                "kv_values": list(kv_values), "ppl_tokens": ppl_tokens,
                 "prompt_tokens": prompt_tokens,
                 "passkey_haystack": passkey_haystack, "passkey_copies": passkey_copies,
                 "positions": positions, "lengths": list(lengths), "depths": list(depths), "trials": trials,
                 "threads": torch.get_num_threads() if threads is None else threads}
     rows, ref_logits = [], None
-    for budget in modes:
-        name = mode_name(budget)
+    for budget, values in modes:
+        name = mode_name(budget) + ("" if values in (None, "float") else f" {values} values")
         kw = dict(kv="dense") if budget is None else {**dict(kv="hca", tau=tau, window=window, sinks=sinks,
                                                              key_store=key_store, centroids=centroids,
                                                              far_positions=far_positions, max_select=max_select,
-                                                             length_scale=length_scale, rescore=rescore),
+                                                             length_scale=length_scale, rescore=rescore,
+                                                             kv_values=values),
                                                       **hca_setting(budget)}
         eng = Engine.load(model, device="cpu", dtype=dtype, ctx=ctx, threads=threads, **kw)
         row: dict = {"mode": name, "seconds": {}}

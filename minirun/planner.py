@@ -216,7 +216,8 @@ def prompt_cache_bytes(args: ModelArgs, cfg: EngineConfig) -> int:
             + tiers.get("host keys", (0,))[0] + codebooks + 8 * (cfg.ctx + n_exact))
 
 
-def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | None = None) -> dict:
+def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | None = None,
+                host_mem: int | None = None) -> dict:
     """The plan as a dict (what `minirun plan -o json` prints).
 
     Keys: ctx, kv, kv_budget (hca_setting_of: 0.125 or "g64c16"; None for dense), dtype, device ("cpu" | "cuda"), params,
@@ -224,7 +225,8 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
     per token: weights, sinks+ring, codebooks, prefill-only buffers), transient (bool: held only
     while a prompt is prefilled)}], device_bytes, host_bytes (totals per place; on cpu everything
     is host), dense_bytes_per_token (dense K+V in this dtype, for comparison), available
-    {host, device} (bytes free now; device: --gpu-mem, the GPU's free memory, or None),
+    {host, device} (bytes free now; host: --host-mem, else this machine's available memory; device:
+    --gpu-mem, the GPU's free memory, or None),
     fits (bool, or None when there is no GPU figure to check against: see note), host_fits,
     largest_ctx (on the device planned for; None when there is no GPU figure), prompt_cache_bytes
     (prompt_cache_bytes), trained_ctx (max_position_embeddings), ctx_note (trained_ctx_note), note.
@@ -240,7 +242,8 @@ def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | 
         tiers.append({"tier": name, "where": "host" if device == "cpu" else where, "bytes": nbytes,
                       "bytes_per_token": per_tok, "transient": name in (PREFILL_KEYS, PREFILL_VALUES, ANCHOR_BLOCK)})
     dev = torch.device(device)
-    avail = {"host": available_bytes(torch.device("cpu"))["host"], "device": None}
+    avail = {"host": host_mem if host_mem is not None else available_bytes(torch.device("cpu"))["host"],
+             "device": None}
     if device == "cuda":
         if gpu_mem is not None:
             avail["device"] = gpu_mem

@@ -2,7 +2,8 @@
 
 Usage:
   python scripts/bench_paired.py models/SmolLM2-135M-Instruct --depth 16384 -n 32 --rounds 7 \
-      --modes dense,hca:0.125,hca:0.25 [--dtype float32] [--context random|text|FILE] [-o json]
+      --modes dense,hca:0.125,hca:0.25,hca:g64c16:q4 [--dtype float32] [--context random|text|FILE] [-o json]
+(hca:SETTING:VALUES: the store's values as kv_values, float, q8 or q4; default float)
 
 `minirun bench` runs one mode after the other; on a shared machine whose speed drifts by 10-25%
 within minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
@@ -26,12 +27,14 @@ from minirun.config import hca_setting, hca_setting_name
 from minirun.errors import MiniRunError
 
 
-def parse_modes(s: str) -> list[tuple[str, str | None]]:
-    """"dense,hca:0.125,hca:g64c16" -> [("dense", None), ("hca", "0.125"), ("hca", "g64c16")]."""
+def parse_modes(s: str) -> list[tuple[str, str | None, str]]:
+    """"dense,hca:0.125,hca:g64c16:q4" -> [("dense", None, "float"), ("hca", "0.125", "float"),
+    ("hca", "g64c16", "q4")]."""
     out = []
     for m in s.split(","):
-        kind, _, setting = m.strip().partition(":")
-        out.append((kind, hca_setting_name(setting) if setting else None))
+        kind, _, rest = m.strip().partition(":")
+        setting, _, values = rest.partition(":")
+        out.append((kind, hca_setting_name(setting) if setting else None, values or "float"))
     return out
 
 
@@ -59,14 +62,14 @@ def main():
     except MiniRunError as e:
         raise SystemExit(f"error: {e}") from None
     engines = []
-    for kind, budget in modes:
-        kw = {**hca_setting(budget), "far_positions": a.far_positions} if budget else {}
+    for kind, budget, values in modes:
+        kw = {**hca_setting(budget), "far_positions": a.far_positions, "kv_values": values} if budget else {}
         eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.n + 8, kv=kind, threads=a.threads,
                           **kw)
         ids = context.ids(eng, a.depth, seed=0)
         t0 = time.perf_counter()
         eng.prefill(ids)
-        name = kind + (f" {budget}" if budget else "")
+        name = kind + (f" {budget}" if budget else "") + ("" if values == "float" else f" {values}")
         say(f"{name}: context of {a.depth} tokens prefilled in {time.perf_counter() - t0:.0f}s", flush=True)
         engines.append((name, eng, ids))
     tps = {name: [] for name, _, _ in engines}

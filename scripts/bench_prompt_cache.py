@@ -1,6 +1,6 @@
 """Prefill a document against saving and loading its prompt cache (minirun/prompt_cache.py).
 
-    python scripts/bench_prompt_cache.py MODEL --tokens 16384 [--kv hca --kv-budget g64c16] [--context FILE]
+    python scripts/bench_prompt_cache.py MODEL --tokens 16384 [--kv hca --kv-budget g64c16 --kv-values q4] [--context FILE]
 
 Prefills the first --tokens tokens of a text (Botchan by default, as the quality tools), writes the
 prompt cache, loads it into a second engine of the same setup and checks that both decode the same
@@ -29,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--kv", default="hca", choices=["dense", "hca"])
     ap.add_argument("--kv-budget", default="g64c16")
+    ap.add_argument("--kv-values", default="float", choices=["float", "q8", "q4"], help="HCA: the store's values")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--context", default=None, help="a text file (default: Botchan, fetched once)")
@@ -36,7 +37,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     kw = dict(device=a.device, dtype=a.dtype, ctx=a.tokens + 64, kv=a.kv)
     if a.kv == "hca":
-        kw.update(hca_setting(a.kv_budget))
+        kw.update(hca_setting(a.kv_budget), kv_values=a.kv_values)
     text = Path(a.context).read_text() if a.context else eval_quality.read_text(eval_quality.fetch_botchan(),
                                                                                 part="evaluation")[0]
     first = Engine.load(a.model, **kw)
@@ -58,10 +59,10 @@ def main(argv=None):
         load_s = time.perf_counter() - t0
     nxt = ids[:4]
     same = all(torch.equal(first.step(t), second.step(t)) for t in nxt)
-    print("| tokens | kv | prefill s | write s | file | load s | next logits equal |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {len(ids)} | {a.kv} {a.kv_budget if a.kv == 'hca' else ''} | {prefill_s:.1f} | {write_s:.2f} | "
-          f"{format_bytes(nbytes)} | {load_s:.2f} | {same} |")
+    print("| tokens | kv | values | prefill s | write s | file | bytes | load s | next logits equal |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {len(ids)} | {a.kv} {a.kv_budget if a.kv == 'hca' else ''} | {a.kv_values if a.kv == 'hca' else '-'} | "
+          f"{prefill_s:.1f} | {write_s:.2f} | {format_bytes(nbytes)} | {nbytes} | {load_s:.2f} | {same} |")
     return 0 if same else 1
 
 

@@ -99,6 +99,8 @@ def main(argv=None):
     ap.add_argument("--key-store", default="codebook", choices=["codebook", "exact"])
     ap.add_argument("--centroids", type=int, default=None)
     ap.add_argument("--rescore", action="store_true", help="HCA: exact weights from host keys (--rescore)")
+    ap.add_argument("--kv-values", default="float", help="HCA: the store's value types, comma-separated "
+                    "(float,q8,q4): each budget run with each")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -141,7 +143,7 @@ def main(argv=None):
                 centroids=a.centroids, threads=a.threads, seed=a.seed, far_positions=a.far_positions,
                 max_select=a.max_select, length_scale=a.length_scale, rescore=a.rescore,
                 passkey_haystack=a.passkey_haystack,
-                passkey_copies=a.passkey_copies,
+                passkey_copies=a.passkey_copies, kv_values=[v.strip() for v in a.kv_values.split(",") if v.strip()],
                 log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True))
             r["data"] = source
             print(f"eval_quality: section {sec} took {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)

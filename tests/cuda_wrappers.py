@@ -383,14 +383,15 @@ def store_rows(src, dst, row):
     return dst
 
 
-def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, group, cap=None, nsplit=None):
+def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, group, cap=None, nsplit=None, head_dim=None):
     """idx int32 [Hq, >= c] and z f32 [Hq, >= n] (rows contiguous), counts int32 [Hq], m f32
     [Hq] (>= every z[h, :n]), V [Hkv, tokens, d] f32 / f16 / bf16 with contiguous rows -- on a GPU
     page-locked host memory (the value pool), under the emulator a CPU tensor --, q_to_kv [Hq]
     h // (Hq / Hkv) (checked, then unread), group = (cut int32 [Hq], z_range, n_bins) of the
     threshold selection that made idx (a cut of n_bins: each head's list alone)
     -> (os [nsplit, Hq, d], ms, ls [nsplit, Hq]) f32: partials whose merge is each head's weighted
-    sum over its first min(counts, cap) entries; nsplit defaults to gather_splits of the widest list."""
+    sum over its first min(counts, cap) entries; nsplit defaults to gather_splits of the widest list.
+    V uint8 [Hkv, tokens, width]: quantized rows (minirun/kv/value_codes.py) of head_dim channels."""
     torch = _torch()
     be = _backend()
     _check(be, idx, "idx", 2)
@@ -409,8 +410,12 @@ def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, group, cap=None, nsplit=N
         raise ValueError("z must be float32 [Hq, >= n] with contiguous rows, n >= 1")
     if counts.dtype != torch.int32 or tuple(counts.shape) != (Hq,) or m.dtype != torch.float32 or m.shape[0] != Hq:
         raise ValueError("counts must be int32 [Hq], m float32 [Hq]")
-    if (V.dim() != 3 or str(V.dtype) not in _KV_SUFFIX or V.stride(-1) != 1 or V.shape[2] % 2
-            or not 2 <= V.shape[2] <= _GATHER_THREADS or V.stride(0) % 2 or V.stride(1) % 2
+    quantized = V.dtype == torch.uint8
+    d = head_dim if quantized else V.shape[2]
+    if quantized and (d is None or d % 32 or V.shape[2] not in (d + d // 16, d // 2 + d // 8)):
+        raise ValueError("quantized V needs head_dim (a multiple of 32) and rows of q8 or q4 width")
+    if (V.dim() != 3 or (str(V.dtype) not in _KV_SUFFIX and not quantized) or V.stride(-1) != 1 or d % 2
+            or not 2 <= d <= _GATHER_THREADS or V.stride(0) % 2 or V.stride(1) % 2
             or V.data_ptr() % (2 * V.element_size())):   # (the kernel loads two elements at a time)
         raise ValueError(f"V must be [Hkv, tokens, d] f32 / f16 / bf16, d even and <= {_GATHER_THREADS}, with "
                          "contiguous rows aligned to two elements")
@@ -426,10 +431,10 @@ def gather_value_sum(idx, z, counts, m, V, q_to_kv, n, group, cap=None, nsplit=N
         raise ValueError("the gather reads kv head h // g for query head h: q_to_kv must be that")
     if nsplit is None:
         nsplit = gather_splits(min(idx.shape[1], cap), Hq, g, be.device_info(dev)[0])
-    os = be.empty((nsplit, Hq, V.shape[2]), torch.float32, dev)
+    os = be.empty((nsplit, Hq, d), torch.float32, dev)
     ms = be.empty((nsplit, Hq), torch.float32, dev)
     ls = be.empty((nsplit, Hq), torch.float32, dev)
     with be.session(dev) as L:
         _launch_gather_grouped(L, idx, z, counts.contiguous(), cap, n, m.contiguous(), cut.contiguous(), z_range,
-                               n_bins, g, V, nsplit, os, ms, ls)
+                               n_bins, g, V, nsplit, os, ms, ls, d)
     return os, ms, ls

@@ -125,15 +125,20 @@ def _gpu_hca_engines(tiny_model_dir, monkeypatch, kw, ctx=128):
     factor is > 1 and G > 1 here."""
     import cuda_emu
     short = kw.get("length_scale") == "on" or kw.get("far_positions") == "grouped"   # (grouped: G = 6)
-    d = tiny_model_dir("gqa-untied", **({"max_position_embeddings": 32} if short else {}))
+    over = {"max_position_embeddings": 32} if short else {}
+    if kw.get("kv_values", "float") != "float":
+        over["hidden_size"] = 128                                    # (quantized values: head dim 32)
+    d = tiny_model_dir("gqa-untied", **over)
     with cuda_emu.hca_cuda_caches():
         return [Engine.load(d, device="cpu", ctx=ctx, **kw) for _ in range(2)]
 
 
 @emu_only
 @pytest.mark.parametrize("kw", [{}, {"far_positions": "on"}, {"max_select": 6}, {"tau": 1.0},
-                                {"far_positions": "on", "length_scale": "on"}, {"far_positions": "grouped"}],
-                         ids=["tau0.9", "far", "capped", "tau1", "far-length-scaled", "far-grouped"])
+                                {"far_positions": "on", "length_scale": "on"}, {"far_positions": "grouped"},
+                                {"kv_values": "q4"}, {"kv_values": "q8", "far_positions": "on"}],
+                         ids=["tau0.9", "far", "capped", "tau1", "far-length-scaled", "far-grouped", "q4-values",
+                              "q8-values-far"])
 def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, kw):
     """The capturable HCA token (kv/hca_graph.py, run eagerly, kernels on the emulator): the store
     length from device memory with grids for buckets of 16, the eviction on the device (encode,
@@ -165,7 +170,8 @@ def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, 
         n, n0 = c.n_store, len(prompt) - 4 - 8
         assert torch.equal(c.indices.data[:, :, :n0], r.indices.data[:, :, :n0])
         assert (c.indices.data[:, :, :n] == r.indices.data[:, :, :n]).float().mean() >= 0.95
-        for a, b in ((c.values.data[:, :, :n], r.values.data[:, :, :n]), (c.ek, r.ek), (c.ev, r.ev)):
+        dec = c.value_codes.decode                      # (quantized values: the rows as the sums read them)
+        for a, b in ((dec(c.values.data[:, :, :n]), dec(r.values.data[:, :, :n])), (c.ek, r.ek), (c.ev, r.ev)):
             assert (a - b).abs().max().item() <= 1e-5
         assert (la - lb).abs().max().item() <= 1e-4
         # a rewind inside the ring (4 tokens): it is short for 4 steps, which the graph's step runs too
@@ -185,7 +191,7 @@ def test_eager_whole_hca_token_matches_engine_step(tiny_model_dir, monkeypatch, 
         assert gd.eager_steps == 0 and eng.cache.n_store == ref.cache.n_store
         assert (la3 - lb3).abs().max().item() <= 1e-4
         m = eng.cache.n_store
-        for a, b in ((c.values.data[:, :, :m], r.values.data[:, :, :m]), (c.ek, r.ek), (c.ev, r.ev)):
+        for a, b in ((dec(c.values.data[:, :, :m]), dec(r.values.data[:, :, :m])), (c.ek, r.ek), (c.ev, r.ev)):
             assert (a - b).abs().max().item() <= 1e-5
 
 

@@ -122,15 +122,20 @@ def test_kv_stats_equal_allocated_arrays(tiny_model_dir):
     assert s["total_bytes"] == sum(v for k, v in s.items() if k.endswith("_bytes") and k != "total_bytes")
 
 
-def test_planner_matches_kv_stats_at_full_context(tiny_model_dir):
-    d = tiny_model_dir("gqa-untied")
+@pytest.mark.parametrize("kv_values", ["float", "q8", "q4"])
+def test_planner_matches_kv_stats_at_full_context(tiny_model_dir, kv_values):
+    # (quantized values: a head dim of 32, one group of channels)
+    d = tiny_model_dir("gqa-untied", **({} if kv_values == "float" else {"hidden_size": 128}))
     ctx = 600
-    eng = Engine.load(d, device="cpu", ctx=ctx, kv="hca", kv_budget=0.125, centroids=300, window=32, sinks=4)
+    eng = Engine.load(d, device="cpu", ctx=ctx, kv="hca", kv_budget=0.125, centroids=300, window=32, sinks=4,
+                      kv_values=kv_values)
     eng.prefill(random_ids(ctx))
     s = eng.kv_stats()
     p = plan(eng.args, eng.config).tiers
     assert p["key store"][0] == s["device_keys_bytes"]
     assert p["value pool"][0] == s["host_values_bytes"]
+    per_token = {"float": 16 * 4, "q8": 32 + 2, "q4": 16 + 4}[kv_values]   # bytes per token and kv head
+    assert s["host_values_bytes"] == 2 * 2 * (ctx - 36) * per_token      # L = 2, Hkv = 2
     assert p["sinks+ring K+V"][0] == s["device_ring_sinks_bytes"]
     assert p["codebooks"][0] == s["codebook_bytes"]
     assert p["scratch"][0] == s["scratch_bytes"]

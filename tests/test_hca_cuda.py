@@ -308,14 +308,15 @@ def test_key_store_allocated_once_at_capacity(tiny_model_dir, gpu_engine):
     assert ekx.shape[2] == 4 + 16 + 1
 
 
-@pytest.mark.parametrize("kw", [dict(kv_budget=0.125, centroids=32, rescore=True), dict(kv_budget=0.5)],
-                         ids=["codebooks-rescore", "exact-keys"])
+@pytest.mark.parametrize("kw", [dict(kv_budget=0.125, centroids=32, rescore=True), dict(kv_budget=0.5),
+                                dict(groups=4, centroids=16, kv_values="q4"), dict(kv_budget=0.5, kv_values="q8")],
+                         ids=["codebooks-rescore", "exact-keys", "pairs-q4-values", "exact-keys-q8-values"])
 def test_caches_allocate_the_declared_tiers(tiny_model_dir, gpu_engine, kw):
     """Both backends take every buffer's bound, width and dtype from the one declaration that `minirun
     plan` counts (kv/hca_layout.hca_tiers, prefill_buffers): the store's buffers, the scratch, the
     exact tier (the GPU's spare row included) and the rewind points' copies."""
     load, ctx = gpu_engine
-    d = tiny_model_dir("gqa-untied")
+    d = tiny_model_dir("gqa-untied", **({"hidden_size": 128} if "kv_values" in kw else {}))   # (head dim 32)
     kw = dict(ctx=300, kv="hca", window=16, sinks=4, **kw)
     for eng, run in ((Engine.load(d, device="cpu", **kw), contextlib.nullcontext), (load(d, **kw), ctx)):
         c = eng.cache

@@ -38,6 +38,7 @@ from .hca_layout import Buffer, hca_tiers, prefill_buffers, resolve_layout
 from .hca_state import SavedState
 from .ring_checkpoint import RewindPoints
 from .store import GrowingBuffer
+from .value_codes import value_codes
 
 
 class HCABase(SavedState, KVCache):
@@ -63,7 +64,9 @@ class HCABase(SavedState, KVCache):
         self.far = FarFrame(args, dist, group, window) if far else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         # every buffer's shape and dtype, as `minirun plan` counts them (kv/hca_layout.hca_tiers)
-        self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, config.rescore, device.type)
+        self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, config.rescore, device.type,
+                               config.kv_values)
+        self.value_codes = value_codes(config.kv_values, hd, dtype)   # how the pool holds a value row
         self.prefill_specs = prefill_buffers(args, capacity, sinks, window, config.anchor_tokens, dtype, self.backend)
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
         self.ek, self.ev = self._make_exact_tier(self.tiers["sinks+ring K+V"].buffers["ek"])
@@ -206,7 +209,8 @@ class HCABase(SavedState, KVCache):
         """The store's first n values [Hkv, n, hd] on the compute device (exact / anchor prefill): the
         host pool, or where there are device copies the exact prefill's or the anchor block's."""
         if self.prefill_values is None:
-            return self.values.view(layer, n)
+            rows = self.values.view(layer, n)
+            return self.value_codes.decode(rows) if self.value_codes.quantized else rows
         return self.prefill_values.view(layer, n) if self.mode == "exact" else self.anchor_v[layer, :, :n]
 
     def _attend_exact_tier(self, layer, qs, k, v, qf):
@@ -328,7 +332,7 @@ class HCABase(SavedState, KVCache):
             self.host_keys.write_all(j0, K)
         for buf in self.scratch:
             buf.reserve(j0 + m)
-        self.values.write_all(j0, V)
+        self.values.write_all(j0, self.value_codes.encode(V))
         if self.mode == "exact" and self.prefill_values is not None:
             self.prefill_values.reserve(j0 + m)
             self.prefill_values.write_all(j0, V)

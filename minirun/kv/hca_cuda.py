@@ -337,12 +337,12 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         hn = host.numpy()
         idx_h = hn[Hq:Hq + Hq * w].reshape(Hq, w)
         zs_h = hn[Hq + Hq * w:].view(np.float32).reshape(Hq, w)          # zs_h[h, t]: score of idx_h[h, t]
-        V = self.values.data[layer].numpy()                       # [Hkv, cap, hd], pinned
+        V = self.values.data[layer].numpy()                       # [Hkv, cap, width], pinned
         if self.host_keys is not None:   # rescore: the selected tokens' exact scores replace the codebooks'
             self.host_keys.wait()
             kc.selected_scores(self._q_host.numpy(), self.host_keys.data[layer].numpy(), idx_h, cnt, self.q_to_kv,
                                zs_h, compact=True)
-        o, m, l = kc.weighted_value_sum(zs_h, idx_h, cnt, V, self.q_to_kv, compact=True)
+        o, m, l = kc.weighted_value_sum(zs_h, idx_h, cnt, V, self.q_to_kv, compact=True, head_dim=self.hd)
         # (the previous H2D from the stage is done: it was queued before the copy-back just waited for)
         st = self._stage_np
         st[:, :self.hd], st[:, self.hd], st[:, self.hd + 1] = o, m, l

@@ -125,11 +125,14 @@ class CapturedSteps:
         if self.far is not None:
             K = rotate(K, self.far.key_turn(st[3:4]), self._far_inv64)
         self.indices.data.index_copy_(2, row, self._encode(K))
-        L, Hkv, cap, hd = self.values.data.shape
+        L, Hkv, cap, width = self.values.data.shape
+        rows = self.value_codes.encode(V.reshape(L * Hkv, self.hd)).contiguous()   # [L Hkv, width] (codes: on the device)
+        dst = self.values.data.view(L * Hkv, cap, width)
+        if self.value_codes.quantized:   # (code rows as 16-bit elements: store_rows copies raw b16 / b32)
+            rows, dst = rows.view(torch.int16), dst.view(torch.int16)
         ds = self._decode_kernels()
         with ds.session() as launcher:
-            ds.store_rows(launcher, V.reshape(L * Hkv, hd).to(self.values.dtype).contiguous(),
-                          self.values.data.view(L * Hkv, cap, hd), self._n_live)   # (n_live: the row)
+            ds.store_rows(launcher, rows, dst, self._n_live)   # (n_live: the row)
         # (clones: the spare rows share the tiers' storage, which index_copy_ refuses as a source)
         self.ek.index_copy_(2, slot, self._ekx[:, :, S + W:S + W + 1].clone())
         self.ev.index_copy_(2, slot, self._evx[:, :, S + W:S + W + 1].clone())

@@ -10,6 +10,7 @@ import torch
 
 from ..config import EngineConfig, ModelArgs
 from ..errors import MiniRunError
+from .value_codes import value_codes
 
 DEFAULT_CENTROIDS = 1024
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -102,7 +103,8 @@ class Tier:
 
 
 def values_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The host value pool: float32 for float32 runs, float16 otherwise."""
+    """The host value pool of float values (kv_values "float") and rescore's host keys: float32 for
+    float32 runs, float16 otherwise."""
     return torch.float32 if dtype == torch.float32 else torch.float16
 
 
@@ -115,15 +117,17 @@ def exact_tier_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
 
 
 def hca_tiers(args: ModelArgs, lay: HCALayout, capacity: int, sinks: int, window: int, dtype: torch.dtype,
-              backend: str, rescore: bool = False, device_type: str | None = None) -> dict:
+              backend: str, rescore: bool = False, device_type: str | None = None, kv_values: str = "float") -> dict:
     """name -> Tier of an HCA cache holding `capacity` tokens with `backend`'s kernels ("cpu": Numba,
     "cuda") on a device of device_type (default: the backend's): what the caches allocate (HCABase
     and its backends take their buffers' shapes and dtypes from here) and what `minirun plan`
-    counts (hca_tier_bytes). Buffers of prefill only: prefill_buffers."""
+    counts (hca_tier_bytes). kv_values: the value pool's rows (kv/value_codes.py). Buffers of
+    prefill only: prefill_buffers."""
     L, Hkv, Hq, hd = args.num_hidden_layers, args.num_key_value_heads, args.num_attention_heads, args.head_dim
     cpu, SW = backend == "cpu", sinks + window
     n = max(0, capacity - SW)
     et = exact_tier_dtype(dtype, device_type or backend)
+    codes = value_codes(kv_values, hd, dtype)
     index = torch.uint8 if lay.index_bytes == 1 else torch.int16
     # (on a GPU the exact tier has one spare row per layer and kv-head: the decode step's own token)
     ring = Buffer((L, Hkv), SW + (0 if cpu else 1), hd, et)
@@ -134,7 +138,7 @@ def hca_tiers(args: ModelArgs, lay: HCALayout, capacity: int, sinks: int, window
         "sinks+ring copies": Tier("device", {f"{c}.{t}": copy for c in ("prompt", "shared") for t in ("ek", "ev")}),
         "key store": Tier("device", {"exact_keys": Buffer((L, Hkv), n, hd, EXACT_KEY_DTYPE)} if lay.exact_keys else
                           {"indices": Buffer((L, Hkv), n, lay.groups, index)}),
-        "value pool": Tier("host", {"values": Buffer((L, Hkv), n, hd, values_dtype(dtype))}),
+        "value pool": Tier("host", {"values": Buffer((L, Hkv), n, codes.width, codes.dtype)}),
     }
     if rescore and not lay.exact_keys:   # the store's keys beside the values, in the same type
         tiers["host keys"] = Tier("host", {"host_keys": Buffer((L, Hkv), n, hd, values_dtype(dtype))})
@@ -187,7 +191,7 @@ def codebook_bytes(args: ModelArgs, lay: HCALayout, cpu: bool) -> int:
 def hca_tier_bytes(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dict:
     """name -> (bytes, "device" | "host") for an HCA cache holding `ctx` tokens (hca_tiers')."""
     tiers = hca_tiers(args, resolve_layout(args, cfg), ctx, cfg.sinks, cfg.window, getattr(torch, cfg.dtype),
-                      "cpu" if on_cpu(cfg) else "cuda", cfg.rescore)
+                      "cpu" if on_cpu(cfg) else "cuda", cfg.rescore, kv_values=cfg.kv_values)
     return {name: (t.nbytes, t.where) for name, t in tiers.items()}
 
 

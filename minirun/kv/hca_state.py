@@ -23,7 +23,9 @@ class SavedState:
                 "far": None if far is None else [far.distance, far.group],
                 # (rescore: only where there are host keys, so that the files of a cache without them
                 # keep their signature)
-                **({"host_keys": True} if self.host_keys is not None else {})}
+                **({"host_keys": True} if self.host_keys is not None else {}),
+                # (quantized values only: files of float values keep their signature)
+                **({"values": self.value_codes.kind} if self.value_codes.quantized else {})}
 
     def state_dict(self) -> tuple[dict, list]:
         if self.anchor_k is not None or self.mode != "hca":
