@@ -186,8 +186,9 @@ def save(eng, path) -> int:
             f.write(f"crc32:{data.crc:08x}".encode())
             f.flush()
             os.fsync(f.fileno())
+        inspect_file(target)    # again: a large cache takes minutes to write; a document saved there meanwhile stays
         os.replace(tmp, target)
-    except BaseException:   # (a full disk, Ctrl-C: no half-written file, at either name)
+    except BaseException:   # (a full disk, Ctrl-C, NotAPromptCache: no half-written file, at either name)
         tmp.unlink(missing_ok=True)
         raise
     _sync_dir(target.parent)

@@ -222,3 +222,21 @@ def test_chat_replaces_another_documents_cache_with_a_notice(tiny_model_dir, tmp
     err = chat(two)
     assert f", replacing {held_one}]" in err and f.read_bytes() != before
     assert [ln for ln in err.splitlines() if "replacing" in ln] == [ln for ln in err.splitlines() if "written to" in ln]
+
+
+def test_a_document_saved_at_the_path_while_the_cache_is_written_is_kept(tiny_model_dir, tmp_path, monkeypatch):
+    """The path is checked again just before the rename: a file put there while the data was being
+    written (minutes for a large cache) is left byte-identical, and no temporary file stays."""
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=512)
+    eng.prefill(PROMPT)
+    f = tmp_path / "p.kv"
+    write = pc._write_tensor
+
+    def meanwhile(fh, t):
+        if not f.exists():
+            f.write_text(NOTES)
+        write(fh, t)
+    monkeypatch.setattr(pc, "_write_tensor", meanwhile)
+    with pytest.raises(pc.NotAPromptCache):
+        eng.save_prompt_cache(f)
+    assert f.read_text() == NOTES and _listing(tmp_path) == ["p.kv"]
