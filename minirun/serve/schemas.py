@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class ApiError(Exception):
@@ -30,7 +30,7 @@ class ApiError(Exception):
 
 MAX_INT = 2**31 - 1       # token counts and top_k: more than any context or vocabulary
 MAX_SEED = 2**63 - 1      # OpenAI's seed is a signed 64-bit integer; torch's generator takes it as is
-MAX_MESSAGES = 10_000     # validating one takes ~20 us, holding the GIL: 200,000 of them stalled the server 5 s
+MAX_MESSAGES = 10_000     # (and content parts of one message) validating one takes ~20 us, holding the GIL: 200,000 of them stalled the server 5 s
 TOP_P_MIN = 1e-6          # below it nucleus sampling keeps the most likely token alone: temperature 0 says so
 
 
@@ -100,6 +100,13 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[dict], None] = None     # a string, or content parts: text ones only
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _few_parts(cls, v):
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:   # (before each part is validated)
+            raise ValueError(f"at most {MAX_MESSAGES} content parts, got {len(v)}")
+        return v
 
     def check(self, where: str) -> None:
         for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
