@@ -110,9 +110,12 @@ class Message(BaseModel):
 
     def check(self, where: str) -> None:
         for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise ApiError(400, f"{where}.content[{j}]: only text parts are supported (got type "
                                f"{part.get('type')!r})", f"{where}.content[{j}]", "unsupported_value")
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content[{j}].text: a text part holds its text as a string (got "
+                               f"{type(part.get('text')).__name__})", f"{where}.content[{j}].text")
 
     def text(self) -> str:
         if isinstance(self.content, list):
