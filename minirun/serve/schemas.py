@@ -4,9 +4,10 @@ Unknown fields are kept (extra="allow") so that `unsupported()` can name them in
 ignoring them: a client asking for tools or log-probabilities must learn that it did not get them.
 A few OpenAI fields are accepted at their neutral value only (n = 1, logprobs false, penalties 0).
 Types are strict (a JSON string is not an integer, 1 is not a boolean; an integer is a float) and
-every number has a range: the sampler's own ones, OpenAI's where it states one (penalties, n, seed
-as a signed 64-bit integer that is not negative), and a bound that keeps the sampler's float32
-arithmetic finite where neither does (temperature, top_p, repetition_penalty).
+every number has a range: the sampler's own ones, OpenAI's for penalties, n and seed (a signed
+64-bit integer that is not negative), and for temperature, top_p and repetition_penalty a bound that
+keeps the sampler's float32 arithmetic finite (temperature: wider than OpenAI's 0 to 2, as
+llama-server's).
 """
 from __future__ import annotations
 
