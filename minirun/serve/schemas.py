@@ -6,8 +6,7 @@ A few OpenAI fields are accepted at their neutral value only (n = 1, logprobs fa
 Types are strict (a JSON string is not an integer, 1 is not a boolean; an integer is a float) and
 every number has a range: the sampler's own ones, OpenAI's for penalties, n and seed (a signed
 64-bit integer that is not negative), and for temperature, top_p and repetition_penalty a bound that
-keeps the sampler's float32 arithmetic finite (temperature: wider than OpenAI's 0 to 2, as
-llama-server's).
+keeps the sampler's float32 arithmetic finite (temperature: wider than OpenAI's 0 to 2).
 """
 from __future__ import annotations
 
