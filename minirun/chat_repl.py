@@ -250,11 +250,14 @@ def write_prompt_cache(eng, path: Path) -> None:
     """Save the cache to path, in one line saying what the file held when it held another cache."""
     from . import prompt_cache as pc
     t0 = time.perf_counter()
-    held = pc.inspect_file(path)
     try:
+        held = pc.inspect_file(path)
         nbytes = eng.save_prompt_cache(path)
     except OSError as e:   # (a full disk, no permission: the answer goes on without the file)
         click.echo(f"[prompt cache {path} not written: {e.strerror or e}]", err=True)
+        return
+    except MiniRunError as e:   # (something else put at the path since the start: left as it is)
+        click.echo(f"[prompt cache not written: {e}]", err=True)
         return
     replaced = f", replacing {pc.summary(held)}" if held else ""
     click.echo(f"[prompt cache: {format_bytes(nbytes)} written to {path} in {time.perf_counter() - t0:.1f}s"

@@ -10,8 +10,8 @@ Format: a safetensors file (one tensor per name, little-endian, readable by any 
 written by streaming the cache's own buffers (no second copy of a 45 GB value pool in memory) to a
 temporary file of its own beside FILE (created exclusively, never through a symlink), synced and
 renamed over FILE when complete: never a half-written file, and FILE keeps its mode. FILE is written
-only where nothing is or a prompt cache is (inspect_file(): a document named by mistake is refused,
-not replaced). Its metadata (`minirun`: JSON, first in the header) holds the format version, the
+only where nothing is or a prompt cache is (inspect_file(), before the write and again before the
+rename: a document named by mistake is refused, not replaced). Its metadata (`minirun`: JSON, first in the header) holds the format version, the
 model's fingerprint (config.json, and each weight file's size and first MiB), the engine settings
 that shape the state, the cache signature, the counters and the token ids, and a CRC-32 of the data
 that follows the header (`checksum`: computed while the data is written, checked when a file is
@@ -186,8 +186,9 @@ def save(eng, path) -> int:
             f.write(f"crc32:{data.crc:08x}".encode())
             f.flush()
             os.fsync(f.fileno())
+        inspect_file(target)    # again: a large cache takes minutes to write; a document saved there meanwhile stays
         os.replace(tmp, target)
-    except BaseException:   # (a full disk, Ctrl-C: no half-written file, at either name)
+    except BaseException:   # (a full disk, Ctrl-C, NotAPromptCache: no half-written file, at either name)
         tmp.unlink(missing_ok=True)
         raise
     _sync_dir(target.parent)

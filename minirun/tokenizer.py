@@ -41,7 +41,8 @@ class Tokenizer:
                 self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
             except Exception as e:  # the library raises a bare Exception on bad JSON
                 raise CheckpointError(f"tokenizer.json in {model_dir} cannot be read ({str(e).splitlines()[0]})") from None
-            self._tok.no_padding()   # (a file that sets padding would add pad ids to every prompt)
+            self._tok.no_padding()      # (a file that sets them for training would add pad ids to every
+            self._tok.no_truncation()   # prompt, or cut it short without a word)
             self._sp = None
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         elif (model_dir / "tokenizer.model").is_file():

@@ -173,6 +173,8 @@ def test_markdown_escapes_html_and_renders_the_rules(served, browser):
     assert render('[a](http://x.org/?q="><b>)').startswith('<p><a href="http://x.org/?q=&quot;&gt;&lt;b&gt;" ')
     assert render("[site](https://example.org/a?b=1&c=2)") == \
         '<p><a href="https://example.org/a?b=1&amp;c=2" target="_blank" rel="noopener noreferrer">site</a></p>'
+    assert render("[`x<y`](https://example.org)") == \
+        '<p><a href="https://example.org" target="_blank" rel="noopener noreferrer"><code>x&lt;y</code></a></p>'
     assert render("**bold** and *it* and `x<y`") == \
         "<p><strong>bold</strong> and <em>it</em> and <code>x&lt;y</code></p>"
     assert render("```py\nif a < b:\n    **no**\n```\nafter") == \

@@ -76,3 +76,18 @@ def test_sentencepiece_tokenizer_and_jinja_template_file(tmp_path):
     assert tok.eos_ids == (2,)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "[user] hi\n[assistant] "
+
+
+def test_a_tokenizer_json_that_pads_or_truncates_leaves_prompts_whole(tiny_model_dir, tmp_path):
+    """tokenizer.json may carry padding and truncation settings (for training batches): a prompt is
+    encoded whole and without pad ids all the same."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("gqa-untied"), d)
+    text = "a document of some words " * 5
+    want = Tokenizer(d).encode(text, add_bos=False)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": len(want) + 50}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    assert len(want) > 4 and Tokenizer(d).encode(text, add_bos=False) == want

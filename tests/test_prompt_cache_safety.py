@@ -222,3 +222,43 @@ def test_chat_replaces_another_documents_cache_with_a_notice(tiny_model_dir, tmp
     err = chat(two)
     assert f", replacing {held_one}]" in err and f.read_bytes() != before
     assert [ln for ln in err.splitlines() if "replacing" in ln] == [ln for ln in err.splitlines() if "written to" in ln]
+
+
+def test_a_document_saved_at_the_path_while_the_cache_is_written_is_kept(tiny_model_dir, tmp_path, monkeypatch):
+    """The path is checked again just before the rename: a file put there while the data was being
+    written (minutes for a large cache) is left byte-identical, and no temporary file stays."""
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=512)
+    eng.prefill(PROMPT)
+    f = tmp_path / "p.kv"
+    write = pc._write_tensor
+
+    def meanwhile(fh, t):
+        if not f.exists():
+            f.write_text(NOTES)
+        write(fh, t)
+    monkeypatch.setattr(pc, "_write_tensor", meanwhile)
+    with pytest.raises(pc.NotAPromptCache):
+        eng.save_prompt_cache(f)
+    assert f.read_text() == NOTES and _listing(tmp_path) == ["p.kv"]
+
+
+def test_a_document_put_at_the_path_during_the_prefill_is_kept_and_the_chat_goes_on(tiny_model_dir, tmp_path,
+                                                                                     capsys, monkeypatch):
+    """chat --file: the path was free when checked, a document is there when the prefill ends: one
+    line saying the cache was not written, the document byte-identical, and the question answered."""
+    d = tiny_model_dir("gqa-untied")
+    doc, f = tmp_path / "doc.txt", tmp_path / "doc.kv"
+    doc.write_text("tokens of a document. " * 20)
+    prefill = Engine.prefill
+
+    def then_a_document(self, *a, **kw):
+        out = prefill(self, *a, **kw)
+        if not f.exists():
+            f.write_text(NOTES)
+        return out
+    monkeypatch.setattr(Engine, "prefill", then_a_document)
+    code, _, err = run_cli(["chat", str(d), "--file", str(doc), "-n", "4", *TINY, "--prompt-cache", str(f)],
+                           capsys, monkeypatch, stdin="hello\n")
+    assert code == 0 and "Traceback" not in err, err
+    assert f"[prompt cache not written: {f} is a file but not a minirun prompt cache" in err
+    assert "answer 4 tok" in err and f.read_text() == NOTES

@@ -126,6 +126,13 @@ ROWS = [
     ("best_of 0", COMPLETIONS, encoded({"prompt": "a", "best_of": 0}), [JSON, *AUTH], 400, "best_of"),
     ("messages 10001", CHAT, encoded({"messages": [{"role": "user"}] * 10_001}), [JSON, *AUTH], 400,
      "messages: List should have at most 10000 items"),
+    ("content parts 10001", CHAT, json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]
+                                                            * 10_001}]}, separators=(",", ":")).encode(),
+     [JSON, *AUTH], 400, "messages[0].content: Value error, at most 10000 content parts, got 10001"),
+    ("text part without its text", CHAT, encoded({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+     [JSON, *AUTH], 400, "messages[0].content[0].text: a text part holds its text as a string (got NoneType)"),
+    ("image part", CHAT, encoded({"messages": [{"role": "user", "content": [{"type": "image_url", "text": "a"}]}]}),
+     [JSON, *AUTH], 400, "only text parts are supported (got type 'image_url')"),
     ("a prompt no context holds", COMPLETIONS, encoded({"prompt": "a" * 200_000}), [JSON, *AUTH], 400,
      "the prompt is 200000 characters, more than the context of 2048 tokens"),
     ("a conversation no context holds", CHAT, encoded({"messages": [{"role": "user", "content": "b" * 100_000}] * 2}),

@@ -255,18 +255,8 @@ class ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
-def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
-    """The API over `worker` (started by the caller); model_name: the id /v1/models reports; max_body:
-    the largest request body in bytes."""
-    eng = worker.engine
-    ctx = eng.config.ctx
-    started = int(time.time())
-    app = FastAPI(title="minirun", docs_url=None, redoc_url=None, openapi_url=None)
-    app.router.route_class = JsonErrorRoute
-    if api_key:
-        app.add_middleware(ApiKeyCheck, key=api_key)
-    eng.tokenizer.apply_chat_template([{"role": "user", "content": "."}])   # compile the template once, here
-
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error object: ours, Starlette's (404, 405) and any other exception."""
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
         return JSONResponse(e.body(), e.status, headers=e.headers)
@@ -280,7 +270,22 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
         err = error_of(e)
         return JSONResponse(err.body(), err.status)
 
+
+def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
+    """The API over `worker` (started by the caller); model_name: the id /v1/models reports; max_body:
+    the largest request body in bytes."""
+    eng = worker.engine
+    ctx = eng.config.ctx
+    started = int(time.time())
+    app = FastAPI(title="minirun", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = JsonErrorRoute
+    if api_key:
+        app.add_middleware(ApiKeyCheck, key=api_key)
+    eng.tokenizer.apply_chat_template([{"role": "user", "content": "."}])   # compile the template once, here
+
+    add_error_handlers(app)
     per_token = eng.tokenizer.longest_token_chars()
+
     def check_prompt(ids: list[int], param: str) -> None:
         if not ids:
             raise ApiError(400, "the prompt is empty", param)

@@ -4,15 +4,15 @@ Unknown fields are kept (extra="allow") so that `unsupported()` can name them in
 ignoring them: a client asking for tools or log-probabilities must learn that it did not get them.
 A few OpenAI fields are accepted at their neutral value only (n = 1, logprobs false, penalties 0).
 Types are strict (a JSON string is not an integer, 1 is not a boolean; an integer is a float) and
-every number has a range: the sampler's own ones, OpenAI's where it states one (penalties, n, seed
-as a signed 64-bit integer that is not negative), and a bound that keeps the sampler's float32
-arithmetic finite where neither does (temperature, top_p, repetition_penalty).
+every number has a range: the sampler's own ones, OpenAI's for penalties, n and seed (a signed
+64-bit integer that is not negative), and for temperature, top_p and repetition_penalty a bound that
+keeps the sampler's float32 arithmetic finite (temperature: wider than OpenAI's 0 to 2).
 """
 from __future__ import annotations
 
 from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class ApiError(Exception):
@@ -30,7 +30,7 @@ class ApiError(Exception):
 
 MAX_INT = 2**31 - 1       # token counts and top_k: more than any context or vocabulary
 MAX_SEED = 2**63 - 1      # OpenAI's seed is a signed 64-bit integer; torch's generator takes it as is
-MAX_MESSAGES = 10_000     # validating one takes ~20 us, holding the GIL: 200,000 of them stalled the server 5 s
+MAX_MESSAGES = 10_000     # (and content parts of one message) validating one takes ~20 us, holding the GIL: 200,000 of them stalled the server 5 s
 TOP_P_MIN = 1e-6          # below it nucleus sampling keeps the most likely token alone: temperature 0 says so
 
 
@@ -101,11 +101,21 @@ class Message(BaseModel):
     content: Union[str, list[dict], None] = None     # a string, or content parts: text ones only
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _few_parts(cls, v):
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:   # (before each part is validated)
+            raise ValueError(f"at most {MAX_MESSAGES} content parts, got {len(v)}")
+        return v
+
     def check(self, where: str) -> None:
         for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise ApiError(400, f"{where}.content[{j}]: only text parts are supported (got type "
                                f"{part.get('type')!r})", f"{where}.content[{j}]", "unsupported_value")
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content[{j}].text: a text part holds its text as a string (got "
+                               f"{type(part.get('text')).__name__})", f"{where}.content[{j}].text")
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -13,14 +13,15 @@ const minirunMarkdown = (() => {
   function inline(escaped) {
     const held = [];
     const hold = (html) => "\u0000" + (held.push(html) - 1) + "\u0000";
+    const restore = (t) => t.replace(/\u0000(\d+)\u0000/g, (_, i) => held[Number(i)]);
     let s = escaped.replace(/`([^`]+)`/g, (_, code) => hold("<code>" + code + "</code>"));
-    s = s.replace(/\[([^\]]+)\]\((https?:\/\/[^\s()]+)\)/g, (_, text, href) =>
-      hold('<a href="' + href + '" target="_blank" rel="noopener noreferrer">' + text + "</a>"));
+    s = s.replace(/\[([^\]]+)\]\((https?:\/\/[^\s()]+)\)/g, (_, text, href) =>   // (its text may hold code)
+      hold('<a href="' + href + '" target="_blank" rel="noopener noreferrer">' + restore(text) + "</a>"));
     s = s.replace(/\*\*(?=\S)(.*?\S)\*\*/g, "<strong>$1</strong>");
     s = s.replace(/(^|[^\w])__(?=\S)(.*?\S)__(?!\w)/g, "$1<strong>$2</strong>");
     s = s.replace(/(^|[^*\w])\*(?=[^\s*])(.*?[^\s*])\*(?![*\w])/g, "$1<em>$2</em>");
     s = s.replace(/(^|[^_\w])_(?=[^\s_])(.*?[^\s_])_(?![_\w])/g, "$1<em>$2</em>");
-    return s.replace(/\u0000(\d+)\u0000/g, (_, i) => held[Number(i)]);
+    return restore(s);
   }
 
   const line = (text) => inline(escapeHtml(text));
