@@ -55,6 +55,8 @@ ADVANCED = {
                      "at compressed distances (grouped); auto: on when --ctx passes the trained context",
     "far_distance": "that one distance, in tokens (default: the window, at most a quarter of the trained context)",
     "length_scale": "auto | on | off: attention logits x log(n) / log(trained context) past it",
+    "head_budgets": "auto | off: with far positions on, each head's own cap on the old tokens it reads, where "
+                    "minirun calibrate --unrotated measured them",
     "value_sum": "auto | gpu | host: on a GPU, where the selected values are summed (gpu: a kernel reads the "
                  "mapped host pool; auto: gpu unless rescore)",
     "cuda_graphs": "true | false: on a GPU, each decode token replayed from a CUDA graph where the cache allows",
