@@ -119,4 +119,4 @@ def test_cli_max_select(tiny_model_dir, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["generate", d, "-p", "hi", *hca, "--max-select", "0"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "'--max-select': 0 is not in the range x>=1" in err[0]
+    assert e.value.code == 2 and len(err) == 1 and "'--max-select': 0 is not in the range 1<=x<=" in err[0]
