@@ -34,7 +34,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attention.cu": (*(f"attend_partial_{t}" for t in _KV), *(f"attend_gqa_{t}_g{g}" for t in _KV for g in (4, 8))),
     "decode.cu": (*(f"decode_prep_{t}" for t in _KV), "pack_selection_i32",
                   *(f"lse_merge_staged_{t}" for t in _F32_BF16), "store_rows_b16", "store_rows_b32"),
-    "gather.cu": tuple(f"gather_value_sum_grouped_{t}_g{g}" for t in _KV for g in (3, 4, 8)),
+    "gather.cu": tuple(f"gather_value_sum_grouped_{t}_g{g}" for t in (*_KV, "q8", "q4") for g in (3, 4, 8)),
     "layer.cu": tuple(f"{k}_{t}" for k in ("rms_norm", "add_rms_norm", "rope", "silu_mul", "rope_store") for t in _F32_BF16),
     "quant.cu": tuple(f"{k}_{f}" for k in ("qgemv", "qrows") for f in ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")),
 }
