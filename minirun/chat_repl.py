@@ -173,39 +173,46 @@ def run_chat(eng, system=None, file=None, kv_report=False, max_tokens=512, sampl
                     eng.rewind(len(prefix))
                     if eng.cache.offset < len(prefix) and prompt_cache:
                         prefill_document(eng, prefix, prompt_cache, write=not prompt_cache_ro)
-            text, interrupted, raised = "", False, False
-            try:
-                with stop_on_sigint() as stopped:
-                    for piece in eng.stream(ids, max_new_tokens=max_tokens, progress=_progress_bar("prompt"),
-                                            should_stop=stopped.is_set, **sampling):
-                        text += piece
-                        click.echo(piece, nl=False)
-                interrupted = eng.last_result.finish_reason == "cancelled"
-            except KeyboardInterrupt:          # a second Ctrl-C, or one in a step that never ends
-                interrupted = raised = True
-            full = not raised and eng.last_result.finish_reason == "ctx"
-            if interrupted:
-                click.echo(" [interrupted]", nl=False)
-                dropped = reader.drop_queued()     # (what was typed or pasted meanwhile: not sent)
-                if dropped:
-                    click.echo(f" [{dropped} queued line{'s' if dropped > 1 else ''} dropped]", nl=False)
-            elif full:
-                click.echo(" [context full]", nl=False)
-            click.echo()
-            if full:
-                click.echo(f"[the answer reached the end of the context ({eng.config.ctx} tokens, --ctx): the next "
-                           f"message leaves out the oldest turns; /reset starts over]", err=True)
+            text = stream_answer(eng, ids, max_tokens, sampling, reader)
             messages.append({"role": "assistant", "content": text})
-            r = getattr(eng, "last_result", None)
-            if r is not None and not raised:   # (a stopped answer too: its speed so far, as llama.cpp prints)
-                click.echo(f"[prompt {r.prompt_tokens} tok ({r.reused_tokens} cached), {r.prefill_tps:.1f} tok/s | "
-                           f"answer {len(r.tokens)} tok{' (stopped)' if interrupted else ''}, "
-                           f"{r.decode_tps:.1f} tok/s]", err=True)
             if kv_report:
                 click.echo(kv_report_line(eng), err=True)
         except MiniRunError as e:
             messages.pop()
             click.echo(f"error: {e}", err=True)
+
+
+def stream_answer(eng, ids: list[int], max_tokens: int, sampling: dict, reader) -> str:
+    """Stream the answer to the prompt `ids` to stdout (Ctrl-C stops it and drops the queued input
+    of `reader`), then its figures on stderr -> the answer's text."""
+    text, interrupted, raised = "", False, False
+    try:
+        with stop_on_sigint() as stopped:
+            for piece in eng.stream(ids, max_new_tokens=max_tokens, progress=_progress_bar("prompt"),
+                                    should_stop=stopped.is_set, **sampling):
+                text += piece
+                click.echo(piece, nl=False)
+        interrupted = eng.last_result.finish_reason == "cancelled"
+    except KeyboardInterrupt:          # a second Ctrl-C, or one in a step that never ends
+        interrupted = raised = True
+    full = not raised and eng.last_result.finish_reason == "ctx"
+    if interrupted:
+        click.echo(" [interrupted]", nl=False)
+        dropped = reader.drop_queued()     # (what was typed or pasted meanwhile: not sent)
+        if dropped:
+            click.echo(f" [{dropped} queued line{'s' if dropped > 1 else ''} dropped]", nl=False)
+    elif full:
+        click.echo(" [context full]", nl=False)
+    click.echo()
+    if full:
+        click.echo(f"[the answer reached the end of the context ({eng.config.ctx} tokens, --ctx): the next "
+                   f"message leaves out the oldest turns; /reset starts over]", err=True)
+    r = getattr(eng, "last_result", None)
+    if r is not None and not raised:   # (a stopped answer too: its speed so far, as llama.cpp prints)
+        click.echo(f"[prompt {r.prompt_tokens} tok ({r.reused_tokens} cached), {r.prefill_tps:.1f} tok/s | "
+                   f"answer {len(r.tokens)} tok{' (stopped)' if interrupted else ''}, "
+                   f"{r.decode_tps:.1f} tok/s]", err=True)
+    return text
 
 
 def check_prompt_cache(path: Path | None, read_only: bool) -> None:
