@@ -113,7 +113,7 @@ def test_sources_self_contained():
                                                                    "quant.py"))
     for names in _sources.KERNELS.values():
         for name in names:
-            stem = re.sub(r"(_(f32|f16|bf16|u8|i16|i32|i64|g\d))+$", "", name)   # (dtype, index type, group)
+            stem = re.sub(r"(_(f32|f16|bf16|u8|i16|i32|i64|q8|q4|g\d))+$", "", name)   # (dtype, index type, group)
             assert stem in ops_text, f"{name} is never launched"
 
 
