@@ -29,8 +29,13 @@ pull: $(MODEL)/config.json
 chat: pull
 	$(BIN)/minirun chat $(MODEL) $(ARGS)
 
+# the tests spread over the machine's cores (pytest-xdist); test-fast leaves out the slow tier
+# (whole-script rehearsals) and the Ray replicas
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n auto $(ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -n auto -m "not slow and not ray" $(ARGS)
 
 check-cuda:
 	bash scripts/check_cuda.sh

@@ -22,6 +22,7 @@ def run(cmd, **env):
     return subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @needs_gxx
 def test_bench_gpu_rehearsal(tmp_path):
     out = tmp_path / "out"

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -24,6 +26,7 @@ def test_document_holds_every_fact_once_at_its_depth(smollm2_dir):
     assert where == sorted(where) and where[0] < 0.25 and where[-1] > 0.75
 
 
+@pytest.mark.slow
 def test_rehearsal_4k(smollm2_dir, tmp_path, capsys):
     out = tmp_path / "longdoc.json"
     rc = bench_longdoc.main([str(smollm2_dir), "--tokens", "4K", "--kv", "dense,hca", "--facts", "2", "--decode", "8",
