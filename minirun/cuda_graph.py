@@ -36,10 +36,9 @@ WARMUPS = 2     # eager steps on a side stream before each capture (torch's reci
 
 
 def supports(cache) -> bool:
-    """Whether the cache's decode steps can be captured whole (GraphedDecode's protocol:
-    graph_capturable, graph_key, graph_prepare, attend_at, commit_at, graph_advance)."""
-    capturable = getattr(cache, "graph_capturable", None)
-    return callable(capturable) and capturable()
+    """Whether the cache's decode steps can be captured whole (the capture protocol of
+    kv/base.KVCache: graph_capturable, graph_key, graph_prepare, attend_at, commit_at, graph_advance)."""
+    return cache.graph_capturable()
 
 
 def _graph_capture(run, pool, device, undo=None):

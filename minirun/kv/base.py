@@ -31,6 +31,50 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.offset += n
 
+    # ---- the capture protocol (minirun/cuda_graph.GraphedDecode): a whole decode token in a graph ----
+    # A graph replays fixed launches, so what a step reads per token (its position, the store's
+    # length) comes from device memory, and grids are sized for a bucket of positions. Call order per
+    # token: graph_key -> graph_prepare -> the model's decode_at (attend_at per layer) -> commit_at ->
+    # graph_advance; graph_snapshot / graph_restore undo a capture's warm-up runs.
+    def graph_capturable(self) -> bool:
+        """Whether this cache's decode steps can be captured at all (fixed per cache)."""
+        return False
+
+    def graph_key(self, bucket: int):
+        """(key, n_keys) when the next step can run in a graph (key: what the graph bakes in, such as
+        buffer addresses; n_keys: the positions its grids cover, a multiple of bucket), else None."""
+        raise NotImplementedError
+
+    def graph_prepare(self) -> None:
+        """Before a replay: this token's per-step state into device memory."""
+        raise NotImplementedError
+
+    def rotates_at(self, n_heads: int, dtype: torch.dtype) -> bool:
+        """Whether attend_at takes q, k before RoPE (rope=) and turns them in its first launch."""
+        return False
+
+    def attend_at(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                  n_keys: int, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """attend for one token at the device position pos [1] int64: q [1, Hq, hd], k, v [1, Hkv, hd]
+        -> [1, Hq, hd], over the first n_keys slots (fixed per graph). rope: [hd] cos | sin of pos
+        where q, k are not turned yet (rotates_at)."""
+        raise NotImplementedError
+
+    def commit_at(self, pos: torch.Tensor) -> None:
+        """After all layers of a captured step: the device-side part of advance (eviction, slots)."""
+        raise NotImplementedError
+
+    def graph_advance(self) -> None:
+        """After a replay: the host's bookkeeping of advance(1)."""
+        raise NotImplementedError
+
+    def graph_snapshot(self):
+        """What a run of the step overwrites and a later run of the same step reads (None: nothing)."""
+        return None
+
+    def graph_restore(self, snap) -> None:
+        """Undo a warm-up run from graph_snapshot's value."""
+
     def truncate(self, n: int) -> bool:
         """Forget tokens from position n on; return False when this cache cannot (caller resets)."""
         return n == self.offset
