@@ -309,7 +309,8 @@ def check_fused_weights(layers, head, act_dtype) -> None:
     for w in layers:
         _check("attn_in", (w["wqkv"],), x, w["attn_norm"])
         _check("attn_out", (w["wo"], w["w_gate_up"], w["w_down"]), x, w["ffn_norm"])
-    _check("norm_gemv", (head["lm_head"],), x, head["norm"])
+    if head is not None:
+        _check("norm_gemv", (head["lm_head"],), x, head["norm"])
 
 
 def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None):

@@ -8,8 +8,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import kernels_cpu
-
 from . import hugepages
 from .config import ModelArgs
 from .errors import CheckpointError
@@ -116,7 +114,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     return linear(F.silu(gate) * up, w_down)
 
 
-# ---- a layer around its attention: torch for chunks, fused kernels for one CPU token -------------
+# ---- the fused one-token kernels' weights (runners.NumpyTokenRunner) ----------------------------------
 # A one-token step is 4 weight GEMVs per layer plus ~60 small ops whose dispatch costs a third of
 # the step on a 2-core CPU; kernels_cpu.decode does each half of the layer in one call instead.
 _FUSED_WEIGHTS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
@@ -171,104 +169,14 @@ CUDA_LAYER_KERNELS = True
 
 def prepare_cuda_decode(weights: dict, args: ModelArgs, device: torch.device, dtype: torch.dtype,
                         force: bool = False) -> bool:
-    """Mark the layers ("cuda") for the kernels_cuda.layer one-token path: a CUDA device with
-    kernels_cuda available, float32 or bfloat16, no biases (force: any device, for the emulator
-    tests). Returns whether it applies."""
+    """Whether the kernels_cuda.layer one-token path (runners.CudaTokenRunner) applies: a CUDA
+    device with kernels_cuda available, float32 or bfloat16, no biases (force: any device, for the
+    emulator tests)."""
     import kernels_cuda
     ok = dtype in (torch.float32, torch.bfloat16) and not args.attention_bias
-    ok = ok and (force or (device.type == "cuda" and CUDA_LAYER_KERNELS
-                           and kernels_cuda.available()))
-    if ok:
-        for lw in weights["layers"]:
-            lw.pop("np", None)          # (the CPU's fused path, when forced onto a CPU model)
-            lw["cuda"] = True
-    return ok
-
-
-class Residual:
-    """A GPU decode token's residual stream s + r, the MLP's output r not added yet: the next
-    rms_norm adds it in its own launch (layer.add_rms_norm), one launch less a layer. s, r [1, D]."""
-    __slots__ = ("s", "r")
-
-    def __init__(self, s: torch.Tensor, r: torch.Tensor | None = None):
-        self.s, self.r = s, r
-
-    @property
-    def shape(self):
-        return self.s.shape
-
-    def norm(self, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """rms_norm(s + r, w, eps); s becomes the sum."""
-        from kernels_cuda import layer as kl
-        if self.r is None:
-            return kl.rms_norm(self.s, w, eps)
-        self.s, h = kl.add_rms_norm(self.s, self.r, w, eps)
-        self.r = None
-        return h
-
-    def value(self) -> torch.Tensor:
-        return self.s if self.r is None else self.s + self.r
+    return ok and (force or (device.type == "cuda" and CUDA_LAYER_KERNELS and kernels_cuda.available()))
 
 
 def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """cos, sin [T, hd/2] -> [T, hd] = cos | sin (what kernels_cuda.layer.rope_ reads)."""
     return torch.cat([cos, sin], dim=-1)
-
-
-def attention_input(x: torch.Tensor, lw: dict, cos: torch.Tensor, sin: torch.Tensor, pos0: int, args: ModelArgs,
-                    cs: torch.Tensor | None = None, rotate: bool = True):
-    """x [T, D] at positions pos0.. -> q [T, Hq, hd], k, v [T, Hkv, hd]: rms_norm, the fused QKV
-    projection, RoPE (cos, sin [T, hd/2]; the CPU's fused kernel makes its own from pos0 -- pos0
-    None: a step whose position lives on the device, cos and sin used --; the GPU one-token path
-    reads cs = rope_table(cos, sin), and without `rotate` leaves RoPE to the cache's attend_at)."""
-    T, hd, Hq, Hkv = x.shape[0], args.head_dim, args.num_attention_heads, args.num_key_value_heads
-    if T == 1 and "cuda" in lw:
-        from kernels_cuda import layer as kl
-        x = x if isinstance(x, Residual) else Residual(x)
-        qkv = linear(x.norm(lw["attn_norm"], args.rms_norm_eps), lw["wqkv"])
-        if rotate:
-            kl.rope_(qkv, Hq + Hkv, hd, cs[0] if cs is not None else rope_table(cos, sin)[0])
-        qkv = qkv.view(T, Hq + 2 * Hkv, hd)
-        return qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
-    fused = T == 1 and "np" in lw and pos0 is not None
-    if fused:
-        w = lw["np"]
-        qkv = from_numpy_bits(kernels_cpu.attn_in(as_numpy(x).reshape(-1), w["attn_norm"], args.rms_norm_eps,
-                                                  w["wqkv"], pos0, w["inv_freq"], Hq + Hkv, hd))
-    else:
-        qkv = linear(rms_norm(x, lw["attn_norm"], args.rms_norm_eps), lw["wqkv"], lw.get("bqkv"))
-    qkv = qkv.view(T, Hq + 2 * Hkv, hd)
-    q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]         # (slices: split costs 10 us)
-    if fused:
-        return q, k, v                                     # rotated by the kernel
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def attention_output_and_mlp(x: torch.Tensor, o: torch.Tensor, lw: dict, args: ModelArgs) -> torch.Tensor:
-    """The rest of the layer: x + o_proj(o), then + mlp(rms_norm(.)). x [T, D], o [T, Hq, hd] -> [T, D];
-    the GPU's one-token path: a Residual (x its normed stream: attention_input added its part)
-    whose MLP output the next norm adds."""
-    T = x.shape[0]
-    if T == 1 and "cuda" in lw:
-        from kernels_cuda import layer as kl
-        s, h = kl.add_rms_norm(x.value() if isinstance(x, Residual) else x, linear(o.reshape(T, -1), lw["wo"]),
-                               lw["ffn_norm"], args.rms_norm_eps)
-        return Residual(s, linear(kl.silu_mul(linear(h, lw["w_gate_up"])), lw["w_down"]))
-    if T == 1 and "np" in lw:
-        w = lw["np"]
-        out = kernels_cpu.attn_out(as_numpy(x).reshape(-1), as_numpy(o).reshape(-1), w["wo"], w["ffn_norm"], args.rms_norm_eps,
-                                   w["w_gate_up"], w["w_down"])
-        return from_numpy_bits(out).view(1, -1)
-    x = x + linear(o.reshape(T, -1), lw["wo"], lw.get("bo"))
-    return x + swiglu_mlp(rms_norm(x, lw["ffn_norm"], args.rms_norm_eps), lw["w_gate_up"], lw["w_down"])
-
-
-def output_logits(x: torch.Tensor, weights: dict, args: ModelArgs) -> torch.Tensor:
-    """Final norm and LM head: x [T, D] (or a GPU token's Residual) -> logits [T, V] float32."""
-    if isinstance(x, Residual):
-        return linear(x.norm(weights["norm"], args.rms_norm_eps), weights["lm_head"]).float()
-    if x.shape[0] == 1 and "np" in weights:
-        w = weights["np"]
-        return torch.from_numpy(kernels_cpu.norm_gemv(as_numpy(x).reshape(-1), w["norm"], args.rms_norm_eps,
-                                                      w["lm_head"]))[None]
-    return linear(rms_norm(x, weights["norm"], args.rms_norm_eps), weights["lm_head"]).float()

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the C
 import cuda_emu  # noqa: E402
 from kernels_cuda import launch as klaunch  # noqa: E402
 from kernels_cuda.dense_decode import DenseDecodeAttention  # noqa: E402
-from minirun import Engine, ops  # noqa: E402
+from minirun import Engine  # noqa: E402
 from minirun.cuda_graph import GraphedDecode  # noqa: E402
 from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
 
@@ -74,14 +74,11 @@ def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]
         # and the GPU's step leaves RoPE to decode_prep only where the tier has the model's dtype)
         dtype = "bfloat16" if kv == "dense" else "float32"
         eng = Engine.load(model, device="cpu", dtype=dtype, ctx=max(2048, 2 * depth), kv=kv, **(HCA if kv == "hca" else {}))
-        for lw in eng.model.w["layers"]:
-            lw.pop("np", None)                       # (the CPU's own fused path)
-        eng.model.cpu_token = None                   # (and its numpy token)
+        eng.model.use_torch_ops()                    # (not the CPU's numpy token)
         if kv == "dense":
             eng.cache._k_np = None                   # (the CPU's numpy step)
         if layer_kernels:
-            eng.model.cuda_decode = ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype,
-                                                            force=True)
+            eng.model.use_cuda_layer_kernels(force=True)
             if kv == "dense":                        # (its GPU attention, as on a GPU: SDPA otherwise)
                 a = eng.args
                 eng.cache._gpu_attn = DenseDecodeAttention(eng.device, a.num_attention_heads, a.num_key_value_heads,

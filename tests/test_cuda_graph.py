@@ -91,11 +91,8 @@ def test_eager_graph_step_through_layer_kernels(tiny_model_dir, dtype, attention
     from kernels_cuda.dense_decode import DenseDecodeAttention
     d = tiny_model_dir("gqa-untied")
     ref, eng = _pair(d, dtype)
-    assert ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype, force=True)
-    eng.model.cuda_decode = True
-    for lw in ref.model.w["layers"]:
-        lw.pop("np", None)
-    ref.model.cpu_token = None
+    assert eng.model.use_cuda_layer_kernels(force=True)
+    ref.model.use_torch_ops()
     toks = ref.generate(IDS, max_new_tokens=6, ignore_eos=True).tokens
     la = _decode(ref, toks, ref.step)
     gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=8, capture=False)
@@ -217,8 +214,7 @@ def test_eager_whole_hca_token_through_layer_kernels(tiny_model_dir, monkeypatch
     with cuda_emu.emulated() as be:
         ref, eng = _gpu_hca_engines(tiny_model_dir, monkeypatch, {**HCA_GPU, **kw})
         for e in (ref, eng):
-            assert ops.prepare_cuda_decode(e.model.w, e.args, e.device, e.model.dtype, force=True)
-            e.model.cuda_decode = True
+            assert e.model.use_cuda_layer_kernels(force=True)
         assert eng.cache.rotates_at(eng.args.num_attention_heads, eng.model.dtype)
         gd = cuda_graph.GraphedDecode(eng.model, eng.cache, bucket=16, capture=False)
         ref.prefill(prompt)

@@ -130,12 +130,9 @@ def test_emu_model_decode_through_layer_kernels(tiny_model_dir, dtype):
     ids = list(range(5, 40))
     ref = Engine.load(d, device="cpu", dtype=dtype, ctx=128)
     eng = Engine.load(d, device="cpu", dtype=dtype, ctx=128)
-    assert ops.prepare_cuda_decode(eng.model.w, eng.args, eng.device, eng.model.dtype, force=True)
-    eng.model.cuda_decode = True
+    assert eng.model.use_cuda_layer_kernels(force=True)
     # the reference without the CPU's fused kernels either: the plain torch ops
-    for lw in ref.model.w["layers"]:
-        lw.pop("np", None)
-    ref.model.cpu_token = None
+    ref.model.use_torch_ops()
     a = ref.generate(ids, max_new_tokens=6, ignore_eos=True)
     with cuda_emu.emulated() as be:
         b = eng.generate(ids, max_new_tokens=6, ignore_eos=True)

@@ -80,7 +80,7 @@ def test_emu_model_steps_through_quant_kernels(tiny_model_dir, float32_quant_pre
     """A model whose quantized matrices run on quant.cu (forced onto the CPU: the emulator) against the
     same model on the CPU kernels: logits of a prefill and of decode steps."""
     import cuda_emu
-    from minirun import Engine, ops
+    from minirun import Engine
     from minirun.quant import QuantMatrix
     d = tiny_model_dir("gqa-untied")
     ids = list(range(5, 25))
@@ -91,9 +91,7 @@ def test_emu_model_steps_through_quant_kernels(tiny_model_dir, float32_quant_pre
         m.to(torch.device("cpu"), gpu_kernels=True)
     for m in {id(w["embed"]): w["embed"], id(w["lm_head"]): w["lm_head"]}.values():
         m.to(torch.device("cpu"), gpu_kernels=True)
-    w.pop("np")
-    assert ops.prepare_cuda_decode(w, eng.args, eng.device, eng.model.dtype, force=True)
-    eng.model.cuda_decode = True
+    assert eng.model.use_cuda_layer_kernels(force=True)
     with cuda_emu.emulated() as be:
         lq = eng.logits(ids[:8])
         eng.reset()
