@@ -9,9 +9,9 @@ per (layer, query head) the share of the softmax mass that falls on the store an
 mass the top k store tokens hold. `caps_from` turns it into the selection's cap per head (the
 step's head_caps: -1 the head skips the store, else at most that many tokens); `minirun calibrate
 --unrotated` writes them into its codebook file, and a cache with far positions on reads them
-(HCABase); without measured budgets the selection is tau and max_select alone (a cap for every head,
-`default_caps`, is one of the rules scripts/head_budget_rules.py compares, not a default before its
-answers are measured).
+(HCABase); without measured budgets every head gets DEFAULT_CAP (`default_caps`): at 16K tokens
+with tau alone each head kept 27% of the store, with a cap of 1024 5.4% and both passkeys answered
+(scripts/head_budget_rules.py; a cap of 256 lost one of two).
 """
 from __future__ import annotations
 
@@ -106,13 +106,13 @@ def _head_masses(cache, layer, q, k, v, pick, top_k) -> tuple:
 def head_caps_for(config, far: bool, codebook_file, shape: tuple) -> np.ndarray | None:
     """The cache's per-head caps int64 [L, Hq] (-1: the head skips the store), or None (max_select
     alone): with far positions on (one distance: far) and config.head_budgets "auto", the
-    calibrated codebook file's where it holds them, else None; max_select, where set, bounds every
-    head's cap."""
+    calibrated codebook file's where it holds them, else default_caps (every head DEFAULT_CAP);
+    max_select, where set, bounds every head's cap."""
     if config.head_budgets == "off" or not far:
         return None
     caps = load_caps(codebook_file, shape) if codebook_file is not None else None
-    if caps is None:     # (no measurement: tau and max_select alone, as without head budgets)
-        return None
+    if caps is None:     # (no measurement: one cap for every head)
+        caps = default_caps(*shape)
     if config.max_select:
         caps = np.where(caps < 0, caps, np.minimum(np.where(caps == 0, config.max_select, caps), config.max_select))
     return caps

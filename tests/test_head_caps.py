@@ -155,6 +155,7 @@ def test_emulated_gpu_cache_keeps_the_cpu_caches_head_caps(tiny_model_dir):
     import torch
     import cuda_emu
     from minirun import Engine
+    from minirun import head_budgets as hb
     d = tiny_model_dir("gqa-untied")
     ids = torch.randint(4, 300, (140,), generator=torch.Generator().manual_seed(5)).tolist()
     kw = dict(ctx=256, kv="hca", key_store="exact", tau=0.9, window=16, sinks=4, prefill_chunk=32,
@@ -166,7 +167,8 @@ def test_emulated_gpu_cache_keeps_the_cpu_caches_head_caps(tiny_model_dir):
     caps = np.tile(np.array([-1, 6, 0, 2])[:Hq], (L, 1))
     outs = []
     for eng, where in ((cpu, __import__("contextlib").nullcontext), (gpu, cuda_emu.emulated_hca_cuda)):
-        assert eng.cache.head_caps is None                      # (no calibrated file: tau alone)
+        # (no calibrated file: every head's default cap, larger than this store)
+        assert (eng.cache.head_caps == hb.DEFAULT_CAP).all()
         eng.cache.set_head_caps(caps)
         with where():
             eng.prefill(ids)
@@ -195,7 +197,7 @@ def test_caps_from_measured_mass():
 
 def test_head_caps_file_and_rule(tmp_path):
     """The cache's caps: none without far positions or with head_budgets off; the codebook file's
-    where it holds them (max_select bounding them), else none (tau and max_select alone)."""
+    where it holds them (max_select bounding them), else every head's default cap."""
     import torch
     from minirun import head_budgets as hb
     from minirun.config import EngineConfig
@@ -209,8 +211,12 @@ def test_head_caps_file_and_rule(tmp_path):
     np.testing.assert_array_equal(hb.head_caps_for(cfg, True, f, (2, 3)), caps)
     np.testing.assert_array_equal(hb.head_caps_for(EngineConfig(kv="hca", max_select=1000), True, f, (2, 3)),
                                   [[-1, 300, 1000], [64, 1000, -1]])
-    assert hb.head_caps_for(cfg, True, f, (3, 3)) is None                 # another model's file
-    assert hb.head_caps_for(cfg, True, tmp_path / "none", (2, 3)) is None
+    default = np.full((3, 3), hb.DEFAULT_CAP)
+    np.testing.assert_array_equal(hb.head_caps_for(cfg, True, f, (3, 3)), default)      # another model's file
+    np.testing.assert_array_equal(hb.head_caps_for(cfg, True, tmp_path / "none", (2, 3)), default[:2])
+    np.testing.assert_array_equal(hb.head_caps_for(cfg, True, None, (2, 3)), default[:2])
+    np.testing.assert_array_equal(hb.head_caps_for(EngineConfig(kv="hca", max_select=100), True, None, (2, 3)),
+                                  np.full((2, 3), 100))
 
 
 def test_measure_store_share_and_top_k(tiny_model_dir):
