@@ -63,7 +63,7 @@ from .quant.sizes import weights_label
 FIELDS = ["model", "model_bytes", "model_params", "device", "dtype", "threads", "ctx", "kv", "kv_budget",
           "codebooks", "test", "n_prompt", "n_gen", "depth", "context", "reps", "tps_mean", "tps_std", "selected",
           "samples", "peak_host_bytes", "peak_host_scope", "peak_device_bytes", "kv_stats", "date", "version", "cuda_graphs",
-          "rescore", "device_name", "value_sum", "max_select", "weights", "values"]
+          "rescore", "device_name", "value_sum", "max_select", "weights", "values", "parallel"]
 CTX_ROUND = 256
 
 
@@ -102,6 +102,7 @@ class BenchResult:
     max_select: int | None = None   # HCA: the selection's cap per head and step (None: tau alone)
     weights: str = ""               # how the weight matrices are held: the dtype, or a block format ("Q4_1")
     values: str | None = None       # HCA: the store's values on the host ("float" | "q8" | "q4"; kv_values)
+    parallel: int = 1               # tg: sequences decoding together (tps_mean: their tokens/s in all)
 
 
 def device_name(device: torch.device) -> str:
@@ -271,6 +272,26 @@ def measure_tg(eng, n: int, depth: int, seed: int, context: Context | None = Non
     return n / dt, stats, selected_share(eng, ctx_ids) if probe else None
 
 
+def measure_tg_batch(engs, n: int, depth: int, seed: int, context: Context | None = None) -> tuple[float, dict]:
+    """llama-batched-bench's test: B sequences (engines of one model, each its own `depth` tokens of
+    context, prefilled untimed) decode n tokens greedily together, one forward a step
+    (Engine.step_batch) -> (tokens/s of all B, the first cache's stats). The caches are rewound to
+    their contexts afterwards."""
+    from .engine import Engine
+    ctxs = [(context or Context()).ids(e, max(depth, 1), seed + i) for i, e in enumerate(engs)]
+    toks = [int(e.prefill(ids)[0][-1].argmax()) for e, ids in zip(engs, ctxs)]
+    _sync(engs[0])
+    t0 = time.perf_counter()
+    for _ in range(n):
+        toks = Engine.step_batch(engs, toks).argmax(-1).tolist()
+    _sync(engs[0])
+    dt = time.perf_counter() - t0
+    stats = engs[0].kv_stats()
+    for e, ids in zip(engs, ctxs):
+        e.rewind(len(ids))
+    return len(engs) * n / dt, stats
+
+
 def tokens_needed(pp: list[int], tg: int, depths: list[int]) -> int:
     """The most tokens one test holds: the longest pp, or the deepest tg context plus its tokens."""
     return max(max(pp, default=0), (max(max(depths, default=0), 1) + tg) if tg > 0 else 0, 1)
@@ -283,8 +304,10 @@ def bench_ctx(pp: list[int], tg: int, depths: list[int]) -> int:
 
 def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: int, depths: list[int],
               reps: int, dtype: str = "float32", device: str = "auto", ctx: int | None = None,
-              threads: int | None = None, log=print, context: str = "random", **engine_kw) -> list[BenchResult]:
+              threads: int | None = None, log=print, context: str = "random", parallel: tuple = (1,),
+              **engine_kw) -> list[BenchResult]:
     """modes: [("dense", None), ("hca", 0.125), ...]. Returns one BenchResult per (mode, test).
+    parallel: the tg tests' numbers of sequences decoding together (measure_tg_batch where > 1).
 
     ctx: the cache size of every engine (default: bench_ctx of the tests); context: what the
     prompts and contexts are made of (Context). engine_kw: any other EngineConfig field (tau,
@@ -297,7 +320,9 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
     ctx = ctx or bench_ctx(pp, tg, depths)
     if reps < 1:
         raise MiniRunError("reps must be at least 1")
-    tests = [("pp", n, 0) for n in pp] + ([("tg", tg, d) for d in depths] if tg > 0 else [])
+    if not parallel or min(parallel) < 1:
+        raise MiniRunError("parallel: at least one sequence")
+    tests = [("pp", n, 0, 1) for n in pp] + ([("tg", tg, d, b) for d in depths for b in parallel] if tg > 0 else [])
     if not tests:
         raise MiniRunError("no tests: give -p and/or -n > 0")
     source = Context(context)
@@ -310,8 +335,9 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
         eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, threads=threads, **kw)
         codebooks = codebook_source(eng)
         label = kv if kv == "dense" else f"{kv} {budget}"
-        for kind, n, depth in tests:
-            name = f"pp{n}" if kind == "pp" else f"tg{n} @ d{depth}"
+        siblings = [eng.sibling() for _ in range(max(parallel) - 1)]
+        for kind, n, depth, par in tests:
+            name = f"pp{n}" if kind == "pp" else f"tg{n} @ d{depth}" + (f" x{par}" if par > 1 else "")
             log(f"bench: {label} {name} ({reps} reps + 1 warm-up) ...")
             eng.reset()
             if kind == "tg":
@@ -328,14 +354,16 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
                 if kind == "pp":
                     tps = measure_pp(eng, n, seed=r, context=source)
                     stats = eng.kv_stats()
+                elif par > 1:
+                    tps, stats = measure_tg_batch([eng, *siblings[:par - 1]], n, depth, seed=0, context=source)
                 else:
                     tps, stats, selected = measure_tg(eng, n, depth, seed=0, context=source, probe=r == reps)
                 if r:
                     samples.append(tps)
             results.append(result(eng, model, kv, budget, name, kind, n, depth, source.name, samples,
                                   selected=selected, peak_host_bytes=_peak_host(), peak_host_scope=scope,
-                                  kv_stats=stats, codebooks=codebooks))
-        del eng
+                                  kv_stats=stats, codebooks=codebooks, parallel=par))
+        del eng, siblings
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -15,6 +15,7 @@ from .errors import MiniRunError
 
 
 MAX_REPS = 1000        # timed repetitions of one test
+MAX_PARALLEL = 64      # sequences decoding together in one tg test (each holds a cache of --ctx)
 
 
 def _ints(s: str, what: str) -> list[int]:
@@ -88,8 +89,10 @@ def _modes(kv_modes: str, budgets: str) -> list[tuple[str, float | str | None]]:
 
 BENCH_EPILOG = """\b
 Tests (llama-bench's): pp N prefills N fresh random tokens; tg N @ dD decodes N tokens greedily
-after D tokens of context (the context is prefilled untimed; EOS is ignored). One warm-up rep,
-then -r timed reps: t/s is mean ± sample std. Status lines go to stderr, results to stdout.
+after D tokens of context (the context is prefilled untimed; EOS is ignored); with --parallel B
+> 1, "tg N @ dD xB": B sequences, each with its own context, decode together, one forward a step,
+and t/s counts the tokens of all B. One warm-up rep, then -r timed reps: t/s is mean ± sample
+std. Status lines go to stderr, results to stdout.
 
 \b
 JSON fields (one object per mode and test; CSV has the same columns, samples space-separated and
@@ -97,9 +100,9 @@ kv_stats flattened into kv_<key> columns):
   model, model_bytes (weights as held), model_params, device, dtype, weights (dtype or block
   format), threads, ctx, kv (dense|hca),
   kv_budget (null for dense), codebooks (calibrated|fitted|-), test (pp512, tg32 @ d4096),
-  n_prompt, n_gen, depth, reps, tps_mean, tps_std, samples (t/s of each rep),
-  peak_host_bytes (VmHWM), peak_host_scope (test|process: whether the peak could be reset
-  before the test), peak_device_bytes (CUDA, else 0), kv_stats (the cache's tokens and bytes
+  n_prompt, n_gen, depth, reps, tps_mean, tps_std, samples (t/s of each rep), parallel
+  (sequences decoding together), peak_host_bytes (VmHWM), peak_host_scope (test|process:
+  whether the peak could be reset before the test), peak_device_bytes (CUDA, else 0), kv_stats (the cache's tokens and bytes
   per tier after the test), date (UTC), version (minirun's)
 
 \b
@@ -115,6 +118,9 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("-n", "--n-gen", type=AT_LEAST_0, default=32, show_default=True,
               help="tokens decoded in each tg test (0: no tg tests)")
 @click.option("-d", "--depth", default="0", show_default=True, help="tg tests: comma-separated context depths")
+@click.option("--parallel", default="1", show_default=True,
+              help="tg tests: comma-separated numbers of sequences decoding together, each with its own "
+                   f"context (llama-batched-bench; t/s counts all of them; at most {MAX_PARALLEL})")
 @click.option("--kv", "kv_modes", default="dense,hca", show_default=True, help="KV modes: dense and/or hca")
 @click.option("--kv-budget", "budgets", default="0.25", show_default=True,
               help="HCA budgets, comma-separated: 0.5, 0.25, 0.125, or gGcC codebooks such as g64c16 "
@@ -140,7 +146,7 @@ Example: minirun bench models/SmolLM2-135M-Instruct -p 512,2048 -n 32 -d 0,4096,
 @click.option("-o", "--output", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="also draw tg tokens/s against depth per mode into this PNG (needs matplotlib)")
-def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, weights, device, ctx, threads, tau, window,
+def bench(model, n_prompt, n_gen, depth, parallel, kv_modes, budgets, reps, dtype, weights, device, ctx, threads, tau, window,
           sinks, max_select, kv_values, hca_opts, context, output, plot_path):
     """Prefill (pp N) and decode (tg N @ dD) tokens/s, llama-bench style, for dense and HCA caches."""
     from . import bench as b
@@ -148,11 +154,15 @@ def bench(model, n_prompt, n_gen, depth, kv_modes, budgets, reps, dtype, weights
     from .pull import find_model
     model = find_model(model)
     modes = _modes(kv_modes, budgets)
+    par = _ints(parallel, "--parallel")
+    if not par or not all(1 <= b <= MAX_PARALLEL for b in par):
+        raise MiniRunError(f"--parallel: comma-separated numbers of sequences from 1 to {MAX_PARALLEL}, got {parallel!r}")
     if plot_path:
         out.check_plot()
     results = b.run_bench(model, modes, _ints(n_prompt, "-p"), n_gen, _ints(depth, "-d") or [0], reps,
                           dtype=dtype, device=device, ctx=ctx, threads=threads, tau=tau, window=window,
                           sinks=sinks, max_select=max_select, weights=weights, context=context, kv_values=kv_values,
+                          parallel=tuple(dict.fromkeys(par)),
                           **hca_opts,
                           log=lambda s: click.echo(s, err=True))
     click.echo({"md": out.to_markdown, "json": out.to_json, "csv": out.to_csv}[output](results).rstrip("\n"))

@@ -266,18 +266,43 @@ class Engine:
         self.cache.end_prefill()
         return (None if x is None else self.model.logits(x)), done, mode
 
+    def _check_room(self) -> None:
+        if self.cache.offset >= self.config.ctx:
+            raise ContextError(f"the context of {self.config.ctx} tokens is full (--ctx): reset, or load with a "
+                               f"larger ctx")
+
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """Feed one token after what the cache holds; return its logits [1, V] (teacher forcing, decode).
         A full context raises ContextError (before anything is written)."""
-        if self.cache.offset >= self.config.ctx:
-            raise ContextError(f"the context of {self.config.ctx} tokens is full (--ctx): reset, or load with a "
-                               f"larger ctx")
+        self._check_room()
         if self.graphed is not None and not self.graphed.failed:
             logits = self.graphed.step(token)
         else:
             logits = self.model.forward(torch.tensor([token], dtype=torch.long, device=self.device), self.cache)
         self._cached_ids.append(token)
+        return logits
+
+    # ---- several sequences of one model ---------------------------------------------------------
+    def sibling(self) -> "Engine":
+        """Another sequence on this engine's model: the same weights and tokenizer, its own cache."""
+        return Engine(self.path, self.args, self.config, self.model, self.tokenizer)
+
+    @staticmethod
+    @torch.inference_mode()
+    def step_batch(engines: list["Engine"], tokens: list[int]) -> torch.Tensor:
+        """One decode token for each engine (sequences of one model: siblings) in one forward ->
+        logits [B, V] float32, row i engine i's. A full context raises ContextError before
+        anything is written."""
+        model = engines[0].model
+        if any(e.model is not model for e in engines) or len(engines) != len(tokens):
+            raise ValueError("step_batch: one token for each engine, all on one model")
+        for e in engines:
+            e._check_room()
+        logits = model.forward_batch([torch.tensor([t], dtype=torch.long, device=model.device) for t in tokens],
+                                     [e.cache for e in engines])
+        for e, t in zip(engines, tokens):
+            e._cached_ids.append(t)
         return logits
 
     # ---- generation ---------------------------------------------------------------------------

@@ -340,3 +340,22 @@ def test_plan_prompt_cache_bytes_match_a_file_of_a_full_context(tiny_model_dir, 
         size = eng.save_prompt_cache(tmp_path / "full.kv")
         want = plan_report(eng.args, eng.config, "cpu")["prompt_cache_bytes"]
         assert 0 <= size - want <= 16 * KiB, (kw, size, want)
+
+
+def test_bench_parallel_rows(tiny_model_dir, capsys):
+    """--parallel: a tg row per number of sequences decoding together (llama-batched-bench), the
+    sequences' tokens counted together; bad counts are one-line errors."""
+    d = str(tiny_model_dir("gqa-untied"))
+    out = run(["bench", d, "-p", "", "-n", "3", "-d", "20", "--parallel", "1,3", "--kv", "dense,hca",
+               "--kv-budget", "0.5", "-r", "1", "-o", "json"], capsys)
+    rows = json.loads(out.out)
+    assert [(r["kv"], r["test"], r["parallel"]) for r in rows] == [
+        (kv, t, b) for kv in ("dense", "hca") for t, b in (("tg3 @ d20", 1), ("tg3 @ d20 x3", 3))]
+    for r in rows:
+        assert r["tps_mean"] > 0 and r["n_gen"] == 3 and r["kv_stats"]["tokens"] == 20 + 3
+    for bad in ("0", "1,x", "65"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", d, "-p", "", "-n", "2", "--parallel", bad])
+        assert e.value.code != 0
+        err = capsys.readouterr().err.strip()
+        assert "--parallel" in err and "Traceback" not in err and len(err.splitlines()) == 1, err

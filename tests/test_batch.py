@@ -1,0 +1,74 @@
+"""Several sequences through one forward (Model.run over a Batch, Engine.step_batch): each gets the
+tokens and logits it gets alone; the checks a batch makes before it writes anything."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minirun import Engine
+from minirun.errors import ContextError
+
+N_NEW = 10
+SETTINGS = {"dense": dict(kv="dense"),
+            "hca": dict(kv="hca", kv_budget=0.5, window=16, sinks=4, fit_min_tokens=32),
+            "hca-far": dict(kv="hca", key_store="exact", window=16, sinks=4, far_positions="on")}
+
+
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(4, 300, (n,), generator=g).tolist() for n in (30, 47, 64, 81)]
+
+
+def batch_greedy(engines, ids):
+    """Greedy decoding of every prompt together -> (tokens per sequence, logits [N_NEW - 1, B, V])."""
+    toks = [int(e.prefill(p)[0][-1].argmax()) for e, p in zip(engines, ids)]
+    out, logits = [[t] for t in toks], []
+    for _ in range(N_NEW - 1):
+        lg = Engine.step_batch(engines, toks)
+        toks = lg.argmax(-1).tolist()
+        for o, t in zip(out, toks):
+            o.append(t)
+        logits.append(lg)
+    return out, torch.stack(logits)
+
+
+def alone_greedy(eng, ids):
+    eng.reset()
+    tok = int(eng.prefill(ids)[0][-1].argmax())
+    out, logits = [tok], []
+    for _ in range(N_NEW - 1):
+        lg = eng.step(tok)
+        tok = int(lg[-1].argmax())
+        out.append(tok)
+        logits.append(lg[-1])
+    return out, torch.stack(logits)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_batch_of_four_decodes_each_as_alone(tiny_model_dir, setting):
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=160, **SETTINGS[setting])
+    seqs = [eng] + [eng.sibling() for _ in range(3)]
+    assert all(s.model is eng.model and s.cache is not eng.cache for s in seqs[1:])
+    ids = prompts()
+    got, lb = batch_greedy(seqs, ids)
+    alone = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=160, **SETTINGS[setting])
+    for i, p in enumerate(ids):
+        want, la = alone_greedy(alone, p)
+        assert got[i] == want, i
+        assert (lb[:, i] - la).abs().max().item() <= 1e-4
+        assert seqs[i].cache.offset == len(p) + N_NEW - 1
+
+
+def test_a_batch_refuses_before_it_writes(tiny_model_dir):
+    d = tiny_model_dir("gqa-untied")
+    eng = Engine.load(d, device="cpu", ctx=40)
+    full, other = eng.sibling(), Engine.load(d, device="cpu", ctx=40)
+    eng.prefill(list(range(4, 20)))
+    full.prefill(list(range(4, 44)))
+    with pytest.raises(ContextError, match="full"):
+        Engine.step_batch([eng, full], [5, 6])
+    assert eng.cache.offset == 16 and full.cache.offset == 40
+    with pytest.raises(ValueError, match="one model"):
+        Engine.step_batch([eng, other], [5, 6])
+    with pytest.raises(ValueError, match="one token for each"):
+        Engine.step_batch([eng], [5, 6])
