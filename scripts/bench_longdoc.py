@@ -39,6 +39,9 @@ THINGS = ("red locker", "silver boat", "library card", "garden gate", "blue trai
 SYSTEM = "You are a helpful assistant."      # (chat --file's system prompt before the document)
 
 
+PARAGRAPH_CHARS = 1500   # the longest source paragraph a document takes whole
+
+
 def paragraphs(botchan: Path | None) -> list[str]:
     """The source paragraphs: Botchan's (when its copy exists) and the pydoc topics' (evaluation half)."""
     from minirun.calibrate import builtin_text, read_text
@@ -47,8 +50,24 @@ def paragraphs(botchan: Path | None) -> list[str]:
         texts.append(read_text(botchan)[0])
     out = []
     for t in texts:
-        out += [p.strip() for p in re.split(r"\n\s*\n", t) if len(p.strip()) > 40]
+        for p in re.split(r"\n\s*\n", t):
+            out += [q for q in _pieces(p.strip()) if len(q) > 40]
     return out
+
+
+def _pieces(paragraph: str, most: int = PARAGRAPH_CHARS) -> list[str]:
+    """A paragraph longer than `most` characters (a copy without blank lines between paragraphs)
+    cut at line ends into pieces of at most about that many, so that the document's length and its
+    facts' depths stay close to what was asked."""
+    if len(paragraph) <= most:
+        return [paragraph]
+    pieces, cur = [], []
+    for line in paragraph.splitlines():
+        if cur and sum(len(x) + 1 for x in cur) + len(line) > most:
+            pieces.append("\n".join(cur))
+            cur = []
+        cur.append(line)
+    return pieces + (["\n".join(cur)] if cur else [])
 
 
 def facts(n: int, seed: int) -> list[dict]:

@@ -42,3 +42,14 @@ def test_rehearsal_4k(smollm2_dir, tmp_path, capsys):
     assert dense["selected"] is None and 0 < hca["selected"] <= 1
     table = results_tables.render(report)
     assert "| hca g64c16 |" in table and "of 2 |" in table
+
+
+def test_a_copy_without_blank_lines_is_cut_into_paragraphs(tmp_path):
+    """A text whose paragraphs lost their blank lines still gives paragraph-sized pieces (the
+    document's length and its facts' depths stay what was asked), cut at line ends."""
+    lines = [f"Line {i} of a long text that has no blank line between its paragraphs at all." for i in range(400)]
+    f = tmp_path / "flat.txt"
+    f.write_text("\n".join(lines))
+    pieces = [p for p in bench_longdoc.paragraphs(f) if p.startswith("Line ")]
+    assert len(pieces) > 10 and max(len(p) for p in pieces) <= bench_longdoc.PARAGRAPH_CHARS
+    assert "\n".join(pieces).splitlines() == lines
