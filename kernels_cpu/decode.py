@@ -296,7 +296,7 @@ def rows_of(w) -> int:
 
 
 # The fused kernels without their wrappers' checks and allocations, for a caller that checked its
-# weights once (check_fused_weights) and owns its buffers (minirun/cpu_token.py): the wrappers'
+# weights once (check_fused_weights) and owns its buffers (minirun/runners.py, NumpyTokenRunner): the wrappers'
 # ~10 us a layer are a tenth of a small model's token.
 attn_in_into, attn_out_into, norm_gemv_into = _k_attn_in, _k_attn_out, _k_norm_gemv
 

@@ -24,7 +24,7 @@ class KVCache:
         raise NotImplementedError
 
     def attend_np(self, layer: int, q, k, v):
-        """attend for one token on numpy rows (minirun/cpu_token.py): q [Hq, hd], k, v [Hkv, hd]
+        """attend for one token on numpy rows (runners.NumpyTokenRunner): q [Hq, hd], k, v [Hkv, hd]
         (float32, or bfloat16 bits: uint16) -> o [Hq, hd] in q's dtype, valid until the next call."""
         return as_numpy(self.attend(layer, *(from_numpy_bits(t)[None] for t in (q, k, v)))[0])
 
