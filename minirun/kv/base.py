@@ -87,9 +87,9 @@ class KVCache:
         cached tokens); each replaces the last one of its name."""
 
     def begin_prefill(self, mode: str) -> str:
-        """A prompt of several chunks follows; mode "exact" | "hca" | "anchor" (caches may ignore it)
-        -> the mode the cache takes."""
-        return mode
+        """A prompt of several chunks follows; mode "exact" | "hca" | "anchor" -> the mode the cache
+        takes ("exact" here: a cache without modes attends to every token)."""
+        return "exact"
 
     def end_prefill(self) -> None:
         """The prompt is in; the next call is a decode step."""
