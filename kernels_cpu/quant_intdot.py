@@ -46,14 +46,11 @@ def _features() -> list[str]:
 
 def isa() -> str | None:
     """The best integer kernel the code Numba makes here can run ("avx512vnni", "avx2" or None):
-    the host's features, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set. The AVX2 kernel is taken
-    only where AVX-512 BW is there too: compiled for a host with AVX2 alone it exceeds its stated
-    error bound (tests/test_quant_kernels.py, 1.1-1.2x the bound), so such a host takes the portable
-    rows (quant_rows.gemv_portable) until that is found."""
+    the host's features, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set."""
     f = _features()
     if "+avx512vnni" in f and "+avx512bw" in f:
         return "avx512vnni"
-    return "avx2" if "+avx2" in f and "+avx512bw" in f else None
+    return "avx2" if "+avx2" in f else None
 
 
 # ---- the formats: per period of columns, groups (col0, ncols, lanes [(u, col)], off, alpha, beta) ----

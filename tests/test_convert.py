@@ -151,7 +151,9 @@ def test_weights_roundtrip(tmp_path, smollm_bpe, qtype):
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_blocks_kept_and_loaded(tmp_path, smollm_bpe, qtype, float32_quant_prefill):
     """Without --dtype the blocks are written as they are (Q/K rows unpermuted), named in
-    quantization_config; the engine computes with them, within 1e-3 of the same weights dequantized."""
+    quantization_config; the engine computes with them, within 1e-3 of the same weights dequantized
+    (5e-3 where the integer GEMVs are AVX2's: x quantized per block to 8191 levels, not 32639, 4x
+    the error; 4.03e-3 measured on Q4_1)."""
     import torch
     from minirun import Engine
     from minirun.quant.formats import FORMATS, to_planes
@@ -182,13 +184,15 @@ def test_blocks_kept_and_loaded(tmp_path, smollm_bpe, qtype, float32_quant_prefi
     f = Engine.load(out, device="cpu", ctx=64, weights="float")
     assert type(q.model.w["layers"][0]["wqkv"]).__name__ == "QuantMatrix"
     assert isinstance(f.model.w["layers"][0]["wqkv"], torch.Tensor)
+    from kernels_cpu import quant_intdot
+    tol = 5e-3 if quant_intdot.isa() == "avx2" else 1e-3
     lq, lf = q.logits(ids), f.logits(ids)
-    assert (lq - lf).abs().max() <= 1e-3 * lf.abs().max()
+    assert (lq - lf).abs().max() <= tol * lf.abs().max()
     for e in (q, f):                                     # one-token steps: the fused decode kernels
         e.prefill(ids[:4])
     for t in ids[4:]:
         sq, sf = q.step(t), f.step(t)
-        assert (sq - sf).abs().max() <= 1e-3 * sf.abs().max()
+        assert (sq - sf).abs().max() <= tol * sf.abs().max()
 
 
 def test_q5_0_kept_as_q8_0_of_the_same_values(tmp_path, smollm_bpe):
