@@ -182,3 +182,12 @@ def test_fused_decode_kernels_bfloat16_activations():
     close_rel(bf16_bits_to_float_ref(got), want, 2.0 ** -7)
     with pytest.raises(ValueError, match="all be float32 or all bfloat16"):
         kc.attn_out(x16, p["o"], q["wo"], n16, 1e-5, q["wgu"], q["wdown"])
+
+
+def test_isa_takes_the_integer_kernel_every_host_can_run(monkeypatch):
+    """An AVX2-only host runs the AVX2 integer GEMV (the portable rows decode 7-8x slower), a host
+    with AVX-512 VNNI and BW the VNNI one, a host with neither the portable rows."""
+    for features, want in (("+avx2,+fma,-avx512bw,-avx512vnni", "avx2"), ("+avx2,+avx512bw,+avx512vnni", "avx512vnni"),
+                           ("+avx2,+avx512vnni,-avx512bw", "avx2"), ("+sse4.2,-avx2", None)):
+        monkeypatch.setattr(quant_intdot, "_features", lambda f=features: f.split(","))
+        assert quant_intdot.isa() == want, features
