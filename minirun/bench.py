@@ -335,7 +335,7 @@ def run_bench(model, modes: list[tuple[str, float | None]], pp: list[int], tg: i
         eng = Engine.load(model, device=device, dtype=dtype, ctx=ctx, kv=kv, threads=threads, **kw)
         codebooks = codebook_source(eng)
         label = kv if kv == "dense" else f"{kv} {budget}"
-        siblings = [eng.sibling() for _ in range(max(parallel) - 1)]
+        siblings = [eng.sibling() for _ in range(max(parallel) - 1)] if tg > 0 else []   # (caches: tg tests only)
         for kind, n, depth, par in tests:
             name = f"pp{n}" if kind == "pp" else f"tg{n} @ d{depth}" + (f" x{par}" if par > 1 else "")
             log(f"bench: {label} {name} ({reps} reps + 1 warm-up) ...")
