@@ -42,6 +42,26 @@ def test_numpy_token_equals_torch_token(tiny_model_dir, kw):
     assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
 
 
+HCA_SMALL = dict(kv="hca", window=16, sinks=4, fit_min_tokens=40)
+
+
+@pytest.mark.parametrize("kw", [dict(kv_budget=0.5), dict(kv_budget=0.5, far_positions="on"),
+                                dict(groups=8, centroids=16), dict(groups=8, centroids=16, far_positions="on"),
+                                dict(kv_budget=0.5, kv_values="q4")],
+                         ids=["codebook", "codebook-far", "pairs", "pairs-far", "q4-values"])
+@pytest.mark.parametrize("prompt", [3, 14, 90], ids=["sinks-filling", "ring-filling", "store"])
+def test_numpy_hca_token_equals_torch_token(tiny_model_dir, kw, prompt):
+    """HCACache.attend_np (the fused step, and the exact tier alone while the store is empty)
+    against HCABase.attend's torch path, from a prompt that has not filled the sinks, one that
+    fills the ring during decoding, and one with a store."""
+    d = tiny_model_dir("gqa-untied", head_dim=32)   # (q4 values: groups of 32 channels)
+    ids = random_ids(prompt, seed=5)
+    load = lambda: Engine.load(d, device="cpu", ctx=160, **HCA_SMALL, **kw)   # noqa: E731
+    a = decode_logits(load(), ids, n=12)
+    b = decode_logits(load(), ids, n=12, torch_path=True)
+    assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
 def test_hidden_state_is_a_copy(tiny_model_dir):
     """forward(hidden=True) returns a state the next step does not overwrite."""
     eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=64)

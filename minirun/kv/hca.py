@@ -34,6 +34,7 @@ class HCACache(HCABase):
         self._ev_np = self.ev.numpy() if self._numpy_exact_tier else None
         self.lev = self.scratch[2]   # the selection's integer score levels (uint16 bits: kernels_cpu.level_select)
         self._views = {}             # layer -> (buffer addresses, numpy views) for the steps
+        self._no_store = None        # attend_np's placeholders for a step with an empty store
         # the layout's key store, and the exact-keys one that scores the store while none is encoded
         self.exact_store, self.key_store = key_stores(self, fast_scan(self.layout) and device.type == "cpu")
 
@@ -65,6 +66,36 @@ class HCACache(HCABase):
         return s
 
     # ---- attention in hca mode (HCABase.attend calls _attend_hca) --------------------------------
+    def attend_np(self, layer, q, k, v):
+        """One decode token on numpy rows (runners.NumpyTokenRunner): q [Hq, hd], k, v [Hkv, hd]
+        float32 -> o [Hq, hd] float32, in one fused call with no torch op on the way (attend's
+        torch path, the reference, costs about as much as the call itself in a short store). The
+        exact tier alone while the store is empty; prefill modes and bfloat16 rows take attend."""
+        if q.dtype != np.float32 or not self._numpy_exact_tier or (self.n_store and self.mode != "hca"):
+            return super().attend_np(layer, q, k, v)
+        self._staged[layer] = (torch.from_numpy(k)[None], torch.from_numpy(v)[None])
+        if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
+            self._fit_and_encode()     # (a state loaded mid-prefill: the rest encoded before scoring)
+        qs = q * np.float32(self._q_scale(1))
+        if self.far:
+            q1, kn, EK = self.far.step_inputs(torch.from_numpy(qs)[None], torch.from_numpy(k)[None], self._ek_np[layer],
+                                              self.ek[layer], self.S, self.offset)
+        else:
+            q1, kn, EK = qs, k, self._ek_np[layer]
+        if self.n_store:
+            return self._one_call(layer, q1, kn, v, EK, self._ev_np[layer], self.S + self.W, self._exact_valid(),
+                                  decode=True)
+        ex, (K0, z0) = self.exact_store, self._empty_store()
+        return kc.hca_exact_decode_attend(q1, kn, v, EK, self._ev_np[layer], self.S + self.W, K0, 0, K0, self.tau,
+                                          self.q_to_kv, ex.lanes, z0, ex.levels(), ex.counts,
+                                          exact_valid=self._exact_valid())
+
+    def _empty_store(self) -> tuple:
+        """Placeholders K, V [Hkv, 1, hd] and z [Hq, 1] for a step with no store (never read)."""
+        if self._no_store is None:
+            self._no_store = (np.zeros((self.Hkv, 1, self.hd), np.float32), np.zeros((self.Hq, 1), np.float32))
+        return self._no_store
+
     def _attend_hca(self, layer, q, k, v):
         """q [T, Hq, hd], k, v [T, Hkv, hd] -> [T, Hq, hd] (q's dtype and device), in hca mode with a store."""
         if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
