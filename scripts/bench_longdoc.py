@@ -161,17 +161,6 @@ def parse_tokens(s: str) -> list[int]:
     return [parse_ctx(x) for x in s.split(",") if x.strip()]
 
 
-def parse_opts(items: list[str]) -> dict:
-    """--hca-opt KEY=VALUE pairs as EngineConfig keywords (ints where they parse)."""
-    out = {}
-    for it in items:
-        k, sep, v = it.partition("=")
-        if not sep:
-            raise SystemExit(f"error: --hca-opt {it!r}: expected KEY=VALUE")
-        out[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2")
@@ -184,13 +173,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--hca-opt", action="append", default=[], help="KEY=VALUE: any other EngineConfig field")
+    ap.add_argument("--hca-opt", action="append", default=[], help="KEY=VALUE: an advanced engine setting (minirun's --hca-opt)")
     ap.add_argument("--botchan", type=Path, default=None, help="Botchan's text (default: eval_quality's copy, "
                                                                "fetched once)")
     ap.add_argument("--json", type=Path, default=None, help="write the results file here")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # (a child: one run, its row on stdout)
     a = ap.parse_args(argv)
-    a.hca_opts = parse_opts(a.hca_opt)
+    from minirun.cli_common import parse_hca_opts
+    from minirun.errors import MiniRunError
+    try:
+        a.hca_opts = parse_hca_opts(a.hca_opt)
+    except MiniRunError as e:
+        raise SystemExit(f"error: {e}") from None
     if a.one:
         print(json.dumps(run_one(a)))
         return 0

@@ -3,7 +3,10 @@
 Usage:
   python scripts/bench_paired.py models/SmolLM2-135M-Instruct --depth 16384 -n 32 --rounds 7 \
       --modes dense,hca:0.125,hca:0.25,hca:g64c16:q4 [--dtype float32] [--context random|text|FILE] [-o json]
-(hca:SETTING:VALUES: the store's values as kv_values, float, q8 or q4; default float)
+      [--hca-opt KEY=VALUE ...] [--prompt-cache DIR]
+(hca:SETTING:VALUES: the store's values as kv_values, float, q8 or q4; default float. --prompt-cache:
+each mode's prompt cache of the context is written into DIR and its size reported, one prefill
+serving both measures.)
 
 `minirun bench` runs one mode after the other; on a shared machine whose speed drifts by 10-25%
 within minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
@@ -18,11 +21,13 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from minirun import Engine
 from minirun.bench import Context, device_name, selected_share
+from minirun.cli_common import HCA_OPT_HELP, parse_hca_opts
 from minirun.config import hca_setting, hca_setting_name
 from minirun.errors import MiniRunError
 
@@ -52,6 +57,10 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--far-positions", default="auto", choices=["auto", "on", "grouped", "off"],
                     help="HCA: far positions (auto: on past the model's trained context)")
+    ap.add_argument("--hca-opt", action="append", default=[], help="HCA: " + HCA_OPT_HELP)
+    ap.add_argument("--prompt-cache", default=None, metavar="DIR",
+                    help="write each mode's prompt cache of the context into DIR (a new file per mode) and "
+                         "report its bytes")
     ap.add_argument("-o", "--output", choices=["text", "json"], default="text",
                     help="json: the figures as one JSON object on stdout (the rounds go to stderr)")
     a = ap.parse_args()
@@ -59,11 +68,12 @@ def main():
     try:
         context = Context(a.context)
         modes = parse_modes(a.modes)
+        opts = parse_hca_opts(a.hca_opt)
     except MiniRunError as e:
         raise SystemExit(f"error: {e}") from None
-    engines = []
+    engines, file_bytes = [], {}
     for kind, budget, values in modes:
-        kw = {**hca_setting(budget), "far_positions": a.far_positions, "kv_values": values} if budget else {}
+        kw = {**hca_setting(budget), "far_positions": a.far_positions, "kv_values": values, **opts} if budget else {}
         eng = Engine.load(a.model, device="cpu", dtype=a.dtype, ctx=a.depth + a.n + 8, kv=kind, threads=a.threads,
                           **kw)
         ids = context.ids(eng, a.depth, seed=0)
@@ -71,6 +81,9 @@ def main():
         eng.prefill(ids)
         name = kind + (f" {budget}" if budget else "") + ("" if values == "float" else f" {values}")
         say(f"{name}: context of {a.depth} tokens prefilled in {time.perf_counter() - t0:.0f}s", flush=True)
+        if a.prompt_cache:
+            file_bytes[name] = write_prompt_cache(eng, Path(a.prompt_cache), name)
+            say(f"{name}: prompt cache {file_bytes[name]} bytes", flush=True)
         engines.append((name, eng, ids))
     tps = {name: [] for name, _, _ in engines}
     for r in range(a.rounds + 1):                 # round 0 warms up and is dropped
@@ -89,7 +102,7 @@ def main():
         ratios = [x / b for x, b in zip(xs, tps[base])]
         rows.append({"mode": name, "tps_median": statistics.median(xs), "tps_min": min(xs), "tps_max": max(xs),
                      "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                     "selected": selected[name]})
+                     "selected": selected[name], "prompt_cache_bytes": file_bytes.get(name)})
     if a.output == "json":
         print(json.dumps({"test": f"tg{a.n} @ d{a.depth}", "dtype": a.dtype, "rounds": a.rounds, "context": context.name,
                           "device_name": device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
@@ -98,8 +111,18 @@ def main():
     print(f"\ntg{a.n} @ d{a.depth}, {a.dtype}, {a.rounds} rounds; tok/s median (min, max); ratio to {base} per round:")
     for r in rows:
         sel = "" if r["selected"] is None else f"   selected {100 * r['selected']:.1f}% of the store"
+        sel += "" if r["prompt_cache_bytes"] is None else f"   prompt cache {r['prompt_cache_bytes']} bytes"
         print(f"  {r['mode']:10s} {r['tps_median']:.2f} ({r['tps_min']:.2f}, {r['tps_max']:.2f})   "
               f"x{r['ratio_median']:.2f} ({r['ratio_min']:.2f}, {r['ratio_max']:.2f}){sel}")
+
+
+def write_prompt_cache(eng, directory: Path, name: str) -> int:
+    """Saves eng's prompt cache as DIRECTORY/<name>.kv (never over an existing file); returns its bytes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / (name.replace(" ", "-") + ".kv")
+    if path.exists():
+        raise SystemExit(f"error: {path} exists; give --prompt-cache a new directory")
+    return eng.save_prompt_cache(path)
 
 
 def decode_round(eng, ids: list[int], n: int) -> float:
