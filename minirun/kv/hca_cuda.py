@@ -185,17 +185,31 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return self.values.mapped
 
     def _gathered_step(self, L, ds, layer, qs, qf, dtype):
-        """The step's rest with the GPU summing the selected values itself (value_sum "gpu"): the
-        selection, the exact tier, the gather from the mapped host pool, the merge -- all queued on
-        the stream, nothing waited for on the host."""
-        zb, idx, n, cap = self._select_on_device(L, ds, layer, qf)
-        P = self._exact_parts(L, ds, layer, qs, qf)
-        self.values.device_wait()                                     # the eviction copies, on the GPU
-        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], P)
+        """The step's rest with the GPU summing the selected values itself (value_sum "gpu"),
+        eagerly: _gpu_sum_launches over the whole store, nothing waited for on the host."""
+        o = self._gpu_sum_launches(L, ds, layer, qs, qf, self.n_store, False)
         if self.record_selection is not None:                         # (a probe: this one syncs)
-            self.record_selection.append(np.minimum(ds.counts.cpu().numpy(), cap) / n)
-        o = ds.merge(L, P, ds.no_stage)
+            cap = self.max_select if self.max_select and self.head_caps is None else 2**31 - 1
+            self.record_selection.append(np.minimum(ds.counts.cpu().numpy(), cap) / self.n_store)
         return (o if o.dtype == dtype else o.to(dtype))[None]
+
+    def _gpu_sum_launches(self, L, ds, layer, qs, qf, n: int, valid, n_live=None):
+        """The launches of a step whose selected values the GPU sums from the mapped host pool, the
+        one sequence an eager step (_gathered_step) and a captured one (attend_at) run: scores of the
+        store's first n tokens for the far query qf, the selection (tau, the cap or per-head caps),
+        sinks + ring (_exact_parts' valid), the gather, the merge -> o [Hq, hd] f32.
+        n_live: int32 [1] on the device, the store's length a captured step reads (n: its grids)."""
+        zb, idx = self.z.data[..., 0], self.sel.data[..., 0]
+        (self.key_store if self.n_encoded or n_live is not None else self.exact_store).score(ds, L, layer, qf, zb, n,
+                                                                                             n_live)
+        # (a cap >= n selects what no cap does: zcut keeps every bin, gather takes them all)
+        cap = self.max_select or 0 if self.head_caps is None else 0
+        ds.select(L, zb, n, self.tau, idx, cap, n_live=n_live, caps=self.device_caps(layer))
+        P = self._exact_parts(L, ds, layer, qs, qf, valid)
+        if n_live is None:
+            self.values.device_wait()     # the eviction copies, on the GPU (a graph's own launches wrote its rows)
+        P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], P)
+        return ds.merge(L, P, ds.no_stage)
 
     def _decode_kernels(self):
         """The DecodeStep (persistent buffers of the decode launches), made on first use."""
@@ -278,7 +292,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         n, cap): counts in ds.counts, stats in ds.m / ds.l, each head's first min(counts, cap) idx."""
         n = self.n_store
         zb = self.z.data[..., 0]                                                  # [Hq, cap]
-        (self.key_store if self.n_encoded else self.exact_store).score(ds, L, layer, q, zb)
+        (self.key_store if self.n_encoded else self.exact_store).score(ds, L, layer, q, zb, n)
         idx = self.sel.data[..., 0]
         cap = self.max_select if self.max_select and n > self.max_select and self.head_caps is None else 0
         ds.select(L, zb, n, self.tau, idx, cap, caps=self.device_caps(layer))   # (whole bins from the top, zcut)

@@ -93,7 +93,6 @@ class CapturedSteps:
         st = self._graph_state()
         if far and layer == 0:   # this token's far turn as [cos | sin] (far.angles on the device)
             ds.cs.copy_(torch.cat(self.far.turn_cos_sin(st[0:1], self._far_inv64), dim=-1)[0])
-        tau = self.tau
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self.scale, self._ekx[layer, :, S + W],
                              self._evx[layer, :, S + W], far, self._histogram_cut(n_keys), rope)
@@ -101,15 +100,7 @@ class CapturedSteps:
                 qs.mul_(self._length_factor)
                 if far:
                     qf.mul_(self._length_factor)
-            zb, idx = self.z.data[..., 0], self.sel.data[..., 0]
-            ds.scores(L, qf, self.q2k_dev, self.key_store.centroids()[layer], self.indices.data[layer], n_keys, zb,
-                      n_live=self._n_live)
-            # (a cap with n <= cap selects what no cap does: zcut keeps every bin, gather takes all)
-            cap = self.max_select or 0 if self.head_caps is None else 0
-            ds.select(L, zb, n_keys, tau, idx, cap, n_live=self._n_live, caps=self.device_caps(layer))
-            P = self._exact_parts(L, ds, layer, qs, qf, self._mask)   # (graph_key made it)
-            P = ds.gather(L, idx, zb, n_keys, cap, self.values.data[layer], P)
-            o = ds.merge(L, P, ds.no_stage)
+            o = self._gpu_sum_launches(L, ds, layer, qs, qf, n_keys, self._mask, self._n_live)   # (graph_key made _mask)
         return (o if o.dtype == q.dtype else o.to(q.dtype))[None]
 
     def commit_at(self, pos) -> None:

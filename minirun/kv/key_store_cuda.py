@@ -26,16 +26,17 @@ def device_key_stores(c) -> tuple:
 
 
 class DeviceExactKeys:
-    """score(ds, L, layer, q, zb): zb [Hq, >= n] <- the scores of the n store tokens for q [Hq, hd]
-    f32 (scaled), ds.m, ds.l <- their softmax stats (kernels_cuda.decode.DecodeStep's buffers)."""
+    """score(ds, L, layer, q, zb, n): zb [Hq, >= n] <- the scores of the store's first n tokens for
+    q [Hq, hd] f32 (scaled), ds.m, ds.l <- their softmax stats (kernels_cuda.decode.DecodeStep's
+    buffers). Never captured in a graph (graph_capturable needs every key encoded): n_live None."""
 
     def __init__(self, c):
         self.c = c
 
-    def score(self, ds, L, layer, q, zb) -> None:
+    def score(self, ds, L, layer, q, zb, n: int, n_live=None) -> None:
         """Tokens [exact_base, n) from the exact keys (those before it are encoded: DeviceCodes
         scored them), stats over all n."""
-        c, n = self.c, self.c.n_store
+        c = self.c
         Kx = c.exact_keys.view(layer, n - c.exact_base)
         zb[:, c.exact_base:n] = torch.bmm(q.view(c.Hkv, -1, c.hd), Kx.transpose(1, 2)).reshape(c.Hq, -1)
         torch.amax(zb[:, :n], 1, out=ds.m)
@@ -43,8 +44,9 @@ class DeviceExactKeys:
 
 
 class DeviceCodes:
-    """The codes' store: score as DeviceExactKeys (approx_scores over the encoded tokens), and
-    encode(K [L, Hkv, m, hd] on the device) -> indices [L, Hkv, m, g]."""
+    """The codes' store: score as DeviceExactKeys (approx_scores over the encoded tokens; a
+    captured step's n_live, int32 [1] on the device: the store's length, n its grids' bound, every
+    token encoded), and encode(K [L, Hkv, m, hd] on the device) -> indices [L, Hkv, m, g]."""
 
     def __init__(self, c, exact: DeviceExactKeys):
         self.c, self.exact = c, exact
@@ -58,12 +60,13 @@ class DeviceCodes:
             c.codebooks = Codebooks(C.float().to(c.device).contiguous(), c.codebooks.source)
         return c.codebooks.centroids
 
-    def score(self, ds, L, layer, q, zb) -> None:
-        c, ne = self.c, self.c.n_encoded
+    def score(self, ds, L, layer, q, zb, n: int, n_live=None) -> None:
+        c = self.c
+        ne = n if n_live is not None else min(n, c.n_encoded)
         if ne:
-            ds.scores(L, q, c.q2k_dev, self.centroids()[layer], c.indices.data[layer], ne, zb)
-        if c.n_store > ne:
-            self.exact.score(ds, L, layer, q, zb)
+            ds.scores(L, q, c.q2k_dev, self.centroids()[layer], c.indices.data[layer], ne, zb, n_live=n_live)
+        if n > ne:
+            self.exact.score(ds, L, layer, q, zb, n)
 
     def encode(self, K: torch.Tensor) -> torch.Tensor:
         Lr, Hkv, m, hd = K.shape
