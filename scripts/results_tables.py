@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from minirun.bench import BenchResult  # noqa: E402
 from minirun.bench_output import to_markdown, to_markdown_compact  # noqa: E402
 from minirun.evaluate import format_markdown  # noqa: E402
-from minirun.planner import format_plan  # noqa: E402
+from minirun.planner import format_bytes, format_plan  # noqa: E402
 
 RESULTS, DOCS = REPO / "docs" / "results", REPO / "docs"
 BLOCK = re.compile(r"(<!-- results: ([\w.-]+)(?: (\w+))? -->\n)(.*?)(<!-- /results -->)", re.S)
@@ -39,10 +39,14 @@ def paired_table(d: dict) -> str:
     lines = [f"{d['test']}, {d['dtype']}, context {d['context']}, {d['rounds']} rounds, {d['threads']} threads: "
              f"tokens/s median (min-max), and the per-round ratio to {d['base']}", "",
              "| mode | tok/s | ratio to " + d["base"] + " | selected |", "|---|---:|---:|---:|"]
+    files = any(r.get("prompt_cache_bytes") for r in d["rows"])   # (--prompt-cache: each mode's file)
+    if files:
+        lines[-2:] = [lines[-2] + " prompt cache |", lines[-1] + "---:|"]
     for r in d["rows"]:
         sel = "-" if r["selected"] is None else f"{100 * r['selected']:.1f}%"
         lines.append(f"| {r['mode']} | {r['tps_median']:.2f} ({r['tps_min']:.2f}-{r['tps_max']:.2f}) | "
-                     f"{r['ratio_median']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {sel} |")
+                     f"{r['ratio_median']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {sel} |"
+                     + (f" {format_bytes(r['prompt_cache_bytes'])} |" if files else ""))
     return "\n".join(lines)
 
 
