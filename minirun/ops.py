@@ -46,19 +46,10 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     raise CheckpointError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, pos0: int, n: int, dtype: torch.dtype, device) -> tuple:
-    """cos, sin [n, head_dim/2] for positions pos0..pos0+n-1.
-
-    Angles are formed in float64 so positions in the millions keep their phase.
-    """
-    pos = torch.arange(pos0, pos0 + n, dtype=torch.float64, device=device)   # (float64: no conversion op)
-    return rope_cos_sin_at(inv_freq.to(device=device, dtype=torch.float64), pos, dtype)
-
-
 def rope_cos_sin_at(inv_freq64: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> tuple:
     """cos, sin [n, head_dim/2] for the positions in pos [n] (int64 or float64, on inv_freq64's device: a
     captured CUDA graph computes each token's angles itself from a device position); inv_freq64
-    [hd/2] float64. rope_cos_sin's arithmetic (it calls this)."""
+    [hd/2] float64. Angles in float64, so that positions in the millions keep their phase."""
     ang = pos.to(torch.float64)[:, None] * inv_freq64[None, :]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 

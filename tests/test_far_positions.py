@@ -12,7 +12,7 @@ from minirun.errors import MiniRunError
 from minirun.kv.base import KVCache
 from minirun.kv.far_positions import (FarFrame, default_far_distance, far_group, far_positions_on, rotate,
                                       unrotate_keys)
-from minirun.ops import apply_rope, rope_cos_sin, rope_inv_freq
+from minirun.ops import apply_rope, rope_inv_freq
 
 from test_hca_cache import random_ids
 
@@ -21,7 +21,7 @@ S, W = 4, 8
 
 def rope(x, pos, inv, sign=1):
     """x [T, H, hd] rotated by sign * pos (ops.apply_rope, the model's own convention)."""
-    c, s = rope_cos_sin(inv, 0, 1, torch.float32, "cpu") if False else _cs(pos, inv)
+    c, s = _cs(pos, inv)
     return apply_rope(x, c, sign * s)
 
 
