@@ -6,7 +6,10 @@ Usage:
       [--hca-opt KEY=VALUE ...] [--prompt-cache DIR]
 (hca:SETTING:VALUES: the store's values as kv_values, float, q8 or q4; default float. --prompt-cache:
 each mode's prompt cache of the context is written into DIR and its size reported, one prefill
-serving both measures.)
+serving both measures. --dense-fill random: a dense mode's cache is filled with random keys and
+values for the context's positions instead of prefilled: dense decoding reads every key and value
+whatever they hold, so its speed is the same, without the quadratic prefill (about an hour at 64K
+tokens on 2 cores); its answers mean nothing, so no quality is measured that way.)
 
 `minirun bench` runs one mode after the other; on a shared machine whose speed drifts by 10-25%
 within minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
@@ -61,6 +64,8 @@ def main():
     ap.add_argument("--prompt-cache", default=None, metavar="DIR",
                     help="write each mode's prompt cache of the context into DIR (a new file per mode) and "
                          "report its bytes")
+    ap.add_argument("--dense-fill", default="prefill", choices=["prefill", "random"],
+                    help="dense modes: prefill the context, or fill the cache with random K/V (speed only)")
     ap.add_argument("-o", "--output", choices=["text", "json"], default="text",
                     help="json: the figures as one JSON object on stdout (the rounds go to stderr)")
     a = ap.parse_args()
@@ -78,7 +83,10 @@ def main():
                           **kw)
         ids = context.ids(eng, a.depth, seed=0)
         t0 = time.perf_counter()
-        eng.prefill(ids)
+        if kind == "dense" and a.dense_fill == "random":
+            fill_random_kv(eng, ids)
+        else:
+            eng.prefill(ids)
         name = kind + (f" {budget}" if budget else "") + ("" if values == "float" else f" {values}")
         say(f"{name}: context of {a.depth} tokens prefilled in {time.perf_counter() - t0:.0f}s", flush=True)
         if a.prompt_cache:
@@ -105,6 +113,7 @@ def main():
                      "selected": selected[name], "prompt_cache_bytes": file_bytes.get(name)})
     if a.output == "json":
         print(json.dumps({"test": f"tg{a.n} @ d{a.depth}", "dtype": a.dtype, "rounds": a.rounds, "context": context.name,
+                          "dense_fill": a.dense_fill,
                           "device_name": device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
                           "base": base, "rows": rows}, indent=1))
         return
@@ -114,6 +123,19 @@ def main():
         sel += "" if r["prompt_cache_bytes"] is None else f"   prompt cache {r['prompt_cache_bytes']} bytes"
         print(f"  {r['mode']:10s} {r['tps_median']:.2f} ({r['tps_min']:.2f}, {r['tps_max']:.2f})   "
               f"x{r['ratio_median']:.2f} ({r['ratio_min']:.2f}, {r['ratio_max']:.2f}){sel}")
+
+
+@torch.inference_mode()
+def fill_random_kv(eng, ids: list[int]) -> None:
+    """A dense cache holding len(ids) positions of random keys and values, the engine taking them
+    for ids (decode_round's prefill then recomputes only the last token): --dense-fill random."""
+    c, n = eng.cache, len(ids)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(c.k.shape[0]):          # (a layer at a time: no [L, Hkv, n, hd] float32 temporary)
+        for t in (c.k, c.v):
+            t[layer, :, :n] = torch.randn(t[layer, :, :n].shape, generator=g).to(t.dtype)
+    c.offset = n
+    eng._cached_ids = list(ids)
 
 
 def write_prompt_cache(eng, directory: Path, name: str) -> int:
