@@ -29,13 +29,14 @@ pull: $(MODEL)/config.json
 chat: pull
 	$(BIN)/minirun chat $(MODEL) $(ARGS)
 
-# the tests spread over the machine's cores (pytest-xdist); test-fast leaves out the slow tier
+# the tests spread over the machine's cores (pytest-xdist; an idle worker takes tests queued for
+# another, and the slow tier is queued first); test-fast leaves out the slow tier
 # (whole-script rehearsals) and the Ray replicas
 test: setup
-	$(BIN)/python -m pytest -q -n auto $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist worksteal $(ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n auto -m "not slow and not ray" $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow and not ray" $(ARGS)
 
 check-cuda:
 	bash scripts/check_cuda.sh

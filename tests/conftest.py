@@ -103,3 +103,10 @@ def float32_quant_prefill(monkeypatch):
 def pytest_report_header(config):
     import torch
     return f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu count {os.cpu_count()}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier first: spread over the cores (pytest-xdist hands tests out in this order), the
+    few tests of minutes start at once and the short ones fill in around them, instead of one
+    left running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
