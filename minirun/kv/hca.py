@@ -68,20 +68,15 @@ class HCACache(HCABase):
     # ---- attention in hca mode (HCABase.attend calls _attend_hca) --------------------------------
     def attend_np(self, layer, q, k, v):
         """One decode token on numpy rows (runners.NumpyTokenRunner): q [Hq, hd], k, v [Hkv, hd]
-        float32 -> o [Hq, hd] float32, in one fused call with no torch op on the way (attend's
+        float32 -> o [Hq, hd] float32, in one fused call with no torch arithmetic on the way (attend's
         torch path, the reference, costs about as much as the call itself in a short store). The
         exact tier alone while the store is empty; prefill modes and bfloat16 rows take attend."""
         if q.dtype != np.float32 or not self._numpy_exact_tier or (self.n_store and self.mode != "hca"):
             return super().attend_np(layer, q, k, v)
-        self._staged[layer] = (torch.from_numpy(k)[None], torch.from_numpy(v)[None])
-        if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
-            self._fit_and_encode()     # (a state loaded mid-prefill: the rest encoded before scoring)
-        qs = q * np.float32(self._q_scale(1))
-        if self.far:
-            q1, kn, EK = self.far.step_inputs(torch.from_numpy(qs)[None], torch.from_numpy(k)[None], self._ek_np[layer],
-                                              self.ek[layer], self.S, self.offset)
-        else:
-            q1, kn, EK = qs, k, self._ek_np[layer]
+        kt = torch.from_numpy(k)[None]
+        self._staged[layer] = (kt, torch.from_numpy(v)[None])
+        self._encode_unencoded()
+        q1, kn, EK = self._step_inputs(layer, torch.from_numpy(q * np.float32(self._q_scale(1)))[None], kt)
         if self.n_store:
             return self._one_call(layer, q1, kn, v, EK, self._ev_np[layer], self.S + self.W, self._exact_valid(),
                                   decode=True)
@@ -98,8 +93,7 @@ class HCACache(HCABase):
 
     def _attend_hca(self, layer, q, k, v):
         """q [T, Hq, hd], k, v [T, Hkv, hd] -> [T, Hq, hd] (q's dtype and device), in hca mode with a store."""
-        if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
-            self._fit_and_encode()     # (a state loaded mid-prefill: the rest encoded before scoring)
+        self._encode_unencoded()
         T = q.shape[0]
         qs = q.float().cpu() * self._q_scale(T)
         if T == 1 and self._numpy_exact_tier:
@@ -108,6 +102,11 @@ class HCACache(HCABase):
                                self._exact_valid(), decode=True)
             return torch.from_numpy(o)[None].to(q.dtype)
         return self._attend_chunk(layer, qs, k, v).to(device=q.device, dtype=q.dtype)
+
+    def _encode_unencoded(self) -> None:
+        """A state loaded mid-prefill: the store's keys not encoded yet, encoded before scoring."""
+        if self.n_encoded < self.n_store and self.codebooks is not None and not self.layout.exact_keys:
+            self._fit_and_encode()
 
     def _attend_chunk(self, layer, qs, k, v) -> torch.Tensor:
         """Each of a chunk's T queries in one call: over a float32 copy of the exact tier with the

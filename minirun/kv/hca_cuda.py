@@ -189,7 +189,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         eagerly: _gpu_sum_launches over the whole store, nothing waited for on the host."""
         o = self._gpu_sum_launches(L, ds, layer, qs, qf, self.n_store, False)
         if self.record_selection is not None:                         # (a probe: this one syncs)
-            cap = self.max_select if self.max_select and self.head_caps is None else 2**31 - 1
+            cap = self._gather_cap() or 2**31 - 1
             self.record_selection.append(np.minimum(ds.counts.cpu().numpy(), cap) / self.n_store)
         return (o if o.dtype == dtype else o.to(dtype))[None]
 
@@ -202,14 +202,19 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         zb, idx = self.z.data[..., 0], self.sel.data[..., 0]
         (self.key_store if self.n_encoded or n_live is not None else self.exact_store).score(ds, L, layer, qf, zb, n,
                                                                                              n_live)
-        # (a cap >= n selects what no cap does: zcut keeps every bin, gather takes them all)
-        cap = self.max_select or 0 if self.head_caps is None else 0
+        cap = self._gather_cap()
         ds.select(L, zb, n, self.tau, idx, cap, n_live=n_live, caps=self.device_caps(layer))
         P = self._exact_parts(L, ds, layer, qs, qf, valid)
         if n_live is None:
             self.values.device_wait()     # the eviction copies, on the GPU (a graph's own launches wrote its rows)
         P = ds.gather(L, idx, zb, n, cap, self.values.data[layer], P)
         return ds.merge(L, P, ds.no_stage)
+
+    def _gather_cap(self) -> int:
+        """The one cap of _gpu_sum_launches' selection: max_select where no per-head caps replace
+        it, else 0 (none). A cap >= n selects what no cap does: zcut keeps every bin, gather takes
+        them all, so it need not depend on n (a captured step's n is its grids' bound)."""
+        return self.max_select or 0 if self.head_caps is None else 0
 
     def _decode_kernels(self):
         """The DecodeStep (persistent buffers of the decode launches), made on first use."""
