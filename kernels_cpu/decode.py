@@ -70,47 +70,53 @@ def _rms_norm(x, w, eps, out):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _gemv_rows_f32(w, x, out):
-    """out [O] = w [O, I] @ x [I], all float32. Each row is a contiguous 1-D view: indexing w[r, i]
-    instead left LLVM with partly scalar code (~0.88x the time per step this way on a Zen 4,
-    scripts/bench_decode_kernels.py)."""
+def _gemm_rows_f32(w, X, out):
+    """out [B, O] = X [B, I] @ w [O, I]^T, all float32: each weight row is read from memory once
+    and dotted with the B rows of X while it is in L1. Each row is a contiguous 1-D view: indexing
+    w[r, i] instead left LLVM with partly scalar code (~0.88x the time per step this way on a Zen
+    4, scripts/bench_decode_kernels.py)."""
     O = w.shape[0]
-    for b in prange((O + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        for r in range(b * _ROWS_PER_TASK, min(O, (b + 1) * _ROWS_PER_TASK)):
+    for blk in prange((O + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        for r in range(blk * _ROWS_PER_TASK, min(O, (blk + 1) * _ROWS_PER_TASK)):
             row = w[r]
-            acc = np.float32(0.0)
-            for i in range(row.shape[0]):
-                acc += row[i] * x[i]
-            out[r] = acc
+            for b in range(X.shape[0]):
+                x = X[b]
+                acc = np.float32(0.0)
+                for i in range(row.shape[0]):
+                    acc += row[i] * x[i]
+                out[b, r] = acc
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _gemv_rows_bf16_pairs(w2, x_even, x_odd, out):
-    """out [O] = w @ x for bfloat16 weights read as uint32 pairs w2 [O, I/2]: the low half of
-    each word is element 2i, the high half element 2i+1 (little endian), so both widen to
-    float32 with one shift or one mask and every lane stays 32 bits wide, which vectorizes;
-    x_even = x[0::2], x_odd = x[1::2]. Element-wise uint16 loads were assembled word by word
+def _gemm_rows_bf16_pairs(w2, X_even, X_odd, out):
+    """out [B, O] = X @ w^T for bfloat16 weights read as uint32 pairs w2 [O, I/2]: the low half of
+    each word is element 2i, the high half element 2i+1 (little endian), so both widen to float32
+    with one shift or one mask and every lane stays 32 bits wide, which vectorizes; X_even =
+    X[:, 0::2], X_odd = X[:, 1::2]. Element-wise uint16 loads were assembled word by word
     (vpinsrw) and the FMAs stayed scalar: this is ~0.79x the time per step (Zen 4)."""
     O = w2.shape[0]
-    for b in prange((O + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        for r in range(b * _ROWS_PER_TASK, min(O, (b + 1) * _ROWS_PER_TASK)):
+    for blk in prange((O + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        for r in range(blk * _ROWS_PER_TASK, min(O, (blk + 1) * _ROWS_PER_TASK)):
             row = w2[r]
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            for i in range(row.shape[0]):
-                u = row[i]
-                a0 += _u32_as_f32(u << np.uint32(16)) * x_even[i]
-                a1 += _u32_as_f32(u & np.uint32(0xFFFF0000)) * x_odd[i]
-            out[r] = a0 + a1
+            for b in range(X_even.shape[0]):
+                xe, xo = X_even[b], X_odd[b]
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                for i in range(row.shape[0]):
+                    u = row[i]
+                    a0 += _u32_as_f32(u << np.uint32(16)) * xe[i]
+                    a1 += _u32_as_f32(u & np.uint32(0xFFFF0000)) * xo[i]
+                out[b, r] = a0 + a1
 
 
-def _gemv_f32(w, x, out):  # pragma: no cover - replaced by the overload inside njit code
+def _gemm_f32(w, X, out):  # pragma: no cover - replaced by the overload inside njit code
     raise NotImplementedError
 
 
-@overload(_gemv_f32)
-def _gemv_f32_impl(w, x, out):
-    """out [O] (float32) = w [O, I] @ x [I] (float32); w float32 or bfloat16 bits (I even).
+@overload(_gemm_f32)
+def _gemm_f32_impl(w, X, out):
+    """out [B, O] (float32) = X [B, I] (float32, C-contiguous) @ w [O, I]^T; w float32 or bfloat16
+    bits (I even). B rows of X: B sequences' decode tokens, the weights read once for all.
 
     No software prefetch: on a Zen 4 it cost ~8% with these kernels (it had gained 15-20% on
     an Icelake with the former element-indexed kernel, which the hardware prefetcher fed worse).
@@ -118,12 +124,12 @@ def _gemv_f32_impl(w, x, out):
     if not isinstance(w, types.Array):
         return None                            # (quantized tiles: kernels_cpu.quant's overload)
     if isinstance(w.dtype, types.Integer):
-        def impl_bf16(w, x, out):
+        def impl_bf16(w, X, out):
             O, I = w.shape
             w2 = w.reshape(-1).view(np.uint32).reshape(O, I // 2)
-            _gemv_rows_bf16_pairs(w2, x[0::2].copy(), x[1::2].copy(), out)
+            _gemm_rows_bf16_pairs(w2, X[:, 0::2].copy(), X[:, 1::2].copy(), out)
         return impl_bf16
-    return lambda w, x, out: _gemv_rows_f32(w, x, out)
+    return lambda w, X, out: _gemm_rows_f32(w, X, out)
 
 
 def _rows(w):  # pragma: no cover - replaced by the overload inside njit code
@@ -140,61 +146,71 @@ def _rows_impl(w):
 
 @njit(cache=True, fastmath=_FASTMATH)
 def _k_attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out):
-    """x [D], w_norm [D], w_qkv [(Hq+2Hkv)*hd, D], inv_freq [hd/2] f64 -> out [(Hq+2Hkv)*hd]."""
-    D = x.shape[0]
-    xn = np.empty(D, np.float32)
-    _rms_norm(x, w_norm, eps, xn)
-    y = np.empty(_rows(w_qkv), np.float32)
-    _gemv_f32(w_qkv, xn, y)
+    """B tokens, one per sequence: x [B, D], w_norm [D], w_qkv [(Hq+2Hkv)*hd, D], pos [B] int64,
+    inv_freq [hd/2] f64 -> out [B, (Hq+2Hkv)*hd]."""
+    B, D = x.shape
+    xn = np.empty((B, D), np.float32)
+    for b in range(B):
+        _rms_norm(x[b], w_norm, eps, xn[b])
+    y = np.empty((B, _rows(w_qkv)), np.float32)
+    _gemm_f32(w_qkv, xn, y)
     half = head_dim // 2
     cos = np.empty(half, np.float32)
     sin = np.empty(half, np.float32)
-    for j in range(half):                      # angles in float64: positions in the millions keep their phase
-        ang = np.float64(pos) * inv_freq[j]
-        cos[j] = np.cos(ang)
-        sin[j] = np.sin(ang)
-    for h in range(n_rot):                     # q heads then k heads: the rotated ones
-        b = h * head_dim
-        for j in range(half):
-            x1, x2 = y[b + j], y[b + half + j]
-            y[b + j] = x1 * cos[j] - x2 * sin[j]
-            y[b + half + j] = x2 * cos[j] + x1 * sin[j]
-    for i in range(y.shape[0]):
-        _st(out, i, y[i])
+    for b in range(B):
+        for j in range(half):                  # angles in float64: positions in the millions keep their phase
+            ang = np.float64(pos[b]) * inv_freq[j]
+            cos[j] = np.cos(ang)
+            sin[j] = np.sin(ang)
+        yb = y[b]
+        for h in range(n_rot):                 # q heads then k heads: the rotated ones
+            c0 = h * head_dim
+            for j in range(half):
+                x1, x2 = yb[c0 + j], yb[c0 + half + j]
+                yb[c0 + j] = x1 * cos[j] - x2 * sin[j]
+                yb[c0 + half + j] = x2 * cos[j] + x1 * sin[j]
+        for i in range(yb.shape[0]):
+            _st(out[b], i, yb[i])
 
 
 @njit(cache=True, fastmath=_FASTMATH)
 def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out):
-    """x [D], o [Hq*hd], w_o [D, Hq*hd], w_norm [D], w_gate_up [2F, D], w_down [D, F] -> out [D]."""
-    D = x.shape[0]
-    of = np.empty(o.shape[0], np.float32)
-    for i in range(o.shape[0]):
-        of[i] = _wf(o[i])
-    h = np.empty(D, np.float32)
-    _gemv_f32(w_o, of, h)
-    x1 = np.empty(D, x.dtype)                  # the residual after attention, in the model dtype
-    for i in range(D):
-        _st(x1, i, _wf(x[i]) + h[i])
-    xn = np.empty(D, np.float32)
-    _rms_norm(x1, w_norm, eps, xn)
+    """B tokens: x [B, D], o [B, Hq*hd], w_o [D, Hq*hd], w_norm [D], w_gate_up [2F, D],
+    w_down [D, F] -> out [B, D]."""
+    B, D = x.shape
+    of = np.empty(o.shape, np.float32)
+    for b in range(B):
+        for i in range(o.shape[1]):
+            of[b, i] = _wf(o[b, i])
+    h = np.empty((B, D), np.float32)
+    _gemm_f32(w_o, of, h)
+    x1 = np.empty((B, D), x.dtype)             # the residual after attention, in the model dtype
+    xn = np.empty((B, D), np.float32)
+    for b in range(B):
+        for i in range(D):
+            _st(x1[b], i, _wf(x[b, i]) + h[b, i])
+        _rms_norm(x1[b], w_norm, eps, xn[b])
     F = _rows(w_gate_up) // 2
-    gu = np.empty(2 * F, np.float32)
-    _gemv_f32(w_gate_up, xn, gu)
-    a = np.empty(F, np.float32)
-    for i in range(F):
-        g = gu[i]
-        a[i] = g / (np.float32(1.0) + np.exp(-g)) * gu[F + i]
-    _gemv_f32(w_down, a, h)
-    for i in range(D):
-        _st(out, i, _wf(x1[i]) + h[i])
+    gu = np.empty((B, 2 * F), np.float32)
+    _gemm_f32(w_gate_up, xn, gu)
+    a = np.empty((B, F), np.float32)
+    for b in range(B):
+        for i in range(F):
+            g = gu[b, i]
+            a[b, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[b, F + i]
+    _gemm_f32(w_down, a, h)
+    for b in range(B):
+        for i in range(D):
+            _st(out[b], i, _wf(x1[b, i]) + h[b, i])
 
 
 @njit(cache=True, fastmath=_FASTMATH)
 def _k_norm_gemv(x, w_norm, eps, w, out):
-    """out [O] (float32) = w [O, D] @ (rms_norm(x) * w_norm): the final norm and the LM head."""
-    xn = np.empty(x.shape[0], np.float32)
-    _rms_norm(x, w_norm, eps, xn)
-    _gemv_f32(w, xn, out)
+    """out [B, O] (float32) = (rms_norm(x) * w_norm) @ w^T, x [B, D]: the final norm and the LM head."""
+    xn = np.empty(x.shape, np.float32)
+    for b in range(x.shape[0]):
+        _rms_norm(x[b], w_norm, eps, xn[b])
+    _gemm_f32(w, xn, out)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -313,38 +329,50 @@ def check_fused_weights(layers, head, act_dtype) -> None:
         _check("norm_gemv", (head["lm_head"],), x, head["norm"])
 
 
+def _as_rows(x):
+    """x [D] or [B, D] -> (a C-contiguous [B, D] view or copy, whether x was one token)."""
+    return np.ascontiguousarray(x.reshape(1, -1) if x.ndim == 1 else x), x.ndim == 1
+
+
 def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None):
     """rms_norm -> fused QKV GEMV -> RoPE (half-split) at position `pos` on the first n_rot heads.
 
-    x, w_norm [D]; w_qkv [(Hq+2Hkv)*hd, D] (C-contiguous), all in one dtype (float32, or uint16
-    bfloat16 bits); inv_freq [hd/2] float64 (RoPE angles pos * inv_freq in float64).
-    Returns out [(Hq+2Hkv)*hd] in the weights' dtype: q heads, k heads (rotated), v heads.
+    x [D], or [B, D] for B sequences' tokens with pos [B]; w_norm [D]; w_qkv [(Hq+2Hkv)*hd, D]
+    (C-contiguous), all in one dtype (float32, or uint16 bfloat16 bits); inv_freq [hd/2] float64
+    (RoPE angles pos * inv_freq in float64). Returns out [(Hq+2Hkv)*hd] ([B, ...] for x [B, D]) in
+    the weights' dtype: q heads, k heads (rotated), v heads.
     """
     _check("attn_in", (w_qkv,), x, w_norm)
-    out = np.empty(rows_of(w_qkv), x.dtype) if out is None else out
-    _k_attn_in(x, w_norm, np.float32(eps), w_qkv, int(pos), np.ascontiguousarray(inv_freq, np.float64),
-               n_rot, head_dim, out)
-    return out
+    xr, one = _as_rows(x)
+    out = np.empty((xr.shape[0], rows_of(w_qkv)), x.dtype) if out is None else out
+    _k_attn_in(xr, w_norm, np.float32(eps), w_qkv, np.asarray(pos, np.int64).reshape(xr.shape[0]),
+               np.ascontiguousarray(inv_freq, np.float64), n_rot, head_dim, out.reshape(xr.shape[0], -1))
+    return out[0] if one and out.ndim == 2 else out
 
 
 def attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out=None):
     """x + W_o @ o, then + W_down @ swiglu(W_gate_up @ rms_norm(.)): the rest of the layer.
 
-    x [D], o [Hq*hd], w_o [D, Hq*hd], w_norm [D], w_gate_up [2F, D] (gate rows then up rows),
-    w_down [D, F]; one dtype (float32 or bfloat16 bits). Returns the new residual out [D].
+    x [D] (or [B, D]), o [Hq*hd] (or [B, Hq*hd]), w_o [D, Hq*hd], w_norm [D], w_gate_up [2F, D]
+    (gate rows then up rows), w_down [D, F]; one dtype (float32 or bfloat16 bits). Returns the new
+    residual out, shaped as x.
     """
     _check("attn_out", (w_o, w_gate_up, w_down), x, o, w_norm)
-    out = np.empty(x.shape[0], x.dtype) if out is None else out
-    _k_attn_out(x, o, w_o, w_norm, np.float32(eps), w_gate_up, w_down, out)
+    xr, _ = _as_rows(x)
+    out = np.empty(x.shape, x.dtype) if out is None else out
+    _k_attn_out(xr, np.ascontiguousarray(o.reshape(xr.shape[0], -1)), w_o, w_norm, np.float32(eps), w_gate_up,
+                w_down, out.reshape(xr.shape))
     return out
 
 
 def norm_gemv(x, w_norm, eps, w, out=None):
-    """(rms_norm(x) * w_norm) @ w^T as float32 [O]: the final norm and LM head of a decode step."""
+    """(rms_norm(x) * w_norm) @ w^T as float32 [O] ([B, O] for x [B, D]): the final norm and LM head
+    of a decode step."""
     _check("norm_gemv", (w,), x, w_norm)
-    out = np.empty(rows_of(w), np.float32) if out is None else out
-    _k_norm_gemv(x, w_norm, np.float32(eps), w, out)
-    return out
+    xr, one = _as_rows(x)
+    out = np.empty((xr.shape[0], rows_of(w)), np.float32) if out is None else out
+    _k_norm_gemv(xr, w_norm, np.float32(eps), w, out.reshape(xr.shape[0], -1))
+    return out[0] if one and out.ndim == 2 else out
 
 
 def dense_attend(q, K, V, n, scale=1.0, out=None):

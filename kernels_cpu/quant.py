@@ -9,7 +9,8 @@ register, so each block's scale is a vector multiply and no horizontal sum is ne
 
 The decode GEMV (kernels_cpu.quant_intdot) multiplies the codes as bytes by x quantized per block to
 16 bits (AVX-512 VNNI) or 14 (AVX2), with a stated error bound; a CPU without AVX2 dequantizes each
-row and dots it with x in float32 (quant_rows.gemv_portable). Prefill dequantizes slabs of rows for
+row and dots it with x in float32 (quant_rows.gemm_portable). Each takes B rows of x (B
+sequences' decode tokens) and reads a tile's codes once for all of them. Prefill dequantizes slabs of rows for
 torch's GEMM (quant_rows). Scales and mins stay float16 bits (uint16), as the GGUF stores them, so
 the resident bytes equal the file's (Q4_K: +2.8%, its 6-bit scales widened to bytes).
 
@@ -24,7 +25,7 @@ Codes within a block keep GGUF's order (ggml-quants.c):
          2s, 2s + 1); w = d * sc[e // 16] * (q - 32)
 
 Each format is a named tuple of its parts plus `rows` (the real O); the fused decode kernels of
-kernels_cpu.decode accept one wherever they accept a float matrix (the `_gemv_f32` overload
+kernels_cpu.decode accept one wherever they accept a float matrix (the `_gemm_f32` overload
 below). References: tests/references/quant.py (NumPy), checked against gguf.quants in the tests.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ from numba import njit
 from numba.extending import overload
 
 from . import quant_intdot as intdot
-from .decode import _gemv_f32, _rows
+from .decode import _gemm_f32, _rows
 
 TILE = 64
 
@@ -55,8 +56,8 @@ TILE_TYPES = {"Q8_0": Q8_0Tiles, "Q4_0": Q4_0Tiles, "Q4_1": Q4_1Tiles, "Q4_K": Q
 
 
 # the GEMV of every format: on integer byte products where the CPU has AVX-512 VNNI or AVX2
-# (kernels_cpu.quant_intdot), else each row dequantized and dotted with x (quant_rows.gemv_portable)
-_GEMV_INT = {"avx512vnni": intdot.gemv_vnni, "avx2": intdot.gemv_avx2}.get(intdot.isa())
+# (kernels_cpu.quant_intdot), else each row dequantized and dotted with x (quant_rows.gemm_portable)
+_GEMM_INT = {"avx512vnni": intdot.gemm_vnni, "avx2": intdot.gemm_avx2}.get(intdot.isa())
 
 
 def _tile_class(w):
@@ -65,14 +66,14 @@ def _tile_class(w):
     return cls if cls in _CODES_PER_ENTRY else None
 
 
-@overload(_gemv_f32)
-def _gemv_quant_impl(w, x, out):
-    """out [rows] (float32) = W @ x (float32) for a quantized W: the decode kernels' GEMVs."""
+@overload(_gemm_f32)
+def _gemm_quant_impl(w, X, out):
+    """out [B, rows] (float32) = X [B, I] (float32) @ W^T for a quantized W: the decode kernels' GEMVs."""
     if _tile_class(w) is None:
         return None
-    from .quant_rows import gemv_portable          # (quant_rows imports this module)
-    kernel = _GEMV_INT or gemv_portable
-    return lambda w, x, out: kernel(w, x, out)
+    from .quant_rows import gemm_portable          # (quant_rows imports this module)
+    kernel = _GEMM_INT or gemm_portable
+    return lambda w, X, out: kernel(w, X, out)
 
 
 @overload(_rows)
@@ -83,15 +84,17 @@ def _rows_quant_impl(w):
 
 
 @njit(cache=True)
-def _k_gemv(w, x, out):
-    _gemv_f32(w, x, out)
+def _k_gemm(w, X, out):
+    _gemm_f32(w, X, out)
 
 
 def gemv(w, x, out=None):
-    """W @ x for one quantized matrix (a *Tiles tuple) and x [I] float32 -> out [rows] float32."""
+    """W @ x for one quantized matrix (a *Tiles tuple): x [I] float32 -> out [rows] float32, or
+    x [B, I] (B tokens) -> out [B, rows]."""
+    X = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
     if out is None:
-        out = np.empty(w.rows, np.float32)
-    _k_gemv(w, np.ascontiguousarray(x, np.float32), out)
+        out = np.empty((X.shape[0], w.rows) if x.ndim == 2 else w.rows, np.float32)
+    _k_gemm(w, X, out.reshape(X.shape[0], w.rows))
     return out
 
 

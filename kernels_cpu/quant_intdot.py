@@ -289,31 +289,38 @@ def _quantize_x(x, hi, lo, xs, qsum, xq, shift):
 
 
 @njit(inline="always")
-def _x_parts(x, xq, shift):
-    I = x.shape[0]
-    hi = np.empty(I, np.int8)
-    lo = np.empty(I, np.int8)
-    xs = np.empty(I // 32, _F32)
-    qsum = np.empty(I // 16, np.int32)
-    _quantize_x(x, hi, lo, xs, qsum, xq, shift)
-    return hi.view(np.int32), lo.view(np.int32), xs, qsum
+def _x_parts(X, xq, shift):
+    """X [B, I] f32 -> hi4, lo4 int32 [B, I/4] (each row's bytes, four columns a word), xs f32
+    [B, I/32], qsum int32 [B, I/16]: _quantize_x of each row."""
+    B, I = X.shape
+    hi = np.empty(B * I, np.int8)
+    lo = np.empty(B * I, np.int8)
+    xs = np.empty((B, I // 32), _F32)
+    qsum = np.empty((B, I // 16), np.int32)
+    for b in range(B):
+        _quantize_x(X[b], hi[b * I:(b + 1) * I], lo[b * I:(b + 1) * I], xs[b], qsum[b], xq, shift)
+    return hi.view(np.int32).reshape(B, I // 4), lo.view(np.int32).reshape(B, I // 4), xs, qsum
 
 
 @njit(parallel=True, cache=True)
-def gemv_vnni(w, x, out):
-    """out [rows] f32 = W @ x for kernels_cpu.quant's tiles (any format) of 64 rows; x [I] f32 (AVX-512 VNNI)."""
-    hi4, lo4, xs, qsum = _x_parts(x, XQ_VNNI, S_VNNI)
+def gemm_vnni(w, X, out):
+    """out [B, rows] f32 = X @ W^T for kernels_cpu.quant's tiles (any format) of 64 rows; X [B, I]
+    f32, B sequences' tokens: a tile's codes are read from memory once and serve the B rows while
+    they are in L1 (a 64-row tile of 576 Q4_1 columns is 20 KB). AVX-512 VNNI."""
+    hi4, lo4, xs, qsum = _x_parts(X, XQ_VNNI, S_VNNI)
     for t in prange(w[0].shape[0]):
         y = np.empty(ROWS, _F32)
-        _tile16(w, t, hi4, lo4, xs, qsum, S_VNNI, y)
-        _store_tile(y, t, w.rows, out)
+        for b in range(X.shape[0]):
+            _tile16(w, t, hi4[b], lo4[b], xs[b], qsum[b], S_VNNI, y)
+            _store_tile(y, t, w.rows, out[b])
 
 
 @njit(parallel=True, cache=True)
-def gemv_avx2(w, x, out):
+def gemm_avx2(w, X, out):
     """The same on AVX2 (vpmaddubsw, x to 14 bits a block)."""
-    hi4, lo4, xs, qsum = _x_parts(x, XQ_AVX2, S_AVX2)
+    hi4, lo4, xs, qsum = _x_parts(X, XQ_AVX2, S_AVX2)
     for t in prange(w[0].shape[0]):
         y = np.empty(ROWS, _F32)
-        _tile8(w, t, hi4, lo4, xs, qsum, S_AVX2, y)
-        _store_tile(y, t, w.rows, out)
+        for b in range(X.shape[0]):
+            _tile8(w, t, hi4[b], lo4[b], xs[b], qsum[b], S_AVX2, y)
+            _store_tile(y, t, w.rows, out[b])

@@ -130,20 +130,23 @@ def _k_dequant_ids(w, ids, out):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def gemv_portable(w, x, out):
-    """out [rows] f32 = W @ x (x [I] f32) where the CPU has no integer kernel (kernels_cpu.quant_intdot):
-    each row dequantized, then its float32 dot with x."""
-    R = w[0].shape[2]
+def gemm_portable(w, X, out):
+    """out [B, rows] f32 = X @ W^T (X [B, I] f32) where the CPU has no integer kernel
+    (kernels_cpu.quant_intdot): each row dequantized once, then its float32 dot with each row of X."""
+    R, B = w[0].shape[2], X.shape[0]
     for t in prange(w[0].shape[0]):
-        row = np.empty(x.shape[0], _F32)
-        y = np.empty(R, _F32)
+        row = np.empty(X.shape[1], _F32)
+        y = np.empty((B, R), _F32)
         for r in range(R):
             _dequant_row(w, t, r, row)
-            s = _F32(0.0)
-            for i in range(x.shape[0]):
-                s += row[i] * x[i]
-            y[r] = s
-        _store_tile(y, t, w.rows, out)
+            for b in range(B):
+                x = X[b]
+                s = _F32(0.0)
+                for i in range(x.shape[0]):
+                    s += row[i] * x[i]
+                y[b, r] = s
+        for b in range(B):
+            _store_tile(y[b], t, w.rows, out[b])
 
 
 def dequantize_rows(w, r0, r1, out=None):

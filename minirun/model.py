@@ -13,8 +13,9 @@ class Model:
     through its own cache; `forward` (one sequence) and `decode_at` (a captured step) call it.
 
     weights: see loader.load_weights (fused wqkv [(Hq+2Hkv)*hd, D] and w_gate_up [2F, D]).
-    Runners (minirun/runners.py), chosen here once: torch ops for every batch, and for one token of
-    one sequence the device's own (the CPU's fused numpy kernels, the GPU's layer kernels).
+    Runners (minirun/runners.py), chosen here once: torch ops for every batch, and for a decode
+    step the device's own (the CPU's fused numpy kernels, one token of each of B sequences; the
+    GPU's layer kernels, one token of one sequence).
     """
 
     def __init__(self, args: ModelArgs, weights: dict, device: torch.device, dtype: torch.dtype):
@@ -44,8 +45,13 @@ class Model:
         return isinstance(self.token_runner, CudaTokenRunner)
 
     def _runner(self, batch: Batch):
-        one_token = len(batch.lengths) == 1 and batch.lengths[0] == 1
-        return self.token_runner if one_token and self.token_runner is not None else self.torch_runner
+        """The device's token runner for a decode step: one token of each sequence (the GPU's: of one
+        sequence); torch's ops for anything else."""
+        if self.token_runner is None or any(n != 1 for n in batch.lengths):
+            return self.torch_runner
+        if len(batch.lengths) > 1 and not isinstance(self.token_runner, NumpyTokenRunner):
+            return self.torch_runner
+        return self.token_runner
 
     def _step(self, runner, batch: Batch, caches: list, pos=None, n_keys: int = 0) -> Step:
         """The Step of one call: RoPE angles (from the device position pos [1] for a captured step)."""

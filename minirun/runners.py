@@ -4,8 +4,9 @@
 attn_out, then finish (the caches advance) and the head. A runner supplies those steps:
 - TorchRunner: torch ops on any device, for any batch (prompt chunks, several sequences' decode
   tokens together); the reference the others are tested against.
-- NumpyTokenRunner: one CPU token through numpy arrays and the fused kernels (kernels_cpu.decode:
-  norm + QKV + RoPE in one call, output projection + norm + MLP in another). Going through torch
+- NumpyTokenRunner: one CPU token of each of B sequences through numpy arrays and the fused
+  kernels (kernels_cpu.decode: norm + QKV + RoPE in one call, output projection + norm + MLP in
+  another; their GEMVs read the weights once for the B tokens). Going through torch
   tensors instead adds ~15 tensor <-> array conversions and checks a layer, ~1.8 ms of a 7.6 ms
   SmolLM2 token on 2 cores. A layer the kernels cannot take (a minirun.quant.RowStack of formats)
   runs torch's ops on the same buffers.
@@ -131,8 +132,9 @@ class TorchRunner:
 
 
 class NumpyTokenRunner(TorchRunner):
-    """One CPU token of one sequence through numpy arrays; the residual in two buffers, in turns.
-    Applies where ops.prepare_fused_decode gave the weights numpy views ("np")."""
+    """One token of each of B sequences (a decode step, B >= 1) on the CPU through numpy arrays and
+    the fused kernels, whose GEMVs read the weights once for the B tokens; the residual [B, D] in
+    two buffers, in turns. Applies where ops.prepare_fused_decode gave the weights numpy views ("np")."""
 
     def __init__(self, weights: dict, args: ModelArgs, dtype: torch.dtype):
         super().__init__(weights, args)
@@ -142,52 +144,62 @@ class NumpyTokenRunner(TorchRunner):
         self.act = np.uint16 if dtype == torch.bfloat16 else np.float32    # (bfloat16 as its bits)
         kernels_cpu.decode.check_fused_weights([w for w in self.np if w is not None], self.head_np, self.act)
         self.needs_angles = any(w is None for w in self.np)   # (the fused kernel turns its own q, k)
-        self.x = [np.empty(args.hidden_size, self.act) for _ in range(2)]
+        self.x = {}                                           # B -> the two residual buffers [B, D]
 
     def embed(self, st: Step):
-        x = self.x[0]
-        x[:] = as_numpy(super().embed(st))[0]
+        B = len(st.batch.lengths)
+        if B not in self.x:
+            self.x[B] = [np.empty((B, self.a.hidden_size), self.act) for _ in range(2)]
+        self.pos = np.asarray(st.batch.starts, np.int64)
+        x = self.x[B][0]
+        x[:] = as_numpy(super().embed(st))
         return x
 
     def attn_in(self, layer: int, x, st: Step):
-        """x [D] -> q [Hq, hd], k, v [Hkv, hd] (numpy; a fresh qkv each layer: a cache may keep k, v)."""
+        """x [B, D] -> q [B, Hq, hd], k, v [B, Hkv, hd] (numpy; a fresh qkv each layer: a cache may keep k, v)."""
         a, w = self.a, self.np[layer]
-        Hq, Hkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        B, Hq, Hkv, hd = x.shape[0], a.num_attention_heads, a.num_key_value_heads, a.head_dim
         if w is None:
-            q, k, v = super().attn_in(layer, from_numpy_bits(x)[None], st)
-            return as_numpy(q[0]), as_numpy(k[0]), as_numpy(v[0])
-        qkv = np.empty((Hq + 2 * Hkv) * hd, self.act)
-        attn_in_into(x, w["attn_norm"], self.eps, w["wqkv"], st.batch.starts[0], w["inv_freq"], Hq + Hkv, hd, qkv)
-        return qkv[:Hq * hd].reshape(Hq, hd), qkv[Hq * hd:(Hq + Hkv) * hd].reshape(Hkv, hd), \
-            qkv[(Hq + Hkv) * hd:].reshape(Hkv, hd)
+            return tuple(as_numpy(t) for t in super().attn_in(layer, from_numpy_bits(x), st))
+        qkv = np.empty((B, (Hq + 2 * Hkv) * hd), self.act)
+        attn_in_into(x, w["attn_norm"], self.eps, w["wqkv"], self.pos, w["inv_freq"], Hq + Hkv, hd, qkv)
+        return qkv[:, :Hq * hd].reshape(B, Hq, hd), qkv[:, Hq * hd:(Hq + Hkv) * hd].reshape(B, Hkv, hd), \
+            qkv[:, (Hq + Hkv) * hd:].reshape(B, Hkv, hd)
 
     def attend(self, layer: int, q, k, v, st: Step):
-        return st.caches[0].attend_np(layer, q, k, v)
+        """Each sequence's token through its cache's attend_np -> o [B, Hq*hd]."""
+        if len(st.caches) == 1:
+            return st.caches[0].attend_np(layer, q[0], k[0], v[0]).reshape(1, -1)
+        o = np.empty((q.shape[0], q.shape[1] * q.shape[2]), q.dtype)
+        for b, cache in enumerate(st.caches):
+            o[b] = cache.attend_np(layer, q[b], k[b], v[b]).reshape(-1)
+        return o
 
     def attn_out(self, layer: int, x, o):
-        spare = self.x[1] if x is self.x[0] else self.x[0]
+        pair = self.x[x.shape[0]]
+        spare = pair[1] if x is pair[0] else pair[0]
         w = self.np[layer]
         if w is None:
-            spare[:] = as_numpy(super().attn_out(layer, from_numpy_bits(x)[None], from_numpy_bits(o)[None]))[0]
+            spare[:] = as_numpy(super().attn_out(layer, from_numpy_bits(x), from_numpy_bits(o)))
         else:
-            attn_out_into(x, o.reshape(-1), w["wo"], w["ffn_norm"], self.eps, w["w_gate_up"], w["w_down"], spare)
+            attn_out_into(x, o, w["wo"], w["ffn_norm"], self.eps, w["w_gate_up"], w["w_down"], spare)
         return spare
 
     def head(self, x, st: Step, all_logits: bool, hidden: bool):
         if hidden or self.head_np is None:
-            return super().head(from_numpy_bits(x.copy())[None], st, all_logits, hidden)
+            return super().head(from_numpy_bits(x.copy()), st, all_logits, hidden)
         return self._norm_gemv(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 1 or self.head_np is None:
+        if self.head_np is None:
             return super().logits(x)
-        return self._norm_gemv(as_numpy(x)[0])
+        return self._norm_gemv(np.ascontiguousarray(as_numpy(x)))
 
     def _norm_gemv(self, x: np.ndarray) -> torch.Tensor:
-        """x [D] -> logits [1, V] float32 (the fused final norm and LM head)."""
-        logits = np.empty(kernels_cpu.decode.rows_of(self.head_np["lm_head"]), np.float32)
+        """x [B, D] -> logits [B, V] float32 (the fused final norm and LM head)."""
+        logits = np.empty((x.shape[0], kernels_cpu.decode.rows_of(self.head_np["lm_head"])), np.float32)
         norm_gemv_into(x, self.head_np["norm"], self.eps, self.head_np["lm_head"], logits)
-        return torch.from_numpy(logits)[None]
+        return torch.from_numpy(logits)
 
 
 class Residual:

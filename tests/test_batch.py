@@ -11,7 +11,10 @@ from minirun.errors import ContextError
 N_NEW = 10
 SETTINGS = {"dense": dict(kv="dense"),
             "hca": dict(kv="hca", kv_budget=0.5, window=16, sinks=4, fit_min_tokens=32),
-            "hca-far": dict(kv="hca", key_store="exact", window=16, sinks=4, far_positions="on")}
+            "hca-far": dict(kv="hca", key_store="exact", window=16, sinks=4, far_positions="on"),
+            # quantized weights: the fused kernels' GEMVs take the batch's B rows at once
+            "dense-q4_1": dict(kv="dense", weights="q4_1"),
+            "hca-bf16": dict(kv="hca", kv_budget=0.5, window=16, sinks=4, fit_min_tokens=32, dtype="bfloat16")}
 
 
 def prompts():

@@ -135,3 +135,26 @@ def test_bfloat16_weights_need_even_columns():
     p = layer(np.random.default_rng(5), "bfloat16")
     with pytest.raises(ValueError, match="even number of columns"):
         kc.norm_gemv(p["x"][:63], p["n2"][:63], 1e-5, np.ascontiguousarray(p["wgu"][:, :63]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_on_rows_give_each_row_its_own_result(dtype):
+    """B tokens of B sequences in one call (the weights read once): row b equals that token alone,
+    each at its own position."""
+    rng = np.random.default_rng(5)
+    p = layer(rng, dtype)
+    B = 3
+    X = np.stack([layer(rng, dtype)["x"] for _ in range(B)])
+    O = np.stack([layer(rng, dtype)["o"] for _ in range(B)])
+    pos = np.array([0, 9, 70000])
+    inv_freq = 10000.0 ** (-np.arange(0, p["hd"], 2) / p["hd"])
+    rot = p["Hq"] + p["Hkv"]
+    got_in = kc.attn_in(X, p["n1"], 1e-5, p["wqkv"], pos, inv_freq, rot, p["hd"])
+    got_out = kc.attn_out(X, O, p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"])
+    got_head = kc.norm_gemv(X, p["n2"], 1e-5, p["wgu"])
+    assert got_in.shape == (B, p["wqkv"].shape[0]) and got_out.shape == X.shape and got_head.shape == (B, 192)
+    for b in range(B):
+        assert np.array_equal(got_in[b], kc.attn_in(X[b], p["n1"], 1e-5, p["wqkv"], pos[b], inv_freq, rot, p["hd"]))
+        assert np.array_equal(got_out[b], kc.attn_out(X[b], O[b], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"]))
+        assert np.array_equal(got_head[b], kc.norm_gemv(X[b], p["n2"], 1e-5, p["wgu"]))
+        close(got_in[b], ref.attn_in_ref(X[b], p["n1"], 1e-5, p["wqkv"], pos[b], inv_freq, rot, p["hd"]), dtype)

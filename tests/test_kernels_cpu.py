@@ -476,7 +476,7 @@ def test_every_cached_kernel_is_stamped_with_the_whole_package():
     files = sorted(glob.glob(os.path.join(os.path.dirname(kernels_cpu.__file__), "*.py")))
     digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in files)).digest()
     assert any(f.endswith("quant.py") for f in files) and any(f.endswith("decode.py") for f in files)
-    for k in (decode._k_attn_in, decode._k_dense_attend, quant._k_gemv, quant_intdot.gemv_avx2,
+    for k in (decode._k_attn_in, decode._k_dense_attend, quant._k_gemm, quant_intdot.gemm_avx2,
               quant_rows._k_dequant_range):
         stamp = k._cache._cache_file._source_stamp
         assert isinstance(stamp, tuple) and stamp[1] == digest and not isinstance(stamp[0], tuple)
@@ -492,9 +492,10 @@ def test_a_cached_kernel_holding_a_parallel_callee_loads_first_in_a_fresh_proces
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     setup = ("import numpy as np; from kernels_cpu import decode; w = np.ones((128, 64), np.float32); "
              "x = np.ones(64, np.float32)")
-    inner = setup + "; out = np.empty(128, np.float32); decode._gemv_rows_f32(w, x, out)"
-    outer = (setup + "; out = np.empty(128, np.float32); "
-             "decode.attn_in_into(x, x, np.float32(1e-5), w, 3, np.ones(4), 6, 16, out); print(out[0])")
+    inner = setup + "; out = np.empty((1, 128), np.float32); decode._gemm_rows_f32(w, x[None], out)"
+    outer = (setup + "; out = np.empty((1, 128), np.float32); "
+             "decode.attn_in_into(x[None], x, np.float32(1e-5), w, np.array([3]), np.ones(4), 6, 16, out); "
+             "print(out[0, 0])")
     for code in (inner, outer, outer):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, (code, r.returncode, r.stderr[-2000:])

@@ -76,11 +76,11 @@ def test_gemv_vs_reference(fmt, rows):
 
 
 ISA = quant_intdot.isa()
-GEMVS = {kr.gemv_portable: None}                  # kernel: its x quantization's XQ (None: float32)
+GEMVS = {kr.gemm_portable: None}                  # kernel: its x quantization's XQ (None: float32)
 if ISA in ("avx2", "avx512vnni"):
-    GEMVS[quant_intdot.gemv_avx2] = quant_intdot.XQ_AVX2
+    GEMVS[quant_intdot.gemm_avx2] = quant_intdot.XQ_AVX2
 if ISA == "avx512vnni":
-    GEMVS[quant_intdot.gemv_vnni] = quant_intdot.XQ_VNNI
+    GEMVS[quant_intdot.gemm_vnni] = quant_intdot.XQ_VNNI
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -101,7 +101,7 @@ def test_gemv_kernels_within_stated_bound(fmt, kernel, rows):
     mass = (W.sum(2) * np.abs(x).reshape(-1, 32).max(1)).sum(1)
     xq = GEMVS[kernel]
     got = np.empty(rows, np.float32)
-    kernel(w, x, got)
+    kernel(w, x[None], got[None])
     if xq is None:                                      # float32 products: rounding only
         assert np.all(np.abs(got - want) <= 2e-6 * mass)
     else:
@@ -109,13 +109,31 @@ def test_gemv_kernels_within_stated_bound(fmt, kernel, rows):
         assert np.all(err <= mass / (2 * xq) + 1e-6 * mass), (err / mass).max()
         assert err.max() > 0                             # (x was quantized: not the float path)
     x[5] = np.nan
-    kernel(w, x, got)
+    kernel(w, x[None], got[None])
     assert np.isnan(got).all()
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("kernel", list(GEMVS), ids=lambda k: k.py_func.__name__)
+def test_gemm_rows_each_equal_their_own_gemv(fmt, kernel):
+    """B rows of x through one call (B sequences' decode tokens, the weights read once) give each
+    row exactly what that row alone gives: x is quantized per row, the sums run in the same order."""
+    rng = np.random.default_rng(11)
+    rows, cols = 130, 512
+    w = tiles(fmt, random_blocks(rng, fmt, rows, cols), cols)
+    X = rng.standard_normal((3, cols)).astype(np.float32) * np.array([[1.0], [1e-3], [50.0]], np.float32)
+    got = np.empty((3, rows), np.float32)
+    kernel(w, X, got)
+    for b in range(3):
+        alone = np.empty((1, rows), np.float32)
+        kernel(w, X[b:b + 1].copy(), alone)
+        assert np.array_equal(got[b], alone[0])
+    assert np.allclose(got, np.stack([gemv_ref(w, x) for x in X]), rtol=1e-2, atol=1e-2 * np.abs(got).max())
+
+
 def test_gemv_is_the_best_one_this_cpu_runs():
-    want = {"avx512vnni": quant_intdot.gemv_vnni, "avx2": quant_intdot.gemv_avx2}.get(ISA)
-    assert kq._GEMV_INT is want
+    want = {"avx512vnni": quant_intdot.gemm_vnni, "avx2": quant_intdot.gemm_avx2}.get(ISA)
+    assert kq._GEMM_INT is want
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
