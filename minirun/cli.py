@@ -98,6 +98,14 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
         click.echo(f"[{prompt_part} | generated {len(r.tokens)} tok, {r.decode_tps:.1f} tok/s]", err=True)
 
 
+def default_parallel(device: str) -> int:
+    """serve --parallel's default: 4 on a CPU (docs/BENCHMARKS.md, "Several conversations at once"),
+    1 on a GPU, where one sequence's step is replayed from a CUDA graph and a batch runs eagerly."""
+    import torch
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return 1 if gpu else 4
+
+
 def max_body_callback(ctx, param, value: int) -> int:
     if not 1 << 10 <= value <= 1 << 30:
         raise click.BadParameter(f"{value} bytes is not in the range 1K to 1G", ctx, param)
@@ -110,8 +118,11 @@ def max_body_callback(ctx, param, value: int) -> int:
               help="address to listen on (0.0.0.0: every interface; then set --api-key)")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--api-key", default=None, help="answer /v1 requests only with the header 'Authorization: Bearer KEY'")
+@click.option("--parallel", type=click.IntRange(1, 256), default=None,
+              help="conversations answered at once, each with its own cache of --ctx tokens, their decode tokens "
+                   "in one forward (continuous batching) [default: 4 on a CPU, 1 on a GPU]")
 @click.option("--max-queue", type=click.IntRange(1, 100_000), default=16, show_default=True,
-              help="requests waiting behind the one being answered; more are refused (503, Retry-After)")
+              help="requests waiting for a free --parallel slot; more are refused (503, Retry-After)")
 @click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="load a KV cache file at start (made by chat or generate --prompt-cache): requests that start "
                    "with its tokens prefill only the rest")
@@ -129,8 +140,8 @@ def max_body_callback(ctx, param, value: int) -> int:
               help="with --replicas: document (the replica holding the prompt's prefix, else the less loaded) or "
                    "Ray Serve's own power-of-two router")
 @engine_options
-def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, max_body, replicas, address, router,
-          **engine_kw):
+def serve(model, host, port, api_key, parallel, max_queue, prompt_cache, model_name, max_body, replicas, address,
+          router, **engine_kw):
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, and a
     chat page at /.
 
@@ -150,7 +161,9 @@ def serve(model, host, port, api_key, max_queue, prompt_cache, model_name, max_b
         raise MiniRunError(f"--prompt-cache: no prompt cache {prompt_cache} (serve reads one that chat or generate "
                            f"--prompt-cache wrote)")
     sock = bind(host, port)          # (before loading: a port in use fails at once)
-    eng = load_engine(model, **engine_kw)
+    if parallel is None:
+        parallel = default_parallel(engine_kw["device"])
+    eng = load_engine(model, parallel=parallel, **engine_kw)
     if prompt_cache is not None:
         n = eng.load_prompt_cache(prompt_cache)
         click.echo(f"minirun serve: {n} tokens from {prompt_cache}", err=True)

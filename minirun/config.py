@@ -242,6 +242,7 @@ class EngineConfig:
     kv_values: str = "float"          # HCA: the store's values on the host: "float" (float16; float32 runs:
                                       # float32), "q8" / "q4" (8 / 4-bit codes per 32 channels: kv/value_codes.py)
     threads: int | None = None
+    parallel: int = 1                 # sequences served at once (minirun serve --parallel), each with a cache of ctx tokens
     cuda_graphs: bool = True          # GPU: decode tokens replayed from CUDA graphs where the cache can be
                                       # captured (dense; HCA with the GPU value sum): minirun/cuda_graph.py
     value_sum: str = "auto"           # HCA on a GPU: where the selected values are summed: "gpu" (a kernel
@@ -329,7 +330,7 @@ MAX_THREADS = os.cpu_count() or 1
 _INT_SETTINGS = {"window": (1, MAX_CTX), "sinks": (0, MAX_CTX), "fit_min_tokens": (1, MAX_CTX),
                  "exact_prefill_max": (0, MAX_CTX), "anchor_tokens": (0, MAX_CTX), "prefill_chunk": (1, MAX_CTX),
                  "far_distance": (1, MAX_CTX), "max_select": (1, MAX_CTX), "threads": (1, MAX_THREADS),
-                 "groups": (1, 1 << 16), "centroids": (2, 32768)}
+                 "groups": (1, 1 << 16), "centroids": (2, 32768), "parallel": (1, 256)}
 _OPTIONAL_SETTINGS = ("prefill_chunk", "far_distance", "max_select", "threads", "groups", "centroids")
 
 

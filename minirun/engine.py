@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -12,30 +11,17 @@ import kernels_cpu
 
 from . import cuda_graph, prompt_cache
 from .config import EngineConfig, ModelArgs
+from .decoding import Decoding, GenerationResult, sequence_logprobs
 from .errors import CheckpointError, ContextError
 from .kv import make_cache
 from .loader import DTYPES, load_weights
 from .model import Model
 from .planner import check_fits
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 
 HCA_STEPS_MAX = 64     # prompt tokens after cached ones that an HCA cache on a GPU takes as decode steps
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]               # new ids (stop token excluded)
-    text: str
-    prompt_tokens: int
-    prefill_tps: float              # over the prompt tokens actually computed (a reused prefix is free)
-    decode_tps: float
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    reused_tokens: int = 0          # prompt prefix served from the cache of the previous call
-    finish_reason: str = "length"   # "stop" | "length" | "ctx" | "cancelled" (should_stop said so)
-    timings: dict = field(default_factory=dict)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -155,6 +141,13 @@ class Engine:
         self.last_logits_cache = cache
         return torch.cat(out)
 
+    def prompt_logprobs(self, ids: list[int], top: int = 0) -> list:
+        """Each prompt token's log-probability given those before it, from `logits` (a cache of its
+        own) -> [(id, logprob, [(id, logprob)] of the top most likely)], the first (id, None, [])."""
+        if len(ids) < 2:
+            return [(ids[0], None, [])] if ids else []
+        return [(ids[0], None, [])] + sequence_logprobs(self.logits(ids)[:-1], list(ids[1:]), top)
+
     @torch.inference_mode()
     def reset(self) -> None:
         """Forget the conversation: the next prompt is prefilled from scratch."""
@@ -169,9 +162,22 @@ class Engine:
         else:
             self.reset()
 
-    @torch.inference_mode()
     def prefill(self, ids: list[int], progress=None, should_stop=None) -> tuple[torch.Tensor, int]:
-        """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache).
+        """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache):
+        prefill_steps run to its end."""
+        steps = self.prefill_steps(ids, progress, should_stop)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()     # (torch enters it around each resumption of the generator)
+    def prefill_steps(self, ids: list[int], progress=None, should_stop=None):
+        """prefill as a generator that yields (None) after each forward of a prompt chunk, so that a
+        caller can run other sequences' steps in between (the server's scheduler); its return
+        value (StopIteration.value) is prefill's. Finish it, or stop it through should_stop: the
+        cache is consistent only once it has returned.
 
         A prefix shared with what the cache already holds is reused when the cache can truncate to it.
         An HCA cache truncates within its ring, or within a ring it copied (kv/ring_checkpoint.py):
@@ -202,12 +208,13 @@ class Engine:
             self.cache.checkpoint("shared")
         t0 = time.perf_counter()
         total = len(ids) - common
-        logits, done, mode = self._prefill_span(ids, common, shared if split else len(ids), progress, should_stop,
-                                                total)
+        logits, done, mode = yield from self._prefill_span(ids, common, shared if split else len(ids), progress,
+                                                           should_stop, total)
         if split and common + done == shared:
             self.cache.checkpoint("shared")
             if should_stop is None or not should_stop():
-                logits, more, _ = self._prefill_span(ids, shared, len(ids), progress, should_stop, total, done)
+                logits, more, _ = yield from self._prefill_span(ids, shared, len(ids), progress, should_stop, total,
+                                                                done)
                 done += more
         if done == total:   # a point to come back to: the next prompt may share this one, not its answer
             self.cache.checkpoint("prompt")
@@ -226,14 +233,14 @@ class Engine:
             mode = "exact" if end <= self.config.exact_prefill_max else "anchor"
         tail = self._hca_tail(mode, start, end)
         if tail:             # a long prompt's last tokens read the whole store, through the selection
-            logits, done, mode = self._prefill_mode_span(ids, start, end - tail, mode, progress, should_stop, total,
-                                                         before)
+            logits, done, mode = yield from self._prefill_mode_span(ids, start, end - tail, mode, progress,
+                                                                    should_stop, total, before)
             if start + done < end - tail or (should_stop is not None and should_stop()):
                 return logits, done, mode
-            logits, more, _ = self._prefill_mode_span(ids, end - tail, end, "hca", progress, should_stop, total,
-                                                      before + done)
+            logits, more, _ = yield from self._prefill_mode_span(ids, end - tail, end, "hca", progress, should_stop,
+                                                                 total, before + done)
             return logits, done + more, mode
-        return self._prefill_mode_span(ids, start, end, mode, progress, should_stop, total, before)
+        return (yield from self._prefill_mode_span(ids, start, end, mode, progress, should_stop, total, before))
 
     def _hca_tail(self, mode: str, start: int, end: int) -> int:
         """Of an anchor prefill of ids[start:end] in an HCA cache, how many last tokens go through
@@ -261,8 +268,10 @@ class Engine:
             done = min(i + chunk, todo.numel())
             if progress:
                 progress(before + done, total)
-            if should_stop is not None and done < todo.numel() and should_stop():
-                break
+            if done < todo.numel():
+                yield
+                if should_stop is not None and should_stop():
+                    break
         self.cache.end_prefill()
         return (None if x is None else self.model.logits(x)), done, mode
 
@@ -306,8 +315,18 @@ class Engine:
         return logits
 
     # ---- generation ---------------------------------------------------------------------------
-    def _run(self, prompt, max_new_tokens: int, stop, sampling: SamplingParams,
-             progress=None, ignore_eos: bool = False, should_stop=None) -> Iterator[tuple[str, GenerationResult]]:
+    def decoding(self, ids: list[int], max_new_tokens: int, stop=(), ignore_eos: bool = False,
+                 logprobs: int | None = None, **sampling) -> Decoding:
+        """The state of an answer to the prompt `ids` on this engine's model (minirun/decoding.py);
+        sampling: SamplingParams' fields (temperature, top_k, top_p, min_p, repetition_penalty, seed)."""
+        sp = SamplingParams(**sampling)
+        eos = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_ids) | frozenset(self.args.eos_ids)
+        history = ids if sp.repetition_penalty != 1.0 else None
+        return Decoding(self.tokenizer, len(ids), max_new_tokens, sp, stop, eos, self.config.ctx - len(ids),
+                        logprobs, history)
+
+    def _run(self, prompt, max_new_tokens: int, stop, sampling: dict, progress=None, ignore_eos: bool = False,
+             should_stop=None, logprobs: int | None = None) -> Iterator[tuple[str, GenerationResult]]:
         """Core loop: yields (text piece, result so far); the last yield carries the final result.
 
         should_stop: optional callable, checked after each prefill chunk and before each decode step;
@@ -315,70 +334,48 @@ class Engine:
         so the cache stays consistent (how the chat's Ctrl-C stops an answer).
         """
         ids = self._ids(prompt)
-        sampler = Sampler(sampling)
-        stops = tuple(s for s in (stop or ()) if s)
-        hold = max((len(s) for s in stops), default=1) - 1   # chars held back: they may start a stop string
+        dec = self.decoding(ids, max_new_tokens, stop, ignore_eos, logprobs, **sampling)
+        res = dec.res
         t0 = time.perf_counter()
         logits, reused = self.prefill(ids, progress, should_stop)
-        history = torch.tensor(ids, dtype=torch.long)
         t1 = time.perf_counter()
-        res = GenerationResult([], "", len(ids), (len(ids) - reused) / max(t1 - t0, 1e-9), 0.0,
-                               prefill_s=t1 - t0, reused_tokens=reused)
-        emitted = 0
-        eos = set() if ignore_eos else set(self.tokenizer.eos_ids) | set(self.args.eos_ids)
+        res.prefill_tps, res.prefill_s, res.reused_tokens = (len(ids) - reused) / max(t1 - t0, 1e-9), t1 - t0, reused
         cancelled = len(self._cached_ids) < len(ids)        # the prefill itself was stopped
-        while True:
+        while not dec.done:
             if cancelled or (should_stop is not None and should_stop()):
-                res.finish_reason = "cancelled"
-                break
-            if len(res.tokens) >= max_new_tokens:
-                res.finish_reason = "length"
-                break
-            tok = sampler(logits[-1], history if sampling.repetition_penalty != 1.0 else None)
-            if tok in eos:
-                res.finish_reason = "stop"
-                break
-            res.tokens.append(tok)
-            if sampling.repetition_penalty != 1.0:
-                history = torch.cat([history, torch.tensor([tok])])
-            text = self.detokenize(res.tokens)
-            cut = min((text.find(s) for s in stops if s in text), default=-1)
-            if cut >= 0:
-                res.text, res.finish_reason = text[:cut], "stop"
-                break
-            if not text.endswith("\ufffd"):        # wait for the rest of a multi-byte character
-                res.text = text
-                safe = len(text) - hold
-                if safe > emitted:
-                    yield text[emitted:safe], res
-                    emitted = safe
-            if len(self._cached_ids) >= self.config.ctx:
-                res.finish_reason = "ctx"
-                break
-            logits = self.step(tok)
+                piece = dec.finish("cancelled")
+            else:
+                piece = dec.take(logits[-1])
+            if piece:
+                yield piece, res
+            if dec.next is not None:
+                logits = self.step(dec.next)
         t2 = time.perf_counter()
         res.decode_s = t2 - t1
         res.decode_tps = len(res.tokens) / max(t2 - t1, 1e-9)
-        if len(res.text) > emitted:
-            yield res.text[emitted:], res
         yield "", res
 
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
-                 stop=(), progress=None, ignore_eos: bool = False, should_stop=None) -> GenerationResult:
-        """prompt: str or list[int]. Returns the new tokens, their text and timings."""
-        sp = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+                 stop=(), progress=None, ignore_eos: bool = False, should_stop=None,
+                 logprobs: int | None = None) -> GenerationResult:
+        """prompt: str or list[int]. Returns the new tokens, their text and timings; logprobs: also
+        each new token's log-probability and the `logprobs` most likely ones (res.logprobs)."""
+        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                  repetition_penalty=repetition_penalty, seed=seed)
         res = None
-        for _, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos, should_stop):
+        for _, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos, should_stop, logprobs):
             pass
         return res
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
-               stop=(), progress=None, ignore_eos: bool = False, should_stop=None) -> Iterator[str]:
+               stop=(), progress=None, ignore_eos: bool = False, should_stop=None,
+               logprobs: int | None = None) -> Iterator[str]:
         """Yield text pieces as they are decoded. `self.last_result` holds the timings afterwards."""
-        sp = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        for piece, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos, should_stop):
+        sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                  repetition_penalty=repetition_penalty, seed=seed)
+        for piece, res in self._run(prompt, max_new_tokens, stop, sp, progress, ignore_eos, should_stop, logprobs):
             self.last_result = res
             if piece:
                 yield piece

@@ -1,6 +1,7 @@
 """Memory planning: the bytes of every tier for (model, ctx, kv policy, dtype), checked before allocating."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -100,6 +101,8 @@ def plan(args: ModelArgs, cfg: EngineConfig, ctx: int | None = None) -> Plan:
         from .kv.hca_layout import hca_tier_bytes
         tiers.update(hca_tier_bytes(args, cfg, ctx))    # (exact keys: float32, as the caches store them)
         tiers.update(prefill_transient_tiers(args, cfg, ctx))
+    if cfg.parallel > 1:     # each sequence its own cache (minirun serve --parallel)
+        tiers = {k: (b if k == "weights" else b * cfg.parallel, where) for k, (b, where) in tiers.items()}
     return Plan(tiers, ctx)
 
 
@@ -150,6 +153,11 @@ def check_fits(args: ModelArgs, cfg: EngineConfig, device: torch.device, avail: 
     hint = " or --kv hca" if cfg.kv == "dense" else ""
     head = (f"--ctx {cfg.ctx} needs {format_bytes(need)} of {where} memory for kv={cfg.kv} but "
             f"{format_bytes(have)} is free")
+    if cfg.parallel > 1:
+        head = f"--parallel {cfg.parallel} x " + head
+        fewer = next((n for n in range(cfg.parallel - 1, 0, -1)
+                      if _fits(plan(args, dataclasses.replace(cfg, parallel=n)), device, avail)), 0)
+        hint += f", or --parallel {fewer}" if fewer else ""
     if best == 0:
         raise ContextError(f"{head}: {what_never_fits(args, cfg, device, avail)}")
     raise ContextError(f"{head}: the largest context that fits is {best} (use --ctx {best}{hint})")

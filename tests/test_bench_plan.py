@@ -134,6 +134,20 @@ def test_refusal_names_the_largest_ctx_that_fits():
     assert plan(a, hca, best).bytes_on("device") <= 4 * GiB < plan(a, hca, best + 1).bytes_on("device")
 
 
+def test_parallel_sequences_each_count_a_cache():
+    """serve --parallel N: N caches of ctx tokens, one copy of the weights; a refusal names the
+    largest N that fits at this ctx."""
+    a = ModelArgs(**SMOLLM2)
+    one, four = (plan(a, EngineConfig(kv="dense", ctx=8192, parallel=n)) for n in (1, 4))
+    kv = one.tiers["dense K+V"][0]
+    assert four.tiers["dense K+V"][0] == 4 * kv and four.tiers["weights"] == one.tiers["weights"]
+    avail = {"host": one.bytes_on("device") + 2 * kv + kv // 2, "device": None}
+    check_fits(a, EngineConfig(kv="dense", ctx=8192, parallel=2), torch.device("cpu"), avail)
+    with pytest.raises(ContextError) as e:
+        check_fits(a, EngineConfig(kv="dense", ctx=8192, parallel=4), torch.device("cpu"), avail)
+    assert "--parallel 4 x --ctx 8192" in str(e.value) and "or --parallel 3" in str(e.value)
+
+
 def run(args, capsys):
     try:
         main(args)

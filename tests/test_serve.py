@@ -191,8 +191,8 @@ def test_bad_requests_get_openai_errors(served):
         chat(c, "x", n=2)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        chat(c, "x", logprobs=True, extra_body={"tools": [], "ignore_eos": True})
-    assert "logprobs" in e.value.body["message"] and "tools" in e.value.body["message"]
+        chat(c, "x", extra_body={"tools": [], "functions": [], "ignore_eos": True})
+    assert "functions" in e.value.body["message"] and "tools" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         chat(c, "x" * (CTX + 10))
     msg = e.value.body["message"]

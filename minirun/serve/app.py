@@ -133,24 +133,53 @@ def usage_of(res) -> dict:
             "prompt_tokens_details": {"cached_tokens": res.reused_tokens}}
 
 
-class Answer:
-    """The response objects of one request: chat.completion(.chunk) or text_completion."""
+def token_text(tokenizer, tok: int) -> str:
+    return tokenizer.decode([tok], skip_special=False)
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False):
+
+class Answer:
+    """The response objects of one request: chat.completion(.chunk) or text_completion.
+    tokenizer: names the tokens of log-probabilities; echo: the prompt [ids] to show before the
+    answer (completions), with its log-probabilities when asked (GenerationResult.prompt_logprobs)."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, tokenizer=None, echo=None):
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.tokenizer, self.echo = tokenizer, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.offset = 0          # (completions: the text offset of the next token)
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, timings=None) -> dict:
+    def logprobs(self, entries) -> dict | None:
+        """OpenAI's logprobs object of entries [(id, logprob | None, [(id, logprob)])]: chat's
+        content list, or completions' parallel lists (with text offsets)."""
+        if entries is None:
+            return None
+        name = lambda t: token_text(self.tokenizer, t)   # noqa: E731
+        if self.chat:
+            return {"content": [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode()),
+                                 "top_logprobs": [{"token": name(i), "logprob": v, "bytes": list(name(i).encode())}
+                                                  for i, v in top]} for t, lp, top in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in entries:
+            out["tokens"].append(name(t))
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(None if lp is None else {name(i): v for i, v in top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(out["tokens"][-1])
+        return out
+
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, timings=None,
+              logprobs=None) -> dict:
+        lp = self.logprobs(logprobs) if logprobs else None
         if self.chat:
             delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
         return {**self._head(True), "choices": [choice], **({"usage": None} if self.include_usage else {}),
                 **({"timings": timings} if timings else {})}
 
@@ -160,25 +189,42 @@ class Answer:
     def full(self, res, timings: dict) -> dict:
         finish = FINISH[res.finish_reason]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None,
-                      "finish_reason": finish}
+            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
+                      "logprobs": self.logprobs(res.logprobs), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": finish}
+            text, entries = res.text, res.logprobs
+            if self.echo is not None:
+                text = self.tokenizer.decode(self.echo) + text
+                if entries is not None:
+                    entries = (res.prompt_logprobs or []) + entries
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(entries), "finish_reason": finish}
         return {**self._head(False), "choices": [choice], "usage": usage_of(res), "timings": timings}
 
 
 async def stream(job: Job, ans: Answer):
     """Server-sent events of one answer; `[DONE]` last. Leaving early (the client closed the
-    connection: Starlette cancels this generator) cancels the job: the engine stops within a token."""
+    connection: Starlette cancels this generator) cancels the job: the engine stops within a token.
+    Log-probabilities go with the text they were read before (job.result's, as the worker
+    appends them), the rest with the last chunk."""
+    sent = 0
+
+    def new_logprobs(res) -> list:
+        nonlocal sent
+        entries = (res.logprobs or []) if res is not None else []
+        got, sent = entries[sent:], len(entries)
+        return got
     try:
         if ans.chat:
             yield sse(ans.chunk(None, role=True))
+        elif ans.echo is not None:
+            yield sse(ans.chunk(ans.tokenizer.decode(ans.echo)))
         while True:
             kind, value = await job.next_event()
             if kind == "text":
-                yield sse(ans.chunk(value))
+                yield sse(ans.chunk(value, logprobs=new_logprobs(job.result)))
             elif kind == "done":
-                yield sse(ans.chunk(None, FINISH[value.finish_reason], timings=job.timings))
+                yield sse(ans.chunk(None, FINISH[value.finish_reason], timings=job.timings,
+                                    logprobs=new_logprobs(value)))
                 if ans.include_usage:
                     yield sse(ans.usage_chunk(value))
                 break
@@ -295,13 +341,15 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     async def answer(request: Request, body, ids: list[int], chat: bool, tokenize_s: float):
         max_new = body.max_new_tokens or max(1, ctx - len(ids))
-        job = Job(ids, max_new, body.sampling(), asyncio.get_running_loop())
+        echo = ids if not chat and body.echo else None
+        job = Job(ids, max_new, body.sampling(), asyncio.get_running_loop(),
+                  prompt_logprobs=body.logprob_count if echo is not None else None)
         job.timings["tokenize_s"] = tokenize_s
         try:
             worker.submit(job)
         except (QueueFull, ShuttingDown) as e:
             raise error_of(e) from None
-        ans = Answer(chat, model_name, body.include_usage)
+        ans = Answer(chat, model_name, body.include_usage, eng.tokenizer, echo)
         if body.stream:
             return StreamingResponse(stream(job, ans), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -316,7 +364,8 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
     async def health():
         stopping = worker.stopping.is_set()
         return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name, "ctx": ctx,
-                             "kv": eng.config.kv, "busy": worker.busy, "queued": worker.queued},
+                             "kv": eng.config.kv, "busy": worker.busy, "queued": worker.queued,
+                             "slots": len(getattr(worker, "slots", ())) or 1, "active": getattr(worker, "active", 0)},
                             503 if stopping else 200)
 
     @app.get("/v1/models")

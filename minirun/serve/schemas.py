@@ -2,7 +2,7 @@
 
 Unknown fields are kept (extra="allow") so that `unsupported()` can name them in a 400 instead of
 ignoring them: a client asking for tools or log-probabilities must learn that it did not get them.
-A few OpenAI fields are accepted at their neutral value only (n = 1, logprobs false, penalties 0).
+A few OpenAI fields are accepted at their neutral value only (n = 1, suffix, best_of 1, penalties 0).
 Types are strict (a JSON string is not an integer, 1 is not a boolean; an integer is a float) and
 every number has a range: the sampler's own ones, OpenAI's for penalties, n and seed (a signed
 64-bit integer that is not negative), and for temperature, top_p and repetition_penalty a bound that
@@ -85,10 +85,17 @@ class Request(BaseModel):
             raise ApiError(400, f"stop: at most 4 sequences, got {len(self.stop)}", "stop")
 
     def sampling(self) -> dict:
-        """Keyword arguments of Engine.stream for the sampler and the stop strings."""
+        """Keyword arguments of Engine.decoding: the sampler, the stop strings, log-probabilities."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                    repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+                    repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                    logprobs=self.logprob_count)
+
+    @property
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; else how many most likely tokens beside each one (each
+        endpoint's own fields say)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -127,7 +134,7 @@ class ChatRequest(Request):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool | None = None
-    NEUTRAL: ClassVar[dict] = {**Request.NEUTRAL, "logprobs": (None, False)}
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -139,6 +146,13 @@ class ChatRequest(Request):
         super().check()
         for i, m in enumerate(self.messages):
             m.check(f"messages[{i}]")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: logprobs must be true to use it", "top_logprobs")
+
+    @property
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; else how many most likely tokens beside each one."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict]:
         """The messages as the chat template takes them (developer is the newer name of system)."""
@@ -155,9 +169,12 @@ class CompletionRequest(Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=20)
-    logprobs: int | None = Field(None, ge=0, le=5)
-    NEUTRAL: ClassVar[dict] = {**Request.NEUTRAL, "echo": (False,), "suffix": (None,), "best_of": (None, 1),
-                               "logprobs": (None,)}
+    logprobs: int | None = Field(None, ge=0, le=20)
+    NEUTRAL: ClassVar[dict] = {**Request.NEUTRAL, "suffix": (None,), "best_of": (None, 1)}
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt: text or token ids (a list of several prompts is a batch: refused)."""

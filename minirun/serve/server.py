@@ -32,10 +32,10 @@ class Server(uvicorn.Server):
 
 def make_server(engine, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                 max_queue: int = 16, log_level: str = "info", start_worker: bool = True,
-                max_body: int = MAX_BODY) -> Server:
-    """A server over `engine` (its worker's thread started, unless start_worker is False: then the
-    caller runs server.worker.run()); .run() serves until stopped."""
-    worker = EngineWorker(engine, max_queue)
+                max_body: int = MAX_BODY, parallel: int | None = None) -> Server:
+    """A server over `engine` and parallel - 1 siblings (default: its config's; its worker's thread started, unless
+    start_worker is False: then the caller runs server.worker.run()); .run() serves until stopped."""
+    worker = EngineWorker(engine, max_queue, parallel)
     if start_worker:
         worker.start()
     app = create_app(worker, model_name, api_key, max_body)
@@ -78,7 +78,8 @@ def run(engine, model_name: str, sock: socket.socket, api_key: str | None, max_q
     if not is_loopback(host) and not api_key:
         print(f"minirun serve: note: listening on {host} without --api-key: anyone who can reach this port can "
               "use the model", file=sys.stderr)
-    print(f"minirun serve: {model_name} (ctx {engine.config.ctx}, kv {engine.config.kv}) on http://{where}:{port}/ "
+    print(f"minirun serve: {model_name} (ctx {engine.config.ctx}, kv {engine.config.kv}, {engine.config.parallel} at once) on "
+          f"http://{where}:{port}/ "
           f"(the chat page; the API at /v1; Ctrl-C stops)", file=sys.stderr)
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minirun-http", daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):   # (uvicorn listens to signals only from the main thread)

@@ -1,14 +1,21 @@
-"""One engine, one thread, a bounded FIFO queue of requests.
+"""The engine's thread: N slots, each a sequence with its own KV cache, stepped together.
 
-The Engine is not thread-safe and owns one sequence's KV cache, so requests are answered one at a
-time, in order, by one thread (`minirun serve`: the main thread, where the engine was loaded;
-`start` runs it in a thread of its own); each one reuses the cache for its longest common prefix
-with what the cache holds (Engine.prefill). The HTTP side (asyncio) hands a Job to `submit` and
-reads its events from an asyncio queue the worker feeds through the event loop:
+The Engine is not thread-safe, so one thread runs every forward (`minirun serve`: the main
+thread, where the engine was loaded; `start` runs it in a thread of its own). The HTTP side
+(asyncio) hands a Job to `submit`, which queues it (bounded: QueueFull, 503), and reads its events
+from an asyncio queue the worker feeds through the event loop:
   ("text", piece)* then ("done", GenerationResult) | ("error", Exception).
+
+Continuous batching (what llama-server's slots and vLLM's scheduler do): a queued job takes a
+free slot at the next step; each step advances every slot still reading its prompt by one chunk
+(Engine.prefill_steps) and then decodes one token for every answering slot in one forward
+(Engine.step_batch: the weights read once for all of them). A long prompt therefore delays the
+others' next token by one chunk's forward (512 tokens on a CPU), not by its whole prefill. A job
+goes to the free slot whose cache holds the longest prefix of its prompt when that covers at
+least half of it (a follow-up about a document reaches the slot that read the document), else to
+the least recently used one; Engine.prefill then reuses what the cache shares with the prompt.
 Stopping: a Job's `cancel` (its client went away) or the worker's `stopping` (the server shuts
-down) makes Engine's should_stop say True, checked after each prefill chunk and before each
-decode step, so a generation ends within one token and the cache stays consistent.
+down) ends that answer at the next step (within one token or one chunk), and the slot is free.
 """
 from __future__ import annotations
 
@@ -48,12 +55,14 @@ class Job:
     max_new_tokens: int
     params: dict
     loop: asyncio.AbstractEventLoop
+    prompt_logprobs: int | None = None   # echo with logprobs: the prompt's, this many most likely beside each
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # seconds, filled by the worker: queued, to the first text (wall and the process's CPU time,
     # which does not depend on what else the machine runs), prefill, and the decode tokens/s
     timings: dict = field(default_factory=dict)
+    result: object = None     # the GenerationResult being filled (its logprobs grow as tokens come)
 
     def put(self, kind: str, value=None) -> None:
         """From the worker thread: one event into the request's queue, through its event loop."""
@@ -66,16 +75,44 @@ class Job:
         return await self.events.get()
 
 
-class EngineWorker:
-    """Runs Jobs on `engine` one at a time, in order: in the calling thread (`run`) or its own (`start`)."""
+@dataclass
+class Slot:
+    """One sequence of the served model: its engine (the shared model, a cache of its own) and the
+    job it answers: while `prefill` (Engine.prefill_steps) runs, its prompt; then `dec`'s tokens."""
+    engine: object
+    job: Job | None = None
+    dec: object = None
+    prefill: object = None
+    used: float = 0.0                  # when it last took a job: the least recently used goes first
+    t0: float = 0.0                    # when it took the job (wall, and the process's CPU time)
+    cpu0: float = 0.0
+    decode_t0: float | None = None     # when its prompt was read
 
-    def __init__(self, engine, max_queue: int = 16):
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class EngineWorker:
+    """Runs Jobs on `parallel` slots of `engine` (the engine itself and parallel - 1 siblings; by
+    default the engine's config.parallel, which its memory plan counted), in the calling thread
+    (`run`) or its own (`start`)."""
+
+    def __init__(self, engine, max_queue: int = 16, parallel: int | None = None):
+        parallel = engine.config.parallel if parallel is None else parallel
         if max_queue < 1:
             raise MiniRunError(f"--max-queue must be at least 1, got {max_queue}")
+        if parallel < 1:
+            raise MiniRunError(f"--parallel must be at least 1, got {parallel}")
         self.engine = engine
+        self.slots = [Slot(engine)] + [Slot(engine.sibling()) for _ in range(parallel - 1)]
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.stopping = threading.Event()
-        self.busy = False
         self.served = 0
         self._seconds = deque(maxlen=8)     # the last jobs' durations: the Retry-After estimate
         self._thread = threading.Thread(target=self.run, name="minirun-engine", daemon=True)
@@ -94,16 +131,24 @@ class EngineWorker:
             raise QueueFull(self.retry_after()) from None
 
     def retry_after(self) -> int:
-        """Seconds until the queue has room, by the mean duration of recent jobs (at least 1)."""
+        """Seconds until the queue has room, by the mean duration of recent jobs over the slots (at least 1)."""
         mean = sum(self._seconds) / len(self._seconds) if self._seconds else 1.0
-        return max(1, min(3600, math.ceil(mean)))
+        return max(1, min(3600, math.ceil(mean / len(self.slots))))
 
     @property
     def queued(self) -> int:
         return self.jobs.qsize()
 
+    @property
+    def active(self) -> int:
+        return sum(s.job is not None for s in self.slots)
+
+    @property
+    def busy(self) -> bool:
+        return self.active > 0
+
     def stop(self, timeout: float | None = None) -> None:
-        """Stop now: the job being answered ends at its next check, the queued ones fail."""
+        """Stop now: the jobs being answered end at their next step, the queued ones fail."""
         self.stopping.set()
         if timeout is not None and self._thread.is_alive():
             self._thread.join(timeout)
@@ -112,48 +157,153 @@ class EngineWorker:
     def run(self, alive=None) -> None:
         """Answer jobs until `stop` (or until alive(), when given, says False: the HTTP side ended)."""
         while not self.stopping.is_set() and (alive is None or alive()):
-            try:
-                job = self.jobs.get(timeout=0.25)   # (wakes up to see `stopping`)
-            except queue.Empty:
-                continue
-            self._answer(job)
-        while True:   # fail what is still queued
+            self._admit()
+            if self.busy:
+                self.step()
+        for slot in self.slots:    # end what is still being answered, fail what is queued
+            if slot.job is not None:
+                self._end(slot, "cancelled")
+        while True:
             try:
                 self.jobs.get_nowait().put("error", ShuttingDown("the server is shutting down"))
             except queue.Empty:
                 break
 
-    def _answer(self, job: Job) -> None:
-        if job.cancel.is_set():     # its client left while it waited
-            job.put("error", ShuttingDown("cancelled"))
-            return
-        if self.stopping.is_set():
-            job.put("error", ShuttingDown("the server is shutting down"))
-            return
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        self.busy = True
-        eng = self.engine
-        tm = job.timings
-        tm["queued_s"] = t0 - job.submitted
+    def _admit(self) -> None:
+        """Queued jobs into free slots; waits a little for one when nothing runs (to see `stopping`)."""
+        while any(s.job is None for s in self.slots):
+            try:
+                job = self.jobs.get(timeout=0.25) if not self.busy else self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job.cancel.is_set():     # its client left while it waited
+                job.put("error", ShuttingDown("cancelled"))
+                continue
+            self._begin(self._slot_for(job.ids), job)
+
+    def _slot_for(self, ids: list[int]) -> Slot:
+        """The free slot whose cache holds the longest prefix of ids, when that is at least half of
+        them; else the least recently used free slot."""
+        free = [s for s in self.slots if s.job is None]
+        reuse = max(free, key=lambda s: shared_prefix(s.engine._cached_ids, ids))
+        if 2 * shared_prefix(reuse.engine._cached_ids, ids) >= len(ids):
+            return reuse
+        return min(free, key=lambda s: s.used)
+
+    def _begin(self, slot: Slot, job: Job) -> None:
+        slot.t0, slot.cpu0 = time.perf_counter(), time.process_time()
+        job.timings["queued_s"] = slot.t0 - job.submitted
+        slot.job, slot.used = job, slot.t0
         try:
-            stop = lambda: job.cancel.is_set() or self.stopping.is_set()   # noqa: E731
-            for piece in eng.stream(job.ids, max_new_tokens=job.max_new_tokens, should_stop=stop, **job.params):
-                if "first_text_s" not in tm:
-                    tm["first_text_s"], tm["first_text_cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
-                job.put("text", piece)
-            res = eng.last_result
-            tm["prefill_s"], tm["decode_tps"] = res.prefill_s, res.decode_tps
-            if res.finish_reason == "cancelled" and self.stopping.is_set() and not job.cancel.is_set():
-                job.put("error", ShuttingDown("the server is shutting down"))
-            else:
-                job.put("done", res)
-        except MiniRunError as e:   # a request the engine refuses (context full, bad sampling values)
-            job.put("error", e)
-        except Exception as e:      # a bug: report it, start the next request from a clean cache
+            slot.dec = slot.engine.decoding(job.ids, job.max_new_tokens, **job.params)
+            job.result = slot.dec.res
+            if job.prompt_logprobs is not None:    # (a forward of the prompt in a cache of its own)
+                job.result.prompt_logprobs = slot.engine.prompt_logprobs(job.ids, job.prompt_logprobs)
+        except MiniRunError as e:   # sampling values the engine refuses
+            self._fail(slot, e)
+            return
+        stop = lambda: job.cancel.is_set() or self.stopping.is_set()   # noqa: E731
+        slot.prefill = slot.engine.prefill_steps(job.ids, should_stop=stop)
+
+    def step(self) -> None:
+        """One step: a prompt chunk for each slot still prefilling, then one token for every answering
+        slot in one forward."""
+        for slot in self.slots:
+            if slot.prefill is not None:
+                self._guarded([slot], self._prefill_chunk, slot)
+        ready = [s for s in self.slots if s.job is not None and s.prefill is None]
+        for slot in ready:
+            if slot.job.cancel.is_set() or self.stopping.is_set():
+                self._end(slot, "cancelled")
+        ready = [s for s in ready if s.job is not None]
+        if ready:
+            self._guarded(ready, self._decode, ready)
+
+    def _prefill_chunk(self, slot: Slot) -> None:
+        try:
+            next(slot.prefill)
+            return
+        except StopIteration as done:
+            logits, reused = done.value
+        slot.prefill = None
+        eng, res = slot.engine, slot.dec.res
+        dt = time.perf_counter() - slot.t0
+        res.prefill_s, res.reused_tokens = dt, reused
+        res.prefill_tps = (res.prompt_tokens - reused) / max(dt, 1e-9)
+        slot.job.timings["prefill_s"] = dt
+        slot.decode_t0 = time.perf_counter()
+        if len(eng._cached_ids) < res.prompt_tokens:     # stopped inside the prompt
+            self._end(slot, "cancelled")
+        else:
+            self._take(slot, logits[-1])
+
+    def _decode(self, ready: list[Slot]) -> None:
+        toks = [s.dec.next for s in ready]
+        if len(ready) == 1:
+            logits = ready[0].engine.step(toks[0])
+        else:
+            logits = type(ready[0].engine).step_batch([s.engine for s in ready], toks)
+        for i, slot in enumerate(ready):
+            self._take(slot, logits[i])
+
+    def _take(self, slot: Slot, logits) -> None:
+        piece = slot.dec.take(logits)
+        self._emit(slot, piece)
+        if slot.dec.done:
+            self._done(slot)
+
+    def _emit(self, slot: Slot, piece: str) -> None:
+        if not piece:
+            return
+        tm = slot.job.timings
+        if "first_text_s" not in tm:
+            tm["first_text_s"], tm["first_text_cpu_s"] = time.perf_counter() - slot.t0, time.process_time() - slot.cpu0
+        slot.job.put("text", piece)
+
+    def _end(self, slot: Slot, reason: str) -> None:
+        """End a slot's answer early (cancelled, or the server stops)."""
+        if slot.prefill is not None:      # let the prefill finish its bookkeeping (should_stop says True)
+            for _ in slot.prefill:
+                pass
+            slot.prefill = None
+            slot.decode_t0 = slot.decode_t0 or time.perf_counter()
+        self._emit(slot, slot.dec.finish(reason))
+        self._done(slot)
+
+    def _done(self, slot: Slot) -> None:
+        job, res = slot.job, slot.dec.res
+        now = time.perf_counter()
+        res.decode_s = now - (slot.decode_t0 or now)
+        res.decode_tps = len(res.tokens) / max(res.decode_s, 1e-9)
+        job.timings["decode_tps"] = res.decode_tps
+        slot.engine.last_result = res       # (as Engine.stream leaves it)
+        if res.finish_reason == "cancelled" and self.stopping.is_set() and not job.cancel.is_set():
+            job.put("error", ShuttingDown("the server is shutting down"))
+        else:
+            job.put("done", res)
+        self._free(slot)
+
+    def _fail(self, slot: Slot, e: Exception) -> None:
+        slot.job.put("error", e)
+        self._free(slot)
+
+    def _free(self, slot: Slot) -> None:
+        self.served += 1
+        self._seconds.append(time.perf_counter() - slot.t0)
+        slot.job = slot.dec = slot.prefill = slot.decode_t0 = None
+
+    def _guarded(self, slots: list[Slot], fn, *args) -> None:
+        """Run one step's work for `slots`; a refusal (MiniRunError) fails their jobs, a bug too,
+        reported, their caches started afresh; the other slots go on."""
+        try:
+            fn(*args)
+        except MiniRunError as e:
+            for slot in slots:
+                if slot.job is not None:
+                    self._fail(slot, e)
+        except Exception as e:
             traceback.print_exc(file=sys.stderr)
-            eng.reset()
-            job.put("error", InternalError(f"{type(e).__name__}: {e}"))
-        finally:
-            self.busy = False
-            self.served += 1
-            self._seconds.append(time.perf_counter() - t0)
+            for slot in slots:
+                if slot.job is not None:
+                    slot.engine.reset()
+                    self._fail(slot, InternalError(f"{type(e).__name__}: {e}"))
