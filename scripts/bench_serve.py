@@ -1,9 +1,10 @@
 """Load test of a running `minirun serve` (or any OpenAI-compatible server), from the client's side.
 
 1. N concurrent clients x M streamed chat requests each (fixed length: ignore_eos): time to first
-   token (queueing included: the server answers one request at a time), p50 and p95; each answer's
-   decode tokens/s after its first token, p50 and p95 (the slow tail: 1 / p95 of the time per
-   token); and the aggregate tokens/s.
+   token (waiting for a free slot included), p50 and p95; each answer's decode tokens/s after its
+   first token, p50 and p95 (the slow tail: 1 / p95 of the time per token); and the aggregate
+   tokens/s. --mixed-doc-tokens: the same with N - 1 short clients while one more sends a long
+   document (how long the short ones wait behind its prefill).
 2. A long document (--doc-tokens, counted with --tokenizer) with a question, then --followups more
    questions about the same document: time to first token of the first request (the whole
    prefill) against the next ones (the document reused: usage.prompt_tokens_details.cached_tokens).
@@ -85,8 +86,11 @@ class Client:
                 "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else None, "server": timings}
 
 
-def concurrent_phase(client: Client, clients: int, requests: int, max_tokens: int) -> dict:
-    results, errors = [], []
+def concurrent_phase(client: Client, clients: int, requests: int, max_tokens: int, document: str | None = None,
+                     doc_answer_tokens: int = 16) -> dict:
+    """clients x requests short chats at once; document: one more client sends it with a question at
+    the start (the mixed phase: how long the short ones wait behind its prefill)."""
+    results, errors, doc_row = [], [], {}
     topics = ["rivers", "bridges", "owls", "glass", "tides", "maps", "bees", "clocks", "salt", "kites"]
 
     def run(c: int):
@@ -97,10 +101,21 @@ def concurrent_phase(client: Client, clients: int, requests: int, max_tokens: in
                                            max_tokens))
             except Exception as e:   # (reported, the other clients go on)
                 errors.append(f"client {c} request {m}: {e}")
+
+    def read_document():
+        try:
+            doc_row.update(client.chat(f"Read this document:\n\n{document}\n\nQuestion: what is it about?",
+                                       doc_answer_tokens))
+        except Exception as e:
+            errors.append(f"document client: {e}")
     t0 = time.perf_counter()
     threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
+    if document is not None:
+        threads.insert(0, threading.Thread(target=read_document))
     for t in threads:
         t.start()
+        if document is not None and t is threads[0]:
+            time.sleep(0.05)     # (its prefill has started when the short ones arrive)
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
@@ -112,7 +127,8 @@ def concurrent_phase(client: Client, clients: int, requests: int, max_tokens: in
             "ttft_p50": percentile(ttft, 50) if ttft else None, "ttft_p95": percentile(ttft, 95) if ttft else None,
             # tokens/s of the median answer, and of the slow tail (1 / p95 of the time per token)
             "decode_tps_p50": 1 / percentile(tpot, 50) if tpot else None,
-            "decode_tps_p95": 1 / percentile(tpot, 95) if tpot else None}
+            "decode_tps_p95": 1 / percentile(tpot, 95) if tpot else None,
+            **({"document": {k: doc_row.get(k) for k in ("prompt_tokens", "ttft", "total")}} if document else {})}
 
 
 def make_document(tokenizer_dir: str, n_tokens: int, seed: int = 0) -> tuple[str, list[tuple[str, int]]]:
@@ -170,6 +186,9 @@ def main():
     ap.add_argument("--followups", type=int, default=3)
     ap.add_argument("--documents", type=int, default=1, help="documents whose questions take turns")
     ap.add_argument("--doc-answer-tokens", type=int, default=300)
+    ap.add_argument("--mixed-doc-tokens", type=int, default=0,
+                    help="a mixed phase: --clients - 1 short clients while one more sends a document of this many "
+                         "tokens (0: none)")
     ap.add_argument("--tokenizer", default="models/SmolLM2-135M-Instruct", help="model directory to size the document")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("-o", "--out", default=None, help="write the results as JSON")
@@ -188,6 +207,13 @@ def main():
               f"{c['decode_tps_p95']:.1f} tok/s")
         for e in c["errors"]:
             print(f"  error: {e}")
+    if a.mixed_doc_tokens:
+        doc, _ = make_document(a.tokenizer, a.mixed_doc_tokens, seed=99)
+        m = concurrent_phase(client, max(1, a.clients - 1), a.requests, a.max_tokens, doc)
+        report["mixed"] = m
+        print(f"{a.clients - 1} short clients beside a {a.mixed_doc_tokens}-token document: first token p50 "
+              f"{m['ttft_p50']:.2f} s, p95 {m['ttft_p95']:.2f} s; the document's first token "
+              f"{m['document']['ttft'] or float('nan'):.2f} s")
     if a.doc_tokens:
         docs = [make_document(a.tokenizer, a.doc_tokens, seed=d) for d in range(a.documents)]
         rows = document_phase(client, docs, a.followups, a.doc_answer_tokens)

