@@ -125,7 +125,12 @@ def main() -> None:
             s = rounds[name][-1]["concurrent"]
             print(f"round {r}: {name}: {s['aggregate_tps']:.1f} tok/s in all, first token p95 {s['ttft_p95']:.2f} s",
                   file=sys.stderr)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+    report = {"title": f"Servers side by side: {a.clients} clients x {a.requests} streamed requests x "
+                       f"{a.max_tokens} tokens" + (f", then {a.clients - 1} of them beside a "
+                                                  f"{a.mixed_doc_tokens}-token document" if doc else "")
+                       + f"; SmolLM2-135M-Instruct Q4_1 as pulled, {a.threads} threads, means of {a.rounds} rounds",
+              "kind": "serve-peers", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+              "command": "python scripts/bench_serve_peers.py " + " ".join(sys.argv[1:]),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "servers": {n: {"summary": summary(rs), "rounds": rs} for n, rs in rounds.items()}}
     for n, v in report["servers"].items():

@@ -9,7 +9,8 @@ scripts/bench_gpu.py; "table": "compact" for one line per decode variant), "eval
 `minirun eval -o json`), "eval-grid" ("reports": several, as one continuation perplexity
 table), "paired" (scripts/bench_paired.py -o json), "vs-llamacpp" ("report":
 scripts/bench_vs_llamacpp.py's, whose --json writes the whole file), "plan" (`minirun plan -o
-json`), "serve" ("runs": scripts/bench_serve.py reports, one per server), "longdoc" ("rows":
+json`), "serve" ("runs": scripts/bench_serve.py reports, one per server), "serve-peers"
+("servers": scripts/bench_serve_peers.py's, whose --json writes the whole file), "longdoc" ("rows":
 scripts/bench_longdoc.py's), "budgets" ("rows": scripts/head_budget_rules.py's). A document shows a file's table between `<!-- results: NAME [VIEW] -->` and `<!-- /results -->` (NAME: the file's
 name without .json; VIEW "summary": an eval report's settings and main table only), headed by its
 title and followed by its command, machine and date.
@@ -145,6 +146,20 @@ def budgets_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def serve_peers_table(servers: dict) -> str:
+    """scripts/bench_serve_peers.py's summaries: one row per server, means over the rounds."""
+    lines = ["| server | tok/s in all | first token p50 / p95 s | decode tok/s p50 | beside a document: short "
+             "ones' first token p50 / p95 s | the document's first token s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"   # noqa: E731
+    for name, v in servers.items():
+        s = v["summary"]
+        lines.append(f"| {name} | {f(s['aggregate_tps'], 1)} | {f(s['ttft_p50'])} / {f(s['ttft_p95'])} | "
+                     f"{f(s['decode_tps_p50'], 1)} | {f(s.get('mixed_ttft_p50'))} / {f(s.get('mixed_ttft_p95'))} | "
+                     f"{f(s.get('mixed_document_ttft'))} |")
+    return "\n".join(lines)
+
+
 def render(d: dict, view: str | None = None) -> str:
     """A results file as markdown: its title, its table, its command, machine and date. view
     "summary": an eval report's settings and main table only."""
@@ -169,6 +184,8 @@ def render(d: dict, view: str | None = None) -> str:
         body = "```\n" + format_plan(d["report"]) + "\n```"
     elif kind == "serve":
         body = serve_table(d["runs"])
+    elif kind == "serve-peers":
+        body = serve_peers_table(d["servers"])
     elif kind == "longdoc":
         body = longdoc_table(d["rows"])
     elif kind == "budgets":

@@ -18,6 +18,7 @@ from minirun.config import ModelArgs
 from test_quant_kernels import random_blocks
 
 IDS = [5, 9, 11, 3, 7, 1, 2, 8, 40, 41, 17]
+LONG_IDS = IDS * 4 + [6, 12]          # (more than matrix.ROWS_MAX tokens: the dequantized GEMM)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -133,18 +134,34 @@ def test_quantized_prefill_gemm_in_bfloat16_where_native(tiny_model_dir, monkeyp
     from minirun.quant import matrix
     eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=64, weights="q8_0")
     monkeypatch.setattr(matrix, "PREFILL_BF16", False)
-    exact = eng.logits(IDS)
+    exact = eng.logits(LONG_IDS)
     monkeypatch.setattr(matrix, "PREFILL_BF16", True)
     seen = []
     mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append(a.dtype) or mm(a, b, **kw))
     monkeypatch.setattr(ops, "cpu_bf16_gemm", lambda: True)
-    native = eng.logits(IDS)
+    native = eng.logits(LONG_IDS)
     assert seen and set(seen) == {torch.bfloat16}
     assert 0 < rel_err(native, exact) <= 2e-2
     seen.clear()
     monkeypatch.setattr(ops, "cpu_bf16_gemm", lambda: False)
-    assert torch.equal(eng.logits(IDS), exact) and set(seen) == {torch.float32}
+    assert torch.equal(eng.logits(LONG_IDS), exact) and set(seen) == {torch.float32}
+
+
+def test_a_short_chunk_takes_the_integer_gemv_on_its_rows(tiny_model_dir, monkeypatch):
+    """A prompt of at most matrix.ROWS_MAX tokens runs the integer GEMV on its rows (no weight is
+    dequantized), within the x quantization's bound of the dequantized GEMM's logits."""
+    from minirun.quant import matrix
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=64, weights="q8_0")
+    mm = torch.mm
+    seen = []
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append(1) or mm(a, b, **kw))
+    short = eng.logits(IDS)
+    assert not seen and len(IDS) <= matrix.ROWS_MAX
+    monkeypatch.setattr(matrix, "ROWS_MAX", 0)
+    monkeypatch.setattr(matrix, "PREFILL_BF16", False)
+    dequantized = eng.logits(IDS)
+    assert seen and 0 < rel_err(short, dequantized) <= 1e-3
 
 
 def test_bfloat16_prefill_widened_without_native_bf16(tiny_model_dir, monkeypatch):

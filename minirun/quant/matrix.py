@@ -4,8 +4,10 @@ The model's layer loop takes a QuantMatrix wherever it takes a float weight tens
 ops.embed, the CPU's fused one-token kernels through `kernel_view`). The blocks are repacked once,
 at load, into kernels_cpu.quant's row tiles (kernels_cuda.quant reads the same tiles on a GPU):
 
-- one token (T = 1): a GEMV that reads the codes and scales as stored (kernels_cpu.quant.gemv);
-- a chunk of tokens (prefill): rows dequantized a slab at a time into one shared scratch buffer,
+- up to ROWS_MAX tokens (a decode step, a short prompt): the integer GEMV of kernels_cpu.quant on
+  the T rows, reading the codes and scales as stored, once for all T (dequantizing every weight
+  costs more than the products of a few rows: a 3072x576 Q4_1 matrix, 32 rows, ~1.5 ms against ~10);
+- a longer chunk of tokens (prefill): rows dequantized a slab at a time into one shared scratch buffer,
   then torch's GEMM (in bfloat16 where the CPU has a native one: PREFILL_BF16, else float32), so a
   prompt runs at the float GEMM's speed and nothing float stays resident.
 """
@@ -20,6 +22,7 @@ from kernels_cpu import quant as kq, quant_rows as kr
 from .. import hugepages
 from .formats import BlockFormat, block_format, kernel_planes, to_planes
 
+ROWS_MAX = 32                    # tokens of a chunk that take the integer GEMV instead of a dequantized GEMM
 _SLAB = 1 << 22                  # elements dequantized per GEMM in a prefill (16 MiB of float32)
 _scratch: dict = {}
 
@@ -107,8 +110,8 @@ class QuantMatrix:
         if self.cuda is not None:
             from kernels_cuda import quant as kcq
             y = kcq.linear(self.cuda, x)
-        elif x.shape[0] == 1:
-            y = torch.from_numpy(kq.gemv(self.tiles, x[0].float().numpy()))[None].to(x.dtype)
+        elif x.shape[0] <= ROWS_MAX:
+            y = torch.from_numpy(kq.gemv(self.tiles, x.float().numpy())).to(x.dtype)
         else:
             dt = prefill_dtype(x)
             y = self._prefill(x.to(dt)).to(x.dtype)
