@@ -150,6 +150,9 @@ def serve(model, host, port, api_key, parallel, max_queue, prompt_cache, model_n
     if replicas is not None:
         if prompt_cache is not None:
             raise MiniRunError("--prompt-cache is not taken with --replicas")
+        if parallel not in (None, 1):
+            raise MiniRunError("--parallel is not taken with --replicas: each replica answers one conversation at "
+                               "a time (more replicas answer more at once)")
         from .serve.launch import run as run_replicas
         run_replicas(model, engine_kw, replicas, address=address, host=host, port=port, max_queue=max_queue,
                      model_name=model_name, api_key=api_key, router=router, max_body=max_body)
