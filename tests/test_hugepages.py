@@ -52,8 +52,15 @@ def test_small_buffers_are_not_advised():
 def test_large_buffer_gets_huge_pages():
     # 64 MiB: above glibc's largest mmap threshold (32 MiB), so a fresh mapping, never memory an
     # earlier test in this process touched (madvise reaches pages not yet touched only)
-    t = hugepages.empty(64 << 20, dtype=torch.uint8)
-    assert hugepages.advise(t)
-    t.fill_(1)                                      # first touch: the faults take 2 MiB pages
-    assert _anon_huge_kb(t.data_ptr() + (32 << 20)) >= 2048
+    # (the kernel falls back to 4 KiB pages when it finds no free 2 MiB block, as on a machine whose
+    # memory other work has fragmented: a few fresh mappings, one of them must get huge pages)
+    huge = []
+    for _ in range(4):
+        t = hugepages.empty(64 << 20, dtype=torch.uint8)
+        assert hugepages.advise(t)
+        t.fill_(1)                                  # first touch: the faults take 2 MiB pages
+        huge.append(_anon_huge_kb(t.data_ptr() + (32 << 20)))
+        if huge[-1] >= 2048:
+            break
+    assert max(huge) >= 2048, huge
     assert sys.platform.startswith("linux")
