@@ -6,7 +6,7 @@ at load, into kernels_cpu.quant's row tiles (kernels_cuda.quant reads the same t
 
 - up to ROWS_MAX tokens (a decode step, a short prompt): the integer GEMV of kernels_cpu.quant on
   the T rows, reading the codes and scales as stored, once for all T (dequantizing every weight
-  costs more than the products of a few rows: a 3072x576 Q4_1 matrix, 32 rows, ~1.5 ms against ~10);
+  costs more than the products of a few rows; on a 2-core AVX2 EPYC the two cross near 96 rows);
 - a longer chunk of tokens (prefill): rows dequantized a slab at a time into one shared scratch buffer,
   then torch's GEMM (in bfloat16 where the CPU has a native one: PREFILL_BF16, else float32), so a
   prompt runs at the float GEMM's speed and nothing float stays resident.
@@ -22,7 +22,7 @@ from kernels_cpu import quant as kq, quant_rows as kr
 from .. import hugepages
 from .formats import BlockFormat, block_format, kernel_planes, to_planes
 
-ROWS_MAX = 32                    # tokens of a chunk that take the integer GEMV instead of a dequantized GEMM
+ROWS_MAX = 64                    # tokens of a chunk that take the integer GEMV instead of a dequantized GEMM
 _SLAB = 1 << 22                  # elements dequantized per GEMM in a prefill (16 MiB of float32)
 _scratch: dict = {}
 
