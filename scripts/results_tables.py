@@ -147,16 +147,22 @@ def budgets_table(rows: list[dict]) -> str:
 
 
 def serve_peers_table(servers: dict) -> str:
-    """scripts/bench_serve_peers.py's summaries: one row per server, means over the rounds."""
-    lines = ["| server | tok/s in all | first token p50 / p95 s | decode tok/s p50 | beside a document: short "
-             "ones' first token p50 / p95 s | the document's first token s |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """scripts/bench_serve_peers.py's summaries: one row per server, means over the rounds (the
+    document's columns where the run had the mixed phase; "refused" where a server refused it)."""
+    mixed = any("mixed_ttft_p50" in v["summary"] for v in servers.values())
+    head = "| server | tok/s in all | first token p50 / p95 s | decode tok/s p50 |"
+    lines = [head + (" beside a document: short ones' first token p50 / p95 s | the document's first token s |"
+                     if mixed else ""), "|---|---:|---:|---:|" + ("---:|---:|" if mixed else "")]
     f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"   # noqa: E731
     for name, v in servers.items():
         s = v["summary"]
-        lines.append(f"| {name} | {f(s['aggregate_tps'], 1)} | {f(s['ttft_p50'])} / {f(s['ttft_p95'])} | "
-                     f"{f(s['decode_tps_p50'], 1)} | {f(s.get('mixed_ttft_p50'))} / {f(s.get('mixed_ttft_p95'))} | "
-                     f"{f(s.get('mixed_document_ttft'))} |")
+        row = (f"| {name} | {f(s['aggregate_tps'], 1)} | {f(s['ttft_p50'])} / {f(s['ttft_p95'])} | "
+               f"{f(s['decode_tps_p50'], 1)} |")
+        if mixed and s.get("mixed_refused"):
+            row += " refused | refused |"
+        elif mixed:
+            row += f" {f(s.get('mixed_ttft_p50'))} / {f(s.get('mixed_ttft_p95'))} | {f(s.get('mixed_document_ttft'))} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
