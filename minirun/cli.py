@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from .cli_bench import SizeType
-from .cli_common import engine_options, load_engine, sampling_options, split_kwargs
+from .cli_common import device_type, engine_options, load_engine, sampling_options, split_kwargs
 from .errors import MiniRunError
 
 
@@ -98,12 +98,10 @@ def generate(model, prompt, file_, as_chat, prompt_cache, prompt_cache_ro, stats
         click.echo(f"[{prompt_part} | generated {len(r.tokens)} tok, {r.decode_tps:.1f} tok/s]", err=True)
 
 
-def default_parallel(device: str) -> int:
+def default_parallel(engine_kw: dict) -> int:
     """serve --parallel's default: 4 on a CPU (docs/BENCHMARKS.md, "Several conversations at once"),
     1 on a GPU, where one sequence's step is replayed from a CUDA graph and a batch runs eagerly."""
-    import torch
-    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return 1 if gpu else 4
+    return 1 if device_type(engine_kw) == "cuda" else 4
 
 
 def max_body_callback(ctx, param, value: int) -> int:
@@ -165,7 +163,7 @@ def serve(model, host, port, api_key, parallel, max_queue, prompt_cache, model_n
                            f"--prompt-cache wrote)")
     sock = bind(host, port)          # (before loading: a port in use fails at once)
     if parallel is None:
-        parallel = default_parallel(engine_kw["device"])
+        parallel = default_parallel(engine_kw)
     eng = load_engine(model, parallel=parallel, **engine_kw)
     if prompt_cache is not None:
         n = eng.load_prompt_cache(prompt_cache)

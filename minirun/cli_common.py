@@ -142,7 +142,7 @@ _FLAG_FIELDS = {"kv_budget": ("kv_budget", "--kv-budget"), "budgets": ("kv_budge
                 "max_select": ("max_select", "--max-select")}
 
 
-def _device_type(kw: dict) -> str:
+def device_type(kw: dict) -> str:
     """--device as the engine resolves it ("auto": cuda when torch sees a GPU; plan's --gpu-mem: cuda)."""
     device = str(kw.get("device") or "auto")
     if device == "auto":
@@ -176,7 +176,7 @@ def warn_idle_settings(ctx: click.Context, kw: dict) -> None:
     except MiniRunError:            # (a bad value: the command says so itself)
         return
     lines = {f"minirun: warning: {spelt[name]} does nothing {why}"
-             for name, why in idle_settings(cfg, list(spelt), _device_type(kw))}
+             for name, why in idle_settings(cfg, list(spelt), device_type(kw))}
     for line in sorted(lines):
         click.echo(line, err=True)
 
