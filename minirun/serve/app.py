@@ -160,9 +160,11 @@ class Answer:
             return None
         name = lambda t: token_text(self.tokenizer, t)   # noqa: E731
         if self.chat:
-            return {"content": [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode()),
-                                 "top_logprobs": [{"token": name(i), "logprob": v, "bytes": list(name(i).encode())}
-                                                  for i, v in top]} for t, lp, top in entries]}
+            def entry(t, lp):
+                text = name(t)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                                for t, lp, top in entries]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t, lp, top in entries:
             out["tokens"].append(name(t))

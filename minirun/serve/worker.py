@@ -242,7 +242,7 @@ class EngineWorker:
         if len(ready) == 1:
             logits = ready[0].engine.step(toks[0])
         else:
-            logits = type(ready[0].engine).step_batch([s.engine for s in ready], toks)
+            logits = ready[0].engine.step_batch([s.engine for s in ready], toks)
         for i, slot in enumerate(ready):
             self._take(slot, logits[i])
 
@@ -265,8 +265,7 @@ class EngineWorker:
         if slot.prefill is not None:      # let the prefill finish its bookkeeping (should_stop says True)
             for _ in slot.prefill:
                 pass
-            slot.prefill = None
-            slot.decode_t0 = slot.decode_t0 or time.perf_counter()
+            slot.prefill, slot.decode_t0 = None, time.perf_counter()
         self._emit(slot, slot.dec.finish(reason))
         self._done(slot)
 
