@@ -6,7 +6,8 @@ at load, into kernels_cpu.quant's row tiles (kernels_cuda.quant reads the same t
 
 - up to ROWS_MAX tokens (a decode step, a short prompt): the integer GEMV of kernels_cpu.quant on
   the T rows, reading the codes and scales as stored, once for all T (dequantizing every weight
-  costs more than the products of a few rows; on a 2-core AVX2 EPYC the two cross near 96 rows);
+  costs more than the products of a few rows; ROWS_MAX sits below the chunk size at which the
+  dequantized GEMM overtakes the GEMV on a 2-core AVX2 CPU);
 - a longer chunk of tokens (prefill): rows dequantized a slab at a time into one shared scratch buffer,
   then torch's GEMM (in bfloat16 where the CPU has a native one: PREFILL_BF16, else float32), so a
   prompt runs at the float GEMM's speed and nothing float stays resident.
