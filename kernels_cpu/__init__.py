@@ -23,12 +23,12 @@ each function:
   tiles; ``gemv`` (byte dot products: :mod:`kernels_cpu.quant_intdot`); the tiles are accepted
   by ``attn_in``, ``attn_out`` and ``norm_gemv`` in place of a float matrix;
   :mod:`kernels_cpu.quant_rows`: ``dequantize_rows``, ``dequantize_ids`` (references:
-  tests/references/quant.py)
+  tests/support/references/quant.py)
 * ``dense_attend(q, K, V, n) -> o``: one decode token's exact GQA attention over a dense cache
   (float32 or bfloat16 bits)
 * ``turn_rows(EK, start, cos, sin) -> out``: rows past `start` turned by one rotation (far positions)
 
-Each has a NumPy reference ``<name>_ref`` in tests/references/ (with the tests).
+Each has a NumPy reference ``<name>_ref`` in tests/support/references/ (with the tests).
 float16 key/value pools are accepted; Numba has no CPU float16 type, so they
 are viewed as uint16 and converted exactly inside the kernels (hardware
 ``fpext`` where the target has it, else bit manipulation; see
@@ -52,7 +52,7 @@ stamp_caches(__name__)           # one cache stamp for every kernel of the packa
 # Numba's thread pool before any kernel loads from its cache: a cached kernel that holds a parallel
 # callee (the fused decode kernels hold the parallel GEMVs) refers to the pool's scheduling
 # functions, which are known to the linker only once the pool is launched; loaded first in a
-# process, such a kernel crashed (tests/test_kernels_cpu.py reproduces it in three processes).
+# process, such a kernel crashed (tests/kernels/test_kernels_cpu.py reproduces it in three processes).
 import numba as _numba  # noqa: E402
 _numba.get_num_threads()
 

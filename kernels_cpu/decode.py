@@ -12,7 +12,7 @@ the KV cache's business):
 Weights are float32 arrays or bfloat16 bit patterns (uint16 arrays; NumPy has no bfloat16).
 Activations stay float32 inside a kernel; what leaves it (q, k, v, the residual x) is stored in
 the weights' dtype, as the torch layer loop would hold it. Each kernel has a NumPy reference in
-tests/references/cpu.py (`attn_in_ref`, `attn_out_ref`).
+tests/support/references/cpu.py (`attn_in_ref`, `attn_out_ref`).
 """
 
 import numpy as np
@@ -312,7 +312,7 @@ def rows_of(w) -> int:
 
 
 # The fused kernels without their wrappers' checks and allocations, for a caller that checked its
-# weights once (check_fused_weights) and owns its buffers (minirun/runners.py, NumpyTokenRunner): the wrappers'
+# weights once (check_fused_weights) and owns its buffers (minirun/model/runners.py, NumpyTokenRunner): the wrappers'
 # ~10 us a layer are a tenth of a small model's token.
 attn_in_into, attn_out_into, norm_gemv_into = _k_attn_in, _k_attn_out, _k_norm_gemv
 

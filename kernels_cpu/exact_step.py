@@ -18,7 +18,7 @@ kv-head's query heads select ~5-10% of the tokens, 1.6 picks per distinct token)
    (level_sum._k_level_value_sum, which reads float scores as it reads levels: scale 1, offset 0,
    m = the exact max score), the token itself, and the log-sum-exp merge, as hca_step does.
 
-Reference: hca_exact_decode_attend_ref in tests/references/cpu.py.
+Reference: hca_exact_decode_attend_ref in tests/support/references/cpu.py.
 """
 from __future__ import annotations
 

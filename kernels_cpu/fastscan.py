@@ -22,7 +22,7 @@ Block of 32 tokens, per pair group: one 32-byte load of codes, the two nibbles s
 a mask, per query head two pshufb and a byte add, then a 16-bit accumulate of the even and odd
 bytes (FAISS's trick: a = sum of the bytes read as uint16 words, b = sum of the words >> 8; the odd
 bytes' sums are b, the even ones' a - (b << 8)). Needs AVX2 (`available()`); elsewhere the cache
-takes the generic path over the product codebook. Reference (tests/references/cpu.py): fs_lut_ref,
+takes the generic path over the product codebook. Reference (tests/support/references/cpu.py): fs_lut_ref,
 fs_levels_ref, hca_decode_attend_fs_ref.
 """
 from __future__ import annotations

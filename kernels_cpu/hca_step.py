@@ -6,7 +6,7 @@ each head's level cut and the value sum over the selection read from the levels
 (kernels_cpu.level_sum), log-sum-exp merge). Called one by one from Python, their wrappers, checks and
 small NumPy glue cost ~1 ms per layer on a 2-core CPU, as much as the scoring itself; here they run
 back to back inside one compiled function.
-Reference: hca_decode_attend_ref in tests/references/cpu.py (the composition of the kernels' references).
+Reference: hca_decode_attend_ref in tests/support/references/cpu.py (the composition of the kernels' references).
 """
 
 import numba

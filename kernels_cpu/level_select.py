@@ -23,7 +23,7 @@ above: when the last (catch-all) bucket is within 40 logits of the top non-empty
 head is selected on its float scores instead (kernels_cpu.select: the exact minimal set).
 
 tau >= 1 selects every token, tau <= 0 none. The fused steps run these kernels (kernels_cpu.hca_step,
-kernels_cpu.fastscan). Reference: packed_select_ref / levels_select_ref in tests/references/cpu.py.
+kernels_cpu.fastscan). Reference: packed_select_ref / levels_select_ref in tests/support/references/cpu.py.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ same softmax, another reference point).
 The fused decode steps run it: kernels_cpu.hca_step and fastscan on the levels, kernels_cpu.exact_step
 with float32 scores in place of the levels (scale 1, offset 0, m the exact max score).
 Reference: weighted_value_sum_ref over packed_select_ref, inside hca_decode_attend_ref
-(tests/test_hca_step_kernel.py).
+(tests/kernels/test_hca_step_kernel.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Approximate scores from integer-packed lookup tables: the CPU's scoring path for HCA.
 
 Float product-quantization scores add g float32 table entries per (token, query head)
-(kernels_cuda's approx_scores; approx_scores_ref in tests/references/cpu.py). On a CPU that is
+(kernels_cuda's approx_scores; approx_scores_ref in tests/support/references/cpu.py). On a CPU that is
 bound by loads, not arithmetic: each (token, group) index costs one scalar load and add per query
 head of the kv-head. Here each query head's table is quantized to unsigned integers (SWAR, "SIMD
 within a register"):
@@ -24,7 +24,7 @@ product quantization itself (the codebooks), and the selection that follows is a
 The fused step (kernels_cpu.hca_step) makes the tables with the lookup table itself (`_k_lut_pack`)
 and sums them per token block (`_accumulate_block`, in kernels_cpu.level_select's scoring pass,
 which keeps the sums as integer levels).
-Reference: pack_lut_ref, packed_scores_ref in tests/references/cpu.py.
+Reference: pack_lut_ref, packed_scores_ref in tests/support/references/cpu.py.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ Codes within a block keep GGUF's order (ggml-quants.c):
 
 Each format is a named tuple of its parts plus `rows` (the real O); the fused decode kernels of
 kernels_cpu.decode accept one wherever they accept a float matrix (the `_gemm_f32` overload
-below). References: tests/references/quant.py (NumPy), checked against gguf.quants in the tests.
+below). References: tests/support/references/quant.py (NumPy), checked against gguf.quants in the tests.
 """
 from __future__ import annotations
 

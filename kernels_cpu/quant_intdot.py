@@ -21,7 +21,7 @@ Codes lie four bytes of a row to a 32-bit lane: parts [nt, bytes / 4, 64, 4] (ke
 tiles), so one lane's dot product is one vpdpbusd for 16 rows (vpmaddubsw + vpmaddwd: 8). The tile is
 LLVM IR built here (Numba has no vector types), as in kernels_cpu.fastscan; each format is a
 generator of its groups (_GROUPS). Error against the float32 product: at most
-sum_b max|x_b| sum_i |w_bi| / (2 XQ), plus float32 rounding (tests/test_quant_kernels.py).
+sum_b max|x_b| sum_i |w_bi| / (2 XQ), plus float32 rounding (tests/kernels/test_quant_kernels.py).
 """
 from __future__ import annotations
 

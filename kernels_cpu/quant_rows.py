@@ -2,7 +2,7 @@
 rows before torch's GEMM (minirun.quant.matrix), the embedding's rows of a chunk's tokens, and the
 GEMV of a CPU without AVX2.
 Each format's row follows ggml-quants.c's formulas (kernels_cpu.quant's docstring has the codes'
-order); tests/references/quant.py is the reference."""
+order); tests/support/references/quant.py is the reference."""
 from __future__ import annotations
 
 import numpy as np

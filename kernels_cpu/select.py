@@ -11,7 +11,7 @@ zcut = the largest z at which the mass of {z >= zcut} reaches tau*S; pass 4 writ
 
 Bound: the selection is the minimal set plus the tokens tied with zcut (count <= minimal +
 ties(zcut) - 1), identical to a full-sort reference (threshold_select_ref in
-tests/references/cpu.py) up to float64 summation-order rounding (the mass sums use the same
+tests/support/references/cpu.py) up to float64 summation-order rounding (the mass sums use the same
 float32 weights). If rounding keeps the cumulative mass just below tau*S the boundary bucket (or
 everything) is included. tau >= 1 selects all n; tau <= 0 nothing; n == 0 (or all z == -inf)
 -> count 0, l_sel 0, m = -inf. NaN scores are never selected (unless tau >= 1).

@@ -7,7 +7,7 @@ A quantized row of d channels is [codes | float16 scales] bytes: q8 (width >= d)
 x = (c - 128) s; q4 (width < d) d/2 bytes, group k's byte i holding channel 32k + i (low nibble)
 and 32k + 16 + i (high), x = c s + min, (s, min) per group. A weight w times a row is then
 (w s) c + w b per group (b = -128 s or min): the sums fold the group's constant once.
-Reference: tests/references/values.py (decode_values_ref)."""
+Reference: tests/support/references/values.py (decode_values_ref)."""
 from __future__ import annotations
 
 import numpy as np

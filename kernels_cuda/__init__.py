@@ -9,8 +9,8 @@ Torch CUDA tensors in and out, launched on torch's current stream:
 * ``kernels_cuda.layer``: a layer's one-token element-wise ops; ``kernels_cuda.quant``: GGUF GEMVs
 * ``available() -> bool``
 
-The tests run every kernel through checked wrappers (tests/cuda_wrappers.py) against the NumPy
-references (``<name>_ref`` in tests/references/). ``import kernels_cuda`` needs
+The tests run every kernel through checked wrappers (tests/support/cuda_wrappers.py) against the NumPy
+references (``<name>_ref`` in tests/support/references/). ``import kernels_cuda`` needs
 neither cupy nor torch; they are imported on first use.  See README.md.
 """
 

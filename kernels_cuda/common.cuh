@@ -16,7 +16,7 @@
 //     barrier that protects the previous call's reads).
 //
 // MINIRUN_EMU is defined only by the CPU emulator used in the tests
-// (tests/cuda_emu.py); it never appears in a real GPU build.
+// (tests/support/cuda_emu.py); it never appears in a real GPU build.
 
 #ifndef MINIRUN_COMMON_CUH
 #define MINIRUN_COMMON_CUH

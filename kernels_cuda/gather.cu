@@ -6,7 +6,7 @@
 //
 // Their partials are merged by decode.cu's lse_merge_staged.  Compiled without --use_fast_math:
 // the grouped kernel recomputes scores.cu's histogram bins (mr_bin) and must agree bit for bit.
-// The extern "C" entry points are written out one by one: the CPU emulator (tests/cuda_emu.py)
+// The extern "C" entry points are written out one by one: the CPU emulator (tests/support/cuda_emu.py)
 // reads their signatures from this text.
 
 #include "common.cuh"

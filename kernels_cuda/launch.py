@@ -2,7 +2,7 @@
 launch helper per kernel without argument checks.
 
 A backend compiles and launches (CuPy's RawModule on torch's current stream; the tests install
-the CPU emulator of tests/cuda_emu.py as `_backend_override`). The checked wrappers of ops.py and the
+the CPU emulator of tests/support/cuda_emu.py as `_backend_override`). The checked wrappers of ops.py and the
 decode step's persistent-buffer launches (decode.DecodeStep) both go through the `launch_*`
 helpers here, so each kernel's argument list is written once.
 """
@@ -121,7 +121,7 @@ class _CupyBackend:
         return a  # numpy scalar of the kernel's parameter type
 
 
-_backend_override = None   # a backend installed in place of CuPy's (the tests' emulator, tests/cuda_emu.py)
+_backend_override = None   # a backend installed in place of CuPy's (the tests' emulator, tests/support/cuda_emu.py)
 
 
 @functools.lru_cache(maxsize=1)

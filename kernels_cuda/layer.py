@@ -1,11 +1,11 @@
 """Wrappers of layer.cu: the small ops around a Llama layer's GEMMs for a decode token on the GPU.
 
-minirun/ops.py calls them once per layer and token instead of ~30 torch ops (docs/PROFILE.md:
+minirun/model/ops.py calls them once per layer and token instead of ~30 torch ops (docs/PROFILE.md:
 a decode token of SmolLM2 on an H100 was bound by op launches), so the checks
 here are few: dtype (float32 or bfloat16, the same for every tensor) and contiguous rows. Outputs
 are allocated with torch; launches go to torch's current stream. References: the torch functions
-they replace (minirun.ops.rms_norm, apply_rope, swiglu's silu * up), compared in
-tests/test_kernels_cuda_layer.py.
+they replace (minirun.model.ops.rms_norm, apply_rope, swiglu's silu * up), compared in
+tests/kernels/test_kernels_cuda_layer.py.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     linear(w, x)                   # x [T, I] -> [T, rows]: T = 1 the GEMV, else dequantized slabs + torch's GEMM
     rows(w, ids)                   # the rows `ids` as float32 [n, I] (embedding lookups)
 
-References: tests/references/quant.py (dequantize_ref, gemv_ref), compared in
-tests/test_quant_cuda.py on the CPU emulator (and on a device when there is one).
+References: tests/support/references/quant.py (dequantize_ref, gemv_ref), compared in
+tests/kernels/test_quant_cuda.py on the CPU emulator (and on a device when there is one).
 """
 from __future__ import annotations
 

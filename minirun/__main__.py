@@ -1,5 +1,5 @@
 """`python -m minirun ...`: the CLI without installing the package (e.g. PYTHONPATH=. on a lent GPU)."""
-from .cli import main
+from .cli.main import main
 
 if __name__ == "__main__":
     main()

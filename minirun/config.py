@@ -236,7 +236,7 @@ class EngineConfig:
     far_positions: str = "auto"       # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
     max_select: int | None = None     # HCA: at most this many store tokens per head and step (those of highest score)
-    head_budgets: str = "auto"        # HCA: "auto" (per-head caps with far positions on: minirun/head_budgets.py) | "off"
+    head_budgets: str = "auto"        # HCA: "auto" (per-head caps with far positions on: minirun/kv/head_budgets.py) | "off"
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     rescore: bool = False             # HCA: exact keys on the host beside the values weight the selected tokens
     kv_values: str = "float"          # HCA: the store's values on the host: "float" (float16; float32 runs:
@@ -244,7 +244,7 @@ class EngineConfig:
     threads: int | None = None
     parallel: int = 1                 # sequences served at once (minirun serve --parallel), each with a cache of ctx tokens
     cuda_graphs: bool = True          # GPU: decode tokens replayed from CUDA graphs where the cache can be
-                                      # captured (dense; HCA with the GPU value sum): minirun/cuda_graph.py
+                                      # captured (dense; HCA with the GPU value sum): minirun/model/cuda_graph.py
     value_sum: str = "auto"           # HCA on a GPU: where the selected values are summed: "gpu" (a kernel
                                       # reads them from the mapped host pool), "host" (Numba), "auto" (gpu
                                       # where the device can read host memory and no rescore asks for host)

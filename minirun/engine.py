@@ -9,16 +9,17 @@ import torch
 
 import kernels_cpu
 
-from . import cuda_graph, prompt_cache
+from .model import cuda_graph
+from . import prompt_cache
 from .config import EngineConfig, ModelArgs
 from .decoding import Decoding, GenerationResult, sequence_logprobs
 from .errors import CheckpointError, ContextError
 from .kv import make_cache
-from .loader import DTYPES, load_weights
-from .model import Model
+from .model.loader import DTYPES, load_weights
+from .model.transformer import Model
 from .planner import check_fits
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+from .checkpoint.tokenizer import Tokenizer
 
 
 HCA_STEPS_MAX = 64     # prompt tokens after cached ones that an HCA cache on a GPU takes as decode steps
@@ -36,11 +37,11 @@ def not_a_model_dir(path: Path) -> str:
     """Why `path` cannot be loaded, in one line: a GGUF file is pointed at the command converting it."""
     if not path.exists():
         if len(path.parts) == 1:
-            from .pull import default_models_dir
+            from .checkpoint.pull import default_models_dir
             return f"no such model directory: {path} (nor a model of that name in {default_models_dir()})"
         return f"no such model directory: {path}"
     if path.is_file():
-        from .convert import GGUF_MAGIC
+        from .checkpoint.convert import GGUF_MAGIC
         with open(path, "rb") as f:
             if f.read(4) == GGUF_MAGIC:
                 import shlex
@@ -76,7 +77,7 @@ class Engine:
              **kwargs) -> "Engine":
         """Load a Hugging Face-format Llama directory (or one named in the models directory: pull.find_model).
         kwargs: any EngineConfig field."""
-        from .pull import find_model
+        from .checkpoint.pull import find_model
         path = find_model(path)          # (a name in the models directory: "smollm2")
         config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)   # (bad settings first)
         if not path.is_dir():
@@ -97,7 +98,7 @@ class Engine:
         """An engine over random weights made on the device (random_checkpoint.random_weights) for the
         config.json and tokenizer in `path`: speed and memory figures of a model too large to write
         to disk first (an 8B shape is 16 GB). kwargs: any EngineConfig field."""
-        from .random_checkpoint import random_weights
+        from .checkpoint.random_checkpoint import random_weights
         path = Path(path)
         config = EngineConfig(ctx=ctx, device=device, dtype=dtype, kv=kv, **kwargs)
         args = ModelArgs.from_path(path)

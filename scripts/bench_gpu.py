@@ -8,10 +8,10 @@ and memory do not depend on their values (what HCA selects does: random weights 
 
 `run` gives each step (STEPS) a process of its own under its own time limit, so a hang or a crash
 costs that step only, and stops starting steps when --budget seconds are spent. Each step writes
-OUT/<step>.log and OUT/<step>.json (minirun.bench rows, rewritten after every row: a step cut short
+OUT/<step>.log and OUT/<step>.json (minirun.tools.bench rows, rewritten after every row: a step cut short
 keeps what it measured); `run` ends with OUT/summary.md, also printed. scripts/bench_gpu.sh runs it
 after the environment and the GPU tests. `--scale tiny --device cpu --emulate` is the rehearsal:
-the same steps on a tiny model, the GPU cache on the CUDA kernel emulator (tests/test_bench_gpu.py).
+the same steps on a tiny model, the GPU cache on the CUDA kernel emulator (tests/tools/test_bench_gpu.py).
 """
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minirun import bench as mb  # noqa: E402
-from minirun.bench_output import to_markdown_compact  # noqa: E402
+from minirun.tools import bench as mb  # noqa: E402
+from minirun.tools.bench_output import to_markdown_compact  # noqa: E402
 from minirun.config import EngineConfig, ModelArgs, hca_setting  # noqa: E402
 from minirun.engine import Engine  # noqa: E402
-from minirun.evaluate import selection_probe  # noqa: E402
+from minirun.tools.evaluate import selection_probe  # noqa: E402
 from minirun.planner import plan_report  # noqa: E402
-from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
+from minirun.checkpoint.random_checkpoint import write_random_checkpoint  # noqa: E402
 from gpu_profiles import prefill_profile, profile_steps, sync  # noqa: E402  (scripts/, beside this file)
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -280,7 +280,7 @@ def run_step(a):
     rows = Rows(a.out / f"{a.step}.json")
     ctx = contextlib.nullcontext()
     if a.emulate:
-        sys.path.insert(0, str(REPO / "tests"))   # the CPU kernel emulator lives with the tests
+        sys.path.insert(0, str(REPO / "tests" / "support"))   # the CPU kernel emulator lives with the tests
         from cuda_emu import emulated_hca_cuda
         ctx = emulated_hca_cuda()
     with ctx, torch.inference_mode():

@@ -24,13 +24,13 @@ BUDGET=${BUDGET:-530}          # seconds for the whole command
 PY=${PY:-python3}
 if [ "$DEVICE" = cpu ]; then
     SCALE=${SCALE:-tiny}; EMULATE=--emulate
-    TESTS=${TESTS-tests/test_kernels_cuda_decode.py::test_wrapper_argument_errors}
+    TESTS=${TESTS-tests/kernels/test_kernels_cuda_decode.py::test_wrapper_argument_errors}
 else
     SCALE=${SCALE:-full}; EMULATE=
-    TESTS=${TESTS-tests/test_hca_cache.py::test_gpu_exact_tier_partial_is_the_masked_attention \
-tests/test_dense_decode.py tests/test_kernels_cuda_layer.py tests/test_kernels_cuda.py tests/test_kernels_cuda_decode.py \
-tests/test_kernels_cuda_live.py tests/test_hca_cuda.py tests/test_cuda_graph.py tests/test_rescore.py \
-tests/test_quant_cuda.py}
+    TESTS=${TESTS-tests/kv/test_hca_cache.py::test_gpu_exact_tier_partial_is_the_masked_attention \
+tests/model/test_dense_decode.py tests/kernels/test_kernels_cuda_layer.py tests/kernels/test_kernels_cuda.py tests/kernels/test_kernels_cuda_decode.py \
+tests/kernels/test_kernels_cuda_live.py tests/kv/test_hca_cuda.py tests/model/test_cuda_graph.py tests/kv/test_rescore.py \
+tests/kernels/test_quant_cuda.py}
 fi
 TEST_LIMIT=${TEST_LIMIT:-100}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

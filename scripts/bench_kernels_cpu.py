@@ -23,7 +23,7 @@ import numpy as np
 
 import kernels_cpu as kc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the NumPy references live with the tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))   # the NumPy references live with the tests
 import references as ref  # noqa: E402
 
 

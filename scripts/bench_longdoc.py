@@ -44,7 +44,7 @@ PARAGRAPH_CHARS = 1500   # the longest source paragraph a document takes whole
 
 def paragraphs(botchan: Path | None) -> list[str]:
     """The source paragraphs: Botchan's (when its copy exists) and the pydoc topics' (evaluation half)."""
-    from minirun.calibrate import builtin_text, read_text
+    from minirun.tools.calibrate import builtin_text, read_text
     texts = [builtin_text("evaluation")[0]]
     if botchan is not None and botchan.is_file():
         texts.append(read_text(botchan)[0])
@@ -119,7 +119,7 @@ def run_one(a) -> dict:
     base = [{"role": "system", "content": SYSTEM + "\n\nThe user has shared this document:\n\n" + doc}]
     prefix = eng.tokenize(eng.tokenizer.apply_chat_template(base, add_generation_prompt=False), add_bos=None)
     t0 = time.perf_counter()
-    eng.prefill(prefix, progress=_bar("document"))             # as chat_repl.prefill_document
+    eng.prefill(prefix, progress=_bar("document"))             # as cli/chat.prefill_document
     prefill_s = time.perf_counter() - t0
     row = {"kv": a.kv if a.kv == "dense" else f"hca {a.kv_budget}", "tokens": len(prefix), "ctx": a.ctx,
            "prefill_s": prefill_s, "prefill_tps": len(prefix) / prefill_s, "prefill_mode": eng.last_prefill["mode"],
@@ -152,7 +152,7 @@ def run_one(a) -> dict:
 
 
 def _bar(desc: str):
-    from minirun.chat_repl import _progress_bar
+    from minirun.cli.chat import _progress_bar
     return _progress_bar(desc)
 
 
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results file here")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # (a child: one run, its row on stdout)
     a = ap.parse_args(argv)
-    from minirun.cli_common import parse_hca_opts
+    from minirun.cli.common import parse_hca_opts
     from minirun.errors import MiniRunError
     try:
         a.hca_opts = parse_hca_opts(a.hca_opt)

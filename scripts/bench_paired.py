@@ -13,7 +13,7 @@ tokens on 2 cores); its answers mean nothing, so no quality is measured that way
 
 `minirun bench` runs one mode after the other; on a shared machine whose speed drifts by 10-25%
 within minutes that can decide a close comparison by itself. Here every engine is loaded and filled with
-the same context once (minirun.bench.Context: random token ids, the built-in natural text, or a
+the same context once (minirun.tools.bench.Context: random token ids, the built-in natural text, or a
 text file's tokens; HCA's selection, and so its speed, depends on it), then each round decodes n
 tokens in every mode back to back, in reversed order every other round (greedy, EOS ignored, the
 cache rewound to the context after each round). Reports the median tok/s per mode and the median
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from minirun import Engine
-from minirun.bench import Context, device_name, selected_share
-from minirun.cli_common import HCA_OPT_HELP, parse_hca_opts
+from minirun.tools.bench import Context, device_name, selected_share
+from minirun.cli.common import HCA_OPT_HELP, parse_hca_opts
 from minirun.config import hca_setting, hca_setting_name
 from minirun.errors import MiniRunError
 

@@ -134,7 +134,7 @@ def concurrent_phase(client: Client, clients: int, requests: int, max_tokens: in
 def make_document(tokenizer_dir: str, n_tokens: int, seed: int = 0) -> tuple[str, list[tuple[str, int]]]:
     """A text of n_tokens tokens (log records with numbers a question can ask about) and questions."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from minirun.tokenizer import Tokenizer
+    from minirun.checkpoint.tokenizer import Tokenizer
     tok = Tokenizer(tokenizer_dir)
     rng = random.Random(seed)
     cities = ["Lisbon", "Oslo", "Quito", "Hanoi", "Dakar", "Perth", "Tromso", "Lima", "Cork", "Nagoya"]

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "minirun" / "llamacpp")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    from minirun.pull import fetch_gguf, find_model
+    from minirun.checkpoint.pull import fetch_gguf, find_model
     a.model = a.model or find_model("smollm2")
     a.work.mkdir(parents=True, exist_ok=True)
     names = [f"minirun --parallel {n}" for n in a.parallel.split(",")]

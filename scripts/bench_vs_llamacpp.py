@@ -27,7 +27,6 @@ Haswell's features: AVX2, FMA, F16C).
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -76,7 +75,7 @@ def build_llamacpp(work: Path, avx2: bool = False, targets=None) -> Path:
 
 def make_models(work: Path, bin_dir: Path, formats: list[str]) -> dict:
     """{format: (gguf path, minirun directory, minirun --dtype)}."""
-    from minirun.pull import fetch_gguf
+    from minirun.checkpoint.pull import fetch_gguf
     models = work / "models"
     models.mkdir(parents=True, exist_ok=True)
     shipped = models / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,7 +117,7 @@ def resident(d: Path, dtype: str, gguf: Path) -> dict:
     """The bytes of the weights an engine holds (each tensor once) and the GGUF's tensor bytes."""
     import torch
     from minirun import Engine
-    from minirun.convert import open_gguf
+    from minirun.checkpoint.convert import open_gguf
     eng = Engine.load(d, device="cpu", dtype=dtype, ctx=256)
     seen, held = set(), 0
 

@@ -10,7 +10,7 @@
 #   device call 1:     carry [".gpu/a"]  bash scripts/chat_4m.sh receive
 #   device call 2:     carry [".gpu/b"]  bash scripts/chat_4m.sh run OUT_DIR    (at once: the machine
 #                      keeps what call 1 left only while it stays warm, 30 s)
-# The rehearsal on the CPU (tests/test_bench_gpu.py): a model directory and a short text instead:
+# The rehearsal on the CPU (tests/tools/test_bench_gpu.py): a model directory and a short text instead:
 #   DEVICE=cpu MODEL=DIR BOOK=text.txt COPIES=2 CTX=8K bash scripts/chat_4m.sh run OUT_DIR
 # SmolLM2 is trained to 8K: the chat runs with far positions on past it (docs/QUALITY.md).
 set -uo pipefail

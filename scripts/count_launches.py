@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the CPU kernel emulator lives with the tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))   # the CPU kernel emulator lives with the tests
 import cuda_emu  # noqa: E402
 from kernels_cuda import launch as klaunch  # noqa: E402
 from kernels_cuda.dense_decode import DenseDecodeAttention  # noqa: E402
 from minirun import Engine  # noqa: E402
-from minirun.cuda_graph import GraphedDecode  # noqa: E402
-from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
+from minirun.model.cuda_graph import GraphedDecode  # noqa: E402
+from minirun.checkpoint.random_checkpoint import write_random_checkpoint  # noqa: E402
 
 # aten ops that launch nothing on a GPU
 NO_LAUNCH = {"view", "slice", "select", "unsqueeze", "t", "transpose", "alias", "detach", "detach_", "_unsafe_view", "expand",
@@ -67,7 +67,7 @@ class Record(TorchDispatchMode):
 
 def count_step(model, kv, layer_kernels, depth, graphs=False) -> tuple[int, int]:
     """(torch ops that launch, kernels_cuda launches) of one decode step after `depth` tokens;
-    graphs: of the step a CUDA graph captures (minirun/cuda_graph.py, run eagerly), and also the
+    graphs: of the step a CUDA graph captures (minirun/model/cuda_graph.py, run eagerly), and also the
     torch ops outside it (the copies before a replay) -> (torch, kernels_cuda, outside)."""
     with cuda_emu.emulated_hca_cuda():   # (a dense engine stays dense)
         # (HCA in float32: on the CPU a bfloat16 model's exact tier is float16, which a GPU's is not,

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minirun.calibrate import read_text  # noqa: E402
+from minirun.tools.calibrate import read_text  # noqa: E402
 from minirun.config import hca_setting, parse_ctx  # noqa: E402
 from minirun.errors import MiniRunError  # noqa: E402
-from minirun.evaluate import format_markdown, run_grid  # noqa: E402
+from minirun.tools.evaluate import format_markdown, run_grid  # noqa: E402
 
 BOTCHAN = Path.home() / ".cache" / "minirun" / "botchan.txt"
 SECTIONS = ("ppl", "agree", "passkey")
@@ -118,7 +118,7 @@ def main(argv=None):
             ap.error("MODEL is required unless --merge is given")
         data = fetch_botchan() if a.botchan else a.data
         text, source = read_text(data, part="evaluation")
-        from minirun.tokenizer import Tokenizer
+        from minirun.checkpoint.tokenizer import Tokenizer
         ids = Tokenizer(Path(a.model)).encode(text)
         print(f"eval_quality: {len(ids)} tokens of {source}", file=sys.stderr)
         sections = [s.strip() for s in a.sections.split(",") if s.strip()]

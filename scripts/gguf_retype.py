@@ -9,7 +9,7 @@ import argparse
 import gguf
 import numpy as np
 
-from minirun.convert import dequantize_tensor, open_gguf
+from minirun.checkpoint.convert import dequantize_tensor, open_gguf
 
 TYPES = {"f32": (gguf.GGMLQuantizationType.F32, np.float32),
          "f16": (gguf.GGMLQuantizationType.F16, np.float16),

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from minirun import bench as mb
+from minirun.tools import bench as mb
 
 
 def sync(eng):

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from minirun import Engine  # noqa: E402
-from minirun import head_budgets as hb  # noqa: E402
-from minirun.evaluate import passkey_prompt, prose_haystack  # noqa: E402
+from minirun.kv import head_budgets as hb  # noqa: E402
+from minirun.tools.evaluate import passkey_prompt, prose_haystack  # noqa: E402
 
 
 def caps_of(rule: str, L: int, Hq: int, measured: Path | None):

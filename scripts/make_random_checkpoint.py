@@ -6,7 +6,7 @@ Speed and memory figures do not depend on the weights' values, so this stands in
 import argparse
 import json
 
-from minirun.random_checkpoint import write_random_checkpoint
+from minirun.checkpoint.random_checkpoint import write_random_checkpoint
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -52,7 +52,7 @@ def fill(eng: Engine, depth: int, source: str, chunk: int = 4096) -> None:
     attention is diffuse) or the K/V of real text ("text"), through the cache's own append path."""
     a, cache = eng.args, eng.cache
     if source == "tokens":
-        from minirun.bench import random_ids
+        from minirun.tools.bench import random_ids
         eng.prefill(random_ids(depth, a.vocab_size, seed=0))
         return
     g = torch.Generator().manual_seed(0)

@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minirun.bench import BenchResult  # noqa: E402
-from minirun.bench_output import to_markdown, to_markdown_compact  # noqa: E402
-from minirun.evaluate import format_markdown  # noqa: E402
+from minirun.tools.bench import BenchResult  # noqa: E402
+from minirun.tools.bench_output import to_markdown, to_markdown_compact  # noqa: E402
+from minirun.tools.evaluate import format_markdown  # noqa: E402
 from minirun.planner import format_bytes, format_plan  # noqa: E402
 
 RESULTS, DOCS = REPO / "docs" / "results", REPO / "docs"

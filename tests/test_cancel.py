@@ -5,7 +5,7 @@ import signal
 import pytest
 
 from minirun import Engine
-from minirun.chat_repl import stop_on_sigint
+from minirun.cli.chat import stop_on_sigint
 
 
 def countdown(n: int):

@@ -217,7 +217,7 @@ def test_a_failed_write_leaves_no_file_and_an_old_one_intact(tiny_model_dir, tmp
 
 
 def _chat(d, doc, cache_file, script, *extra):
-    p = subprocess.run([sys.executable, "-m", "minirun.cli", "chat", str(d), "--file", str(doc), "--ctx", "1024",
+    p = subprocess.run([sys.executable, "-m", "minirun", "chat", str(d), "--file", str(doc), "--ctx", "1024",
                         "-n", "6", "--kv", "hca", "--window", "32", "--sinks", "4", "--prompt-cache", str(cache_file),
                         *extra], input=script, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -253,7 +253,7 @@ def test_chat_prefills_once_then_loads(tiny_model_dir, tmp_path):
     assert "unreadable" in third.stderr and "prefilling again" in third.stderr and "written to" in third.stderr
     other = _chat(d, doc, f, "hello\n", "--window", "64")
     assert "setting window: 32 in the file, 64 here" in other.stderr
-    p = subprocess.run([sys.executable, "-m", "minirun.cli", "chat", str(d), "--prompt-cache", str(f)],
+    p = subprocess.run([sys.executable, "-m", "minirun", "chat", str(d), "--prompt-cache", str(f)],
                        input="", capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].endswith("give one of them")
@@ -278,7 +278,7 @@ def test_load_prefix_loads_only_a_file_that_starts_like_the_prompt(tiny_model_di
 
 
 def _generate(d, cache_file, *args):
-    p = subprocess.run([sys.executable, "-m", "minirun.cli", "generate", str(d), "--ctx", "1024", "-n", "8",
+    p = subprocess.run([sys.executable, "-m", "minirun", "generate", str(d), "--ctx", "1024", "-n", "8",
                         "--ignore-eos", "--kv", "hca", "--window", "32", "--sinks", "4",
                         "--prompt-cache", str(cache_file), *args], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in p.stderr
@@ -313,6 +313,6 @@ def test_generate_with_a_prompt_cache(tiny_model_dir, tmp_path):
     for bad in (["-p", "x", "-f", str(doc)], []):
         p = _generate(d, f, *bad)
         assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].endswith("(one of them)")
-    p = subprocess.run([sys.executable, "-m", "minirun.cli", "generate", str(d), "-p", "x", "--prompt-cache-ro"],
+    p = subprocess.run([sys.executable, "-m", "minirun", "generate", str(d), "-p", "x", "--prompt-cache-ro"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr and "give it" in p.stderr

@@ -14,7 +14,7 @@ import pytest
 
 from minirun import Engine
 from minirun import prompt_cache as pc
-from minirun.cli import main
+from minirun.cli.main import main
 from minirun.errors import MiniRunError
 
 PROMPT = list(range(5, 105))

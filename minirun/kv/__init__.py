@@ -9,7 +9,9 @@ Reading order:
   hold the buffers) -> a backend: hca.py with key_store_cpu.py (the CPU: its key stores, one class
   per store) or hca_cuda.py with key_store_cuda.py (a GPU's) and hca_graph.py. Beside them:
   codebooks.py (the key store's codebooks), far_positions.py, ring_checkpoint.py (rewind points),
-  hca_state.py (prompt-cache state), attention.py (partial attention and the log-sum-exp merge).
+  hca_state.py (prompt-cache state), attention.py (partial attention and the log-sum-exp merge),
+  value_codes.py (the store's values as 4- or 8-bit codes), head_budgets.py (per-head selection
+  caps: measured, stored beside the codebooks, or the default rule).
 
 One decode step of one layer in an HCA cache (HCABase.attend -> the backend's _attend_hca):
 1. the key store scores every store token for each query head (codebook indices through a lookup

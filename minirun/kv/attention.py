@@ -92,7 +92,7 @@ FUSED_REFUSED = {}   # device type -> why torch's fused attention failed there (
 def _fused(q, K, V, causal: bool = False):
     """_flash_partial, or None where torch's fused attention refused these inputs on this device
     before (a GPU without the kernel, a head size it does not take): said once on stderr, and the
-    callers take the unfused path (tests/test_hca_cache.py's GPU test asserts it is not refused)."""
+    callers take the unfused path (tests/kv/test_hca_cache.py's GPU test asserts it is not refused)."""
     dev = q.device.type
     if dev in FUSED_REFUSED:
         return None

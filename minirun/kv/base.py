@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import as_numpy, from_numpy_bits
+from ..model.ops import as_numpy, from_numpy_bits
 
 
 class KVCache:

@@ -122,7 +122,7 @@ class Codebooks:
         return cls(C.reshape(L, Hkv, groups, centroids, ds), source)
 
     def save(self, path: str | Path, meta: dict | None = None, extra: dict | None = None) -> Path:
-        """extra: more tensors for the file (the per-head selection budgets: minirun/head_budgets.py)."""
+        """extra: more tensors for the file (the per-head selection budgets: minirun/kv/head_budgets.py)."""
         from safetensors.torch import save_file
         path = Path(path)
         tmp = path.with_suffix(".tmp")

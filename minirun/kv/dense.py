@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kernels_cpu
 
 from .. import hugepages
-from ..ops import as_numpy, from_numpy_bits
+from ..model.ops import as_numpy, from_numpy_bits
 from .base import KVCache, causal_mask
 
 

@@ -29,7 +29,7 @@ import torch
 
 import kernels_cpu as kc
 
-from ..ops import rope_inv_freq
+from ..model.ops import rope_inv_freq
 
 
 def far_positions_on(setting: str, trained_ctx: int | None, ctx: int) -> bool:

@@ -1,8 +1,8 @@
 """The HCA cache on the CPU: torch for the exact tier, Numba kernels (kernels_cpu) for the store.
 
-The tiers and their bookkeeping are hca_base.HCABase's. Here: the buffers (host memory; a store of
-codes column-major for the scoring kernels: kv/store.ColumnBuffer), the key store, picked once from
-the layout (kv/key_store_cpu.py: it encodes keys, and scores in its kernel's one call with its own
+The tiers and their bookkeeping are hca_base.HCABase's, their buffers in host memory
+(kv/hca_buffers.HostBuffers: a store of codes column-major for the scoring kernels). Here: the key
+store, picked once from the layout (kv/key_store_cpu.py: it encodes keys, and scores in its kernel's one call with its own
 codebook copies and scratch), and attention in hca mode. Every query with a store, a decode token
 or one of a prompt chunk's, is one call of the key store's step (the exact-keys store's while no
 key is encoded yet): steps 1-4 of kv/__init__'s docstring. A decode token reads the exact tier in
@@ -18,16 +18,16 @@ import kernels_cpu as kc
 
 from .far_positions import turn
 from .hca_base import HCABase
+from .hca_buffers import HostBuffers
 from .hca_layout import fast_scan
-from .key_store_cpu import key_stores
-from .store import ColumnBuffer, GrowingBuffer
+from .key_store_cpu import Heads, StoreState, key_stores
 
 
 class HCACache(HCABase):
     """See the module docstring."""
 
     def __init__(self, args, config, device, dtype, capacity, model_dir=None):
-        super().__init__(args, config, device, dtype, capacity, model_dir)
+        super().__init__(args, config, device, dtype, capacity, HostBuffers(device), model_dir)
         # numpy views of the exact tier for the one-call steps (float32/float16 on the CPU only)
         self._numpy_exact_tier = device.type == "cpu" and self.ek.dtype in (torch.float32, torch.float16)
         self._ek_np = self.ek.numpy() if self._numpy_exact_tier else None
@@ -36,21 +36,9 @@ class HCACache(HCABase):
         self._views = {}             # layer -> (buffer addresses, numpy views) for the steps
         self._no_store = None        # attend_np's placeholders for a step with an empty store
         # the layout's key store, and the exact-keys one that scores the store while none is encoded
-        self.exact_store, self.key_store = key_stores(self, fast_scan(self.layout) and device.type == "cpu")
-
-    backend = "cpu"
-
-    def _grow(self, spec):
-        """On the host, as the Numba kernels read them (also when torch runs on a GPU)."""
-        return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows)
-
-    def _make_indices(self, spec):
-        """group-major [L, Hkv, g, cap]: the scoring kernel's layout (kernels_cpu.packed)"""
-        return ColumnBuffer(spec.lead, spec.width, spec.dtype, spec.rows)
-
-    def _encode(self, K: torch.Tensor) -> torch.Tensor:
-        """K [L, Hkv, m, hd] -> indices [L, Hkv, m, g], one kernel call for all layers."""
-        return self.key_store.encode(K, self.codebooks)
+        heads = Heads(self.n_layers, self.Hq, self.Hkv, self.q_to_kv)
+        self.exact_store, self.key_store = key_stores(heads, self.layout, self.far is not None,
+                                                      fast_scan(self.layout) and device.type == "cpu")
 
     def _take_pending(self, pos: int) -> torch.Tensor | None:
         return self.key_store.take_pending(pos)
@@ -78,12 +66,12 @@ class HCACache(HCABase):
         self._encode_unencoded()
         q1, kn, EK = self._step_inputs(layer, torch.from_numpy(q * np.float32(self._q_scale(1)))[None], kt)
         if self.n_store:
-            return self._one_call(layer, q1, kn, v, EK, self._ev_np[layer], self.S + self.W, self._exact_valid(),
-                                  decode=True)
+            live = self.ring.live_mask(self.offset, self.n_store)
+            return self._one_call(layer, q1, kn, v, EK, self._ev_np[layer], self.S + self.W, live, decode=True)
         ex, (K0, z0) = self.exact_store, self._empty_store()
         return kc.hca_exact_decode_attend(q1, kn, v, EK, self._ev_np[layer], self.S + self.W, K0, 0, K0, self.tau,
                                           self.q_to_kv, ex.lanes, z0, ex.levels(), ex.counts,
-                                          exact_valid=self._exact_valid())
+                                          exact_valid=self.ring.live_mask(self.offset, self.n_store))
 
     def _empty_store(self) -> tuple:
         """Placeholders K, V [Hkv, 1, hd] and z [Hq, 1] for a step with no store (never read)."""
@@ -99,7 +87,7 @@ class HCACache(HCABase):
         if T == 1 and self._numpy_exact_tier:
             q1, kn, EK = self._step_inputs(layer, qs, k)
             o = self._one_call(layer, q1, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W,
-                               self._exact_valid(), decode=True)
+                               self.ring.live_mask(self.offset, self.n_store), decode=True)
             return torch.from_numpy(o)[None].to(q.dtype)
         return self._attend_chunk(layer, qs, k, v).to(device=q.device, dtype=q.dtype)
 
@@ -138,7 +126,8 @@ class HCACache(HCABase):
         (where it does), and records the selection where asked."""
         store = self.key_store if self.n_encoded else self.exact_store
         leaving = self._leaving() if decode and store.encodes_ahead else None
-        o = store.step(self, layer, q, kn, vn, EK, EV, n_exact, valid, self._views_of(layer), leaving)
+        st = StoreState(self.n_store, self.tau, self.select_cap(layer), self.codebooks, self.exact_keys)
+        o = store.step(st, layer, q, kn, vn, EK, EV, n_exact, valid, self._views_of(layer), leaving)
         if decode and self.record_selection is not None:
             self.record_selection.append(store.counts / self.n_store)
         return o
@@ -146,10 +135,10 @@ class HCACache(HCABase):
     def _leaving(self) -> tuple[int, int] | None:
         """(position, slot) of the ring token that leaves the ring next, or None while the ring
         refills (none leaves)."""
-        if not self._ring_full():
+        if not self.ring.full(self.offset, self.n_store):
             return None
         pos = self.S + self.n_store
-        return pos, self._ring_slot(pos)
+        return pos, self.ring.slot(pos)
 
     def _step_inputs(self, layer, qs, k):
         """A decode step's query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]

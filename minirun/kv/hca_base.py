@@ -1,10 +1,11 @@
 """The HCAttention cache's tiers and their bookkeeping, shared by its two backends.
 
-Tiers and invariants (tests/test_hca_cache.py):
+Tiers and invariants (tests/kv/test_hca_cache.py):
 - every position in [0, offset) lives in exactly one tier: sinks [0, S), store [S, S + n_store),
   ring [S + n_store, offset) with at most W tokens; keys are stored post-RoPE, so each keeps its
   position (far positions: sinks and store keys unrotated, kv/far_positions.py);
-- the ring slot of position p >= S is S + (p - S) % W; `slot_pos` records which position each holds;
+- the ring slot of position p >= S is S + (p - S) % W; `slot_pos` records which position each holds
+  (kv/ring.py);
 - `attend` never mutates: it stages the chunk's k, v; `advance` moves tokens between tiers, all
   layers at once; the store only appends (its keys encoded by the key store, its values in the
   host pool), `truncate` only drops ring tokens (after putting back a copied ring, where it goes
@@ -13,12 +14,12 @@ Each query head selects its own set of store tokens (the smallest holding tau of
 over the key store's scores, then at most max_select of them); values are shared within a kv-head
 group. The exact part (sinks + ring + the chunk) and the store's part merge by log-sum-exp.
 
-A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) makes the buffers that
-hca_layout.hca_tiers declares, encodes keys and attends in hca mode (HCABase's "what a backend
-provides"). Prefill modes: "exact" (the store's keys kept in full precision until end_prefill:
-exact attention), "anchor" (every chunk attends exactly to the first anchor_tokens, paper App. B:
-linear cost), "hca" (the store through the selection). What a prompt-cache file holds of the
-cache: kv/hca_state.py.
+A backend (hca.py: the CPU, Numba; hca_cuda.py: a GPU, CUDA kernels) passes where its buffers
+live (kv/hca_buffers.py: the tiers hca_layout.hca_tiers declares are made through it), encodes keys
+and attends in hca mode (HCABase's "what a backend provides"). Prefill modes: "exact" (the store's
+keys kept in full precision until end_prefill: exact attention), "anchor" (every chunk attends
+exactly to the first anchor_tokens, paper App. B: linear cost), "hca" (the store through the
+selection). What a prompt-cache file holds of the cache: kv/hca_state.py.
 """
 from __future__ import annotations
 
@@ -28,25 +29,40 @@ import sys
 import numpy as np
 import torch
 
-from .. import hugepages
 from .attention import exact_tier_partial, merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
-from ..head_budgets import head_caps_for
+from .head_budgets import head_caps_for
 from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
-from .hca_layout import Buffer, hca_tiers, prefill_buffers, resolve_layout
+from .hca_layout import hca_tiers, prefill_buffers, resolve_layout
 from .hca_state import SavedState
+from .ring import Ring
 from .ring_checkpoint import RewindPoints
-from .store import GrowingBuffer
 from .value_codes import value_codes
+
+
+def notices(trained: int, length_ctx, far: bool, group: int, dist: int, window: int, missing_codebooks):
+    """What a user is told when the cache is made: length scaling and far positions where they are
+    on, and codebooks that will be fitted from the prompt (missing_codebooks: the file's name)."""
+    if length_ctx:
+        yield f"length scaling: attention logits x log(n) / log({trained}) past {trained} tokens"
+    if far:
+        how = f"at their distances divided by {group}" if group else f"at distance {dist}"
+        yield f"far positions: tokens older than the {window}-token window are attended {how}"
+    if missing_codebooks:
+        unrotated = far and not group
+        yield (f"no {missing_codebooks} in the model directory: codebooks will be fitted from the prompt's own keys "
+               f"(run `minirun calibrate{' --unrotated' if unrotated else ''}` to make one)")
 
 
 class HCABase(SavedState, KVCache):
     """See the module docstring; HCACache (CPU) and HCACacheCUDA (GPU) are its backends."""
 
-    def __init__(self, args, config, device: torch.device, dtype: torch.dtype, capacity: int, model_dir=None):
-        """The cache of config's HCA settings, holding at most `capacity` tokens; its codebooks from
-        model_dir's calibrated file where there is one, else fitted from the prompt's own keys."""
+    def __init__(self, args, config, device: torch.device, dtype: torch.dtype, capacity: int, buffers,
+                 model_dir=None):
+        """The cache of config's HCA settings, holding at most `capacity` tokens, its tiers made by
+        `buffers` (kv/hca_buffers.py: the backend's); its codebooks from model_dir's calibrated file
+        where there is one, else fitted from the prompt's own keys."""
         super().__init__(args.num_hidden_layers, capacity)
         L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
         layout, trained = resolve_layout(args, config), args.max_position_embeddings
@@ -64,14 +80,15 @@ class HCABase(SavedState, KVCache):
         self.far = FarFrame(args, dist, group, window) if far else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         # every buffer's shape and dtype, as `minirun plan` counts them (kv/hca_layout.hca_tiers)
+        self.backend = buffers.backend
         self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, config.rescore, device.type,
                                config.kv_values)
         self.value_codes = value_codes(config.kv_values, hd, dtype)   # how the pool holds a value row
         self.prefill_specs = prefill_buffers(args, capacity, sinks, window, config.anchor_tokens, dtype, self.backend)
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
-        self.ek, self.ev = self._make_exact_tier(self.tiers["sinks+ring K+V"].buffers["ek"])
-        self.slot_pos = torch.full((sinks + window,), -1, dtype=torch.long)
-        self._live_slots = None   # uint8 mask of the live exact-tier slots while the ring is short
+        self.ek, self.ev = buffers.exact_tier(self.tiers["sinks+ring K+V"].buffers["ek"])
+        self.ring = Ring(sinks, window)
+        self.slot_pos = self.ring.slot_pos
         # values (host pool), rescore's host keys (the store's keys as the codebooks encoded them,
         # so the selected tokens are weighted by exact scores; an exact-key store has them already),
         # the key store (codebook indices), full-precision keys (permanent with exact_keys, else only
@@ -79,15 +96,15 @@ class HCABase(SavedState, KVCache):
         # and the scores' scratch (z, sel, and the backend's own)
         pool, keys = self.tiers["value pool"].buffers["values"], self.tiers["key store"].buffers
         host_keys = self.tiers.get("host keys")
-        self.values = self._make_pool(pool, read_by_device=True)
-        self.host_keys = None if host_keys is None else self._make_pool(host_keys.buffers["host_keys"], False)
-        self.indices = None if layout.exact_keys else self._make_indices(keys["indices"])
-        self.exact_keys = self._grow(keys.get("exact_keys") or self.prefill_specs["exact_keys"])
+        self.values = buffers.pool(pool, read_by_device=True)
+        self.host_keys = None if host_keys is None else buffers.pool(host_keys.buffers["host_keys"], False)
+        self.indices = None if layout.exact_keys else buffers.indices(keys["indices"])
+        self.exact_keys = buffers.grow(keys.get("exact_keys") or self.prefill_specs["exact_keys"])
         # the device copy of the store's values an exact prefill attends to, where prefill_buffers
         # declares one (a GPU's: its pool is on the host), else None
         spec = self.prefill_specs.get("prefill_values")
-        self.prefill_values = None if spec is None else self._grow(spec)
-        self.scratch = [self._grow(b) for b in self.tiers["scratch"].buffers.values()]
+        self.prefill_values = None if spec is None else buffers.grow(spec)
+        self.scratch = [buffers.grow(b) for b in self.tiers["scratch"].buffers.values()]
         self.z, self.sel = self.scratch[:2]
         self.exact_base = 0
         self.n_store = 0          # tokens in the store (all layers)
@@ -112,16 +129,9 @@ class HCABase(SavedState, KVCache):
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
         self.record_selection: list | None = None
-        if self.length_ctx:
-            print(f"minirun: length scaling: attention logits x log(n) / log({trained}) past {trained} tokens",
-                  file=sys.stderr)
-        if far:
-            how = f"at their distances divided by {group}" if group else f"at distance {dist}"
-            print(f"minirun: far positions: tokens older than the {window}-token window are attended {how}",
-                  file=sys.stderr)
-        if not layout.exact_keys and self.codebooks is None:
-            print(f"minirun: no {name} in the model directory: codebooks will be fitted from the prompt's own keys "
-                  f"(run `minirun calibrate{' --unrotated' if unrotated else ''}` to make one)", file=sys.stderr)
+        for line in notices(trained, self.length_ctx, far, group, dist, window,
+                            None if layout.exact_keys or self.codebooks else name):
+            print(f"minirun: {line}", file=sys.stderr)
 
     def set_head_caps(self, caps) -> None:
         """Replace the per-head caps: int [L, Hq] (head_budgets.py), or None (max_select alone)."""
@@ -133,28 +143,9 @@ class HCABase(SavedState, KVCache):
         return self.max_select or 0 if self.head_caps is None else self.head_caps[layer]
 
     # ---- what a backend provides ------------------------------------------------------------------------
-    backend = ""   # whose kernels ("cpu" | "cuda"): the tiers it declares (kv/hca_layout.hca_tiers)
-
-    def _make_exact_tier(self, spec: Buffer) -> tuple:
-        """-> (ek, ev) [L, Hkv, S + W, hd] of the spec's dtype, zeroed (on huge pages on the CPU)."""
-        return tuple(hugepages.zeros(*spec.lead, spec.rows, spec.width, dtype=spec.dtype, device=self.device)
-                     for _ in range(2))
-
-    def _make_pool(self, spec: Buffer, read_by_device: bool):
-        """The host pool of the store's values (or rescore's keys: not read by the device's kernels)."""
-        return self._grow(spec)
-
-    def _make_indices(self, spec: Buffer):
-        """The key store's codebook indices."""
-        raise NotImplementedError
-
-    def _grow(self, spec: Buffer) -> GrowingBuffer:
-        """A buffer of the spec on the cache's device, grown as tokens arrive."""
-        return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows, device=self.device)
-
     def _encode(self, K: torch.Tensor) -> torch.Tensor:
-        """K [L, Hkv, m, hd] -> the key store's indices [L, Hkv, m, g], all layers at once."""
-        return self.key_store.encode(K)
+        """K [L, Hkv, m, hd] -> the key store's indices [L, Hkv, m, g], all layers in one call."""
+        return self.key_store.encode(K, self.codebooks)
 
     def _attend_hca(self, layer, q, k, v):
         """hca mode with a store: the whole attention of q [T, Hq, hd] (k, v [T, Hkv, hd]) where the
@@ -233,21 +224,6 @@ class HCABase(SavedState, KVCache):
             part = merge(part, partial_attention(qf, self.ek[layer, :, :self.S], self.ev[layer, :, :self.S], smask))
         return part
 
-    def _ring_full(self) -> bool:
-        """The ring holds W tokens (every position from S + n_store up to offset): the next token
-        in pushes the oldest out to the store. Short after a truncate, until it refills."""
-        return self.offset == self.S + self.W + self.n_store
-
-    def _exact_valid(self) -> np.ndarray | None:
-        """The decode steps read every sinks + ring slot. After a truncate the ring holds fewer than
-        W tokens until it refills, and the dropped tokens' slots keep stale K/V: then a uint8 mask of
-        the live slots (made once per step: advance, truncate and reset clear it), else None."""
-        if self._ring_full():
-            return None
-        if self._live_slots is None:
-            self._live_slots = (self.slot_pos >= 0).numpy().astype(np.uint8)
-        return self._live_slots
-
     # ---- moving tokens between tiers ----------------------------------------------------------------
     def advance(self, n: int) -> None:
         """Commit the staged chunk of n tokens: fill sinks, then the ring; evict the ring's overflow,
@@ -260,7 +236,7 @@ class HCABase(SavedState, KVCache):
     def _advance_chunk(self, n: int) -> None:
         """advance(n), the general path: index arithmetic over the chunk's and the ring's positions."""
         pos0, end, S, W = self.offset, self.offset + n, self.S, self.W
-        self._live_slots = None
+        self.ring.changed()
         ev_lo, ev_hi = S + self.n_store, max(S, end - W)          # positions leaving for the store
         ev_pos = torch.arange(ev_lo, max(ev_lo, ev_hi))
         keep = torch.arange(pos0, end)                              # chunk positions that stay exact
@@ -269,14 +245,14 @@ class HCABase(SavedState, KVCache):
         Vn = torch.stack([kv[1] for kv in self._staged]).transpose(1, 2).to(self.ek.dtype)
         if ev_pos.numel():
             from_ring = ev_pos[ev_pos < pos0]
-            ring_slots = self._ring_slot(from_ring)
+            ring_slots = self.ring.slot(from_ring)
             from_chunk = ev_pos[ev_pos >= pos0] - pos0
             Ke = torch.cat([self.ek[:, :, ring_slots], Kn[:, :, from_chunk]], 2)            # [L, Hkv, m, hd]
             Ve = torch.cat([self.ev[:, :, ring_slots], Vn[:, :, from_chunk]], 2)
             self._store_append(Ke, Ve, self._take_pending(int(ev_pos[0]) if ev_pos.numel() == 1 else -1))
             self.slot_pos[ring_slots] = -1
         if keep.numel():
-            slots = torch.where(keep < S, keep, self._ring_slot(keep))
+            slots = torch.where(keep < S, keep, self.ring.slot(keep))
             Kk = Kn[:, :, keep - pos0]
             if self.far and bool((keep < S).any()):   # sinks are held unrotated (read at distance D)
                 Kk = torch.where((keep < S)[:, None].to(Kk.device), self.far.unrotate(Kk, keep), Kk)
@@ -292,24 +268,18 @@ class HCABase(SavedState, KVCache):
         oldest token leaves for the store and the new one takes its slot; with a ring not yet full
         (a short context, or after a truncate) the new one takes a dead slot. A few slice copies
         (the general path's index arithmetic costs ~1.5 ms in torch calls on a 2-core CPU)."""
-        slot = self._ring_slot(pos)                               # = the leaving token's slot, if any
-        if self._ring_full():
+        slot = self.ring.slot(pos)                                # = the leaving token's slot, if any
+        evicted = self.ring.full(self.offset, self.n_store)
+        if evicted:
             codes = self._take_pending(pos - self.W)
             self._store_append(self.ek[:, :, slot:slot + 1], self.ev[:, :, slot:slot + 1], codes)   # (copies)
-            self._live_slots = None
-        elif self._live_slots is not None:
-            self._live_slots[slot] = 1                            # the mask stays valid: one more live slot
         self.ek[:, :, slot] = torch.stack([kv[0][0] for kv in self._staged])         # [L, Hkv, hd]
         self.ev[:, :, slot] = torch.stack([kv[1][0] for kv in self._staged])
-        self._ring_took(pos, slot)
+        self.ring.entered(pos, slot, evicted)
+        self._step_done(pos)
 
-    def _ring_slot(self, pos):
-        """The ring slot of the token at pos >= S (an int, or an int64 tensor of positions)."""
-        return self.S + (pos - self.S) % self.W
-
-    def _ring_took(self, pos: int, slot: int) -> None:
+    def _step_done(self, pos: int) -> None:
         """The host's bookkeeping once the token at pos is in its ring slot: one step done."""
-        self.slot_pos[slot] = pos
         self._staged = [None] * self.n_layers
         self.offset = pos + 1
         self._fit_when_due()
@@ -397,16 +367,14 @@ class HCABase(SavedState, KVCache):
                                and not self.rewind_points.restore(self, n)):
             return False
         self.rewind_points.truncated(n)
-        self.slot_pos[self.slot_pos >= n] = -1
-        self._live_slots = None
+        self.ring.drop_from(n)
         self.offset = n
         return True
 
     def reset(self) -> None:
         self._take_pending(-1)
         self.offset = self.n_store = self.n_encoded = self.exact_base = 0
-        self._live_slots = None
-        self.slot_pos.fill_(-1)
+        self.ring.clear()
         self.exact_keys.free()
         if self.prefill_values is not None:
             self.prefill_values.free()

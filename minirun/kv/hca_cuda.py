@@ -1,7 +1,7 @@
 """HCACacheCUDA: the HCA cache with its device tier on the GPU (CuPy kernels) and values on the host.
 
 Tested on an H100 (2026-11-24: the GPU tests against the CPU cache; kernels_cuda/README.md, "GPU
-backend") and, everywhere, on the CPU with the kernel emulator (tests/cuda_emu.py), which runs the
+backend") and, everywhere, on the CPU with the kernel emulator (tests/support/cuda_emu.py), which runs the
 same code with CPU tensors and no streams.
 
 Where things live (CUDA device):
@@ -42,7 +42,7 @@ wait: the host only queues launches, and a whole token is captured in one CUDA g
 (docs/BENCHMARKS.md); the host sum stays for rescore (it scores the selected tokens from host
 keys), for devices that cannot map host memory and for larger groups of query heads.
 
-Kernel launches per decode token: tests/test_hca_cuda.py counts them (decode_launches, held to the
+Kernel launches per decode token: tests/kv/test_hca_cuda.py counts them (decode_launches, held to the
 emulator's launch log).
 """
 from __future__ import annotations
@@ -58,11 +58,10 @@ import kernels_cuda.launch as kcu_launch
 
 from ..errors import MiniRunError
 from .hca_base import HCABase
+from .hca_buffers import DeviceBuffers
 from .hca_graph import CapturedSteps
 from .hca_layout import resolve_layout
-from .key_store_cuda import device_key_stores
-from .pinned import PinnedPool
-from .store import GrowingBuffer
+from .key_store_cuda import DeviceStore, device_codebooks, device_key_stores
 
 INITIAL_WIDTH = 1024   # selected tokens per head copied back on the first try
 VALUE_SUMS = ("host", "gpu")
@@ -89,18 +88,20 @@ class HCACacheCUDA(CapturedSteps, HCABase):
     run inside a CUDA graph (hca_graph.CapturedSteps)."""
 
     def __init__(self, args, config, device, dtype, capacity, model_dir=None):
-        self._gpu = device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device) if self._gpu else None
         rescore = config.rescore and not resolve_layout(args, config).exact_keys
-        self.value_sum = value_sum_choice(config.value_sum, device, rescore,
-                                          kcu_decode.group_size(args.num_attention_heads, args.num_key_value_heads))
-        super().__init__(args, config, device, dtype, capacity, model_dir)
+        value_sum = value_sum_choice(config.value_sum, device, rescore,
+                                     kcu_decode.group_size(args.num_attention_heads, args.num_key_value_heads))
+        gpu = device.type == "cuda"
+        buffers = DeviceBuffers(device, torch.cuda.Stream(device) if gpu else None, value_sum == "gpu")
+        super().__init__(args, config, device, dtype, capacity, buffers, model_dir)
+        self._gpu, self._copy_stream, self.value_sum = gpu, buffers.copy_stream, value_sum
+        self._ekx, self._evx = buffers.ekx, buffers.evx   # the exact tier with the decode token's spare row
         self.set_head_caps(self.head_caps)
         Hq, hd = self.Hq, self.hd
         if self.host_keys is not None:
             self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
-        self.exact_store, self.key_store = device_key_stores(self)
+        self.exact_store, self.key_store = device_key_stores(self.layout, Hq, self.Hkv, hd)
         self._width = INITIAL_WIDTH
         self.second_copies = 0                  # steps whose copy-back guess was too narrow
         self._pack_host = None                  # pinned int32, grows with the copy-back width
@@ -114,25 +115,18 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self._cs_pos = None
         self._cs_event = torch.cuda.Event() if self._gpu else None
 
-    backend = "cuda"
+    def _store_state(self) -> DeviceStore:
+        """What the key stores read (key_store_cuda.DeviceStore); the codebooks moved to the device
+        as the kernels read them, once, where there are codes."""
+        C = None
+        if self.codebooks is not None and not self.layout.exact_keys:
+            self.codebooks = device_codebooks(self.codebooks, self.device)
+            C = self.codebooks.centroids
+        return DeviceStore(self.exact_keys, self.exact_base, self.n_encoded, self.indices, self.q2k_dev, C)
 
-    def _make_exact_tier(self, spec) -> tuple:
-        """Sinks + ring with one spare row per layer and kv-head: a decode step's own token goes
-        there (decode_prep), so one attend launch covers sinks + ring + the token."""
-        self._ekx = torch.zeros(*spec.lead, spec.rows, spec.width, dtype=spec.dtype, device=self.device)
-        self._evx = torch.zeros_like(self._ekx)
-        return self._ekx[:, :, :spec.rows - 1], self._evx[:, :, :spec.rows - 1]
-
-    def _make_pool(self, spec, read_by_device):
-        """Values (and rescore's keys) in page-locked host pools, allocated once at capacity
-        (kv/pinned.py), the values mapped for the GPU's value sum."""
-        return PinnedPool(spec.lead, spec.width, spec.dtype, spec.rows, self.device, self._copy_stream,
-                          mapped=read_by_device and self.value_sum == "gpu")
-
-    def _make_indices(self, spec):
-        """At capacity on the device (doubling an 11 GiB store held old + new + the allocator's
-        cache: a 4M prompt peaked at 26.9 GB)."""
-        return GrowingBuffer(spec.lead, spec.width, spec.dtype, spec.rows, device=self.device, at_capacity=True)
+    def _encode(self, K: torch.Tensor) -> torch.Tensor:
+        """K [L, Hkv, m, hd] on the device -> indices [L, Hkv, m, g], one launch for all layers."""
+        return self.key_store.encode(K, self._store_state().centroids)
 
     def _histogram_cut(self, n: int = 2**31 - 1) -> bool:
         """Whether a selection over n store tokens cuts a histogram (kernels_cuda select_mode 0):
@@ -200,8 +194,8 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         sinks + ring (_exact_parts' valid), the gather, the merge -> o [Hq, hd] f32.
         n_live: int32 [1] on the device, the store's length a captured step reads (n: its grids)."""
         zb, idx = self.z.data[..., 0], self.sel.data[..., 0]
-        (self.key_store if self.n_encoded or n_live is not None else self.exact_store).score(ds, L, layer, qf, zb, n,
-                                                                                             n_live)
+        store = self.key_store if self.n_encoded or n_live is not None else self.exact_store
+        store.score(ds, L, layer, qf, zb, n, self._store_state(), n_live)
         cap = self._gather_cap()
         ds.select(L, zb, n, self.tau, idx, cap, n_live=n_live, caps=self.device_caps(layer))
         P = self._exact_parts(L, ds, layer, qs, qf, valid)
@@ -252,11 +246,11 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         return ds.attend(L, qf, ek, ev, self.q2k_dev, S, None if valid is None else valid[:S], P) if S else P
 
     def _live_mask(self, graph: bool = False):
-        """The live sinks + ring slots (HCABase._exact_valid) plus the new token's spare row, uint8
+        """The live sinks + ring slots (Ring.live_mask, kv/ring.py) plus the new token's spare row, uint8
         [S + W + 1] in one device buffer (at a fixed address: a captured step reads it), rewritten
         only when the state it shows changed (one small host->device copy a step while the ring is
         short). None while the ring is full, except for a graph, which always reads it (all ones)."""
-        valid = self._exact_valid()
+        valid = self.ring.live_mask(self.offset, self.n_store)
         if valid is None and not graph:
             return None
         if self._mask is None:
@@ -297,7 +291,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         n, cap): counts in ds.counts, stats in ds.m / ds.l, each head's first min(counts, cap) idx."""
         n = self.n_store
         zb = self.z.data[..., 0]                                                  # [Hq, cap]
-        (self.key_store if self.n_encoded else self.exact_store).score(ds, L, layer, q, zb, n)
+        (self.key_store if self.n_encoded else self.exact_store).score(ds, L, layer, q, zb, n, self._store_state())
         idx = self.sel.data[..., 0]
         cap = self.max_select if self.max_select and n > self.max_select and self.head_caps is None else 0
         ds.select(L, zb, n, self.tau, idx, cap, caps=self.device_caps(layer))   # (whole bins from the top, zcut)

@@ -1,4 +1,4 @@
-"""A whole HCA decode token inside a CUDA graph: the cache's side (minirun/cuda_graph.py replays it).
+"""A whole HCA decode token inside a CUDA graph: the cache's side (minirun/model/cuda_graph.py replays it).
 
 An eager decode step (hca_cuda.py) reads three host values per token: the store's length n (grid
 sizes and loop bounds of scoring and selection), the ring slot the oldest token leaves from, and
@@ -59,7 +59,7 @@ class CapturedSteps:
         self.indices.reserve(n + 1)
         self._graph_state()
         self._live_mask(graph=True)
-        C = self.key_store.centroids()
+        C = self._store_state().centroids
         T = self._decode_kernels().reserve_lut(C.shape[2], C.shape[3])
         # what a graph bakes in: the addresses (and strides) of everything that can be reallocated
         key = ("hca", nb) + tuple((t.data_ptr(), tuple(t.shape)) for t in (
@@ -70,7 +70,7 @@ class CapturedSteps:
         """Before a replay: this token's state into device memory; the pool's eager eviction copies
         waited for on the GPU (the graph writes the pool itself)."""
         pos = self.offset
-        st = torch.tensor([pos, self._ring_slot(pos), self.n_store, self.S + self.n_store], dtype=torch.int64)
+        st = torch.tensor([pos, self.ring.slot(pos), self.n_store, self.S + self.n_store], dtype=torch.int64)
         self._graph_state().copy_(st)
         self._live_mask(graph=True)
         self._cs_pos = None   # the graph writes ds.cs: an eager step (at any position) must write it again
@@ -130,7 +130,7 @@ class CapturedSteps:
 
     def graph_snapshot(self):
         """What commit_at overwrites and a later run of the same step reads: the ring slot's k, v."""
-        slot = self._ring_slot(self.offset)
+        slot = self.ring.slot(self.offset)
         return slot, self.ek[:, :, slot].clone(), self.ev[:, :, slot].clone()
 
     def graph_restore(self, snap) -> None:
@@ -142,11 +142,9 @@ class CapturedSteps:
         """After a replay: the host's bookkeeping of advance(1) (the graph did the device part). A
         short ring took the token into a dead slot: the store did not grow (the graph's eviction
         wrote the row past its end, which the next eviction overwrites)."""
-        slot = self._ring_slot(self.offset)
-        if self._ring_full():
-            self._live_slots = None
-            self.n_store += 1
-        elif self._live_slots is not None:
-            self._live_slots[slot] = 1
+        pos = self.offset
+        slot, evicted = self.ring.slot(pos), self.ring.full(pos, self.n_store)
+        self.n_store += evicted
         self.n_encoded = self.n_store
-        self._ring_took(self.offset, slot)
+        self.ring.entered(pos, slot, evicted)
+        self._step_done(pos)

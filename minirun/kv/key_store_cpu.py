@@ -20,6 +20,8 @@ unrotated, while the step reads the ring turned.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -27,28 +29,47 @@ import kernels_cpu as kc
 from kernels_cpu import fastscan as fs
 
 
-def key_stores(c, fast_scan: bool) -> tuple:
-    """(exact, store) of the cache c: the store its layout names, and the exact-keys store that
-    scores a store with no key encoded yet (the same object where the layout keeps exact keys)."""
-    exact = ExactKeys(c)
-    if c.layout.exact_keys:
+class Heads(NamedTuple):
+    """The cache's shape as its key stores see it."""
+    n_layers: int
+    Hq: int
+    Hkv: int
+    q_to_kv: np.ndarray      # int32 [Hq]: each query head's kv head
+
+
+class StoreState(NamedTuple):
+    """What one step reads of the cache's state (HCACache._one_call makes it)."""
+    n_store: int             # tokens in the store
+    tau: float               # the softmax mass the selection keeps
+    cap: object              # the layer's selection cap: int64 [Hq] per head (-1 skips the store) or one int
+    codebooks: object        # the cache's Codebooks (None before they are fitted)
+    exact_keys: object       # the full-precision keys (kv/store.GrowingBuffer [L, Hkv, cap, hd] f32)
+
+
+def key_stores(heads: Heads, layout, far: bool, fast_scan: bool) -> tuple:
+    """(exact, store) for a cache of `heads` and `layout` (hca_layout.Layout; far: far positions on):
+    the store the layout names, and the exact-keys store that scores a store with no key encoded
+    yet (the same object where the layout keeps exact keys)."""
+    exact = ExactKeys(heads)
+    if layout.exact_keys:
         return exact, exact
-    kind = (PairKeys if fast_scan else ProductPairKeys) if c.layout.pairs else CodebookKeys
-    return exact, kind(c, exact)
+    kind = (PairKeys if fast_scan else ProductPairKeys) if layout.pairs else CodebookKeys
+    return exact, kind(heads, layout, far, exact)
 
 
 class KeyStore:
-    """encode(K [L, Hkv, m, hd], codebooks) -> indices [L, Hkv, m, g] (torch); step(c, layer, q, kn,
+    """encode(K [L, Hkv, m, hd], codebooks) -> indices [L, Hkv, m, g] (torch); step(st, layer, q, kn,
     vn, EK, EV, n_exact, valid, views, leaving) -> o [Hq, hd] f32: one query's call of the store's
-    kernel (c the cache: n_store, tau, max_select, q_to_kv, codebooks, exact_keys; views its buffers
-    from HCACache._views_of; leaving: (position, slot) of the ring key to encode ahead, or None),
+    kernel (st: StoreState; views the cache's buffers from HCACache._views_of; leaving: (position,
+    slot) of the ring key to encode ahead, or None),
     after which counts holds each query head's selection size; take_pending(pos); for the stats,
     `scratch` (fixed-size arrays) and copy_bytes(codebooks) (of the arrays made from them)."""
     encodes_ahead = False
 
-    def __init__(self, c):
-        self.lanes = kc.lane_map(c.q_to_kv, c.Hkv)     # query heads in the tables' 16-bit lanes
-        self.counts = np.zeros(c.Hq, np.int32)
+    def __init__(self, heads: Heads):
+        self.q_to_kv = heads.q_to_kv
+        self.lanes = kc.lane_map(heads.q_to_kv, heads.Hkv)     # query heads in the tables' 16-bit lanes
+        self.counts = np.zeros(heads.Hq, np.int32)
         self.scratch, self.copies = [], []
         self.bound = None                               # the codebook set `copies` are of
 
@@ -62,8 +83,8 @@ class KeyStore:
 
 
 class ExactKeys(KeyStore):
-    def __init__(self, c):
-        super().__init__(c)
+    def __init__(self, heads: Heads):
+        super().__init__(heads)
         self.hist = None
 
     def levels(self) -> np.ndarray:
@@ -73,11 +94,11 @@ class ExactKeys(KeyStore):
             self.scratch = [self.hist]
         return self.hist
 
-    def step(self, c, layer, q, kn, vn, EK, EV, n_exact, valid, views, leaving):
-        K = c.exact_keys.view(layer, c.exact_keys.cap).numpy()
-        return kc.hca_exact_decode_attend(q, kn, vn, EK, EV, n_exact, K, c.n_store, views[0], c.tau, c.q_to_kv,
+    def step(self, st: StoreState, layer, q, kn, vn, EK, EV, n_exact, valid, views, leaving):
+        K = st.exact_keys.view(layer, st.exact_keys.cap).numpy()
+        return kc.hca_exact_decode_attend(q, kn, vn, EK, EV, n_exact, K, st.n_store, views[0], st.tau, self.q_to_kv,
                                           self.lanes, views[1], self.levels(), self.counts, exact_valid=valid,
-                                          cap=c.select_cap(layer))
+                                          cap=st.cap)
 
 
 class CodedKeys(KeyStore):
@@ -88,13 +109,14 @@ class CodedKeys(KeyStore):
     key at position `pending`, one layer a call (done[layer]); advance takes them once all have."""
     encodes_ahead = True
 
-    def __init__(self, c, exact: ExactKeys):
-        super().__init__(c)
-        self.exact, self.Hq, self.hist, lay = exact, c.Hq, None, c.layout
-        self.codes = (np.empty((c.n_layers, c.Hkv, 1, lay.groups), np.uint8 if lay.index_bytes == 1 else np.int16)
+    def __init__(self, heads: Heads, layout, far: bool, exact: ExactKeys):
+        super().__init__(heads)
+        self.exact, self.Hq, self.hist = exact, heads.Hq, None
+        code_type = np.uint8 if layout.index_bytes == 1 else np.int16
+        self.codes = (np.empty((heads.n_layers, heads.Hkv, 1, layout.groups), code_type)
                       if self.encodes_ahead else None)
-        self.done, self.pending = np.zeros(c.n_layers, bool), -1
-        self.encodes_ahead = self.encodes_ahead and c.far is None
+        self.done, self.pending = np.zeros(heads.n_layers, bool), -1
+        self.encodes_ahead = self.encodes_ahead and not far
 
     def bind(self, cb) -> None:
         self.copies = self._copies(cb)
@@ -143,14 +165,14 @@ class CodebookKeys(CodedKeys):
         C = self.bound.centroids.numpy()
         return kc.encode_keys(K, _flat(C), cnorm=_flat(self.cnorm), codebooks_t=_flat(self.cbt))   # (its path by m)
 
-    def step(self, c, layer, q, kn, vn, EK, EV, n_exact, valid, views, leaving):
+    def step(self, st: StoreState, layer, q, kn, vn, EK, EV, n_exact, valid, views, leaving):
         V, z, PT, sel, lev, Kh = views
-        if c.codebooks is not self.bound:
-            self.bind(c.codebooks)
+        if st.codebooks is not self.bound:
+            self.bind(st.codebooks)
         encode = None if leaving is None else (leaving[1], self.cnorm[layer], self._ahead(layer, leaving[0]))
-        o = kc.hca_decode_attend(q, kn, vn, EK, EV, n_exact, self.cbt[layer], PT, c.n_store, V, c.tau, c.q_to_kv,
+        o = kc.hca_decode_attend(q, kn, vn, EK, EV, n_exact, self.cbt[layer], PT, st.n_store, V, st.tau, self.q_to_kv,
                                  self.packed, self.lut, z, sel, self.counts, encode=encode, levels=(lev, self.hist),
-                                 exact_valid=valid, host_keys=Kh, cap=c.select_cap(layer))
+                                 exact_valid=valid, host_keys=Kh, cap=st.cap)
         if encode is not None:
             self.done[layer] = True
         return o
@@ -173,14 +195,14 @@ class PairKeys(CodedKeys):
     def _encode(self, K):
         return fs.encode_pairs(K, _flat(self.F), _flat(self.fnorm))
 
-    def step(self, c, layer, q, kn, vn, EK, EV, n_exact, valid, views, leaving):
+    def step(self, st: StoreState, layer, q, kn, vn, EK, EV, n_exact, valid, views, leaving):
         V, z, PT, sel, lev, Kh = views
-        if c.codebooks is not self.bound:
-            self.bind(c.codebooks)
+        if st.codebooks is not self.bound:
+            self.bind(st.codebooks)
         encode = None if leaving is None else (leaving[1], self._ahead(layer, leaving[0]))
-        o = fs.hca_decode_attend_fs(q, kn, vn, EK, EV, n_exact, self.F[layer], PT, c.n_store, V, c.tau, c.q_to_kv,
+        o = fs.hca_decode_attend_fs(q, kn, vn, EK, EV, n_exact, self.F[layer], PT, st.n_store, V, st.tau, self.q_to_kv,
                                     self.lut, z, sel, self.counts, fnorm=self.fnorm[layer], encode=encode,
-                                    levels=(lev, self.hist), exact_valid=valid, host_keys=Kh, cap=c.select_cap(layer))
+                                    levels=(lev, self.hist), exact_valid=valid, host_keys=Kh, cap=st.cap)
         if encode is not None:
             self.done[layer] = True
         return o

@@ -8,7 +8,7 @@ A row of the pool is one token of one kv head, bytes [width] (float: [hd] of the
 (float16 little-endian, as two bytes). One byte buffer per row keeps every path that moves rows as
 it was: the pinned pool's strided copies, the graph's store_rows, prompt-cache files. The value
 sums dequantize in registers (kernels_cpu/value_rows.py, kernels_cuda/gather.cu); a NumPy
-reference is tests/references/values.py. Symmetric 8 bits and scale + minimum at 4 bits, per
+reference is tests/support/references/values.py. Symmetric 8 bits and scale + minimum at 4 bits, per
 group of 32, are llama.cpp's Q8_0 and Q4_1 (`--cache-type-v q8_0 / q4_1`), KIVI's per-token values.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ _scratch: dict = {}
 #: Prefill GEMMs in bfloat16 where torch's bfloat16 GEMM is native (ops.cpu_bf16_gemm): 2-3x the
 #: float32 GEMM's speed on Zen 4, for weights and activations rounded to bfloat16 (2^-9 relative;
 #: llama.cpp's prefill on Q8_0 rounds activations to 8 bits). False: float32, the same logits as the
-#: dequantized weights to 1e-3 (tests/test_quant_model.py holds both).
+#: dequantized weights to 1e-3 (tests/model/test_quant_model.py holds both).
 PREFILL_BF16 = True
 
 
@@ -43,7 +43,7 @@ def _slab(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 def prefill_dtype(x: torch.Tensor) -> torch.dtype:
     """The GEMM dtype of a prefill chunk x on the CPU."""
-    from ..ops import cpu_bf16_gemm
+    from ..model.ops import cpu_bf16_gemm
     return torch.bfloat16 if (PREFILL_BF16 or x.dtype == torch.bfloat16) and cpu_bf16_gemm() else torch.float32
 
 

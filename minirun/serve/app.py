@@ -319,6 +319,34 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), err.status)
 
 
+def check_prompt(ids: list[int], ctx: int, param: str) -> None:
+    """A 400 for an empty prompt or one longer than the context."""
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param)
+    if len(ids) > ctx:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than the context of {ctx} tokens (--ctx)",
+                       param, "context_length_exceeded")
+
+
+def add_info_routes(app: FastAPI, worker: EngineWorker, model_name: str, started: int) -> None:
+    """GET /health (503 while stopping) and /v1/models."""
+    eng = worker.engine
+    ctx = eng.config.ctx
+
+    @app.get("/health")
+    async def health():
+        stopping = worker.stopping.is_set()
+        return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name, "ctx": ctx,
+                             "kv": eng.config.kv, "busy": worker.busy, "queued": worker.queued,
+                             "slots": len(getattr(worker, "slots", ())) or 1, "active": getattr(worker, "active", 0)},
+                            503 if stopping else 200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "minirun", "context_length": ctx}]}
+
+
 def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
     """The API over `worker` (started by the caller); model_name: the id /v1/models reports; max_body:
     the largest request body in bytes."""
@@ -333,13 +361,6 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     add_error_handlers(app)
     per_token = eng.tokenizer.longest_token_chars()
-
-    def check_prompt(ids: list[int], param: str) -> None:
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param)
-        if len(ids) > ctx:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than the context of {ctx} tokens (--ctx)",
-                           param, "context_length_exceeded")
 
     async def answer(request: Request, body, ids: list[int], chat: bool, tokenize_s: float):
         max_new = body.max_new_tokens or max(1, ctx - len(ids))
@@ -362,18 +383,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
 
     add_page(app, eng, model_name, bool(api_key))   # GET / (the chat page), /static/*, /props
 
-    @app.get("/health")
-    async def health():
-        stopping = worker.stopping.is_set()
-        return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name, "ctx": ctx,
-                             "kv": eng.config.kv, "busy": worker.busy, "queued": worker.queued,
-                             "slots": len(getattr(worker, "slots", ())) or 1, "active": getattr(worker, "active", 0)},
-                            503 if stopping else 200)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "minirun", "context_length": ctx}]}
+    add_info_routes(app, worker, model_name, started)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -385,7 +395,7 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
             ids = await run_in_threadpool(eng.chat_prompt, messages)
         except MiniRunError as e:   # the template refused the conversation (its raise_exception)
             raise ApiError(400, str(e), "messages") from None
-        check_prompt(ids, "messages")
+        check_prompt(ids, ctx, "messages")
         return await answer(request, body, ids, True, time.perf_counter() - t0)
 
     @app.post("/v1/completions")
@@ -398,12 +408,12 @@ def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None
             ids = await run_in_threadpool(eng.tokenize, prompt) if prompt else []
         else:
             ids = list(prompt)     # (ints: the model is strict)
-            check_prompt(ids, "prompt")     # (its length before a pass over a million ids)
+            check_prompt(ids, ctx, "prompt")     # (its length before a pass over a million ids)
             bad = [i for i in ids if not 0 <= i < eng.args.vocab_size]
             if bad:
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{eng.args.vocab_size - 1})",
                                "prompt")
-        check_prompt(ids, "prompt")
+        check_prompt(ids, ctx, "prompt")
         return await answer(request, body, ids, False, time.perf_counter() - t0)
 
     return app

@@ -39,7 +39,7 @@ def build_app(model, options: dict, replicas: int, max_queue: int, model_name: s
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from ..cli_common import engine_settings
+    from ..cli.common import engine_settings
     routing = {}
     if router == "document":
         routing["request_router_config"] = RequestRouterConfig(
@@ -80,7 +80,7 @@ def start(model, options: dict, replicas: int, *, host: str = "127.0.0.1", port:
         raise MiniRunError(f"--replicas must be at least 1, got {replicas}")
     if router not in ROUTERS:
         raise MiniRunError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
-    from ..cli_common import engine_settings
+    from ..cli.common import engine_settings
     front = EngineFront(model, engine_settings(**options))      # (a wrong model path: here, in one line)
     ray, serve = import_ray()
     if not ray.is_initialized():

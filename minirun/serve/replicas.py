@@ -22,7 +22,7 @@ from collections import deque
 from ..config import EngineConfig, ModelArgs
 from ..engine import Engine
 from ..errors import MiniRunError
-from ..tokenizer import Tokenizer
+from ..checkpoint.tokenizer import Tokenizer
 from . import affinity
 from .schemas import ApiError
 from .worker import EngineWorker, InternalError, Job, QueueFull, ShuttingDown
@@ -35,7 +35,7 @@ class EngineFront:
 
     def __init__(self, model, settings: dict):
         from ..engine import not_a_model_dir
-        from ..pull import find_model
+        from ..checkpoint.pull import find_model
         self.path = find_model(model)
         self.config = EngineConfig(**settings)
         if not (self.path / "config.json").is_file():
@@ -150,7 +150,7 @@ class EngineReplica:
             raise MiniRunError(f"the model did not load on {socket.gethostname()}: {self.failure}")
 
     def _load_and_run(self, model, options: dict, max_queue: int, ready: threading.Event) -> None:
-        from ..cli_common import load_engine
+        from ..cli.common import load_engine
         try:
             self.worker = EngineWorker(load_engine(model, **options), max_queue)
         except Exception as e:     # (a MiniRunError is one line; anything else: its type too)

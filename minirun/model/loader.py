@@ -1,0 +1,157 @@
+"""Checkpoint loading: safetensors (single file or sharded), memory-mapped, mapped to our names.
+
+Every checkpoint tensor name is mapped in one place (`_layer_names`), so the model code never sees
+Hugging Face names.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .. import quant
+from ..config import ModelArgs
+from ..errors import CheckpointError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _layer_names(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    return {
+        "attn_norm": p + "input_layernorm.weight",
+        "wq": p + "self_attn.q_proj.weight",
+        "wk": p + "self_attn.k_proj.weight",
+        "wv": p + "self_attn.v_proj.weight",
+        "wo": p + "self_attn.o_proj.weight",
+        "ffn_norm": p + "post_attention_layernorm.weight",
+        "w_gate": p + "mlp.gate_proj.weight",
+        "w_up": p + "mlp.up_proj.weight",
+        "w_down": p + "mlp.down_proj.weight",
+    }
+
+
+def _safetensors_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt ({e})") from None
+        return {k: model_dir / v for k, v in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return {}  # resolved lazily: every name lives in the single file
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    if len(files) == 1:
+        return {}
+    raise CheckpointError(f"{model_dir} has several .safetensors files but no model.safetensors.index.json")
+
+
+def _config_json(model_dir: Path) -> dict:
+    """config.json as a dict (ModelArgs has read and checked it already)."""
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+class TensorReader:
+    """Reads named tensors from one model directory, opening each shard once (memory-mapped)."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.name_to_file = _safetensors_files(model_dir)
+        self._default = (model_dir / "model.safetensors") if (model_dir / "model.safetensors").is_file() \
+            else next(iter(sorted(model_dir.glob("*.safetensors"))), None)
+        self._handles: dict[Path, object] = {}
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            if not path.is_file():
+                raise CheckpointError(f"missing weight file {path}")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"{path.name} is not a valid safetensors file ({e})") from None
+        return self._handles[path]
+
+    def names(self) -> set[str]:
+        if self.name_to_file:
+            return set(self.name_to_file)
+        return set(self._handle(self._default).keys())
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.name_to_file.get(name, self._default)
+        h = self._handle(path)
+        try:
+            return h.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read tensor {name} from {path.name} ({e})") from None
+
+
+def load_weights(model_dir: str | Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+                 weights: str = "stored") -> dict:
+    """Load every tensor the model needs, converted to `dtype` on `device`.
+
+    Returns {"embed": [V, D], "norm": [D], "lm_head": [V, D] (shared with embed when tied),
+             "layers": [ {attn_norm, wqkv [(Hq+2Hkv)*hd, D], wo, ffn_norm, w_gate_up [2F, D], w_down} ]}.
+    Q, K and V (and gate and up) are fused so one GEMM serves each. The matrices are
+    minirun.quant.QuantMatrix where the checkpoint stores GGUF blocks or `weights` quantizes
+    ("q8_0", "q4_0", "q4_1"; "float": blocks dequantized to `dtype`; "stored": as the checkpoint holds them).
+    """
+    model_dir = Path(model_dir)
+    reader = TensorReader(model_dir)
+    available = reader.names()
+    quantized = quant.matrix_reader(reader, available, _config_json(model_dir), weights, dtype, device)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in available:
+            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        return reader.get(name).to(device=device, dtype=dtype)
+
+    def check(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
+        return t
+
+    def matrix(name: str, shape: tuple):
+        if quantized is not None:
+            return quantized(name, shape)
+        return check(get(name), shape, name)
+
+    D, hd = args.hidden_size, args.head_dim
+    Hq, Hkv, F, V = args.num_attention_heads, args.num_key_value_heads, args.intermediate_size, args.vocab_size
+    embed = matrix("model.embed_tokens.weight", (V, D))
+    has_head = "lm_head.weight" in available or "lm_head.weight.d" in available     # (.d: stored as blocks)
+    if args.tie_word_embeddings or not has_head:
+        lm_head = embed
+    else:
+        lm_head = matrix("lm_head.weight", (V, D))
+    layers = []
+    for i in range(args.num_hidden_layers):
+        n = _layer_names(i)
+        wq = matrix(n["wq"], (Hq * hd, D))
+        wk = matrix(n["wk"], (Hkv * hd, D))
+        wv = matrix(n["wv"], (Hkv * hd, D))
+        wg = matrix(n["w_gate"], (F, D))
+        wu = matrix(n["w_up"], (F, D))
+        layer = {
+            "attn_norm": get(n["attn_norm"]),
+            "wqkv": quant.cat_rows([wq, wk, wv]),
+            "wo": matrix(n["wo"], (D, Hq * hd)),
+            "ffn_norm": get(n["ffn_norm"]),
+            "w_gate_up": quant.cat_rows([wg, wu]),
+            "w_down": matrix(n["w_down"], (D, F)),
+        }
+        if args.attention_bias:
+            p = f"model.layers.{i}.self_attn."
+            layer["bqkv"] = torch.cat([get(p + "q_proj.bias"), get(p + "k_proj.bias"), get(p + "v_proj.bias")])
+            layer["bo"] = get(p + "o_proj.bias") if p + "o_proj.bias" in available else None
+        layers.append(layer)
+    return {"embed": embed, "norm": get("model.norm.weight"), "lm_head": lm_head, "layers": layers}
