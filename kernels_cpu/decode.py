@@ -145,8 +145,9 @@ def _rows_impl(w):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _k_attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out):
-    """B tokens, one per sequence: x [B, D], w_norm [D], w_qkv [(Hq+2Hkv)*hd, D], pos [B] int64,
+def _k_attn_in(x, w_norm, eps, w_qkv, b_qkv, head_norms, n_q, pos, inv_freq, n_rot, head_dim, out):
+    """B tokens, one per sequence: x [B, D], w_norm [D], w_qkv [(Hq+2Hkv)*hd, D], b_qkv f32 [(Hq+2Hkv)*hd]
+    or [0] (no bias), head_norms f32 [2, hd] (q's, k's) or [0, hd] (none), n_q = Hq, pos [B] int64,
     inv_freq [hd/2] f64 -> out [B, (Hq+2Hkv)*hd]."""
     B, D = x.shape
     xn = np.empty((B, D), np.float32)
@@ -163,8 +164,13 @@ def _k_attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out):
             cos[j] = np.cos(ang)
             sin[j] = np.sin(ang)
         yb = y[b]
+        if b_qkv.shape[0]:
+            for i in range(yb.shape[0]):
+                yb[i] += b_qkv[i]
         for h in range(n_rot):                 # q heads then k heads: the rotated ones
             c0 = h * head_dim
+            if head_norms.shape[0]:            # each head normalized first (its own norm weights)
+                _rms_norm(yb[c0:c0 + head_dim], head_norms[0 if h < n_q else 1], eps, yb[c0:c0 + head_dim])
             for j in range(half):
                 x1, x2 = yb[c0 + j], yb[c0 + half + j]
                 yb[c0 + j] = x1 * cos[j] - x2 * sin[j]
@@ -334,20 +340,31 @@ def _as_rows(x):
     return np.ascontiguousarray(x.reshape(1, -1) if x.ndim == 1 else x), x.ndim == 1
 
 
-def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None):
-    """rms_norm -> fused QKV GEMV -> RoPE (half-split) at position `pos` on the first n_rot heads.
+def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None, bias=None, head_norms=None,
+            n_q: int = 0):
+    """rms_norm -> fused QKV GEMV (+ bias) -> each head's RMSNorm (where given) -> RoPE (half-split)
+    at position `pos` on the first n_rot heads.
 
     x [D], or [B, D] for B sequences' tokens with pos [B]; w_norm [D]; w_qkv [(Hq+2Hkv)*hd, D]
     (C-contiguous), all in one dtype (float32, or uint16 bfloat16 bits); inv_freq [hd/2] float64
-    (RoPE angles pos * inv_freq in float64). Returns out [(Hq+2Hkv)*hd] ([B, ...] for x [B, D]) in
-    the weights' dtype: q heads, k heads (rotated), v heads.
+    (RoPE angles pos * inv_freq in float64). bias: float32 [(Hq+2Hkv)*hd] (Qwen2's); head_norms:
+    float32 [2, hd], the norms of the n_q query heads and of the key heads (Qwen3's). Returns out
+    [(Hq+2Hkv)*hd] ([B, ...] for x [B, D]) in the weights' dtype: q heads, k heads (rotated), v heads.
     """
     _check("attn_in", (w_qkv,), x, w_norm)
     xr, one = _as_rows(x)
     out = np.empty((xr.shape[0], rows_of(w_qkv)), x.dtype) if out is None else out
-    _k_attn_in(xr, w_norm, np.float32(eps), w_qkv, np.asarray(pos, np.int64).reshape(xr.shape[0]),
+    bias = _NO_BIAS if bias is None else np.ascontiguousarray(bias, np.float32)
+    norms = np.empty((0, head_dim), np.float32) if head_norms is None else np.ascontiguousarray(head_norms, np.float32)
+    if bias.shape[0] not in (0, rows_of(w_qkv)) or norms.shape[1] != head_dim or (norms.shape[0] and not n_q):
+        raise ValueError(f"attn_in: a bias of {bias.shape[0]} rows for {rows_of(w_qkv)}, heads' norms "
+                         f"{norms.shape} for head_dim {head_dim} with n_q {n_q}")
+    _k_attn_in(xr, w_norm, np.float32(eps), w_qkv, bias, norms, n_q, np.asarray(pos, np.int64).reshape(xr.shape[0]),
                np.ascontiguousarray(inv_freq, np.float64), n_rot, head_dim, out.reshape(xr.shape[0], -1))
     return out[0] if one and out.ndim == 2 else out
+
+
+_NO_BIAS = np.empty(0, np.float32)
 
 
 def attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out=None):

@@ -16,13 +16,15 @@ from pathlib import Path
 
 from .errors import CheckpointError, MiniRunError
 
-SUPPORTED_MODEL_TYPES = ("llama",)
 
 
 _REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")    # each >= 1 when given
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",   # each >= 1 when given
+                  "sliding_window")
 _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
-_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_OPTIONAL_POSITIVE_FLOATS = ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "qk_norm", "post_norms", "embed_scale")
 
 
 def _json_kind(v) -> str:
@@ -63,6 +65,15 @@ def check_model_fields(a) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise CheckpointError(f"config.json: {name} must be a positive number, got {_json_kind(v)}")
         put(name, float(v))
+    for name in _OPTIONAL_POSITIVE_FLOATS:
+        v = getattr(a, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            raise CheckpointError(f"config.json: {name} must be a positive number or null, got {_json_kind(v)}")
+        put(name, None if v is None else float(v))
+    if a.hidden_act not in HIDDEN_ACTS:
+        raise CheckpointError(f"config.json: hidden_act {a.hidden_act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
+    if isinstance(a.norm_offset, bool) or not isinstance(a.norm_offset, (int, float)):
+        raise CheckpointError(f"config.json: norm_offset must be a number, got {_json_kind(a.norm_offset)}")
     for name in _BOOLS:
         if not isinstance(getattr(a, name), bool):
             raise CheckpointError(f"config.json: {name} must be true or false, got {_json_kind(getattr(a, name))}")
@@ -75,13 +86,21 @@ def check_model_fields(a) -> None:
         put("eos_token_id", [_as_int("eos_token_id", e, 0) for e in eos])
     elif eos is not None:
         put("eos_token_id", _as_int("eos_token_id", eos, 0))
+    lt = a.layer_types
+    if lt is not None and (not isinstance(lt, list) or len(lt) != a.num_hidden_layers
+                           or any(t not in ("full_attention", "sliding_attention") for t in lt)):
+        raise CheckpointError(f"config.json: layer_types must list full_attention or sliding_attention for each of "
+                              f"the {a.num_hidden_layers} layers, got {_json_kind(lt)}")
+    if lt is not None:
+        put("layer_types", tuple(lt))
     if not isinstance(a.model_type, str):
         raise CheckpointError(f"config.json: model_type must be a string, got {_json_kind(a.model_type)}")
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Llama hyper-parameters, as named in Hugging Face config.json (unknown keys are dropped)."""
+    """The hyper-parameters of a Llama-family model, as named in Hugging Face config.json (unknown
+    keys are dropped; what each architecture's keys mean: minirun/model/arch.py)."""
 
     hidden_size: int
     intermediate_size: int
@@ -97,6 +116,17 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False                        # RMSNorm over each head of q and k before RoPE (qwen3)
+    sliding_window: int | None = None            # tokens a sliding layer attends back to (None: no such layer)
+    layer_types: tuple | None = None             # per layer "full_attention" | "sliding_attention" (None: all
+                                                 # sliding where there is a window)
+    rope_local_theta: float | None = None        # the sliding layers' RoPE base (None: rope_theta)
+    hidden_act: str = "silu"                     # the MLP's gate: silu | gelu_pytorch_tanh (GELU, tanh form)
+    query_pre_attn_scalar: float | None = None   # attention logits scaled by its -1/2 power (None: head_dim's)
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
+    norm_offset: float = 0.0                     # every norm is (offset + w): the weights stored zero-centred
+    post_norms: bool = False                     # norms after the attention and the MLP, before the residual
+    embed_scale: bool = False                    # embeddings scaled by sqrt(hidden_size)
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     model_type: str = "llama"
@@ -120,6 +150,13 @@ class ModelArgs:
                 f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
 
+    def layer_window(self, layer: int) -> int | None:
+        """The window of tokens `layer` attends over (its own included), or None: the whole context."""
+        if self.sliding_window is None:
+            return None
+        return self.sliding_window if self.layer_types is None or self.layer_types[layer] == "sliding_attention" \
+            else None
+
     @property
     def n_rep(self) -> int:
         """Query heads per kv-head (GQA group size)."""
@@ -136,10 +173,8 @@ class ModelArgs:
     def from_dict(cls, d: dict) -> "ModelArgs":
         if not isinstance(d, dict):
             raise CheckpointError(f"config.json: the top level is {_json_kind(d)}, not an object of settings")
-        model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(
-                f"unknown architecture model_type={model_type!r}: minirun supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+        from .model.arch import config_fields
+        d = config_fields(d)
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         missing = [n for n in _REQUIRED_INTS if kwargs.get(n) is None]

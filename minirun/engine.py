@@ -68,7 +68,8 @@ class Engine:
     def _graphed_decode(self):
         """The CUDA-graph decode steps (config.cuda_graphs, on a GPU) where the cache can be captured
         whole (dense; HCA with the GPU value sum), else None: eager steps."""
-        if self.device.type != "cuda" or not self.config.cuda_graphs or not cuda_graph.supports(self.cache):
+        if self.device.type != "cuda" or not self.config.cuda_graphs or not cuda_graph.supports(self.cache) \
+                or self.model.local_inv_freq64 is not None:   # (a captured step turns every layer by one base)
             return None
         return cuda_graph.GraphedDecode(self.model, self.cache)
 

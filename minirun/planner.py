@@ -142,6 +142,10 @@ def _fits(p: Plan, device: torch.device, avail: dict) -> bool:
 
 def check_fits(args: ModelArgs, cfg: EngineConfig, device: torch.device, avail: dict | None = None) -> Plan:
     """Raise ContextError (one line, with what would fit) when cfg.ctx cannot be held."""
+    W = args.sliding_window
+    if W and cfg.kv != "dense" and cfg.ctx > W:   # (the HCA cache's layers all attend to the whole context)
+        raise ContextError(f"this model's layers attend over a sliding window of {W} tokens, which the HCA cache "
+                           f"does not keep apart: --kv dense, or --ctx at most {W}")
     avail = avail or available_bytes(device)
     p = plan(args, cfg)
     if _fits(p, device, avail):

@@ -1,11 +1,13 @@
-"""Convert a Llama-architecture GGUF (llama.cpp) file into a Hugging Face checkpoint directory.
+"""Convert a GGUF (llama.cpp) file of a Llama, Qwen2 or Qwen3 model (Mistral's are "llama" GGUFs)
+into a Hugging Face checkpoint directory.
 
     convert_gguf("model.gguf", "models/NAME")
 
 writes `config.json`, `model.safetensors` (shards plus `model.safetensors.index.json` when the model is
 larger than `shard_bytes`), `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
-Quantized tensors are dequantized with `gguf.quants`; llama.cpp's row permutation of the Q and K
-projections is undone, so the result is laid out exactly like a `transformers` Llama checkpoint.
+Quantized tensors are dequantized with `gguf.quants`; llama.cpp's row permutation of a Llama's Q and
+K projections is undone (Qwen's GGUFs keep HF's rows: their RoPE is the half-split one), so the
+result is laid out exactly like a `transformers` checkpoint of the architecture.
 The files are written into a temporary directory next to `out_dir` and moved into place at the end; with
 `overwrite`, only the files a conversion writes (and calibrated codebooks) are replaced in an existing
 directory, never anything else in it.
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
+from .gguf_config import ARCHITECTURES, as_llama_keys, build_config, build_generation_config
 from .model_files import install, prepare_target
 
 GGUF_MAGIC = b"GGUF"
@@ -45,6 +47,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -117,12 +121,6 @@ def read_metadata(reader) -> dict[str, Any]:
     return meta
 
 
-def _need(meta: dict, key: str, path) -> Any:
-    if key not in meta:
-        raise CheckpointError(f"{path}: GGUF metadata key {key!r} is missing")
-    return meta[key]
-
-
 def _hf_name(name: str) -> str | None:
     """HF tensor name for a GGUF tensor name, None for tensors that are dropped."""
     if name in _SKIPPED:
@@ -161,99 +159,6 @@ def dequantize_tensor(t) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# config
-
-
-def _llama3_factors(head_dim, theta, factor, low, high, orig) -> np.ndarray:
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    out = []
-    for f in freqs:
-        wavelen = 2 * math.pi / f
-        if wavelen < orig / high:
-            out.append(1.0)
-        elif wavelen > orig / low:
-            out.append(factor)
-        else:
-            smooth = (orig / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out)
-
-
-def _rope_scaling(meta: dict, rope_freqs: np.ndarray | None, head_dim: int, theta: float, path):
-    """HF `rope_scaling` from llama.rope.scaling.* keys or a llama3 `rope_freqs` tensor."""
-    kind = meta.get("llama.rope.scaling.type")
-    factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear"))
-    if kind is None and factor is not None:
-        kind = "linear"
-    if kind in ("linear", "yarn") and factor not in (None, 1.0):
-        out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-        orig = meta.get("llama.rope.scaling.original_context_length")
-        if kind == "yarn" and orig:
-            out["original_max_position_embeddings"] = int(orig)
-        return out
-    if kind not in (None, "none", "linear", "yarn"):
-        raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r}")
-    if rope_freqs is None:
-        return None
-    rope_freqs = rope_freqs.reshape(-1).astype(np.float64)
-    factor = float(rope_freqs.max())
-    for orig in (8192, 4096, 2048, 16384, 32768):
-        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
-            want = _llama3_factors(head_dim, theta, factor, low, high, orig)
-            if want.shape == rope_freqs.shape and np.allclose(want, rope_freqs, rtol=1e-3):
-                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                        "high_freq_factor": high, "original_max_position_embeddings": orig}
-    raise CheckpointError(f"{path}: rope_freqs tensor matches no known llama3 rope scaling")
-
-
-def build_config(meta: dict, n_vocab: int, tied: bool, dtype: str, rope_freqs, has_bias, path) -> dict:
-    hidden = int(_need(meta, "llama.embedding_length", path))
-    n_head = int(_need(meta, "llama.attention.head_count", path))
-    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // n_head))
-    theta = float(meta.get("llama.rope.freq_base", 10000.0))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_need(meta, "llama.feed_forward_length", path)),
-        "num_hidden_layers": int(_need(meta, "llama.block_count", path)),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": theta,
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "vocab_size": n_vocab,
-        "tie_word_embeddings": tied,
-        "attention_bias": has_bias["attn"],
-        "mlp_bias": has_bias["mlp"],
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": dtype,
-        "rope_scaling": _rope_scaling(meta, rope_freqs, head_dim, theta, path),
-    }
-    if config["rope_scaling"] is None:
-        del config["rope_scaling"]
-    if "tokenizer.ggml.padding_token_id" in meta:
-        config["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
-    return config
-
-
-def build_generation_config(meta: dict) -> dict:
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-    eos_ids = [i for i in [eos, *extra] if i is not None]
-    eos_ids = list(dict.fromkeys(eos_ids))
-    gen = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-           "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)}
-    if "tokenizer.ggml.padding_token_id" in meta:
-        gen["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
-    return gen
-
-
-# --------------------------------------------------------------------------------------------
 # writing
 
 
@@ -271,9 +176,11 @@ def _plan_shards(items: list, nbytes, shard_bytes: int) -> list[list]:
     return shards
 
 
-def _write_weights(items, tmp: Path, dtype: str | None, meta: dict, shard_bytes: int, progress: bool) -> dict:
+def _write_weights(items, tmp: Path, dtype: str | None, meta: dict, shard_bytes: int, progress: bool,
+                   permuted: bool = True) -> dict:
     """Write the tensors as safetensors shards; dtype None keeps the block formats minirun computes
-    with as their parts (minirun.quant) and writes the rest as float32. -> {name: format} kept."""
+    with as their parts (minirun.quant) and writes the rest as float32; permuted: the Q and K rows
+    in llama.cpp's Llama order (undone here). -> {name: format} kept."""
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
@@ -296,9 +203,9 @@ def _write_weights(items, tmp: Path, dtype: str | None, meta: dict, shard_bytes:
             for hf_name, gguf_name, t in shard:
                 blocks = kept_blocks(t) if keep else None
                 w = blocks[1] if blocks else dequantize_tensor(t)     # rows are rows either way: [rows, ...]
-                if ".self_attn.q_proj." in hf_name:
+                if permuted and ".self_attn.q_proj." in hf_name:
                     w = unpermute_qk(w, n_head)
-                elif ".self_attn.k_proj." in hf_name:
+                elif permuted and ".self_attn.k_proj." in hf_name:
                     w = unpermute_qk(w, n_kv)
                 if blocks:
                     fmt, _, cols = blocks
@@ -375,13 +282,13 @@ def llama_tensors(reader, path: Path) -> tuple[list, dict]:
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
                  progress: bool = True, overwrite: bool = False,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Convert a Llama GGUF into an HF checkpoint directory at `out_dir`; returns its path.
+    """Convert a GGUF (Llama, Qwen2, Qwen3) into an HF checkpoint directory at `out_dir`; returns its path.
 
     `dtype` is the stored weight type: "float32", "bfloat16" or "float16", every tensor dequantized
     to it; None keeps the GGUF block formats minirun computes with (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as
     they are (Q5_0 as the same values in Q8_0), named in config.json's quantization_config
     (minirun.quant), and writes the other tensors as float32. Raises CheckpointError for a missing
-    or unreadable file, a non-llama architecture or an unsupported tensor type.
+    or unreadable file, another architecture or an unsupported tensor type.
     """
     from .gguf_tokenizer import build_tokenizer, build_tokenizer_config
 
@@ -394,8 +301,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     reader = open_gguf(path)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (only "
+                              f"{', '.join(repr(a) for a in ARCHITECTURES)})")
+    meta = as_llama_keys(meta, arch)
 
     items, by_name = llama_tensors(reader, path)
 
@@ -404,7 +313,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     rope_freqs = dequantize_tensor(by_name["rope_freqs.weight"]) if "rope_freqs.weight" in by_name else None
     has_bias = {"attn": any(".self_attn." in i[0] and i[0].endswith(".bias") for i in items),
                 "mlp": any(".mlp." in i[0] and i[0].endswith(".bias") for i in items)}
-    config = build_config(meta, n_vocab, tied, dtype or "float32", rope_freqs, has_bias, path)
+    config = build_config(meta, n_vocab, tied, dtype or "float32", rope_freqs, has_bias, path, arch)
     if dtype is None:
         from ..quant.checkpoint import kept_format, quantization_config
         kept = {hf: kept_format(t)[0] for hf, _, t in items if kept_format(t)}
@@ -433,7 +342,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         _write_json(tmp / "generation_config.json", build_generation_config(meta))
         _write_json(tmp / "tokenizer_config.json", tok_config)
         tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_weights(items, tmp, dtype, meta, shard_bytes, progress)
+        _write_weights(items, tmp, dtype, meta, shard_bytes, progress, permuted=arch == "llama")
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600 files
         install(tmp, out)

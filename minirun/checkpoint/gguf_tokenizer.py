@@ -30,6 +30,8 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (and Qwen3's): Llama 3's with digits one at a time
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 TEKKEN_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
@@ -38,7 +40,7 @@ TEKKEN_SPLIT = (
 
 # tokenizer.ggml.pre -> (kind, ignore_merges). Kinds: "gpt2" = GPT-2 regex; "digits" = every digit
 # split off first, then the GPT-2 regex (SmolLM/StarCoder; HF: Digits(individual_digits) + ByteLevel);
-# "llama3"/"tekken" = that split regex then byte-level mapping.
+# "llama3"/"qwen2"/"tekken" = that split regex then byte-level mapping.
 PRE_TOKENIZERS = {
     "default": ("gpt2", False),
     "gpt2": ("gpt2", False),
@@ -54,6 +56,7 @@ PRE_TOKENIZERS = {
     "dbrx": ("llama3", False),
     "falcon3": ("llama3", False),
     "tekken": ("tekken", False),
+    "qwen2": ("qwen2", False),
 }
 
 
@@ -125,7 +128,7 @@ def _byte_level_pre_tokenizer(pre: str | None):
         return byte_level, ignore_merges
     if kind == "digits":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]), ignore_merges
-    split = LLAMA3_SPLIT if kind == "llama3" else TEKKEN_SPLIT
+    split = {"llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "tekken": TEKKEN_SPLIT}[kind]
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),

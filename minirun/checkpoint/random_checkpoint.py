@@ -15,7 +15,8 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 
 
 def random_state_dict(args: ModelArgs, seed: int = 0, dtype=torch.float32, std: float = 0.02) -> dict:
-    """HF-named tensors with N(0, std) weights and norm weights near 1."""
+    """HF-named tensors with N(0, std) weights and norm weights near 1, and the architecture's
+    extras where ModelArgs has them (Q/K/V biases, the heads' norms)."""
     g = torch.Generator().manual_seed(seed)
     D, F, hd = args.hidden_size, args.intermediate_size, args.head_dim
     Hq, Hkv, V = args.num_attention_heads, args.num_key_value_heads, args.vocab_size
@@ -23,8 +24,8 @@ def random_state_dict(args: ModelArgs, seed: int = 0, dtype=torch.float32, std: 
     def rnd(*shape, s=std):
         return (torch.randn(*shape, generator=g) * s).to(dtype)
 
-    def norm():
-        return (1.0 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    def norm(n=D):
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
 
     sd = {"model.embed_tokens.weight": rnd(V, D, s=1.0), "model.norm.weight": norm()}
     if not args.tie_word_embeddings:
@@ -40,6 +41,11 @@ def random_state_dict(args: ModelArgs, seed: int = 0, dtype=torch.float32, std: 
         sd[p + "mlp.gate_proj.weight"] = rnd(F, D)
         sd[p + "mlp.up_proj.weight"] = rnd(F, D)
         sd[p + "mlp.down_proj.weight"] = rnd(D, F)
+        if args.attention_bias:
+            for name, rows in (("q", Hq * hd), ("k", Hkv * hd), ("v", Hkv * hd)):
+                sd[p + f"self_attn.{name}_proj.bias"] = rnd(rows, s=0.1)
+        if args.qk_norm:
+            sd[p + "self_attn.q_norm.weight"], sd[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
     return sd
 
 
@@ -54,15 +60,20 @@ def random_weights(args: ModelArgs, dtype: torch.dtype, device: torch.device, se
     def rnd(*shape, s=std):
         return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).mul_(s).to(dtype)
 
-    def norm():
-        return (1.0 + 0.1 * torch.randn(D, generator=g, device=device)).to(dtype)
+    def norm(n=D):
+        return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
 
     embed = rnd(V, D, s=1.0)
     layers = []
     for _ in range(args.num_hidden_layers):
-        layers.append({"attn_norm": norm(), "ffn_norm": norm(),
-                       "wqkv": torch.cat([rnd((Hq + Hkv) * hd, D, s=0.1), rnd(Hkv * hd, D)]),
-                       "wo": rnd(D, Hq * hd), "w_gate_up": rnd(2 * F, D), "w_down": rnd(D, F)})
+        lw = {"attn_norm": norm(), "ffn_norm": norm(),
+              "wqkv": torch.cat([rnd((Hq + Hkv) * hd, D, s=0.1), rnd(Hkv * hd, D)]),
+              "wo": rnd(D, Hq * hd), "w_gate_up": rnd(2 * F, D), "w_down": rnd(D, F)}
+        if args.attention_bias:
+            lw["bqkv"], lw["bo"] = rnd((Hq + 2 * Hkv) * hd, s=0.1), None
+        if args.qk_norm:
+            lw["q_norm"], lw["k_norm"] = norm(hd), norm(hd)
+        layers.append(lw)
     return {"embed": embed, "norm": norm(), "layers": layers,
             "lm_head": embed if args.tie_word_embeddings else rnd(V, D)}
 

@@ -34,7 +34,9 @@ from .dense import DenseCache
 def make_cache(args, config, device, dtype, capacity: int, model_dir=None) -> KVCache:
     """Build the cache the EngineConfig asks for, holding at most `capacity` tokens."""
     if config.kv == "dense":
-        return DenseCache(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, capacity, dtype, device)
+        windows = tuple(args.layer_window(i) for i in range(args.num_hidden_layers))
+        return DenseCache(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, capacity, dtype, device,
+                          windows)
     if str(device).startswith("cuda"):
         import kernels_cuda
         if kernels_cuda.available():

@@ -18,9 +18,11 @@ from ..errors import CheckpointError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _layer_names(i: int) -> dict[str, str]:
+def _layer_names(i: int, post_norms: bool = False) -> dict[str, str]:
+    """Layer i's tensor names. With norms after attention and MLP (Gemma) post_attention_layernorm
+    is the attention's post-norm and the MLP's input norm is pre_feedforward_layernorm."""
     p = f"model.layers.{i}."
-    return {
+    names = {
         "attn_norm": p + "input_layernorm.weight",
         "wq": p + "self_attn.q_proj.weight",
         "wk": p + "self_attn.k_proj.weight",
@@ -31,6 +33,10 @@ def _layer_names(i: int) -> dict[str, str]:
         "w_up": p + "mlp.up_proj.weight",
         "w_down": p + "mlp.down_proj.weight",
     }
+    if post_norms:
+        names |= {"ffn_norm": p + "pre_feedforward_layernorm.weight", "post_attn_norm": p + "post_attention_layernorm.weight",
+                  "post_ffn_norm": p + "post_feedforward_layernorm.weight"}
+    return names
 
 
 def _safetensors_files(model_dir: Path) -> dict[str, Path]:
@@ -100,7 +106,9 @@ def load_weights(model_dir: str | Path, args: ModelArgs, dtype: torch.dtype, dev
     """Load every tensor the model needs, converted to `dtype` on `device`.
 
     Returns {"embed": [V, D], "norm": [D], "lm_head": [V, D] (shared with embed when tied),
-             "layers": [ {attn_norm, wqkv [(Hq+2Hkv)*hd, D], wo, ffn_norm, w_gate_up [2F, D], w_down} ]}.
+             "layers": [ {attn_norm, wqkv [(Hq+2Hkv)*hd, D], wo, ffn_norm, w_gate_up [2F, D], w_down,
+                          and where the architecture has them bqkv, bo, q_norm, k_norm [hd],
+                          post_attn_norm, post_ffn_norm} ]}; norms with the architecture's offset added.
     Q, K and V (and gate and up) are fused so one GEMM serves each. The matrices are
     minirun.quant.QuantMatrix where the checkpoint stores GGUF blocks or `weights` quantizes
     ("q8_0", "q4_0", "q4_1"; "float": blocks dequantized to `dtype`; "stored": as the checkpoint holds them).
@@ -108,50 +116,67 @@ def load_weights(model_dir: str | Path, args: ModelArgs, dtype: torch.dtype, dev
     model_dir = Path(model_dir)
     reader = TensorReader(model_dir)
     available = reader.names()
-    quantized = quant.matrix_reader(reader, available, _config_json(model_dir), weights, dtype, device)
-
-    def get(name: str) -> torch.Tensor:
-        if name not in available:
-            raise CheckpointError(f"checkpoint lacks tensor {name}")
-        return reader.get(name).to(device=device, dtype=dtype)
-
-    def check(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
-        return t
-
-    def matrix(name: str, shape: tuple):
-        if quantized is not None:
-            return quantized(name, shape)
-        return check(get(name), shape, name)
-
-    D, hd = args.hidden_size, args.head_dim
-    Hq, Hkv, F, V = args.num_attention_heads, args.num_key_value_heads, args.intermediate_size, args.vocab_size
-    embed = matrix("model.embed_tokens.weight", (V, D))
+    src = _Source(reader, available, quant.matrix_reader(reader, available, _config_json(model_dir), weights, dtype,
+                                                          device), args.norm_offset, dtype, device)
+    D, V = args.hidden_size, args.vocab_size
+    embed = src.matrix("model.embed_tokens.weight", (V, D))
     has_head = "lm_head.weight" in available or "lm_head.weight.d" in available     # (.d: stored as blocks)
     if args.tie_word_embeddings or not has_head:
         lm_head = embed
     else:
-        lm_head = matrix("lm_head.weight", (V, D))
-    layers = []
-    for i in range(args.num_hidden_layers):
-        n = _layer_names(i)
-        wq = matrix(n["wq"], (Hq * hd, D))
-        wk = matrix(n["wk"], (Hkv * hd, D))
-        wv = matrix(n["wv"], (Hkv * hd, D))
-        wg = matrix(n["w_gate"], (F, D))
-        wu = matrix(n["w_up"], (F, D))
-        layer = {
-            "attn_norm": get(n["attn_norm"]),
-            "wqkv": quant.cat_rows([wq, wk, wv]),
-            "wo": matrix(n["wo"], (D, Hq * hd)),
-            "ffn_norm": get(n["ffn_norm"]),
-            "w_gate_up": quant.cat_rows([wg, wu]),
-            "w_down": matrix(n["w_down"], (D, F)),
-        }
-        if args.attention_bias:
-            p = f"model.layers.{i}.self_attn."
-            layer["bqkv"] = torch.cat([get(p + "q_proj.bias"), get(p + "k_proj.bias"), get(p + "v_proj.bias")])
-            layer["bo"] = get(p + "o_proj.bias") if p + "o_proj.bias" in available else None
-        layers.append(layer)
-    return {"embed": embed, "norm": get("model.norm.weight"), "lm_head": lm_head, "layers": layers}
+        lm_head = src.matrix("lm_head.weight", (V, D))
+    layers = [_layer(src, args, i) for i in range(args.num_hidden_layers)]
+    return {"embed": embed, "norm": src.norm("model.norm.weight", D), "lm_head": lm_head, "layers": layers}
+
+
+class _Source:
+    """The checkpoint's tensors as the model holds them: on the device in the compute dtype, the
+    matrices quantized where the checkpoint or `weights` says (quantized: quant.matrix_reader's),
+    the norms with the architecture's offset folded in."""
+
+    def __init__(self, reader, available: set, quantized, norm_offset: float, dtype, device):
+        self.reader, self.available, self.quantized = reader, available, quantized
+        self.norm_offset, self.dtype, self.device = norm_offset, dtype, device
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.available:
+            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        return self.reader.get(name).to(device=self.device, dtype=self.dtype)
+
+    def check(self, t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
+        return t
+
+    def matrix(self, name: str, shape: tuple):
+        if self.quantized is not None:
+            return self.quantized(name, shape)
+        return self.check(self.get(name), shape, name)
+
+    def norm(self, name: str, n: int) -> torch.Tensor:
+        """A norm's weights [n] as the model multiplies by them: (offset + w), summed in float32."""
+        if name not in self.available:
+            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        w = self.check(self.reader.get(name), (n,), name)
+        return (w.float() + self.norm_offset).to(device=self.device, dtype=self.dtype)
+
+
+def _layer(src: _Source, args: ModelArgs, i: int) -> dict:
+    """Layer i's weights (load_weights' layout)."""
+    D, hd, F = args.hidden_size, args.head_dim, args.intermediate_size
+    Hq, Hkv = args.num_attention_heads, args.num_key_value_heads
+    n = _layer_names(i, args.post_norms)
+    wq, wk, wv = src.matrix(n["wq"], (Hq * hd, D)), src.matrix(n["wk"], (Hkv * hd, D)), src.matrix(n["wv"], (Hkv * hd, D))
+    wg, wu = src.matrix(n["w_gate"], (F, D)), src.matrix(n["w_up"], (F, D))
+    layer = {"attn_norm": src.norm(n["attn_norm"], D), "wqkv": quant.cat_rows([wq, wk, wv]),
+             "wo": src.matrix(n["wo"], (D, Hq * hd)), "ffn_norm": src.norm(n["ffn_norm"], D),
+             "w_gate_up": quant.cat_rows([wg, wu]), "w_down": src.matrix(n["w_down"], (D, F))}
+    p = f"model.layers.{i}.self_attn."
+    if args.attention_bias:
+        layer["bqkv"] = torch.cat([src.get(p + "q_proj.bias"), src.get(p + "k_proj.bias"), src.get(p + "v_proj.bias")])
+        layer["bo"] = src.get(p + "o_proj.bias") if p + "o_proj.bias" in src.available else None
+    if args.qk_norm:
+        layer["q_norm"], layer["k_norm"] = src.norm(p + "q_norm.weight", hd), src.norm(p + "k_norm.weight", hd)
+    if args.post_norms:
+        layer["post_attn_norm"], layer["post_ffn_norm"] = src.norm(n["post_attn_norm"], D), src.norm(n["post_ffn_norm"], D)
+    return layer

@@ -22,11 +22,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (float32), with llama3 or linear rope_scaling applied."""
+def rope_inv_freq(args: ModelArgs, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (float32), with llama3 or linear rope_scaling applied; local:
+    the sliding layers' (base rope_local_theta, no scaling)."""
     dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = args.rope_scaling
+    theta = args.rope_local_theta if local else args.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = None if local else args.rope_scaling
     kind = (rs or {}).get("rope_type", (rs or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -101,8 +103,20 @@ def embed(tokens: torch.Tensor, w) -> torch.Tensor:
 
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """x [T, D] -> [T, D]; w_gate_up [2F, D] holds gate then up."""
+    return gated_mlp(x, w_gate_up, w_down, "silu")
+
+
+def gated_mlp(x: torch.Tensor, w_gate_up, w_down, act: str) -> torch.Tensor:
+    """x [T, D] -> [T, D]: down(act(gate) * up), act "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU,
+    GELU's tanh form); w_gate_up [2F, D] holds gate then up."""
     gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w_down)
+    g = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return linear(g * up, w_down)
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma's final soft-cap), or the logits where cap is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 # ---- the fused one-token kernels' weights (runners.NumpyTokenRunner) ----------------------------------
@@ -124,21 +138,37 @@ def from_numpy_bits(a: np.ndarray) -> torch.Tensor:
     return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
 
 
+def llama_layer(args: ModelArgs) -> bool:
+    """Whether a layer is Llama's own (no projection biases, no heads' norms): what the GPU's
+    one-token layer kernels compute. Other layers decode through the torch runner there."""
+    return not (args.attention_bias or args.qk_norm) and fused_cpu_layer(args)
+
+
+def fused_cpu_layer(args: ModelArgs) -> bool:
+    """Whether the CPU's fused one-token kernels compute this architecture's layer: Llama's, with
+    Qwen2's QKV bias and Qwen3's heads' norms; not Gemma 3's (its norms after attention and MLP,
+    GeGLU, scaled embeddings and queries, soft-capped logits, two RoPE bases)."""
+    return not (args.post_norms or args.hidden_act != "silu" or args.embed_scale or args.query_pre_attn_scalar
+                or args.final_logit_softcapping or args.rope_local_theta)
+
+
 def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor, device: torch.device,
                          dtype: torch.dtype) -> bool:
     """Attach numpy views ("np") of the weights where the fused one-token kernels apply: CPU,
-    float32 or bfloat16, no biases, and each matrix a float tensor or one quantized matrix (not a
-    minirun.quant.RowStack of formats: that layer's steps go through linear). Returns whether
-    they do. Those weights (each step streams all of them) are moved to huge pages first
+    float32 or bfloat16, no output-projection bias (a QKV bias and heads' norms are the kernels'),
+    and each matrix a float tensor or one quantized matrix (not a minirun.quant.RowStack of
+    formats: that layer's steps go through linear). Returns whether they do. Those weights (each step streams all of them) are moved to huge pages first
     (minirun.hugepages)."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or args.attention_bias:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not fused_cpu_layer(args):
         return False
+    if any(lw.get("bo") is not None for lw in weights["layers"]):
+        return False      # (an output projection's bias: Llama's attention_bias, not in the kernels)
     inv = inv_freq.double().numpy()
     for lw in weights["layers"]:
         for k in _FUSED_WEIGHTS:
             lw[k] = _on_hugepages(lw[k])
         if not any(isinstance(lw[k], RowStack) for k in _FUSED_WEIGHTS):
-            lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv}
+            lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv} | _attn_in_extras(lw, args)
     tied = weights["lm_head"] is weights["embed"]
     weights["lm_head"] = _on_hugepages(weights["lm_head"])
     if tied:
@@ -146,6 +176,16 @@ def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor,
     if not isinstance(weights["lm_head"], RowStack):
         weights["np"] = {"norm": as_numpy(weights["norm"]), "lm_head": as_numpy(weights["lm_head"])}
     return True
+
+
+def _attn_in_extras(lw: dict, args: ModelArgs) -> dict:
+    """The QKV bias f32 [(Hq+2Hkv)*hd] and the heads' norms f32 [2, hd] (q's, k's) as the fused
+    kernel takes them: empty where the architecture has none."""
+    bias = lw.get("bqkv")
+    norms = [lw["q_norm"], lw["k_norm"]] if args.qk_norm else []
+    return {"bqkv": np.zeros(0, np.float32) if bias is None else bias.float().numpy(),
+            "head_norms": (torch.stack(norms).float().numpy() if norms
+                           else np.zeros((0, args.head_dim), np.float32))}
 
 
 def _on_hugepages(w):
@@ -161,10 +201,10 @@ CUDA_LAYER_KERNELS = True
 def prepare_cuda_decode(weights: dict, args: ModelArgs, device: torch.device, dtype: torch.dtype,
                         force: bool = False) -> bool:
     """Whether the kernels_cuda.layer one-token path (runners.CudaTokenRunner) applies: a CUDA
-    device with kernels_cuda available, float32 or bfloat16, no biases (force: any device, for the
+    device with kernels_cuda available, float32 or bfloat16, a Llama layer (force: any device, for the
     emulator tests)."""
     import kernels_cuda
-    ok = dtype in (torch.float32, torch.bfloat16) and not args.attention_bias
+    ok = dtype in (torch.float32, torch.bfloat16) and llama_layer(args)
     return ok and (force or (device.type == "cuda" and CUDA_LAYER_KERNELS and kernels_cuda.available()))
 
 

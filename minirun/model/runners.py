@@ -27,7 +27,7 @@ import kernels_cpu
 from kernels_cpu.decode import attn_in_into, attn_out_into, norm_gemv_into
 
 from ..config import ModelArgs
-from .ops import apply_rope, as_numpy, embed, from_numpy_bits, linear, rms_norm, swiglu_mlp
+from .ops import apply_rope, as_numpy, embed, from_numpy_bits, gated_mlp, linear, rms_norm, soft_cap
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,12 @@ class Step:
     cs: torch.Tensor | None = None
     at: tuple | None = None
     turned: bool = False
+    local: tuple | None = None      # (cos, sin) of the sliding layers' RoPE base, where it has its own
+    sliding: tuple = ()             # per layer: whether it takes `local`
+
+    def angles(self, layer: int) -> tuple:
+        """(cos, sin) of the layer's RoPE."""
+        return self.local if self.local is not None and self.sliding[layer] else (self.cos, self.sin)
 
     def attend(self, layer: int, q, k, v, cache):
         """One sequence's attention through its cache: the captured step's attend_at or attend."""
@@ -96,15 +102,25 @@ class TorchRunner:
         self.w, self.a = weights, args
 
     def embed(self, st: Step):
-        return embed(st.batch.tokens, self.w["embed"])                             # [N, D]
+        x = embed(st.batch.tokens, self.w["embed"])                                # [N, D]
+        if self.a.embed_scale:   # (the scale rounded to the weights' dtype first, as transformers does)
+            x = x * torch.tensor(self.a.hidden_size ** 0.5, dtype=x.dtype)
+        return x
 
     def attn_in(self, layer: int, x, st: Step):
-        """x [N, D] -> q [N, Hq, hd], k, v [N, Hkv, hd]: rms_norm, the fused QKV projection, RoPE."""
+        """x [N, D] -> q [N, Hq, hd], k, v [N, Hkv, hd]: rms_norm, the fused QKV projection (+ its
+        bias), the heads' norms where the architecture has them, RoPE."""
         a, lw = self.a, self.w["layers"][layer]
         N, hd, Hq, Hkv = x.shape[0], a.head_dim, a.num_attention_heads, a.num_key_value_heads
         qkv = linear(rms_norm(x, lw["attn_norm"], a.rms_norm_eps), lw["wqkv"], lw.get("bqkv")).view(N, Hq + 2 * Hkv, hd)
         q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]     # (slices: split costs 10 us)
-        return apply_rope(q, st.cos, st.sin), apply_rope(k, st.cos, st.sin), v
+        if a.qk_norm:     # each head of q and k normalized before RoPE (qwen3, gemma3)
+            q, k = rms_norm(q, lw["q_norm"], a.rms_norm_eps), rms_norm(k, lw["k_norm"], a.rms_norm_eps)
+        cos, sin = st.angles(layer)
+        q = apply_rope(q, cos, sin)
+        if a.query_pre_attn_scalar:   # (the caches scale by head_dim^-1/2)
+            q = q * (a.head_dim / a.query_pre_attn_scalar) ** 0.5
+        return q, apply_rope(k, cos, sin), v
 
     def attend(self, layer: int, q, k, v, st: Step):
         """Each sequence's rows through its own cache -> o [N, Hq, hd]."""
@@ -116,8 +132,14 @@ class TorchRunner:
     def attn_out(self, layer: int, x, o):
         """x + o_proj(o), then + mlp(rms_norm(.)): x [N, D], o [N, Hq, hd] -> [N, D]."""
         a, lw = self.a, self.w["layers"][layer]
-        x = x + linear(o.reshape(x.shape[0], -1), lw["wo"], lw.get("bo"))
-        return x + swiglu_mlp(rms_norm(x, lw["ffn_norm"], a.rms_norm_eps), lw["w_gate_up"], lw["w_down"])
+        h = linear(o.reshape(x.shape[0], -1), lw["wo"], lw.get("bo"))
+        if a.post_norms:
+            h = rms_norm(h, lw["post_attn_norm"], a.rms_norm_eps)
+        x = x + h
+        h = gated_mlp(rms_norm(x, lw["ffn_norm"], a.rms_norm_eps), lw["w_gate_up"], lw["w_down"], a.hidden_act)
+        if a.post_norms:
+            h = rms_norm(h, lw["post_ffn_norm"], a.rms_norm_eps)
+        return x + h
 
     def head(self, x, st: Step, all_logits: bool, hidden: bool):
         """-> logits float32 of each sequence's last token [B, V] (all_logits: every token's [N, V]);
@@ -128,7 +150,8 @@ class TorchRunner:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states x [n, D] -> logits [n, V] float32."""
-        return linear(rms_norm(x, self.w["norm"], self.a.rms_norm_eps), self.w["lm_head"]).float()
+        return soft_cap(linear(rms_norm(x, self.w["norm"], self.a.rms_norm_eps), self.w["lm_head"]).float(),
+                        self.a.final_logit_softcapping)
 
 
 class NumpyTokenRunner(TorchRunner):
@@ -162,7 +185,8 @@ class NumpyTokenRunner(TorchRunner):
         if w is None:
             return tuple(as_numpy(t) for t in super().attn_in(layer, from_numpy_bits(x), st))
         qkv = np.empty((B, (Hq + 2 * Hkv) * hd), self.act)
-        attn_in_into(x, w["attn_norm"], self.eps, w["wqkv"], self.pos, w["inv_freq"], Hq + Hkv, hd, qkv)
+        attn_in_into(x, w["attn_norm"], self.eps, w["wqkv"], w["bqkv"], w["head_norms"], Hq, self.pos, w["inv_freq"],
+                     Hq + Hkv, hd, qkv)
         return qkv[:, :Hq * hd].reshape(B, Hq, hd), qkv[:, Hq * hd:(Hq + Hkv) * hd].reshape(B, Hkv, hd), \
             qkv[:, (Hq + Hkv) * hd:].reshape(B, Hkv, hd)
 

@@ -22,6 +22,10 @@ class Model:
         self.args, self.w, self.device, self.dtype = args, weights, device, dtype
         self.inv_freq = rope_inv_freq(args)
         self.inv_freq64 = self.inv_freq.to(device=device, dtype=torch.float64)   # (RoPE angles in float64)
+        # the sliding layers' own RoPE base, where the architecture gives them one (gemma3)
+        self.local_inv_freq64 = (rope_inv_freq(args, local=True).to(device=device, dtype=torch.float64)
+                                 if args.rope_local_theta else None)
+        self.sliding = tuple(args.layer_window(i) is not None for i in range(args.num_hidden_layers))
         self.torch_runner = TorchRunner(weights, args)
         self.token_runner = None
         if device.type == "cuda":
@@ -61,7 +65,8 @@ class Model:
         cos, sin = rope_cos_sin_at(self.inv_freq64, at, self.dtype)
         cs = rope_table(cos, sin) if runner.needs_table else None
         if pos is None:
-            return Step(batch, caches, cos, sin, cs)
+            local = None if self.local_inv_freq64 is None else rope_cos_sin_at(self.local_inv_freq64, at, self.dtype)
+            return Step(batch, caches, cos, sin, cs, local=local, sliding=self.sliding)
         turned = cs is not None and caches[0].rotates_at(self.args.num_attention_heads, self.dtype)
         return Step(batch, caches, cos, sin, cs, at=(pos, n_keys), turned=turned)
 

@@ -66,6 +66,37 @@ def test_attn_in_vs_ref(dtype, pos):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bias,norms", [(True, False), (False, True), (True, True)])
+def test_attn_in_with_a_bias_and_heads_norms_vs_ref(dtype, bias, norms):
+    """Qwen2's QKV bias and Qwen3's heads' norms (q heads with the first, k heads with the second),
+    for one token and for a batch of three at their own positions."""
+    rng = np.random.default_rng(11)
+    p = layer(rng, dtype)
+    R, hd = (p["Hq"] + 2 * p["Hkv"]) * p["hd"], p["hd"]
+    inv_freq = 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    extra = dict(bias=rng.standard_normal(R).astype(np.float32) if bias else None,
+                 head_norms=rng.uniform(0.5, 1.5, (2, hd)).astype(np.float32) if norms else None, n_q=p["Hq"])
+    args = (p["x"], p["n1"], 1e-5, p["wqkv"], 123, inv_freq, p["Hq"] + p["Hkv"], hd)
+    got = kc.attn_in(*args, **extra)
+    want = ref.attn_in_ref(*args, **extra)
+    close(got, want, dtype)
+    assert np.abs(as_float(got) - as_float(kc.attn_in(*args))).max() > 1e-2     # (the extras change the result)
+    X, pos = np.stack([p["x"], p["n1"], p["x"][::-1].copy()]), np.array([0, 5, 9000])
+    rows = kc.attn_in(X, p["n1"], 1e-5, p["wqkv"], pos, inv_freq, p["Hq"] + p["Hkv"], hd, **extra)
+    for b in range(3):
+        close(rows[b], ref.attn_in_ref(X[b], *args[1:4], pos[b], *args[5:], **extra), dtype)
+
+
+def test_attn_in_refuses_extras_of_the_wrong_size():
+    p = layer(np.random.default_rng(0), "float32")
+    args = (p["x"], p["n1"], 1e-5, p["wqkv"], 3, np.ones(p["hd"] // 2), p["Hq"] + p["Hkv"], p["hd"])
+    with pytest.raises(ValueError, match="bias of 5 rows"):
+        kc.attn_in(*args, bias=np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="heads' norms"):
+        kc.attn_in(*args, head_norms=np.ones((2, p["hd"]), np.float32))          # (n_q missing)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attn_out_vs_ref(dtype):
     p = layer(np.random.default_rng(1), dtype)
     args = (p["x"], p["o"], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"])

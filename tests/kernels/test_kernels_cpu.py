@@ -494,7 +494,8 @@ def test_a_cached_kernel_holding_a_parallel_callee_loads_first_in_a_fresh_proces
              "x = np.ones(64, np.float32)")
     inner = setup + "; out = np.empty((1, 128), np.float32); decode._gemm_rows_f32(w, x[None], out)"
     outer = (setup + "; out = np.empty((1, 128), np.float32); "
-             "decode.attn_in_into(x[None], x, np.float32(1e-5), w, np.array([3]), np.ones(4), 6, 16, out); "
+             "decode.attn_in_into(x[None], x, np.float32(1e-5), w, np.empty(0, np.float32), "
+             "np.empty((0, 16), np.float32), 0, np.array([3]), np.ones(4), 6, 16, out); "
              "print(out[0, 0])")
     for code in (inner, outer, outer):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -375,14 +375,21 @@ def _rms_norm_ref(x, w, eps):
     return x / np.sqrt(np.mean(x * x) + eps) * _wide(w)
 
 
-def attn_in_ref(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim):
+def attn_in_ref(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, bias=None, head_norms=None, n_q=0):
     """x [D], w_norm [D], w_qkv [(Hq+2Hkv)*hd, D], inv_freq [hd/2] -> qkv [(Hq+2Hkv)*hd] in the
-    weights' dtype: RoPE (half-split) at position pos applied to the first n_rot heads (q, then k)."""
+    weights' dtype: + bias [(Hq+2Hkv)*hd] where given, each of the first n_q heads RMS-normalized
+    with head_norms[0] and the other rotated ones with head_norms[1] where given, then RoPE
+    (half-split) at position pos applied to the first n_rot heads (q, then k)."""
     y = _wide(w_qkv) @ _rms_norm_ref(x, w_norm, eps)
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    heads = y[:n_rot * head_dim].reshape(n_rot, head_dim)
+    if head_norms is not None:
+        for h in range(n_rot):
+            heads[h] = _rms_norm_ref(heads[h], head_norms[0 if h < n_q else 1], eps)
     ang = float(pos) * np.asarray(inv_freq, np.float64)
     c, s_ = np.cos(ang), np.sin(ang)
     half = head_dim // 2
-    heads = y[:n_rot * head_dim].reshape(n_rot, head_dim)
     x1, x2 = heads[:, :half].copy(), heads[:, half:].copy()
     heads[:, :half] = x1 * c - x2 * s_
     heads[:, half:] = x2 * c + x1 * s_

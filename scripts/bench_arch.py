@@ -1,0 +1,87 @@
+"""CPU decode speed of an architecture against a Llama of the same shape: random weights written
+once (bfloat16 files, quantized at load by --weights), then `minirun bench` on each in alternating
+rounds, each run a fresh process, so drift of the machine falls on both.
+
+Usage:
+  python scripts/bench_arch.py --shape qwen3-0.6b --weights q8_0 --rounds 4 [--dir DIR] [--json OUT]
+
+The twin is the same config.json with model_type llama: the same matrices, without the
+architecture's extras (Qwen2's Q/K/V biases, Qwen3's heads' norms). Reports each side's mean
+tokens/s over the rounds after the first (a warm-up: Numba's cache, the page cache) and the
+ratio architecture / Llama.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {   # the published config.json of each model's shape (the parts minirun reads)
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       max_position_embeddings=40960),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         max_position_embeddings=32768),
+}
+
+
+def checkpoint(root: Path, name: str, config: dict) -> Path:
+    """The random checkpoint of `config` under root/name, written once."""
+    out = root / name
+    if not (out / "model.safetensors").is_file():
+        sys.path.insert(0, str(REPO))
+        from minirun.checkpoint.random_checkpoint import write_random_checkpoint
+        write_random_checkpoint(config, out, dtype="bfloat16")
+    return out
+
+
+def bench(model: Path, bench_args: list[str]) -> float:
+    """One `minirun bench ... -o json` in a fresh process -> the tg row's tokens/s."""
+    cmd = [sys.executable, "-m", "minirun", "bench", str(model), *bench_args, "-o", "json"]
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"bench_arch: {model.name}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+    return json.loads(p.stdout)[0]["tps_mean"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    ap.add_argument("--weights", default="q8_0")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="where the random checkpoints go (default: ~/.cache/minirun/bench-arch)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    root = Path(a.dir or Path.home() / ".cache" / "minirun" / "bench-arch")
+    shape = SHAPES[a.shape]
+    models = {a.shape: checkpoint(root, a.shape, shape), "llama": checkpoint(root, a.shape + "-llama",
+                                                                             dict(shape, model_type="llama"))}
+    args = ["-p", "", "-n", str(a.n), "-d", "0", "--kv", "dense", "--threads", str(a.threads), "-r", "3",
+            "--weights", a.weights]
+    runs = {k: [] for k in models}
+    for r in range(a.rounds):
+        for name, path in models.items():
+            runs[name].append(bench(path, args))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} tok/s" for k, v in runs.items()), file=sys.stderr)
+    mean = {k: statistics.mean(v[1:] if len(v) > 1 else v) for k, v in runs.items()}
+    report = {"shape": a.shape, "weights": a.weights, "test": f"tg{a.n}", "threads": a.threads, "rounds": runs,
+              "mean_ts": mean, "ratio": mean[a.shape] / mean["llama"],
+              "command": "python scripts/bench_arch.py " + " ".join(sys.argv[1:])}
+    print(f"{a.shape} {mean[a.shape]:.2f} tok/s, llama twin {mean['llama']:.2f} tok/s: {report['ratio']:.3f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""Qwen2, Qwen3 and Mistral through the one layer loop, against transformers on tiny random
+checkpoints that transformers itself writes (random biases and heads' norms, so each trait counts):
+logits over a prompt in odd chunks, greedy tokens, decode steps, a batch of sequences, HCA at
+tau = 1 against dense, and sliding-window layers past their window."""
+import json
+
+import pytest
+import torch
+
+from arch_checkpoints import ARCHS, SHAPE, write_arch_checkpoint
+from minirun import ContextError, Engine, ModelArgs
+from minirun.errors import CheckpointError
+from tests.conftest import TINY_BASE
+
+
+@pytest.fixture(scope="module")
+def arch_dir(tiny_model_dir, tmp_path_factory):
+    made = {}
+
+    def make(arch: str, **over):
+        key = (arch, tuple(sorted(over.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            made[key] = write_arch_checkpoint(out, arch, tiny_model_dir("gqa-untied"), **over)
+        return made[key]
+    return make
+
+
+def _hf(d, arch):
+    return ARCHS[arch][1].from_pretrained(str(d), dtype=torch.float32).eval()
+
+
+def _ids(n=200, seed=1):
+    return torch.randint(4, TINY_BASE["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_config_reads_the_architecture(arch_dir, arch):
+    a = ModelArgs.from_path(arch_dir(arch))
+    gemma = arch == "gemma3_text"
+    assert a.model_type == arch and a.sliding_window == (8 if gemma else None)
+    assert a.attention_bias == (arch == "qwen2") and a.qk_norm == (arch in ("qwen3", "gemma3_text"))
+    assert a.rope_theta == (1e6 if arch in ("qwen2", "gemma3_text") else 10000.0)    # (from rope_parameters)
+    assert a.head_dim == (32 if arch == "qwen3" else 16)
+    assert (a.post_norms, a.embed_scale, a.norm_offset, a.hidden_act) == \
+        ((True, True, 1.0, "gelu_pytorch_tanh") if gemma else (False, False, 0.0, "silu"))
+    if gemma:
+        assert a.rope_local_theta == 1e4 and a.query_pre_attn_scalar == 24 and a.final_logit_softcapping == 30
+        assert [a.layer_window(i) for i in range(3)] == [8, 8, None]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_logits_match_transformers(arch_dir, arch):
+    d = arch_dir(arch)
+    ids = _ids()
+    ours = Engine.load(d, device="cpu", dtype="float32", ctx=512, prefill_chunk=37).logits(ids)
+    with torch.no_grad():
+        ref = _hf(d, arch)(torch.tensor([ids])).logits[0].float()
+    assert ours.shape == ref.shape == (200, 300)
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_matches_transformers_generate(arch_dir, arch):
+    d = arch_dir(arch)
+    ids = _ids(24, seed=2)
+    ours = Engine.load(d, device="cpu", ctx=256).generate(ids, max_new_tokens=16, ignore_eos=True).tokens
+    with torch.no_grad():
+        out = _hf(d, arch).generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)
+    assert ours == out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_decode_steps_and_a_batch_match_one_prefill(arch_dir, arch):
+    """Token by token through the cache, and two sequences decoding in one batched step, give the
+    logits of one prefill of each."""
+    eng = Engine.load(arch_dir(arch), device="cpu", ctx=128)
+    a, b = _ids(40, seed=3), _ids(30, seed=4)
+    full_a, full_b = eng.logits(a), eng.logits(b)
+    other = eng.sibling()
+    eng.prefill(a[:20])
+    other.prefill(b[:10])
+    for i in range(10):
+        la, lb = Engine.step_batch([eng, other], [a[20 + i], b[10 + i]])
+        assert torch.allclose(la, full_a[20 + i], atol=1e-4) and torch.allclose(lb, full_b[10 + i], atol=1e-4)
+    for t in a[30:]:
+        last = eng.step(t)
+    assert torch.allclose(last[-1], full_a[-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_hca_at_tau_one_equals_dense(arch_dir, arch):
+    # (the HCA cache keeps no sliding window: Gemma's here as long as the context)
+    d = arch_dir(arch, sliding_window=256) if arch == "gemma3_text" else arch_dir(arch)
+    ids = _ids(160, seed=5)
+    dense = Engine.load(d, device="cpu", ctx=256).generate(ids, max_new_tokens=12, ignore_eos=True)
+    hca = Engine.load(d, device="cpu", ctx=256, kv="hca", key_store="exact", tau=1.0, window=32, sinks=4)
+    assert hca.generate(ids, max_new_tokens=12, ignore_eos=True).tokens == dense.tokens
+
+
+@pytest.mark.parametrize("arch,over", [("mistral", dict(sliding_window=16)),
+                                       ("qwen2", dict(sliding_window=16, use_sliding_window=True, max_window_layers=1))])
+def test_sliding_window_layers_match_transformers_past_the_window(arch_dir, arch, over):
+    """A prompt of 70 tokens in chunks of 7 and 10 decode steps past a window of 16 (Mistral: every
+    layer; Qwen2 with max_window_layers 1: the second layer only), dense."""
+    d = arch_dir(arch, **over)
+    args = ModelArgs.from_path(d)
+    assert [args.layer_window(i) for i in range(2)] == ([16, 16] if arch == "mistral" else [None, 16])
+    ids = _ids(80, seed=6)
+    eng = Engine.load(d, device="cpu", ctx=128, prefill_chunk=7)
+    ours = eng.logits(ids)
+    with torch.no_grad():
+        ref = _hf(d, arch)(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max().item() <= 1e-4
+    eng.prefill(ids[:70])
+    for i, t in enumerate(ids[70:]):
+        last = eng.step(t)
+        assert torch.allclose(last[-1], ref[70 + i], atol=1e-4)
+
+
+def test_hca_refuses_a_context_past_the_window(arch_dir):
+    d = arch_dir("mistral", sliding_window=64)
+    with pytest.raises(ContextError, match="sliding window of 64 tokens.*--kv dense, or --ctx at most 64"):
+        Engine.load(d, device="cpu", ctx=128, kv="hca")
+    Engine.load(d, device="cpu", ctx=64, kv="hca")
+
+
+def test_qwen_window_applies_only_where_the_config_turns_it_on(tmp_path):
+    base = {**SHAPE, "model_type": "qwen2", "sliding_window": 32}
+    assert ModelArgs.from_dict({**base, "use_sliding_window": False}).sliding_window is None
+    assert ModelArgs.from_dict({**base, "use_sliding_window": True}).sliding_window == 32
+
+
+def test_an_unknown_architecture_names_the_supported_ones(tmp_path):
+    with pytest.raises(CheckpointError, match="model_type='gpt2'.*llama, mistral, qwen2, qwen3"):
+        ModelArgs.from_dict({**SHAPE, "model_type": "gpt2"})
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "qwen3", "qk_norm": "yes"}))
+    with pytest.raises(CheckpointError, match="qk_norm must be true or false"):
+        ModelArgs.from_path(tmp_path)
