@@ -6,7 +6,8 @@ Usage:
   python scripts/bench_arch.py --shape qwen3-0.6b --weights q8_0 --rounds 4 [--dir DIR] [--json OUT]
 
 The twin is the same config.json with model_type llama: the same matrices, without the
-architecture's extras (Qwen2's Q/K/V biases, Qwen3's heads' norms). Reports each side's mean
+architecture's extras (Qwen2's Q/K/V biases, the heads' norms; Gemma 3's norms after attention and
+MLP, GeGLU, scales, sliding windows and second RoPE base). Reports each side's mean
 tokens/s over the rounds after the first (a warm-up: Numba's cache, the page cache) and the
 ratio architecture / Llama.
 """
@@ -30,7 +31,15 @@ SHAPES = {   # the published config.json of each model's shape (the parts miniru
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                          tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          max_position_embeddings=32768),
+    "gemma3-270m": dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                        tie_word_embeddings=True, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=512,
+                        sliding_window_pattern=6, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh"),
 }
+# what only the architecture reads: left out of the Llama twin's config.json
+ARCH_ONLY = ("rope_local_base_freq", "sliding_window", "sliding_window_pattern", "query_pre_attn_scalar",
+             "hidden_activation")
 
 
 def checkpoint(root: Path, name: str, config: dict) -> Path:
@@ -64,8 +73,8 @@ def main() -> int:
     a = ap.parse_args()
     root = Path(a.dir or Path.home() / ".cache" / "minirun" / "bench-arch")
     shape = SHAPES[a.shape]
-    models = {a.shape: checkpoint(root, a.shape, shape), "llama": checkpoint(root, a.shape + "-llama",
-                                                                             dict(shape, model_type="llama"))}
+    twin = {k: v for k, v in shape.items() if k not in ARCH_ONLY} | {"model_type": "llama"}
+    models = {a.shape: checkpoint(root, a.shape, shape), "llama": checkpoint(root, a.shape + "-llama", twin)}
     args = ["-p", "", "-n", str(a.n), "-d", "0", "--kv", "dense", "--threads", str(a.threads), "-r", "3",
             "--weights", a.weights]
     runs = {k: [] for k in models}

@@ -46,6 +46,8 @@ def random_state_dict(args: ModelArgs, seed: int = 0, dtype=torch.float32, std: 
                 sd[p + f"self_attn.{name}_proj.bias"] = rnd(rows, s=0.1)
         if args.qk_norm:
             sd[p + "self_attn.q_norm.weight"], sd[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
+        if args.post_norms:   # (post_attention_layernorm is then the attention's post-norm)
+            sd[p + "pre_feedforward_layernorm.weight"], sd[p + "post_feedforward_layernorm.weight"] = norm(), norm()
     return sd
 
 
@@ -73,6 +75,8 @@ def random_weights(args: ModelArgs, dtype: torch.dtype, device: torch.device, se
             lw["bqkv"], lw["bo"] = rnd((Hq + 2 * Hkv) * hd, s=0.1), None
         if args.qk_norm:
             lw["q_norm"], lw["k_norm"] = norm(hd), norm(hd)
+        if args.post_norms:
+            lw["post_attn_norm"], lw["post_ffn_norm"] = norm(), norm()
         layers.append(lw)
     return {"embed": embed, "norm": norm(), "layers": layers,
             "lm_head": embed if args.tie_word_embeddings else rnd(V, D)}

@@ -138,3 +138,14 @@ def test_an_unknown_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "qwen3", "qk_norm": "yes"}))
     with pytest.raises(CheckpointError, match="qk_norm must be true or false"):
         ModelArgs.from_path(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3_text"])
+def test_random_checkpoints_of_each_architecture_load_and_run(tmp_path, arch):
+    """write_random_checkpoint (scripts/bench_arch.py's models) writes every tensor the
+    architecture reads, and Engine.with_random_weights draws them."""
+    from minirun.checkpoint.random_checkpoint import write_random_checkpoint
+    config = {**SHAPE, "model_type": arch, "head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}
+    d = write_random_checkpoint(config, tmp_path / arch)
+    for eng in (Engine.load(d, device="cpu", ctx=32), Engine.with_random_weights(d, device="cpu", ctx=32)):
+        assert len(eng.generate(list(range(5, 25)), max_new_tokens=3, ignore_eos=True).tokens) == 3
