@@ -14,8 +14,8 @@ import pytest
 
 from minirun import Engine
 from minirun import prompt_cache as pc
-from minirun.cli.main import main
 from minirun.errors import MiniRunError
+import shared
 
 PROMPT = list(range(5, 105))
 NOTES = "My notes, which took a week.\n" * 40
@@ -24,13 +24,7 @@ TINY = ["--ctx", "1024", "--kv", "hca", "--window", "32", "--sinks", "4"]
 
 def run_cli(args, capsys, monkeypatch, stdin=""):
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return shared.run_cli(args, capsys)
 
 
 def _listing(d):

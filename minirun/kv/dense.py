@@ -81,7 +81,7 @@ class DenseCache(KVCache):
         self.v[layer, :, pos0:end] = v.transpose(0, 1)
         W = self.windows[layer] if self.windows else None
         if W and end > W:        # (within its first W tokens a sliding layer reads them all)
-            lo = self._first_key(layer, pos0)
+            lo = max(0, pos0 + 1 - W)
             return windowed_attention(q, self.k[layer, :, lo:end], self.v[layer, :, lo:end], pos0, lo, W)
         if T == 1 and self._gpu_decode(q.shape[1], q.dtype) is not None:
             return self._gpu_attn(q[0], self.k[layer], self.v[layer], end)[None]

@@ -138,10 +138,14 @@ class _Source:
         self.reader, self.available, self.quantized = reader, available, quantized
         self.norm_offset, self.dtype, self.device = norm_offset, dtype, device
 
-    def get(self, name: str) -> torch.Tensor:
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor as stored."""
         if name not in self.available:
             raise CheckpointError(f"checkpoint lacks tensor {name}")
-        return self.reader.get(name).to(device=self.device, dtype=self.dtype)
+        return self.reader.get(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.raw(name).to(device=self.device, dtype=self.dtype)
 
     def check(self, t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
         if tuple(t.shape) != shape:
@@ -155,9 +159,7 @@ class _Source:
 
     def norm(self, name: str, n: int) -> torch.Tensor:
         """A norm's weights [n] as the model multiplies by them: (offset + w), summed in float32."""
-        if name not in self.available:
-            raise CheckpointError(f"checkpoint lacks tensor {name}")
-        w = self.check(self.reader.get(name), (n,), name)
+        w = self.check(self.raw(name), (n,), name)
         return (w.float() + self.norm_offset).to(device=self.device, dtype=self.dtype)
 
 

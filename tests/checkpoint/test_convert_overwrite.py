@@ -7,10 +7,10 @@ import json
 import pytest
 from tokenizers import pre_tokenizers
 
-from minirun.cli.main import main
 from minirun.checkpoint.convert import convert_gguf
 from minirun.checkpoint.model_files import is_conversion_file
 from minirun.errors import CheckpointError
+from shared import run_cli
 from test_convert import bpe_vocab, tiny_weights, train_bpe, write_gguf
 
 UNRELATED = {"notes.txt": "mine", "chat.kv": "a prompt cache", "sub/keep.txt": "nested"}
@@ -25,14 +25,9 @@ def gguf_bytes(tmp_path_factory):
 
 
 def cli(args, capsys):
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    assert "Traceback" not in out.err
-    return code, out.out, out.err
+    code, out, err = run_cli(args, capsys)
+    assert "Traceback" not in err
+    return code, out, err
 
 
 def put(d, files):
