@@ -1,7 +1,9 @@
 """Checkpoint loading: safetensors (single file or sharded), memory-mapped, mapped to our names.
 
 Every checkpoint tensor name is mapped in one place (`_layer_names`), so the model code never sees
-Hugging Face names.
+Hugging Face names. A Gemma3ForConditionalGeneration checkpoint holds its language model under a
+prefix (`TEXT_PREFIXES`) beside the vision tower's tensors: TensorReader shows the language model's
+under the plain names and leaves the rest out.
 """
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ from ..config import ModelArgs
 from ..errors import CheckpointError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# where multimodal checkpoints keep the language model's "model." tensors (transformers 4.5x saves
+# the first, transformers 5's module tree is the second) and its lm_head
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_TEXT_HEADS = ("language_model.lm_head.",)
 
 
 def _layer_names(i: int, post_norms: bool = False) -> dict[str, str]:
@@ -67,6 +73,20 @@ def _config_json(model_dir: Path) -> dict:
         return {}
 
 
+def _text_model_names(stored: set[str]) -> dict[str, str] | None:
+    """{plain name ("model.layers.0..."): stored name} for a checkpoint whose language model sits
+    under one of TEXT_PREFIXES (the other tensors, a vision tower's, left out); None for a plain one."""
+    if any(n.startswith("model.embed_tokens.") for n in stored):
+        return None
+    prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "embed_tokens.") for n in stored)), None)
+    if prefix is None:
+        return None
+    names = {"model." + n[len(prefix):]: n for n in stored if n.startswith(prefix)}
+    for head in _TEXT_HEADS:
+        names |= {"lm_head." + n[len(head):]: n for n in stored if n.startswith(head)}
+    return names
+
+
 class TensorReader:
     """Reads named tensors from one model directory, opening each shard once (memory-mapped)."""
 
@@ -76,6 +96,7 @@ class TensorReader:
         self._default = (model_dir / "model.safetensors") if (model_dir / "model.safetensors").is_file() \
             else next(iter(sorted(model_dir.glob("*.safetensors"))), None)
         self._handles: dict[Path, object] = {}
+        self._stored = _text_model_names(self._stored_names())   # (None: names as stored)
 
     def _handle(self, path: Path):
         if path not in self._handles:
@@ -87,12 +108,18 @@ class TensorReader:
                 raise CheckpointError(f"{path.name} is not a valid safetensors file ({e})") from None
         return self._handles[path]
 
-    def names(self) -> set[str]:
+    def _stored_names(self) -> set[str]:
         if self.name_to_file:
             return set(self.name_to_file)
         return set(self._handle(self._default).keys())
 
+    def names(self) -> set[str]:
+        """The tensors' names, a multimodal checkpoint's language model's as a plain one's."""
+        return set(self._stored) if self._stored is not None else self._stored_names()
+
     def get(self, name: str) -> torch.Tensor:
+        if self._stored is not None:
+            name = self._stored.get(name, name)
         path = self.name_to_file.get(name, self._default)
         h = self._handle(path)
         try:
