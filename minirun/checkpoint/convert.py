@@ -1,13 +1,16 @@
-"""Convert a GGUF (llama.cpp) file of a Llama, Qwen2 or Qwen3 model (Mistral's are "llama" GGUFs)
-into a Hugging Face checkpoint directory.
+"""Convert a GGUF (llama.cpp) file of a Llama, Qwen2, Qwen3 or Gemma 3 model (Mistral's are "llama"
+GGUFs) into a Hugging Face checkpoint directory.
 
     convert_gguf("model.gguf", "models/NAME")
 
 writes `config.json`, `model.safetensors` (shards plus `model.safetensors.index.json` when the model is
 larger than `shard_bytes`), `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
 Quantized tensors are dequantized with `gguf.quants`; llama.cpp's row permutation of a Llama's Q and
-K projections is undone (Qwen's GGUFs keep HF's rows: their RoPE is the half-split one), so the
-result is laid out exactly like a `transformers` checkpoint of the architecture.
+K projections is undone (Qwen's and Gemma's GGUFs keep HF's rows: their RoPE is the half-split one), so
+the result is laid out exactly like a `transformers` checkpoint of the architecture. llama.cpp stores
+Gemma's norm weights with the 1 of its (1 + w) added; they are written back zero-centred where
+subtracting the 1 gives the stored values back exactly, else as stored with `norm_offset: 0` in
+config.json (minirun's loader then adds nothing; transformers would not know to).
 The files are written into a temporary directory next to `out_dir` and moved into place at the end; with
 `overwrite`, only the files a conversion writes (and calibrated codebooks) are replaced in an existing
 directory, never anything else in it.
@@ -54,6 +57,12 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+}
+# Gemma 3's four norms a layer (llama.cpp's names as gguf's tensor_mapping gives them)
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Tensors llama.cpp writes that have no HF counterpart (rope_freqs becomes config.rope_scaling).
 _SKIPPED = {"rope_freqs.weight"}
@@ -121,8 +130,9 @@ def read_metadata(reader) -> dict[str, Any]:
     return meta
 
 
-def _hf_name(name: str) -> str | None:
-    """HF tensor name for a GGUF tensor name, None for tensors that are dropped."""
+def _hf_name(name: str, arch: str = "llama") -> str | None:
+    """HF tensor name for a GGUF tensor name, None for tensors that are dropped, "" for one the
+    architecture has no place for."""
     if name in _SKIPPED:
         return None
     stem, _, suffix = name.rpartition(".")
@@ -131,8 +141,9 @@ def _hf_name(name: str) -> str | None:
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     return ""
 
 
@@ -177,10 +188,11 @@ def _plan_shards(items: list, nbytes, shard_bytes: int) -> list[list]:
 
 
 def _write_weights(items, tmp: Path, dtype: str | None, meta: dict, shard_bytes: int, progress: bool,
-                   permuted: bool = True) -> dict:
+                   permuted: bool = True, norm_shift: float = 0.0) -> dict:
     """Write the tensors as safetensors shards; dtype None keeps the block formats minirun computes
     with as their parts (minirun.quant) and writes the rest as float32; permuted: the Q and K rows
-    in llama.cpp's Llama order (undone here). -> {name: format} kept."""
+    in llama.cpp's Llama order (undone here); norm_shift: subtracted from the norms' weights (in
+    float32). -> {name: format} kept."""
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
@@ -207,6 +219,8 @@ def _write_weights(items, tmp: Path, dtype: str | None, meta: dict, shard_bytes:
                     w = unpermute_qk(w, n_head)
                 elif permuted and ".self_attn.k_proj." in hf_name:
                     w = unpermute_qk(w, n_kv)
+                if norm_shift and _is_norm(hf_name):
+                    w = w - np.float32(norm_shift)
                 if blocks:
                     fmt, _, cols = blocks
                     formats[hf_name] = fmt
@@ -252,16 +266,32 @@ def write_error(e: BaseException, out: Path) -> CheckpointError | None:
     return CheckpointError(f"cannot write the model into {out}: {what} ({free}); nothing was written")
 
 
-def llama_tensors(reader, path: Path) -> tuple[list, dict]:
+def _is_norm(hf_name: str) -> bool:
+    return hf_name.endswith("norm.weight")
+
+
+def gemma_norms_shift(items) -> float:
+    """What to subtract from a gemma3 GGUF's norm weights g (llama.cpp's 1 + w): 1.0 when (g - 1) + 1
+    gives every g back exactly in float32 (the loader adds the 1 back so), else 0.0 (kept as stored)."""
+    one = np.float32(1.0)
+    for hf_name, _, t in items:
+        if _is_norm(hf_name):
+            g = dequantize_tensor(t)
+            if not np.array_equal((g - one) + one, g):
+                return 0.0
+    return 1.0
+
+
+def llama_tensors(reader, path: Path, arch: str = "llama") -> tuple[list, dict]:
     """The GGUF's tensors as (HF name, GGUF name, tensor) in an HF checkpoint's order (embeddings,
     layers in numeric order, final norm, lm_head), and every tensor by its GGUF name. Raises
-    CheckpointError for a tensor a llama model has no place for, or of a type not supported."""
+    CheckpointError for a tensor the architecture has no place for, or of a type not supported."""
     supported = _supported_types()
     items, by_name = [], {t.name: t for t in reader.tensors}
     for t in reader.tensors:
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, arch)
         if hf == "":
-            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a llama model")
+            raise CheckpointError(f"{path}: unexpected tensor {t.name!r} for a {arch} model")
         if t.tensor_type not in supported:
             raise CheckpointError(f"{path}: tensor {t.name} has unsupported GGUF type {t.tensor_type.name}")
         if hf is not None:
@@ -282,7 +312,7 @@ def llama_tensors(reader, path: Path) -> tuple[list, dict]:
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
                  progress: bool = True, overwrite: bool = False,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Convert a GGUF (Llama, Qwen2, Qwen3) into an HF checkpoint directory at `out_dir`; returns its path.
+    """Convert a GGUF (Llama, Qwen2, Qwen3, Gemma 3) into an HF checkpoint directory at `out_dir`; returns its path.
 
     `dtype` is the stored weight type: "float32", "bfloat16" or "float16", every tensor dequantized
     to it; None keeps the GGUF block formats minirun computes with (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as
@@ -306,7 +336,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
                               f"{', '.join(repr(a) for a in ARCHITECTURES)})")
     meta = as_llama_keys(meta, arch)
 
-    items, by_name = llama_tensors(reader, path)
+    items, by_name = llama_tensors(reader, path, arch)
 
     tied = "output.weight" not in by_name
     n_vocab = int(by_name["token_embd.weight"].shape[-1])
@@ -314,6 +344,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     has_bias = {"attn": any(".self_attn." in i[0] and i[0].endswith(".bias") for i in items),
                 "mlp": any(".mlp." in i[0] and i[0].endswith(".bias") for i in items)}
     config = build_config(meta, n_vocab, tied, dtype or "float32", rope_freqs, has_bias, path, arch)
+    norm_shift = gemma_norms_shift(items) if arch == "gemma3" else 0.0
+    if arch == "gemma3" and not norm_shift:
+        config["norm_offset"] = 0.0          # (the norms kept as llama.cpp stores them: 1 + w)
     if dtype is None:
         from ..quant.checkpoint import kept_format, quantization_config
         kept = {hf: kept_format(t)[0] for hf, _, t in items if kept_format(t)}
@@ -342,7 +375,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         _write_json(tmp / "generation_config.json", build_generation_config(meta))
         _write_json(tmp / "tokenizer_config.json", tok_config)
         tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_weights(items, tmp, dtype, meta, shard_bytes, progress, permuted=arch == "llama")
+        _write_weights(items, tmp, dtype, meta, shard_bytes, progress, permuted=arch == "llama", norm_shift=norm_shift)
         for f in tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600 files
         install(tmp, out)

@@ -1,6 +1,12 @@
 """config.json and generation_config.json of a converted GGUF, from its header: the architecture's
 hyper-parameters (read under llama's key names: as_llama_keys), its RoPE scaling (the header's
-keys, or a llama3 `rope_freqs` tensor matched to its parameters) and its end-of-turn tokens."""
+keys, or a llama3 `rope_freqs` tensor matched to its parameters) and its end-of-turn tokens.
+
+A gemma3 GGUF leaves out what llama.cpp hard-codes for the architecture (llama-model.cpp's hparams
+for LLM_ARCH_GEMMA3), and config.json states it: every sixth layer global, the others over the
+sliding window (when the header gives one); the local layers' RoPE base 10000, unscaled; attention
+logits scaled by head_dim^-1/2, hidden_size / heads for the 27B (62 layers); GELU (tanh).
+"""
 from __future__ import annotations
 
 import math
@@ -10,8 +16,16 @@ import numpy as np
 
 from ..errors import CheckpointError
 
-# general.architecture -> the HF class named in config.json (model_type is the same word)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# general.architecture -> the HF class named in config.json (model_type is the same word but where
+# MODEL_TYPES says)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+MODEL_TYPES = {"gemma3": "gemma3_text"}
+GEMMA3_SWA_PATTERN = 6           # layer i global when (i + 1) % 6 == 0
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62           # llama.cpp's test for the 27B's attention scale
+# tokens that end a turn though the header names no eot id (llama.cpp finds them by their text)
+END_OF_TURN_TOKENS = ("<end_of_turn>",)
 
 
 def _need(meta: dict, key: str, path) -> Any:
@@ -78,7 +92,7 @@ def build_config(meta: dict, n_vocab: int, tied: bool, dtype: str, rope_freqs, h
     theta = float(meta.get("llama.rope.freq_base", 10000.0))
     config = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
         "intermediate_size": int(_need(meta, "llama.feed_forward_length", path)),
         "num_hidden_layers": int(_need(meta, "llama.block_count", path)),
@@ -102,12 +116,31 @@ def build_config(meta: dict, n_vocab: int, tied: bool, dtype: str, rope_freqs, h
         del config["rope_scaling"]
     if "tokenizer.ggml.padding_token_id" in meta:
         config["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+    if arch == "gemma3":
+        config |= _gemma3_fields(meta, config)
     return config
+
+
+def _gemma3_fields(meta: dict, config: dict) -> dict:
+    """config.json's Gemma 3 keys (transformers' Gemma3TextConfig names) for what a gemma3 GGUF
+    header gives and llama.cpp fixes (the module docstring)."""
+    n_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    window = int(meta.get("llama.attention.sliding_window") or 0)
+    scalar = hidden // config["num_attention_heads"] if n_layers == GEMMA3_27B_LAYERS else config["head_dim"]
+    kinds = ["full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 or not window else "sliding_attention"
+             for i in range(n_layers)]
+    softcap = meta.get("llama.final_logit_softcapping")
+    return {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": scalar, "sliding_window": window or None, "layer_types": kinds,
+            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+            "final_logit_softcapping": float(softcap) if softcap else None, "attn_logit_softcapping": None}
 
 
 def build_generation_config(meta: dict) -> dict:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    extra += [tokens.index(t) for t in END_OF_TURN_TOKENS if t in tokens]
     eos_ids = [i for i in [eos, *extra] if i is not None]
     eos_ids = list(dict.fromkeys(eos_ids))
     gen = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
