@@ -15,6 +15,7 @@ from arch_checkpoints import ARCHS, write_arch_checkpoint
 from minirun import Engine
 from minirun.checkpoint.convert import convert_gguf
 from test_convert import CORPUS, SAMPLES, bpe_vocab, train_bpe
+from test_convert_gemma import HELD_OUT
 
 # Qwen2's tokenizer.json split, written out here as the reference (digits one at a time)
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -93,6 +94,6 @@ def test_qwen2_pre_tokenizer(tmp_path, qwen_bpe):
     rng = random.Random(0)
     alphabet = list("ab 0123456789\n\t.,'!?()") + ["é", "日", "😀", "  ", "'s", "<|im_start|>"]
     fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(200)]
-    for s in SAMPLES + CORPUS[:4] + fuzz:
+    for s in SAMPLES + CORPUS[:4] + HELD_OUT + fuzz:        # (HELD_OUT: code, CJK and emoji)
         assert ours.encode(s).ids == qwen_bpe.encode(s).ids, s
     assert len(ours.encode("12345").ids) == 5      # (Llama 3's split keeps three digits together)
