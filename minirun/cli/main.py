@@ -13,7 +13,8 @@ from ..errors import MiniRunError
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
-    """minirun: a small runtime for Llama-family models (Llama, Mistral, Qwen2, Qwen3) and very long contexts."""
+    """minirun: a small runtime for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Gemma 3) and very long
+    contexts."""
 
 
 @cli.command()
@@ -195,7 +196,7 @@ def pull(name, models_dir, dtype):
                    "(config, weights, tokenizer; calibrated codebooks, made for the old weights, are removed) "
                    "and leaves every other file")
 def convert(gguf_file, out_dir, dtype, overwrite):
-    """Convert a GGUF file (llama, qwen2 or qwen3) into a Hugging Face-format directory."""
+    """Convert a GGUF file (llama, qwen2, qwen3 or gemma3) into a Hugging Face-format directory."""
     from ..checkpoint.convert import convert_gguf
     click.echo(str(convert_gguf(gguf_file, out_dir, dtype=dtype, overwrite=overwrite)))
 
