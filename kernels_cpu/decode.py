@@ -9,6 +9,10 @@ the KV cache's business):
   attn_out:  x = x + W_o @ o;  xn = rms_norm(x) * w_norm;  g, u = W_gate_up @ xn;
              x = x + W_down @ (silu(g) * u)
 
+Other architectures add to that layer: a QKV bias and the heads' norms before RoPE in attn_in
+(Qwen2, Qwen3, Gemma 3); in attn_out norms of W_o @ o and of the MLP's output before each
+residual add, and GELU (tanh form) in silu's place (Gemma 3).
+
 Weights are float32 arrays or bfloat16 bit patterns (uint16 arrays; NumPy has no bfloat16).
 Activations stay float32 inside a kernel; what leaves it (q, k, v, the residual x) is stored in
 the weights' dtype, as the torch layer loop would hold it. Each kernel has a NumPy reference in
@@ -23,6 +27,9 @@ from ._common import _FASTMATH, _u32_as_f32
 from .bf16 import bf16_to_f32, f32_to_bf16
 
 _ROWS_PER_TASK = 16
+
+#: the MLP's gate activation (the hidden_act names of config.json) -> attn_out's `act` argument
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 def _wf(x):  # pragma: no cover - replaced by the overload inside njit code
@@ -179,11 +186,23 @@ def _k_attn_in(x, w_norm, eps, w_qkv, b_qkv, head_norms, n_q, pos, inv_freq, n_r
             _st(out[b], i, yb[i])
 
 
+_SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
+
+
+@njit(fastmath=_FASTMATH, inline="always")
+def _gelu_tanh(g):
+    """GELU's tanh form (torch's gelu(approximate="tanh")), float32."""
+    inner = _SQRT_2_OVER_PI * (g + np.float32(0.044715) * g * g * g)
+    return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner))
+
+
 @njit(cache=True, fastmath=_FASTMATH)
-def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out):
+def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, post_norms, act, out):
     """B tokens: x [B, D], o [B, Hq*hd], w_o [D, Hq*hd], w_norm [D], w_gate_up [2F, D],
-    w_down [D, F] -> out [B, D]."""
+    w_down [D, F], post_norms f32 [2, D] (after the attention, after the MLP: Gemma 3's) or [0, D]
+    (none), act 0 (silu) or 1 (GELU, tanh form) -> out [B, D]."""
     B, D = x.shape
+    post = post_norms.shape[0] > 0
     of = np.empty(o.shape, np.float32)
     for b in range(B):
         for i in range(o.shape[1]):
@@ -193,6 +212,8 @@ def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out):
     x1 = np.empty((B, D), x.dtype)             # the residual after attention, in the model dtype
     xn = np.empty((B, D), np.float32)
     for b in range(B):
+        if post:
+            _rms_norm(h[b], post_norms[0], eps, h[b])
         for i in range(D):
             _st(x1[b], i, _wf(x[b, i]) + h[b, i])
         _rms_norm(x1[b], w_norm, eps, xn[b])
@@ -200,12 +221,20 @@ def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out):
     gu = np.empty((B, 2 * F), np.float32)
     _gemm_f32(w_gate_up, xn, gu)
     a = np.empty((B, F), np.float32)
-    for b in range(B):
-        for i in range(F):
-            g = gu[b, i]
-            a[b, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[b, F + i]
+    if act == 0:
+        for b in range(B):
+            for i in range(F):
+                g = gu[b, i]
+                a[b, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[b, F + i]
+    else:
+        for b in range(B):
+            for i in range(F):
+                g = gu[b, i]
+                a[b, i] = _gelu_tanh(g) * gu[b, F + i]
     _gemm_f32(w_down, a, h)
     for b in range(B):
+        if post:
+            _rms_norm(h[b], post_norms[1], eps, h[b])
         for i in range(D):
             _st(out[b], i, _wf(x1[b, i]) + h[b, i])
 
@@ -249,11 +278,13 @@ attn_in_into, attn_out_into, norm_gemv_into = _k_attn_in, _k_attn_out, _k_norm_g
 def check_fused_weights(layers, head, act_dtype) -> None:
     """What attn_in, attn_out and norm_gemv check on every call, once: each layer's weights (dicts
     of attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) and the head's (norm, lm_head) float in the
-    activations' dtype (float32, or bfloat16 bits: uint16) or quantized tiles."""
+    activations' dtype (float32, or bfloat16 bits: uint16) or quantized tiles; each layer's
+    post_norms float32 [2 or 0, D]."""
     x = np.empty(0, act_dtype)
     for w in layers:
         _check("attn_in", (w["wqkv"],), x, w["attn_norm"])
         _check("attn_out", (w["wo"], w["w_gate_up"], w["w_down"]), x, w["ffn_norm"])
+        _check_post_norms(w["post_norms"], w["ffn_norm"].shape[0])
     if head is not None:
         _check("norm_gemv", (head["lm_head"],), x, head["norm"])
 
@@ -290,18 +321,33 @@ def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None, bia
 _NO_BIAS = np.empty(0, np.float32)
 
 
-def attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out=None):
-    """x + W_o @ o, then + W_down @ swiglu(W_gate_up @ rms_norm(.)): the rest of the layer.
+def _check_post_norms(post_norms, D: int) -> None:
+    if post_norms.dtype != np.float32 or post_norms.ndim != 2 or post_norms.shape[0] not in (0, 2) \
+            or post_norms.shape[1] != D:
+        raise ValueError(f"attn_out: post_norms must be float32 [2, {D}] or [0, {D}], got "
+                         f"{post_norms.dtype} {post_norms.shape}")
+
+
+def attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out=None, post_norms=None, act: str = "silu"):
+    """x + W_o @ o, then + W_down @ (act(g) * u) with g, u = W_gate_up @ rms_norm(.): the rest of
+    the layer.
 
     x [D] (or [B, D]), o [Hq*hd] (or [B, Hq*hd]), w_o [D, Hq*hd], w_norm [D], w_gate_up [2F, D]
-    (gate rows then up rows), w_down [D, F]; one dtype (float32 or bfloat16 bits). Returns the new
-    residual out, shaped as x.
+    (gate rows then up rows), w_down [D, F]; one dtype (float32 or bfloat16 bits). post_norms:
+    float32 [2, D], the RMSNorm weights applied to W_o @ o and to the MLP's output before each is
+    added (Gemma 3's); act: a key of ACTIVATIONS ("silu": SwiGLU, "gelu_pytorch_tanh": GeGLU).
+    Returns the new residual out, shaped as x.
     """
     _check("attn_out", (w_o, w_gate_up, w_down), x, o, w_norm)
+    D = w_norm.shape[0]
+    post_norms = np.empty((0, D), np.float32) if post_norms is None else np.ascontiguousarray(post_norms)
+    _check_post_norms(post_norms, D)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"attn_out: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
     xr, _ = _as_rows(x)
     out = np.empty(x.shape, x.dtype) if out is None else out
     _k_attn_out(xr, np.ascontiguousarray(o.reshape(xr.shape[0], -1)), w_o, w_norm, np.float32(eps), w_gate_up,
-                w_down, out.reshape(xr.shape))
+                w_down, post_norms, ACTIVATIONS[act], out.reshape(xr.shape))
     return out
 
 

@@ -168,7 +168,8 @@ def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor,
         for k in _FUSED_WEIGHTS:
             lw[k] = _on_hugepages(lw[k])
         if not any(isinstance(lw[k], RowStack) for k in _FUSED_WEIGHTS):
-            lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv} | _attn_in_extras(lw, args)
+            lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv} | _attn_in_extras(lw, args) | {
+                "post_norms": _post_norms(lw, args)}
     tied = weights["lm_head"] is weights["embed"]
     weights["lm_head"] = _on_hugepages(weights["lm_head"])
     if tied:
@@ -186,6 +187,13 @@ def _attn_in_extras(lw: dict, args: ModelArgs) -> dict:
     return {"bqkv": np.zeros(0, np.float32) if bias is None else bias.float().numpy(),
             "head_norms": (torch.stack(norms).float().numpy() if norms
                            else np.zeros((0, args.head_dim), np.float32))}
+
+
+def _post_norms(lw: dict, args: ModelArgs) -> np.ndarray:
+    """The norms after the attention and after the MLP f32 [2, D] (Gemma 3's), or [0, D]."""
+    if not args.post_norms:
+        return np.zeros((0, args.hidden_size), np.float32)
+    return torch.stack([lw["post_attn_norm"], lw["post_ffn_norm"]]).float().numpy()
 
 
 def _on_hugepages(w):
