@@ -222,10 +222,11 @@ class NumpyTokenRunner(TorchRunner):
         return self._norm_gemv(np.ascontiguousarray(as_numpy(x)))
 
     def _norm_gemv(self, x: np.ndarray) -> torch.Tensor:
-        """x [B, D] -> logits [B, V] float32 (the fused final norm and LM head)."""
+        """x [B, D] -> logits [B, V] float32 (the fused final norm and LM head, then the soft-cap
+        where the architecture has one)."""
         logits = np.empty((x.shape[0], kernels_cpu.decode.rows_of(self.head_np["lm_head"])), np.float32)
         norm_gemv_into(x, self.head_np["norm"], self.eps, self.head_np["lm_head"], logits)
-        return torch.from_numpy(logits)
+        return soft_cap(torch.from_numpy(logits), self.a.final_logit_softcapping)
 
 
 class Residual:
