@@ -25,7 +25,7 @@ each function:
   :mod:`kernels_cpu.quant_rows`: ``dequantize_rows``, ``dequantize_ids`` (references:
   tests/support/references/quant.py)
 * ``dense_attend(q, K, V, n) -> o``: one decode token's exact GQA attention over a dense cache
-  (float32 or bfloat16 bits)
+  (float32 or bfloat16 bits; :mod:`kernels_cpu.dense`)
 * ``turn_rows(EK, start, cos, sin) -> out``: rows past `start` turned by one rotation (far positions)
 
 Each has a NumPy reference ``<name>_ref`` in tests/support/references/ (with the tests).
@@ -38,7 +38,8 @@ This package imports only numpy and numba.
 
 from ._common import HALF_CONVERSION, set_num_threads, stamp_caches
 from .attention import weighted_value_sum
-from .decode import attn_in, attn_out, dense_attend, norm_gemv, turn_rows
+from .decode import attn_in, attn_out, norm_gemv, turn_rows
+from .dense import dense_attend
 from .exact_step import hca_exact_decode_attend
 from .hca_step import hca_decode_attend
 from .level_select import level_hist

@@ -9,6 +9,10 @@ the KV cache's business):
   attn_out:  x = x + W_o @ o;  xn = rms_norm(x) * w_norm;  g, u = W_gate_up @ xn;
              x = x + W_down @ (silu(g) * u)
 
+Other architectures add to that layer: a QKV bias and the heads' norms before RoPE in attn_in
+(Qwen2, Qwen3, Gemma 3); in attn_out norms of W_o @ o and of the MLP's output before each
+residual add, and GELU (tanh form) in silu's place (Gemma 3).
+
 Weights are float32 arrays or bfloat16 bit patterns (uint16 arrays; NumPy has no bfloat16).
 Activations stay float32 inside a kernel; what leaves it (q, k, v, the residual x) is stored in
 the weights' dtype, as the torch layer loop would hold it. Each kernel has a NumPy reference in
@@ -19,10 +23,13 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._common import _FASTMATH, _NEG_INF, _exp32, _u32_as_f32
+from ._common import _FASTMATH, _u32_as_f32
 from .bf16 import bf16_to_f32, f32_to_bf16
 
 _ROWS_PER_TASK = 16
+
+#: the MLP's gate activation (the hidden_act names of config.json) -> attn_out's `act` argument
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 def _wf(x):  # pragma: no cover - replaced by the overload inside njit code
@@ -179,11 +186,23 @@ def _k_attn_in(x, w_norm, eps, w_qkv, b_qkv, head_norms, n_q, pos, inv_freq, n_r
             _st(out[b], i, yb[i])
 
 
+_SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
+
+
+@njit(fastmath=_FASTMATH, inline="always")
+def _gelu_tanh(g):
+    """GELU's tanh form (torch's gelu(approximate="tanh")), float32."""
+    inner = _SQRT_2_OVER_PI * (g + np.float32(0.044715) * g * g * g)
+    return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner))
+
+
 @njit(cache=True, fastmath=_FASTMATH)
-def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out):
+def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, post_norms, act, out):
     """B tokens: x [B, D], o [B, Hq*hd], w_o [D, Hq*hd], w_norm [D], w_gate_up [2F, D],
-    w_down [D, F] -> out [B, D]."""
+    w_down [D, F], post_norms f32 [2, D] (after the attention, after the MLP: Gemma 3's) or [0, D]
+    (none), act 0 (silu) or 1 (GELU, tanh form) -> out [B, D]."""
     B, D = x.shape
+    post = post_norms.shape[0] > 0
     of = np.empty(o.shape, np.float32)
     for b in range(B):
         for i in range(o.shape[1]):
@@ -193,6 +212,8 @@ def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out):
     x1 = np.empty((B, D), x.dtype)             # the residual after attention, in the model dtype
     xn = np.empty((B, D), np.float32)
     for b in range(B):
+        if post:
+            _rms_norm(h[b], post_norms[0], eps, h[b])
         for i in range(D):
             _st(x1[b], i, _wf(x[b, i]) + h[b, i])
         _rms_norm(x1[b], w_norm, eps, xn[b])
@@ -200,12 +221,20 @@ def _k_attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out):
     gu = np.empty((B, 2 * F), np.float32)
     _gemm_f32(w_gate_up, xn, gu)
     a = np.empty((B, F), np.float32)
-    for b in range(B):
-        for i in range(F):
-            g = gu[b, i]
-            a[b, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[b, F + i]
+    if act == 0:
+        for b in range(B):
+            for i in range(F):
+                g = gu[b, i]
+                a[b, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[b, F + i]
+    else:
+        for b in range(B):
+            for i in range(F):
+                g = gu[b, i]
+                a[b, i] = _gelu_tanh(g) * gu[b, F + i]
     _gemm_f32(w_down, a, h)
     for b in range(B):
+        if post:
+            _rms_norm(h[b], post_norms[1], eps, h[b])
         for i in range(D):
             _st(out[b], i, _wf(x1[b, i]) + h[b, i])
 
@@ -217,83 +246,6 @@ def _k_norm_gemv(x, w_norm, eps, w, out):
     for b in range(x.shape[0]):
         _rms_norm(x[b], w_norm, eps, xn[b])
     _gemm_f32(w, xn, out)
-
-
-@njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _k_dense_attend(q, K, V, n, scale, chunk, out):
-    """q [Hq, d], K, V [Hkv, >=n, d] f32 or bfloat16 bits -> out [Hq, d] (f32 or bfloat16 bits).
-
-    One task per (kv-head, chunk of keys): each K and V row is read once and serves the kv-head's
-    Hq/Hkv query heads (the GQA group), then the chunks' partial softmaxes merge per head.
-    """
-    _dense_attend(q, K, V, n, scale, chunk, out)
-
-
-@njit(fastmath=_FASTMATH, cache=True)
-def _k_dense_attend_serial(q, K, V, n, scale, chunk, out):
-    """_k_dense_attend in the calling thread: under ~190 keys starting its two parallel regions
-    costs more than the work (SmolLM2 at 16 keys: 3.6 against 9 us a layer, 2 cores)."""
-    _dense_attend(q, K, V, n, scale, chunk, out)
-
-
-@njit(fastmath=_FASTMATH, inline="always")
-def _dense_attend(q, K, V, n, scale, chunk, out):
-    Hq, d = q.shape
-    Hkv = K.shape[0]
-    rep = Hq // Hkv
-    nch = (n + chunk - 1) // chunk
-    po = np.zeros((Hkv * nch, rep, d), np.float32)   # per task: unnormalized sum of weighted values
-    pm = np.full((Hkv * nch, rep), _NEG_INF, np.float32)
-    pl = np.zeros((Hkv * nch, rep), np.float32)
-    for it in prange(Hkv * nch):
-        kv = it // nch
-        j0 = (it % nch) * chunk
-        m = min(n, j0 + chunk) - j0
-        qf = np.empty((rep, d), np.float32)          # the group's queries, scaled, as float32
-        for r in range(rep):
-            for i in range(d):
-                qf[r, i] = _wf(q[kv * rep + r, i]) * scale
-        s = np.empty((rep, m), np.float32)
-        for j in range(m):
-            kr = K[kv, j0 + j]
-            for r in range(rep):
-                qh = qf[r]
-                a = np.float32(0.0)
-                for i in range(d):
-                    a += qh[i] * _wf(kr[i])
-                s[r, j] = a
-        for r in range(rep):
-            mx = _NEG_INF
-            for j in range(m):
-                mx = max(mx, s[r, j])
-            lsum = np.float32(0.0)
-            for j in range(m):
-                w = _exp32(s[r, j] - mx)
-                s[r, j] = w
-                lsum += w
-            pm[it, r] = mx
-            pl[it, r] = lsum
-        acc = po[it]
-        for j in range(m):
-            vr = V[kv, j0 + j]
-            for r in range(rep):
-                w = s[r, j]
-                for i in range(d):
-                    acc[r, i] += w * _wf(vr[i])
-    for h in prange(Hq):
-        kv, r = h // rep, h % rep
-        mx = _NEG_INF
-        for c in range(nch):
-            mx = max(mx, pm[kv * nch + c, r])
-        lsum = np.float32(0.0)
-        o = np.zeros(d, np.float32)
-        for c in range(nch):
-            sc = _exp32(pm[kv * nch + c, r] - mx)
-            lsum += sc * pl[kv * nch + c, r]
-            for i in range(d):
-                o[i] += sc * po[kv * nch + c, r, i]
-        for i in range(d):
-            _st(out[h], i, o[i] / lsum)
 
 
 _FLOAT_OR_BF16 = (np.dtype(np.float32), np.dtype(np.uint16))
@@ -326,11 +278,13 @@ attn_in_into, attn_out_into, norm_gemv_into = _k_attn_in, _k_attn_out, _k_norm_g
 def check_fused_weights(layers, head, act_dtype) -> None:
     """What attn_in, attn_out and norm_gemv check on every call, once: each layer's weights (dicts
     of attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) and the head's (norm, lm_head) float in the
-    activations' dtype (float32, or bfloat16 bits: uint16) or quantized tiles."""
+    activations' dtype (float32, or bfloat16 bits: uint16) or quantized tiles; each layer's
+    post_norms float32 [2 or 0, D]."""
     x = np.empty(0, act_dtype)
     for w in layers:
         _check("attn_in", (w["wqkv"],), x, w["attn_norm"])
         _check("attn_out", (w["wo"], w["w_gate_up"], w["w_down"]), x, w["ffn_norm"])
+        _check_post_norms(w["post_norms"], w["ffn_norm"].shape[0])
     if head is not None:
         _check("norm_gemv", (head["lm_head"],), x, head["norm"])
 
@@ -367,18 +321,33 @@ def attn_in(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, out=None, bia
 _NO_BIAS = np.empty(0, np.float32)
 
 
-def attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out=None):
-    """x + W_o @ o, then + W_down @ swiglu(W_gate_up @ rms_norm(.)): the rest of the layer.
+def _check_post_norms(post_norms, D: int) -> None:
+    if post_norms.dtype != np.float32 or post_norms.ndim != 2 or post_norms.shape[0] not in (0, 2) \
+            or post_norms.shape[1] != D:
+        raise ValueError(f"attn_out: post_norms must be float32 [2, {D}] or [0, {D}], got "
+                         f"{post_norms.dtype} {post_norms.shape}")
+
+
+def attn_out(x, o, w_o, w_norm, eps, w_gate_up, w_down, out=None, post_norms=None, act: str = "silu"):
+    """x + W_o @ o, then + W_down @ (act(g) * u) with g, u = W_gate_up @ rms_norm(.): the rest of
+    the layer.
 
     x [D] (or [B, D]), o [Hq*hd] (or [B, Hq*hd]), w_o [D, Hq*hd], w_norm [D], w_gate_up [2F, D]
-    (gate rows then up rows), w_down [D, F]; one dtype (float32 or bfloat16 bits). Returns the new
-    residual out, shaped as x.
+    (gate rows then up rows), w_down [D, F]; one dtype (float32 or bfloat16 bits). post_norms:
+    float32 [2, D], the RMSNorm weights applied to W_o @ o and to the MLP's output before each is
+    added (Gemma 3's); act: a key of ACTIVATIONS ("silu": SwiGLU, "gelu_pytorch_tanh": GeGLU).
+    Returns the new residual out, shaped as x.
     """
     _check("attn_out", (w_o, w_gate_up, w_down), x, o, w_norm)
+    D = w_norm.shape[0]
+    post_norms = np.empty((0, D), np.float32) if post_norms is None else np.ascontiguousarray(post_norms)
+    _check_post_norms(post_norms, D)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"attn_out: act must be one of {', '.join(ACTIVATIONS)}, got {act!r}")
     xr, _ = _as_rows(x)
     out = np.empty(x.shape, x.dtype) if out is None else out
     _k_attn_out(xr, np.ascontiguousarray(o.reshape(xr.shape[0], -1)), w_o, w_norm, np.float32(eps), w_gate_up,
-                w_down, out.reshape(xr.shape))
+                w_down, post_norms, ACTIVATIONS[act], out.reshape(xr.shape))
     return out
 
 
@@ -390,28 +359,6 @@ def norm_gemv(x, w_norm, eps, w, out=None):
     out = np.empty((xr.shape[0], rows_of(w)), np.float32) if out is None else out
     _k_norm_gemv(xr, w_norm, np.float32(eps), w, out.reshape(xr.shape[0], -1))
     return out[0] if one and out.ndim == 2 else out
-
-
-def dense_attend(q, K, V, n, scale=1.0, out=None):
-    """One decode token's exact attention over the first n keys of a dense cache.
-
-    q [Hq, d] (scores are scale * q.k); K, V [Hkv, >=n, d] (C-contiguous); each of q, K, V and
-    out float32 or bfloat16 bits (uint16); Hq a multiple of Hkv (query head h reads kv-head
-    h // (Hq/Hkv)). Returns out [Hq, d] (float32 unless given). n >= 1. torch's SDPA on the same
-    decode step costs 2-3x as much on a 2-core CPU (dispatch at short contexts, a slower inner
-    loop at long ones).
-    """
-    Hq, d = q.shape
-    Hkv = K.shape[0]
-    if not (V.dtype is K.dtype and K.dtype in _FLOAT_OR_BF16 and q.dtype in _FLOAT_OR_BF16) or Hq % Hkv \
-            or not 1 <= n <= K.shape[1]:
-        raise ValueError(f"dense_attend: q, K, V float32 or bfloat16 bits and Hq % Hkv == 0, 1 <= n <= {K.shape[1]}; "
-                         f"got {q.dtype}/{K.dtype}/{V.dtype}, Hq={Hq}, Hkv={Hkv}, n={n}")
-    out = np.empty((Hq, d), np.float32) if out is None else out
-    # enough tasks for the threads at short contexts, long chunks (less merging) at long ones
-    chunk = min(512, max(64, -(-n // max(1, 8 // Hkv))))
-    (_k_dense_attend if n >= 192 else _k_dense_attend_serial)(q, K, V, int(n), np.float32(scale), chunk, out)
-    return out
 
 
 @njit(cache=True)

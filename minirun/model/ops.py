@@ -8,6 +8,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels_cpu.decode import ACTIVATIONS
+
 from .. import hugepages
 from ..config import ModelArgs
 from ..errors import CheckpointError
@@ -139,36 +141,45 @@ def from_numpy_bits(a: np.ndarray) -> torch.Tensor:
 
 
 def llama_layer(args: ModelArgs) -> bool:
-    """Whether a layer is Llama's own (no projection biases, no heads' norms): what the GPU's
-    one-token layer kernels compute. Other layers decode through the torch runner there."""
-    return not (args.attention_bias or args.qk_norm) and fused_cpu_layer(args)
+    """Whether a layer is Llama's own (SwiGLU; no projection biases, heads' norms, norms after the
+    attention and MLP, scaled embeddings or queries, soft-capped logits or second RoPE base): what
+    the GPU's one-token layer kernels compute. Other layers decode through the torch runner there."""
+    return not (args.attention_bias or args.qk_norm or args.post_norms or args.hidden_act != "silu"
+                or args.embed_scale or args.query_pre_attn_scalar or args.final_logit_softcapping
+                or args.rope_local_theta)
 
 
 def fused_cpu_layer(args: ModelArgs) -> bool:
     """Whether the CPU's fused one-token kernels compute this architecture's layer: Llama's, with
-    Qwen2's QKV bias and Qwen3's heads' norms; not Gemma 3's (its norms after attention and MLP,
-    GeGLU, scaled embeddings and queries, soft-capped logits, two RoPE bases)."""
-    return not (args.post_norms or args.hidden_act != "silu" or args.embed_scale or args.query_pre_attn_scalar
-                or args.final_logit_softcapping or args.rope_local_theta)
+    Qwen2's QKV bias, the heads' norms (Qwen3, Gemma 3), Gemma 3's norms after attention and MLP
+    and GeGLU (kernels_cpu.decode); Gemma's query scale folded into q's head norm (so only where
+    there is one: RoPE is linear) and its sliding layers' RoPE base given per layer
+    (prepare_fused_decode). Its embeddings' scale and logits' soft-cap are NumpyTokenRunner's,
+    outside the kernels."""
+    return args.hidden_act in ACTIVATIONS and (args.qk_norm or not args.query_pre_attn_scalar)
 
 
 def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor, device: torch.device,
                          dtype: torch.dtype) -> bool:
     """Attach numpy views ("np") of the weights where the fused one-token kernels apply: CPU,
-    float32 or bfloat16, no output-projection bias (a QKV bias and heads' norms are the kernels'),
-    and each matrix a float tensor or one quantized matrix (not a minirun.quant.RowStack of
-    formats: that layer's steps go through linear). Returns whether they do. Those weights (each step streams all of them) are moved to huge pages first
+    float32 or bfloat16, no output-projection bias (a QKV bias and the norms of heads and after
+    attention and MLP are the kernels'), and each matrix a float tensor or one quantized matrix
+    (not a minirun.quant.RowStack of formats: that layer's steps go through linear); each layer
+    with its RoPE's inv_freq (a sliding layer's own base where it has one). Returns whether they
+    do. Those weights (each step streams all of them) are moved to huge pages first
     (minirun.hugepages)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not fused_cpu_layer(args):
         return False
     if any(lw.get("bo") is not None for lw in weights["layers"]):
         return False      # (an output projection's bias: Llama's attention_bias, not in the kernels)
     inv = inv_freq.double().numpy()
-    for lw in weights["layers"]:
+    local = rope_inv_freq(args, local=True).double().numpy() if args.rope_local_theta else inv
+    for i, lw in enumerate(weights["layers"]):
         for k in _FUSED_WEIGHTS:
             lw[k] = _on_hugepages(lw[k])
         if not any(isinstance(lw[k], RowStack) for k in _FUSED_WEIGHTS):
-            lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | {"inv_freq": inv} | _attn_in_extras(lw, args)
+            lw["np"] = {k: as_numpy(lw[k]) for k in _FUSED_WEIGHTS} | _attn_in_extras(lw, args) | {
+                "inv_freq": local if args.layer_window(i) is not None else inv, "post_norms": _post_norms(lw, args)}
     tied = weights["lm_head"] is weights["embed"]
     weights["lm_head"] = _on_hugepages(weights["lm_head"])
     if tied:
@@ -180,12 +191,23 @@ def prepare_fused_decode(weights: dict, args: ModelArgs, inv_freq: torch.Tensor,
 
 def _attn_in_extras(lw: dict, args: ModelArgs) -> dict:
     """The QKV bias f32 [(Hq+2Hkv)*hd] and the heads' norms f32 [2, hd] (q's, k's) as the fused
-    kernel takes them: empty where the architecture has none."""
+    kernel takes them: empty where the architecture has none. q's carries the query scale
+    (head_dim / query_pre_attn_scalar)^1/2 (the caches scale by head_dim^-1/2; RoPE is linear, so
+    scaling before it is the torch runner's scaling after it); lw["q_norm"] stays unscaled."""
     bias = lw.get("bqkv")
-    norms = [lw["q_norm"], lw["k_norm"]] if args.qk_norm else []
-    return {"bqkv": np.zeros(0, np.float32) if bias is None else bias.float().numpy(),
-            "head_norms": (torch.stack(norms).float().numpy() if norms
-                           else np.zeros((0, args.head_dim), np.float32))}
+    norms = np.zeros((0, args.head_dim), np.float32)
+    if args.qk_norm:
+        norms = torch.stack([lw["q_norm"], lw["k_norm"]]).float().numpy()        # (a copy)
+        if args.query_pre_attn_scalar:
+            norms[0] *= np.float32((args.head_dim / args.query_pre_attn_scalar) ** 0.5)
+    return {"bqkv": np.zeros(0, np.float32) if bias is None else bias.float().numpy(), "head_norms": norms}
+
+
+def _post_norms(lw: dict, args: ModelArgs) -> np.ndarray:
+    """The norms after the attention and after the MLP f32 [2, D] (Gemma 3's), or [0, D]."""
+    if not args.post_norms:
+        return np.zeros((0, args.hidden_size), np.float32)
+    return torch.stack([lw["post_attn_norm"], lw["post_ffn_norm"]]).float().numpy()
 
 
 def _on_hugepages(w):

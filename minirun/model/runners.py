@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import kernels_cpu
-from kernels_cpu.decode import attn_in_into, attn_out_into, norm_gemv_into
+from kernels_cpu.decode import ACTIVATIONS, attn_in_into, attn_out_into, norm_gemv_into
 
 from ..config import ModelArgs
 from .ops import apply_rope, as_numpy, embed, from_numpy_bits, gated_mlp, linear, rms_norm, soft_cap
@@ -165,6 +165,7 @@ class NumpyTokenRunner(TorchRunner):
         self.head_np = weights.get("np")
         self.eps = np.float32(args.rms_norm_eps)
         self.act = np.uint16 if dtype == torch.bfloat16 else np.float32    # (bfloat16 as its bits)
+        self.gate = ACTIVATIONS[args.hidden_act]                           # (the MLP's, as attn_out_into takes it)
         kernels_cpu.decode.check_fused_weights([w for w in self.np if w is not None], self.head_np, self.act)
         self.needs_angles = any(w is None for w in self.np)   # (the fused kernel turns its own q, k)
         self.x = {}                                           # B -> the two residual buffers [B, D]
@@ -206,7 +207,8 @@ class NumpyTokenRunner(TorchRunner):
         if w is None:
             spare[:] = as_numpy(super().attn_out(layer, from_numpy_bits(x), from_numpy_bits(o)))
         else:
-            attn_out_into(x, o, w["wo"], w["ffn_norm"], self.eps, w["w_gate_up"], w["w_down"], spare)
+            attn_out_into(x, o, w["wo"], w["ffn_norm"], self.eps, w["w_gate_up"], w["w_down"], w["post_norms"],
+                          self.gate, spare)
         return spare
 
     def head(self, x, st: Step, all_logits: bool, hidden: bool):
@@ -220,10 +222,11 @@ class NumpyTokenRunner(TorchRunner):
         return self._norm_gemv(np.ascontiguousarray(as_numpy(x)))
 
     def _norm_gemv(self, x: np.ndarray) -> torch.Tensor:
-        """x [B, D] -> logits [B, V] float32 (the fused final norm and LM head)."""
+        """x [B, D] -> logits [B, V] float32 (the fused final norm and LM head, then the soft-cap
+        where the architecture has one)."""
         logits = np.empty((x.shape[0], kernels_cpu.decode.rows_of(self.head_np["lm_head"])), np.float32)
         norm_gemv_into(x, self.head_np["norm"], self.eps, self.head_np["lm_head"], logits)
-        return torch.from_numpy(logits)
+        return soft_cap(torch.from_numpy(logits), self.a.final_logit_softcapping)
 
 
 class Residual:

@@ -105,6 +105,63 @@ def test_attn_out_vs_ref(dtype):
     close(out, ref.attn_out_ref(*args), dtype)
 
 
+def gemma_extras(rng, D, post=True, act="gelu_pytorch_tanh"):
+    """attn_out's Gemma 3 arguments: norms after the attention and the MLP (around 1, as Gemma's
+    (1 + w) weights are) and the MLP's gate."""
+    return dict(post_norms=rng.uniform(0.5, 1.5, (2, D)).astype(np.float32) if post else None, act=act)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("post,act", [(True, "gelu_pytorch_tanh"), (True, "silu"), (False, "gelu_pytorch_tanh")])
+def test_attn_out_with_post_norms_and_geglu_vs_ref(dtype, post, act):
+    """Gemma 3's half of the layer (the norms after attention and MLP, GeGLU), each trait alone and
+    together, for one token and a batch of three (each row its own token)."""
+    rng = np.random.default_rng(12)
+    p = layer(rng, dtype)
+    extra = gemma_extras(rng, p["x"].shape[0], post, act)
+    args = (p["x"], p["o"], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"])
+    got = kc.attn_out(*args, **extra)
+    close(got, ref.attn_out_ref(*args, **extra), dtype)
+    assert np.abs(as_float(got) - as_float(kc.attn_out(*args))).max() > 1e-2     # (the extras change the result)
+    X = np.stack([p["x"], p["n1"], p["x"][::-1].copy()])
+    O = np.stack([p["o"], p["o"][::-1].copy(), layer(rng, dtype)["o"]])
+    rows = kc.attn_out(X, O, *args[2:], **extra)
+    assert rows.shape == X.shape and rows.dtype == X.dtype
+    for b in range(3):
+        close(rows[b], ref.attn_out_ref(X[b], O[b], *args[2:], **extra), dtype)
+        assert np.array_equal(rows[b], kc.attn_out(X[b], O[b], *args[2:], **extra))
+
+
+def test_attn_out_ref_with_post_norms_and_geglu_is_torchs_layer():
+    """The reference's Gemma 3 half-layer against the same written in torch (float64): F.gelu's tanh
+    form, each norm after its projection, before its residual add."""
+    rng = np.random.default_rng(13)
+    p = layer(rng, "float32")
+    extra = gemma_extras(rng, p["x"].shape[0])
+    t = {k: torch.from_numpy(np.asarray(v)).double() for k, v in p.items() if isinstance(v, np.ndarray)}
+    pn = torch.from_numpy(extra["post_norms"]).double()
+
+    def norm(v, w):
+        return v / torch.sqrt((v * v).mean() + 1e-5) * w
+    x1 = t["x"] + norm(t["wo"] @ t["o"], pn[0])
+    g, u = (t["wgu"] @ norm(x1, t["n2"])).chunk(2)
+    want = x1 + norm(t["wdown"] @ (torch.nn.functional.gelu(g, approximate="tanh") * u), pn[1])
+    got = ref.attn_out_ref(p["x"], p["o"], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"], **extra)
+    assert np.allclose(got, want.float().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_attn_out_refuses_bad_post_norms_and_activations():
+    p = layer(np.random.default_rng(0), "float32")
+    args = (p["x"], p["o"], p["wo"], p["n2"], 1e-5, p["wgu"], p["wdown"])
+    D = p["x"].shape[0]
+    with pytest.raises(ValueError, match="post_norms must be float32"):
+        kc.attn_out(*args, post_norms=np.ones((1, D), np.float32))
+    with pytest.raises(ValueError, match="post_norms must be float32"):
+        kc.attn_out(*args, post_norms=np.ones((2, D + 1), np.float32))
+    with pytest.raises(ValueError, match="act must be one of silu, gelu_pytorch_tanh"):
+        kc.attn_out(*args, act="relu")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_norm_gemv_vs_ref(dtype):
     p = layer(np.random.default_rng(2), dtype)

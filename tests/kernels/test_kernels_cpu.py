@@ -472,11 +472,11 @@ def test_every_cached_kernel_is_stamped_with_the_whole_package():
     import hashlib
     import os
     import kernels_cpu
-    from kernels_cpu import decode, quant, quant_intdot, quant_rows
+    from kernels_cpu import decode, dense, quant, quant_intdot, quant_rows
     files = sorted(glob.glob(os.path.join(os.path.dirname(kernels_cpu.__file__), "*.py")))
     digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in files)).digest()
     assert any(f.endswith("quant.py") for f in files) and any(f.endswith("decode.py") for f in files)
-    for k in (decode._k_attn_in, decode._k_dense_attend, quant._k_gemm, quant_intdot.gemm_avx2,
+    for k in (decode._k_attn_in, dense._k_dense_attend, quant._k_gemm, quant_intdot.gemm_avx2,
               quant_rows._k_dequant_range):
         stamp = k._cache._cache_file._source_stamp
         assert isinstance(stamp, tuple) and stamp[1] == digest and not isinstance(stamp[0], tuple)

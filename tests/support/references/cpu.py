@@ -396,14 +396,26 @@ def attn_in_ref(x, w_norm, eps, w_qkv, pos, inv_freq, n_rot, head_dim, bias=None
     return _narrow(y, w_qkv)
 
 
-def attn_out_ref(x, o, w_o, w_norm, eps, w_gate_up, w_down):
-    """x + W_o @ o (stored in the weights' dtype), then + W_down @ (silu(g) * u) with
-    g, u = W_gate_up @ rms_norm(.): the new residual [D] in the weights' dtype."""
-    x1 = _wide(_narrow(_wide(x) + _wide(w_o) @ _wide(o), w_o))
+def attn_out_ref(x, o, w_o, w_norm, eps, w_gate_up, w_down, post_norms=None, act="silu"):
+    """x + W_o @ o (stored in the weights' dtype), then + W_down @ (act(g) * u) with
+    g, u = W_gate_up @ rms_norm(.): the new residual [D] in the weights' dtype. post_norms [2, D]:
+    W_o @ o and the MLP's output each RMS-normalized (with its row) before it is added; act "silu"
+    or "gelu_pytorch_tanh" (GELU, tanh form)."""
+    h = _wide(w_o) @ _wide(o)
+    if post_norms is not None:
+        h = _rms_norm_ref(h, post_norms[0], eps)
+    x1 = _wide(_narrow(_wide(x) + h, w_o))
     gu = _wide(w_gate_up) @ _rms_norm_ref(x1, w_norm, eps)
     F = gu.shape[0] // 2
     g, u = gu[:F], gu[F:]
-    return _narrow(x1 + _wide(w_down) @ (g / (1.0 + np.exp(-g)) * u), w_o)
+    if act == "silu":
+        a = g / (1.0 + np.exp(-g))
+    else:
+        a = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+    h = _wide(w_down) @ (a * u)
+    if post_norms is not None:
+        h = _rms_norm_ref(h, post_norms[1], eps)
+    return _narrow(x1 + h, w_o)
 
 
 def norm_gemv_ref(x, w_norm, eps, w):
