@@ -248,10 +248,11 @@ class Engine:
         """Of an anchor prefill of ids[start:end] in an HCA cache, how many last tokens go through
         the HCA path instead (a window's worth: the question at a document's end then reads every
         stored token through the selection, as it does after a cached document), else 0."""
-        if mode != "anchor" or self.config.kv != "hca" or self.cache.n_store:
+        hca = self.cache.full_layers
+        if mode != "anchor" or self.config.kv != "hca" or hca.n_store:
             return 0
         tail = self.config.window
-        return tail if end - start > tail + self.cache.S + self.cache.W + self.config.anchor_tokens else 0
+        return tail if end - start > tail + hca.S + hca.W + self.config.anchor_tokens else 0
 
     def _prefill_mode_span(self, ids, start, end, mode, progress, should_stop, total, before):
         """_prefill_span's forward of ids[start:end] in one prefill mode (begin_prefill may change

@@ -10,12 +10,15 @@ import torch
 from .config import MAX_CTX, EngineConfig, ModelArgs
 from .errors import ContextError
 from .kv.hca_layout import ELEM
+from .kv.layer_kinds import global_args, layer_split
+from .kv.sliding import ring_slots
 from .quant.sizes import weights_label
 
 GiB = 1 << 30
 PREFILL_KEYS = "prompt keys (prefill)"     # transient tiers: see prefill_transient_tiers
 PREFILL_VALUES = "prompt values (prefill)"
 ANCHOR_BLOCK = "anchor block (prefill)"
+SLIDING, SLIDING_COPIES = "sliding K+V", "sliding K+V copies"     # the sliding-window layers' rings
 
 
 @dataclass
@@ -91,16 +94,24 @@ def prefill_transient_tiers(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dic
 
 
 def plan(args: ModelArgs, cfg: EngineConfig, ctx: int | None = None) -> Plan:
-    """Tier sizes for a context of `ctx` tokens (default cfg.ctx)."""
+    """Tier sizes for a context of `ctx` tokens (default cfg.ctx): a model's sliding-window layers
+    hold a ring of their window and two copies of it (kv/sliding.py), its other layers the cache
+    cfg.kv names."""
     ctx = cfg.ctx if ctx is None else ctx
-    L, Hkv, hd, e = args.num_hidden_layers, args.num_key_value_heads, args.head_dim, ELEM[cfg.dtype]
+    e = ELEM[cfg.dtype]
     tiers = {"weights": (weight_bytes(args, cfg.dtype, cfg.weights), "device")}
-    if cfg.kv == "dense":
-        tiers["dense K+V"] = (2 * L * Hkv * hd * e * ctx, "device")
-    else:
+    sliding, full = layer_split(args)
+    if sliding:
+        ring = 2 * len(sliding) * args.num_key_value_heads * args.head_dim * e * ring_slots(args.sliding_window, ctx)
+        tiers[SLIDING] = (ring, "device")
+        tiers[SLIDING_COPIES] = (2 * ring, "device")
+    ga = global_args(args) if sliding and full else args
+    if full and cfg.kv == "dense":
+        tiers["dense K+V"] = (2 * len(full) * ga.num_key_value_heads * ga.head_dim * e * ctx, "device")
+    elif full:
         from .kv.hca_layout import hca_tier_bytes
-        tiers.update(hca_tier_bytes(args, cfg, ctx))    # (exact keys: float32, as the caches store them)
-        tiers.update(prefill_transient_tiers(args, cfg, ctx))
+        tiers.update(hca_tier_bytes(ga, cfg, ctx))    # (exact keys: float32, as the caches store them)
+        tiers.update(prefill_transient_tiers(ga, cfg, ctx))
     if cfg.parallel > 1:     # each sequence its own cache (minirun serve --parallel)
         tiers = {k: (b if k == "weights" else b * cfg.parallel, where) for k, (b, where) in tiers.items()}
     return Plan(tiers, ctx)
@@ -142,10 +153,9 @@ def _fits(p: Plan, device: torch.device, avail: dict) -> bool:
 
 def check_fits(args: ModelArgs, cfg: EngineConfig, device: torch.device, avail: dict | None = None) -> Plan:
     """Raise ContextError (one line, with what would fit) when cfg.ctx cannot be held."""
-    W = args.sliding_window
-    if W and cfg.kv != "dense" and cfg.ctx > W:   # (the HCA cache's layers all attend to the whole context)
-        raise ContextError(f"this model's layers attend over a sliding window of {W} tokens, which the HCA cache "
-                           f"does not keep apart: --kv dense, or --ctx at most {W}")
+    if cfg.kv != "dense" and not layer_split(args)[1]:
+        raise ContextError(f"every layer of this model attends over a sliding window of {args.sliding_window} "
+                           f"tokens: there is no long context for --kv {cfg.kv} to hold (use --kv dense)")
     avail = avail or available_bytes(device)
     p = plan(args, cfg)
     if _fits(p, device, avail):
@@ -216,16 +226,18 @@ def prompt_cache_bytes(args: ModelArgs, cfg: EngineConfig) -> int:
     keys with rescore) and the codebooks as the cache keeps them (the CPU: the fitted or calibrated ones; the GPU: their
     product form for nibble pairs), plus 8 B per token id and ring slot."""
     tiers = plan(args, cfg).tiers
+    ring = tiers.get(SLIDING, (0,))[0]
     if cfg.kv == "dense":
-        return tiers["dense K+V"][0] + 8 * cfg.ctx
+        return tiers.get("dense K+V", (0,))[0] + ring + 8 * cfg.ctx
     from .kv.hca_layout import on_cpu, resolve_layout
-    lay = resolve_layout(args, cfg)
-    L, Hkv, hd = args.num_hidden_layers, args.num_key_value_heads, args.head_dim
+    ga = global_args(args) if ring else args
+    lay = resolve_layout(ga, cfg)
+    L, Hkv, hd = ga.num_hidden_layers, ga.num_key_value_heads, ga.head_dim
     n_exact = cfg.sinks + cfg.window
     G, C, ds = lay.codebook_geometry if on_cpu(cfg) else (lay.groups, lay.centroids, lay.sub_dim)
     codebooks = 0 if lay.exact_keys else L * Hkv * G * C * ds * 4
     return (2 * L * Hkv * n_exact * hd * ELEM[cfg.dtype] + tiers["key store"][0] + tiers["value pool"][0]
-            + tiers.get("host keys", (0,))[0] + codebooks + 8 * (cfg.ctx + n_exact))
+            + tiers.get("host keys", (0,))[0] + codebooks + ring + 8 * (cfg.ctx + n_exact))
 
 
 def plan_report(args: ModelArgs, cfg: EngineConfig, device: str, gpu_mem: int | None = None,

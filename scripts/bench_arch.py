@@ -4,6 +4,14 @@ rounds, each run a fresh process, so drift of the machine falls on both.
 
 Usage:
   python scripts/bench_arch.py --shape qwen3-0.6b --weights q8_0 --rounds 4 [--dir DIR] [--json OUT]
+  python scripts/bench_arch.py --shape gemma3-270m --memory 128K [--json OUT]
+
+--memory CTX: the KV cache's bytes at a context of CTX instead: the architecture with --kv dense
+and --kv hca g64c16 (a sliding layer keeps a ring of its window beside them: kv/layer_kinds.py)
+against the Llama twin with --kv dense (every layer the whole context). The figure compared is
+what `minirun plan` declares at CTX (prefill-only buffers included), the tiers each cache
+allocates; beside it what the cache holds after `minirun bench` prefilled 2K tokens and decoded 8
+(dense caches allocate their whole context at load, HCA's value pool grows).
 
 The twin is the same config.json with model_type llama: the same matrices, without the
 architecture's extras (Qwen2's Q/K/V biases, the heads' norms; Gemma 3's norms after attention and
@@ -54,11 +62,44 @@ def checkpoint(root: Path, name: str, config: dict) -> Path:
 
 def bench(model: Path, bench_args: list[str]) -> float:
     """One `minirun bench ... -o json` in a fresh process -> the tg row's tokens/s."""
+    return bench_rows(model, bench_args)[0]["tps_mean"]
+
+
+def bench_rows(model: Path, bench_args: list[str]) -> list[dict]:
+    """`minirun bench ... -o json` in a fresh process -> its rows."""
     cmd = [sys.executable, "-m", "minirun", "bench", str(model), *bench_args, "-o", "json"]
     p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"bench_arch: {model.name}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
-    return json.loads(p.stdout)[0]["tps_mean"]
+    return json.loads(p.stdout)
+
+
+def planned(model: Path, ctx: str, kv: str, weights: str) -> int:
+    """`minirun plan`'s bytes of every cache tier at ctx (prefill-only ones included), weights left out."""
+    cmd = [sys.executable, "-m", "minirun", "plan", str(model), "--ctx", ctx, "--kv", kv, "--weights", weights,
+           "-o", "json"] + (["--kv-budget", "g64c16"] if kv == "hca" else [])
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                       check=True)
+    return sum(t["bytes"] for t in json.loads(p.stdout)["tiers"] if t["tier"] != "weights")
+
+
+def memory(models: dict, shape: str, ctx: str, a) -> dict:
+    """The cache's bytes at ctx: the architecture's dense and HCA caches against the twin's dense one."""
+    base = ["-p", "", "-n", "8", "-d", "2048", "--ctx", ctx, "--threads", str(a.threads), "-r", "1",
+            "--weights", a.weights]
+    rows = bench_rows(models[shape], base + ["--kv", "dense,hca", "--kv-budget", "g64c16"])
+    rows += bench_rows(models["llama"], base + ["--kv", "dense"])
+    out = [{"model": name, "kv": r["kv"], "held_bytes": r["kv_stats"]["total_bytes"],
+            "planned_bytes": planned(models[name], ctx, r["kv"], a.weights), "peak_rss_bytes": r.get("peak_host_bytes"),
+            "tps": r["tps_mean"]} for name, r in zip([shape, shape, "llama"], rows)]
+    all_dense = out[-1]["planned_bytes"]
+    for r in out:
+        r["of_all_dense"] = r["planned_bytes"] / all_dense
+        print(f"{r['model']} {r['kv']}: {r['planned_bytes'] / 2**20:.1f} MiB planned at {ctx} "
+              f"({100 * r['of_all_dense']:.1f}% of all-dense), {r['held_bytes'] / 2**20:.1f} MiB held at 2K",
+              file=sys.stderr)
+    return {"shape": shape, "ctx": ctx, "weights": a.weights, "rows": out,
+            "command": "python scripts/bench_arch.py " + " ".join(sys.argv[1:])}
 
 
 def main() -> int:
@@ -70,11 +111,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where the random checkpoints go (default: ~/.cache/minirun/bench-arch)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--memory", default=None, metavar="CTX", help="the KV cache's bytes at this context instead")
     a = ap.parse_args()
     root = Path(a.dir or Path.home() / ".cache" / "minirun" / "bench-arch")
     shape = SHAPES[a.shape]
     twin = {k: v for k, v in shape.items() if k not in ARCH_ONLY} | {"model_type": "llama"}
     models = {a.shape: checkpoint(root, a.shape, shape), "llama": checkpoint(root, a.shape + "-llama", twin)}
+    if a.memory:
+        report = memory(models, a.shape, a.memory, a)
+        if a.json:
+            Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     args = ["-p", "", "-n", str(a.n), "-d", "0", "--kv", "dense", "--threads", str(a.threads), "-r", "3",
             "--weights", a.weights]
     runs = {k: [] for k in models}

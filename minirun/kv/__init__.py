@@ -3,6 +3,8 @@ modes, stats, and the state a prompt-cache file holds).
 
 Reading order:
 - dense.py: K, V for every position (DenseCache).
+- sliding.py and layer_kinds.py: a model's sliding-window layers keep a ring of their window
+  (SlidingWindowCache) beside the cache of its global layers (LayerKindCache routes each layer).
 - The HCA cache: hca_layout.py (the geometry a config asks for, and the one declaration of every
   tier's buffers that the backends allocate and `minirun plan` counts) -> hca_base.py (HCABase:
   the tiers -- sinks, ring, store -- and how tokens move between them; store.py and pinned.py
@@ -32,11 +34,20 @@ from .dense import DenseCache
 
 
 def make_cache(args, config, device, dtype, capacity: int, model_dir=None) -> KVCache:
-    """Build the cache the EngineConfig asks for, holding at most `capacity` tokens."""
+    """Build the cache the EngineConfig asks for, holding at most `capacity` tokens: a model's
+    sliding-window layers keep a ring of their window (kv/layer_kinds.py), the others the cache
+    config.kv names."""
+    from .layer_kinds import split_by_kind
+    from .sliding import SlidingWindowCache
+
+    def local(n_layers: int, window: int) -> KVCache:
+        return SlidingWindowCache(n_layers, args.num_key_value_heads, args.head_dim, window, capacity, dtype, device)
+    return split_by_kind(args, lambda a: _whole_context_cache(a, config, device, dtype, capacity, model_dir), local)
+
+
+def _whole_context_cache(args, config, device, dtype, capacity: int, model_dir) -> KVCache:
     if config.kv == "dense":
-        windows = tuple(args.layer_window(i) for i in range(args.num_hidden_layers))
-        return DenseCache(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, capacity, dtype, device,
-                          windows)
+        return DenseCache(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, capacity, dtype, device)
     if str(device).startswith("cuda"):
         import kernels_cuda
         if kernels_cuda.available():

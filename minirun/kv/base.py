@@ -31,6 +31,12 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.offset += n
 
+    @property
+    def full_layers(self) -> "KVCache":
+        """The cache of the layers that attend to the whole context: this one (a LayerKindCache's:
+        its global layers' part, where the tools find an HCA cache's codebooks and selection)."""
+        return self
+
     # ---- the capture protocol (minirun/cuda_graph.GraphedDecode): a whole decode token in a graph ----
     # A graph replays fixed launches, so what a step reads per token (its position, the store's
     # length) comes from device memory, and grids are sized for a bucket of positions. Call order per

@@ -18,15 +18,12 @@ from .base import KVCache, causal_mask
 
 class DenseCache(KVCache):
     """k, v [L, Hkv, capacity, hd] preallocated in the compute dtype on the compute device (on huge
-    pages on the CPU: minirun.hugepages). windows: per layer the tokens it attends over (its own
-    included), None for the whole context (a sliding-window layer reads the last W of every key
-    it keeps)."""
+    pages on the CPU: minirun.hugepages)."""
     truncates_anywhere = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device, windows: tuple | None = None):
+                 dtype: torch.dtype, device: torch.device):
         super().__init__(n_layers, capacity)
-        self.windows = windows if windows and any(windows) else None
         shape = (n_layers, n_kv_heads, capacity, head_dim)
         self.k = hugepages.zeros(*shape, dtype=dtype, device=device)
         self.v = hugepages.zeros(*shape, dtype=dtype, device=device)
@@ -60,15 +57,7 @@ class DenseCache(KVCache):
         K[:, pos0], V[:, pos0] = k, v
         if self._o_np is None:
             self._o_np = np.empty(q.shape, K.dtype)
-        lo = self._first_key(layer, pos0)
-        if lo:
-            K, V = K[:, lo:], V[:, lo:]
-        return kernels_cpu.dense_attend(q, K, V, pos0 + 1 - lo, self._scale, out=self._o_np)
-
-    def _first_key(self, layer: int, pos: int) -> int:
-        """The first position the query at pos reads: 0, or for a sliding layer pos + 1 - W."""
-        W = self.windows[layer] if self.windows else None
-        return max(0, pos + 1 - W) if W else 0
+        return kernels_cpu.dense_attend(q, K, V, pos0 + 1, self._scale, out=self._o_np)
 
     def attend(self, layer, q, k, v):
         T, pos0 = q.shape[0], self.offset
@@ -79,17 +68,13 @@ class DenseCache(KVCache):
             return from_numpy_bits(o.copy())[None]
         self.k[layer, :, pos0:end] = k.transpose(0, 1)
         self.v[layer, :, pos0:end] = v.transpose(0, 1)
-        W = self.windows[layer] if self.windows else None
-        if W and end > W:        # (within its first W tokens a sliding layer reads them all)
-            lo = max(0, pos0 + 1 - W)
-            return windowed_attention(q, self.k[layer, :, lo:end], self.v[layer, :, lo:end], pos0, lo, W)
         if T == 1 and self._gpu_decode(q.shape[1], q.dtype) is not None:
             return self._gpu_attn(q[0], self.k[layer], self.v[layer], end)[None]
         return dense_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], pos0)
 
     # ---- the capture protocol of minirun/cuda_graph.GraphedDecode (kv/hca_graph.py has the HCA one) ----
     def graph_capturable(self) -> bool:
-        return self.windows is None        # (a captured step reads keys from slot 0)
+        return True
 
     def graph_key(self, bucket: int):
         """(key, n_keys): the slots the next step attends over, its position + 1 rounded up to the bucket."""
@@ -161,20 +146,6 @@ class DenseCache(KVCache):
         nbytes = self.k.numel() * self.k.element_size() * 2
         return {"tokens": self.offset, "capacity": self.capacity,
                 "device_kv_bytes": nbytes, "total_bytes": nbytes}
-
-
-def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos0: int, lo: int, window: int):
-    """Sliding-window GQA attention: q [T, Hq, hd] at positions pos0.., K, V [Hkv, n, hd] of positions
-    lo.. -> [T, Hq, hd]; the query at p reads the keys at j with p - window < j <= p."""
-    T, Hq, hd = q.shape
-    Hkv, n = K.shape[0], K.shape[1]
-    rep = Hq // Hkv
-    p = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
-    j = torch.arange(lo, lo + n, device=q.device)[None, :]
-    mask = ((j <= p) & (j > p - window)).repeat(rep, 1)                        # [rep * T, n]
-    qg = q.view(T, Hkv, rep, hd).permute(1, 2, 0, 3).reshape(1, Hkv, rep * T, hd)
-    o = F.scaled_dot_product_attention(qg, K[None], V[None], attn_mask=mask)
-    return o.view(Hkv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, Hq, hd)
 
 
 def dense_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos0: int) -> torch.Tensor:

@@ -50,10 +50,10 @@ def measure(eng, ids: list[int], queries: int = 64, top_k=TOP_K) -> dict:
     {"store_share": f32 [L, Hq], "captured": f32 [L, Hq, len(top_k)], "store_tokens": n}: the mean
     share of the softmax mass on the store, and the mean share of the store's mass its top k
     tokens hold (exact scores, one far distance), over the queries."""
-    cache = eng.cache
+    cache = eng.cache.full_layers
     if cache.far is None:
         raise ValueError("head budgets are measured with far positions on (a context past the trained one)")
-    L, Hq = eng.args.num_hidden_layers, eng.args.num_attention_heads
+    L, Hq = cache.n_layers, eng.args.num_attention_heads
     share = np.zeros((L, Hq), np.float64)
     captured = np.zeros((L, Hq, len(top_k)), np.float64)
     attend = cache.attend

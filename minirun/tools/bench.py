@@ -179,7 +179,7 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 def codebook_source(eng) -> str:
     """'calibrated' | 'fitted' | '-' (dense, or HCA keeping exact keys), as the engine was loaded."""
-    cache = eng.cache
+    cache = eng.cache.full_layers
     if eng.config.kv != "hca" or getattr(cache.layout, "exact_keys", False):
         return "-"
     cb = cache.codebooks
@@ -188,10 +188,10 @@ def codebook_source(eng) -> str:
 
 def _forget_fitted_codebooks(eng) -> None:
     """Drop codebooks the cache fitted from an earlier context (calibrated ones stay)."""
-    cb = getattr(eng.cache, "codebooks", None)
+    cb = getattr(eng.cache.full_layers, "codebooks", None)
     if cb is not None and not str(cb.source).startswith("calibrated"):
         eng.reset()
-        eng.cache.codebooks = None
+        eng.cache.full_layers.codebooks = None
 
 
 class Context:

@@ -23,7 +23,8 @@ def _params(n: int) -> str:
 def kv_split(stats: dict) -> tuple[int, int]:
     """(bytes in the device tiers, bytes in the host tiers) of a cache's stats()."""
     dev = stats.get("device_kv_bytes", 0) + sum(stats.get(k, 0) for k in (
-        "device_keys_bytes", "device_ring_sinks_bytes", "codebook_bytes", "scratch_bytes", "decode_scratch_bytes"))
+        "device_keys_bytes", "device_ring_sinks_bytes", "codebook_bytes", "scratch_bytes", "decode_scratch_bytes",
+        "sliding_kv_bytes", "sliding_copy_bytes"))
     host = sum(stats.get(k, 0) for k in ("host_values_bytes", "host_keys_bytes", "prefill_keys_bytes"))
     return dev, host
 

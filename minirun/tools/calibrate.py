@@ -103,7 +103,7 @@ def collect_keys(eng, ids: list[int], window: int = DEFAULT_WINDOW, max_tokens: 
         eng.reset()
         eng.prefill(win)
         pos = torch.tensor(_spread(len(win) - skip, per)) + skip
-        k = eng.cache.k[:, :, pos].float()
+        k = eng.cache.full_layers.k[:, :, pos].float()     # (a model's global layers: the ones with a store)
         chunks.append(unrotate_keys(k, pos, eng.model.inv_freq) if unrotated else k.clone())
         if progress:
             progress(i + 1, len(starts))

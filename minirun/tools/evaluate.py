@@ -90,11 +90,11 @@ def selection_probe(eng):
     "steps". Does nothing for a dense engine.
     """
     out: dict = {}
-    cache = getattr(eng, "cache", None)
+    cache = eng.cache.full_layers if hasattr(eng, "cache") else None
     if not hasattr(cache, "record_selection"):
         yield out
         return
-    L = eng.args.num_hidden_layers
+    L = cache.n_layers
     rows: list = []
     cache.record_selection = rows
     try:
@@ -253,8 +253,8 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
                                                       **hca_setting(budget)}
         eng = Engine.load(model, device="cpu", dtype=dtype, ctx=ctx, threads=threads, **kw)
         row: dict = {"mode": name, "seconds": {}}
-        cb = getattr(eng.cache, "codebooks", None)
-        row["codebooks"] = "-" if budget is None else ("exact keys" if eng.cache.layout.exact_keys else
+        cb = getattr(eng.cache.full_layers, "codebooks", None)
+        row["codebooks"] = "-" if budget is None else ("exact keys" if eng.cache.full_layers.layout.exact_keys else
                                                        (cb.source if cb else "fitted from the prompt"))
         if ppl_tokens:
             log(f"eval: {name}: perplexity over {ppl_tokens} tokens")

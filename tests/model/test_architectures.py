@@ -21,7 +21,7 @@ def arch_dir(tiny_model_dir, tmp_path_factory):
     made = {}
 
     def make(arch: str, **over):
-        key = (arch, tuple(sorted(over.items())))
+        key = (arch, repr(sorted(over.items())))
         if key not in made:
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
             made[key] = write_arch_checkpoint(out, arch, tiny_model_dir("gqa-untied"), **over)
@@ -153,8 +153,8 @@ def test_gemma_soft_cap_on_the_fused_steps_matches_transformers(arch_dir):
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_hca_at_tau_one_equals_dense(arch_dir, arch):
-    # (the HCA cache keeps no sliding window: Gemma's here as long as the context)
-    d = arch_dir(arch, sliding_window=256) if arch == "gemma3_text" else arch_dir(arch)
+    """(Gemma's sliding layers keep their 8-token ring beside either cache of its global layer.)"""
+    d = arch_dir(arch)
     ids = _ids(160, seed=5)
     dense = Engine.load(d, device="cpu", ctx=256).generate(ids, max_new_tokens=12, ignore_eos=True)
     hca = Engine.load(d, device="cpu", ctx=256, kv="hca", key_store="exact", tau=1.0, window=32, sinks=4)
@@ -168,7 +168,8 @@ def test_hca_at_tau_one_equals_dense(arch_dir, arch):
 def test_sliding_window_layers_match_transformers_past_the_window(arch_dir, arch, over, windows):
     """A prompt of 70 tokens in chunks of 7 and 10 decode steps (the CPU's fused kernels) past a
     window of 16 (Mistral: every layer; Qwen2 with max_window_layers 1: the second layer only;
-    Gemma 3: the first two, with their own RoPE base), dense."""
+    Gemma 3: the first two, with their own RoPE base), dense: the sliding layers through their
+    16-token rings."""
     d = arch_dir(arch, **over)
     args = ModelArgs.from_path(d)
     assert [args.layer_window(i) for i in range(args.num_hidden_layers)] == windows
@@ -185,11 +186,12 @@ def test_sliding_window_layers_match_transformers_past_the_window(arch_dir, arch
         assert torch.allclose(last[-1], ref[70 + i], atol=1e-4)
 
 
-def test_hca_refuses_a_context_past_the_window(arch_dir):
+def test_hca_refuses_a_model_whose_layers_all_slide(arch_dir):
     d = arch_dir("mistral", sliding_window=64)
-    with pytest.raises(ContextError, match="sliding window of 64 tokens.*--kv dense, or --ctx at most 64"):
+    with pytest.raises(ContextError, match="every layer of this model attends over a sliding window of 64 tokens"):
         Engine.load(d, device="cpu", ctx=128, kv="hca")
-    Engine.load(d, device="cpu", ctx=64, kv="hca")
+    eng = Engine.load(d, device="cpu", ctx=1024)
+    assert type(eng.cache).__name__ == "SlidingWindowCache" and eng.cache.k.shape[2] == 3 * 64   # (not 1024)
 
 
 def test_qwen_window_applies_only_where_the_config_turns_it_on(tmp_path):
