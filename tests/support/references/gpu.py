@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cpu import lse_merge_ref, turn_rows_ref
+from .cpu import lse_merge_ref
+from .layer import turn_rows_ref
 
 
 def decode_prep_ref(q, scale, cs=None):
