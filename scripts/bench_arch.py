@@ -90,8 +90,8 @@ def memory(models: dict, shape: str, ctx: str, a) -> dict:
     rows = bench_rows(models[shape], base + ["--kv", "dense,hca", "--kv-budget", "g64c16"])
     rows += bench_rows(models["llama"], base + ["--kv", "dense"])
     out = [{"model": name, "kv": r["kv"], "held_bytes": r["kv_stats"]["total_bytes"],
-            "planned_bytes": planned(models[name], ctx, r["kv"], a.weights), "peak_rss_bytes": r.get("peak_host_bytes"),
-            "tps": r["tps_mean"]} for name, r in zip([shape, shape, "llama"], rows)]
+            "planned_bytes": planned(models[name], ctx, r["kv"], a.weights), "peak_rss_bytes": r.get("peak_host_bytes")}
+           for name, r in zip([shape, shape, "llama"], rows)]
     all_dense = out[-1]["planned_bytes"]
     for r in out:
         r["of_all_dense"] = r["planned_bytes"] / all_dense
