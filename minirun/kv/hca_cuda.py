@@ -111,9 +111,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self._sel_event = torch.cuda.Event() if self._gpu else None
         self._mask = self._mask_for = None      # _live_mask's buffer, and the state it holds
         self._ds = None                         # kernels_cuda.decode.DecodeStep, on the first decode step
-        self._cs_host = self._host_empty((hd,), torch.float32)   # far turn [cos | sin] of position _cs_pos
-        self._cs_pos = None
-        self._cs_event = torch.cuda.Event() if self._gpu else None
 
     def _store_state(self) -> DeviceStore:
         """What the key stores read (key_store_cuda.DeviceStore); the codebooks moved to the device
@@ -155,12 +152,10 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             return None
         ds = self._decode_kernels()
         S, W = self.S, self.W
-        far = self.far is not None
-        if far:
-            self._far_angles(ds)
+        self.positions.upload_turn(ds.cs, self.offset, self._gpu)   # (what decode_prep turns the far query by)
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W],
-                             self._evx[layer, :, S + W], far, self._histogram_cut(self.n_store))
+                             self._evx[layer, :, S + W], self.positions.far, self._histogram_cut(self.n_store))
             if self.value_sum == "gpu" and self._pool_mapped():
                 return self._gathered_step(L, ds, layer, qs, qf, q.dtype)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
@@ -218,20 +213,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             self._stage_dev = torch.zeros(self.Hq, self.hd + 2, dtype=torch.float32, device=self.device)
         return self._ds
 
-    def _far_angles(self, ds):
-        """ds.cs <- [cos | sin] of this position's far turn, once per position (all layers share it)."""
-        if self._cs_pos == self.offset:
-            return
-        c, s = self.far.angles(self.offset)
-        h = self.hd // 2
-        if self._gpu:   # the host may run ahead of the GPU (no host wait inside a token with value_sum gpu)
-            self._cs_event.synchronize()   # the previous position's copy has read the buffer
-        self._cs_host[:h], self._cs_host[h:] = c, s
-        ds.cs.copy_(self._cs_host, non_blocking=self._gpu)
-        if self._gpu:
-            self._cs_event.record(torch.cuda.current_stream(self.device))
-        self._cs_pos = self.offset
-
     def _exact_parts(self, L, ds, layer, q, qf, valid=False) -> int:
         """attend over sinks + ring + the new token (the spare row prep wrote) into ds's partials;
         with far positions the sinks (unrotated) take the far query qf in a launch of their own.
@@ -240,7 +221,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         if valid is False:
             valid = self._live_mask()
         S, W, ek, ev = self.S, self.W, self._ekx[layer], self._evx[layer]
-        if not self.far:
+        if not self.positions.far:   # (sinks read with the far query: a launch of their own)
             return ds.attend(L, q, ek, ev, self.q2k_dev, S + W + 1, valid, 0)
         P = ds.attend(L, q, ek[:, S:], ev[:, S:], self.q2k_dev, W + 1, None if valid is None else valid[S:], 0)
         return ds.attend(L, qf, ek, ev, self.q2k_dev, S, None if valid is None else valid[:S], P) if S else P
