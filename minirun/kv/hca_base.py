@@ -37,6 +37,7 @@ from .head_budgets import head_caps_for
 from .far_positions import far_positions_on, position_scheme
 from .hca_layout import hca_tiers, prefill_buffers, resolve_layout
 from .hca_state import SavedState
+from .rescore import HostKeyRescore, NoRescore
 from .ring import Ring
 from .ring_checkpoint import RewindPoints
 from .value_codes import value_codes
@@ -97,6 +98,8 @@ class HCABase(SavedState, KVCache):
         host_keys = self.tiers.get("host keys")
         self.values = buffers.pool(pool, read_by_device=True)
         self.host_keys = None if host_keys is None else buffers.pool(host_keys.buffers["host_keys"], False)
+        # the rescoring step (kv/rescore.py): exact scores from the host keys, or the key store's
+        self.rescoring = NoRescore() if self.host_keys is None else HostKeyRescore(self.host_keys)
         self.indices = None if layout.exact_keys else buffers.indices(keys["indices"])
         self.exact_keys = buffers.grow(keys.get("exact_keys") or self.prefill_specs["exact_keys"])
         # the device copy of the store's values an exact prefill attends to, where prefill_buffers
@@ -290,9 +293,7 @@ class HCABase(SavedState, KVCache):
         j0, m = self.n_store, K.shape[2]
         K, codes = self.positions.leaving_ring(K, self.S + j0, codes)   # (positions S + j0..)
         self.values.reserve(j0 + m)
-        if self.host_keys is not None:
-            self.host_keys.reserve(j0 + m)
-            self.host_keys.write_all(j0, K)
+        self.rescoring.keys_left_ring(j0, K)
         for buf in self.scratch:
             buf.reserve(j0 + m)
         self.values.write_all(j0, self.value_codes.encode(V))

@@ -98,8 +98,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self._ekx, self._evx = buffers.ekx, buffers.evx   # the exact tier with the decode token's spare row
         self.set_head_caps(self.head_caps)
         Hq, hd = self.Hq, self.hd
-        if self.host_keys is not None:
-            self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
         self.exact_store, self.key_store = device_key_stores(self.layout, Hq, self.Hkv, hd)
         self._width = INITIAL_WIDTH
@@ -136,9 +134,9 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         (a cache made with it) and no host keys."""
         if choice not in VALUE_SUMS:
             raise MiniRunError(f"value sum {choice!r}: expected one of {', '.join(VALUE_SUMS)}")
-        if choice == "gpu" and (not self.values.mapped or self.host_keys is not None):
+        if choice == "gpu" and (not self.values.mapped or self.rescoring.on):
             raise MiniRunError("value sum gpu: the value pool is not mapped for the GPU"
-                               + (" (rescore sums on the host)" if self.host_keys is not None else ""))
+                               + (" (rescore sums on the host)" if self.rescoring.on else ""))
         self.value_sum = choice
 
     def _host_empty(self, shape, dtype):
@@ -263,8 +261,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         """Launch scores + selection for one query [Hq, hd] f32; start the copy-back. Returns a handle."""
         zb, idx, n, cap = self._select_on_device(L, ds, layer, q)
         w = min(n, idx.shape[1], self._width)   # (idx: the [Hq, >= n] scratch, or [Hq, cap] when capped)
-        if self.host_keys is not None:   # rescore: the host needs the query too (before the pack: the host waits for that)
-            self._q_host.copy_(q, non_blocking=self._gpu)
+        self.rescoring.hold_query(q, self._gpu)   # (rescore: before the pack, which the host waits for)
         return (self._copy_back(L, ds, zb, idx, n, w, cap), w, zb, idx, n, cap)
 
     def _select_on_device(self, L, ds, layer, q):
@@ -332,10 +329,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         idx_h = hn[Hq:Hq + Hq * w].reshape(Hq, w)
         zs_h = hn[Hq + Hq * w:].view(np.float32).reshape(Hq, w)          # zs_h[h, t]: score of idx_h[h, t]
         V = self.values.data[layer].numpy()                       # [Hkv, cap, width], pinned
-        if self.host_keys is not None:   # rescore: the selected tokens' exact scores replace the codebooks'
-            self.host_keys.wait()
-            kc.selected_scores(self._q_host.numpy(), self.host_keys.data[layer].numpy(), idx_h, cnt, self.q_to_kv,
-                               zs_h, compact=True)
+        self.rescoring.rescore(layer, idx_h, cnt, self.q_to_kv, zs_h)   # (rescore: exact scores replace the codebooks')
         o, m, l = kc.weighted_value_sum(zs_h, idx_h, cnt, V, self.q_to_kv, compact=True, head_dim=self.hd)
         # (the previous H2D from the stage is done: it was queued before the copy-back just waited for)
         st = self._stage_np
@@ -351,8 +345,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
 
     def reset(self) -> None:
         self.values.wait()
-        if self.host_keys is not None:
-            self.host_keys.wait()
+        self.rescoring.wait()
         self._mask_for = None
         super().reset()
 
