@@ -10,7 +10,9 @@ Reading order:
   the tiers -- sinks, ring, store -- and how tokens move between them; store.py and pinned.py
   hold the buffers) -> a backend: hca.py with key_store_cpu.py (the CPU: its key stores, one class
   per store) or hca_cuda.py with key_store_cuda.py (a GPU's) and hca_graph.py. Beside them:
-  codebooks.py (the key store's codebooks), far_positions.py, ring_checkpoint.py (rewind points),
+  codebooks.py (the key store's codebooks), positions.py (the position scheme: plain, or
+  far_positions.py's far positions), rescore.py (the rescoring step: none, or exact scores from
+  host keys), ring_checkpoint.py (rewind points),
   hca_state.py (prompt-cache state), attention.py (partial attention and the log-sum-exp merge),
   value_codes.py (the store's values as 4- or 8-bit codes), head_budgets.py (per-head selection
   caps: measured, stored beside the codebooks, or the default rule).

@@ -18,6 +18,9 @@ inside the trained context N with G = ceil(ctx / (N - W)) (`far_group`). Still o
 query and layer. docs/QUALITY.md, "Past the trained context": a novel's continuation read better than
 with one distance at 16K and 24K.
 
+FarFrame is the HCA cache's position scheme when far positions are on (kv/positions.py: the
+interface, and PlainPositions, the scheme when they are off); position_scheme picks one.
+
 Rotation convention: that of ops.apply_rope (HF Llama's half split).
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import kernels_cpu as kc
 
 from ..model.ops import rope_inv_freq
+from .positions import PlainPositions
 
 
 def far_positions_on(setting: str, trained_ctx: int | None, ctx: int) -> bool:
@@ -53,6 +57,17 @@ def default_far_distance(window: int, trained_ctx: int | None) -> int:
     return max(window, min(1024, trained_ctx // 2) if trained_ctx else 1024)
 
 
+def position_scheme(args, config, capacity: int) -> PlainPositions:
+    """The HCA cache's position scheme: FarFrame where config.far_positions is on for a context of
+    `capacity` tokens (far_positions_on), else PlainPositions."""
+    trained, window = args.max_position_embeddings, config.window
+    if not far_positions_on(config.far_positions, trained, capacity):
+        return PlainPositions()
+    dist = config.far_distance or default_far_distance(window, trained)
+    group = far_group(capacity, window, trained) if config.far_positions == "grouped" else 0
+    return FarFrame(args, dist, group, window)
+
+
 def turn(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """x [..., hd] float32 turned by angles whose cos / sin c, s broadcast to [..., hd/2]
     (HF Llama's half split: [x1 c - x2 s, x2 c + x1 s])."""
@@ -74,18 +89,36 @@ def unrotate_keys(K: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
     return rotate(K, positions, inv_freq, sign=-1)
 
 
-class FarFrame:
+class FarFrame(PlainPositions):
     """One HCA cache's far positions: its rotations, and what a decode step reuses across layers.
 
     distance: D; group: G of grouped far positions (0: one distance D), window W (the ring).
     The cache holds sinks and store keys placed by `unrotate` (unrotated; grouped: at j // G), and
     reads them with `queries`; its one-call CPU steps take a single query and get `step_inputs`."""
 
+    far = True
+
     def __init__(self, args, distance: int, group: int = 0, window: int = 0):
         self.inv_freq = rope_inv_freq(args)      # [hd/2] (the model's, rope scaling included)
         self.distance, self.group, self.window = distance, group, window
         self._angles = None                      # (position, cos, sin) of the query's turn
         self._turned = None                      # the steps' turned copy of one layer's sinks + ring
+        self._cs_host = self._cs_event = None    # a GPU step's turn [cos | sin] (pinned), its copy's event
+        self._uploaded = None                    # the position whose turn the device's cs holds
+        self._inv64_dev = None                   # inv_freq float64 on the device (captured steps)
+
+    @property
+    def unrotated(self) -> bool:
+        """Store keys held without their rotation: one distance D (grouped ones sit at j // G,
+        rotated as the ordinary calibration's)."""
+        return not self.group
+
+    def notices(self):
+        how = f"at their distances divided by {self.group}" if self.group else f"at distance {self.distance}"
+        return (f"far positions: tokens older than the {self.window}-token window are attended {how}",)
+
+    def signature(self):
+        return [self.distance, self.group]
 
     def query_turn(self, pos):
         """The angle (in positions) a query at pos (int, or an int64 tensor) is turned by: D - pos,
@@ -127,12 +160,22 @@ class FarFrame:
         c, s = self.turn_cos_sin(torch.arange(pos0, pos0 + qs.shape[0]))
         return turn(qs.float(), c[:, None, :].to(qs.device), s[:, None, :].to(qs.device))
 
-    def step_inputs(self, qs, k, EK: np.ndarray, ek: torch.Tensor, sinks: int, pos: int) -> tuple:
-        """The one-call CPU steps' (query [Hq, hd], own key [Hkv, hd], exact tier [Hkv, S + W, hd])
-        numpy: they take one query, so it is the far one (it reads the sinks' and the store's
-        unrotated keys at distance D), and the ring keys and the token's own key are turned by
+    def sink_keys(self, K: torch.Tensor, positions: torch.Tensor, sinks: int) -> torch.Tensor:
+        """The rows at positions below `sinks` placed by `unrotate` (sinks are read at distance D)."""
+        is_sink = positions < sinks
+        if not bool(is_sink.any()):
+            return K
+        return torch.where(is_sink[:, None].to(K.device), self.unrotate(K, positions), K)
+
+    def leaving_ring(self, K: torch.Tensor, pos0: int, codes):
+        """Keys placed by `unrotate`; codes encoded ahead are dropped (they were of the rotated keys)."""
+        return self.unrotate(K, torch.arange(pos0, pos0 + K.shape[2])), None
+
+    def step_inputs(self, qs, k, EK: np.ndarray, sinks: int, pos: int) -> tuple:
+        """The one-call CPU steps take one query, so it is the far one (it reads the sinks' and the
+        store's unrotated keys at distance D), and the ring keys and the token's own key are turned by
         R(D - p) to keep their true distances: <R(D) q_pre, R(D - p) R(j) k_pre> =
-        <R(p) q_pre, R(j) k_pre>. EK the layer's exact tier as numpy (ek the same as torch)."""
+        <R(p) q_pre, R(j) k_pre>."""
         c, s = self.angles(pos)
         kn = turn(k[0].float(), c, s).numpy()
         if EK.dtype == np.float32:                     # the ring's turned copy in one Numba pass
@@ -140,7 +183,51 @@ class FarFrame:
                 self._turned = np.empty(EK.shape, np.float32)
             EK = kc.turn_rows(EK, sinks, c.numpy(), s.numpy(), out=self._turned)
         else:                                          # float16 tier (bfloat16 runs): torch
-            t = ek.clone()
+            t = torch.from_numpy(EK).clone()
             t[:, sinks:] = turn(t[:, sinks:].float(), c, s).to(t.dtype)
             EK = t.numpy()
         return self.queries(qs, pos)[0].numpy(), kn, EK
+
+    def chunk_inputs(self, qs: torch.Tensor, EK: np.ndarray, sinks: int, pos0: int) -> tuple:
+        """Each query is the far one, and the rows it reads past the sinks are turned by its angle,
+        as a decode step turns the ring (step_inputs): the chunk's angles made once, each query's
+        tier turned into one buffer when it is taken."""
+        T, n0 = qs.shape[0], EK.shape[1] - qs.shape[0]
+        c, s = self.turn_cos_sin(torch.arange(pos0, pos0 + T))
+        qs, c, s = turn(qs, c[:, None], s[:, None]), c.numpy(), s.numpy()
+        turned = np.empty_like(EK)
+        return qs, (kc.turn_rows(EK, sinks, c[i], s[i], out=turned, end=n0 + i + 1) for i in range(T))
+
+    # ---- a GPU step's turn --------------------------------------------------------------------
+    def upload_turn(self, cs: torch.Tensor, pos: int, gpu: bool) -> None:
+        """cs <- [cos | sin] of the turn at pos, once per position (every layer shares it), through a
+        pinned buffer. gpu: a CUDA device (else the emulator: plain copies)."""
+        if self._uploaded == pos:
+            return
+        c, s = self.angles(pos)
+        h = c.numel()
+        if self._cs_host is None:
+            self._cs_host = torch.empty(2 * h, dtype=torch.float32, pin_memory=gpu)
+            self._cs_event = torch.cuda.Event() if gpu else None
+        if gpu:   # the host may run ahead of the GPU (no host wait inside a token with value_sum gpu)
+            self._cs_event.synchronize()   # the previous position's copy has read the buffer
+        self._cs_host[:h], self._cs_host[h:] = c, s
+        cs.copy_(self._cs_host, non_blocking=gpu)
+        if gpu:
+            self._cs_event.record(torch.cuda.current_stream(cs.device))
+        self._uploaded = pos
+
+    def forget_upload(self) -> None:
+        self._uploaded = None
+
+    def on_device(self, device: torch.device) -> None:
+        if self._inv64_dev is None:
+            self._inv64_dev = self.inv_freq.to(device=device, dtype=torch.float64)
+
+    def captured_turn(self, cs: torch.Tensor, pos: torch.Tensor) -> None:
+        """cs <- [cos | sin] of the turn at pos, computed on the device (turn_cos_sin)."""
+        cs.copy_(torch.cat(self.turn_cos_sin(pos, self._inv64_dev), dim=-1)[0])
+
+    def keys_leaving_at(self, K: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """K placed by `unrotate`, its angles made on the device."""
+        return rotate(K, self.key_turn(pos), self._inv64_dev)

@@ -16,7 +16,6 @@ import torch
 
 import kernels_cpu as kc
 
-from .far_positions import turn
 from .hca_base import HCABase
 from .hca_buffers import HostBuffers
 from .hca_layout import fast_scan
@@ -37,7 +36,7 @@ class HCACache(HCABase):
         self._no_store = None        # attend_np's placeholders for a step with an empty store
         # the layout's key store, and the exact-keys one that scores the store while none is encoded
         heads = Heads(self.n_layers, self.Hq, self.Hkv, self.q_to_kv)
-        self.exact_store, self.key_store = key_stores(heads, self.layout, self.far is not None,
+        self.exact_store, self.key_store = key_stores(heads, self.layout, self.positions.far,
                                                       fast_scan(self.layout) and device.type == "cpu")
 
     def _take_pending(self, pos: int) -> torch.Tensor | None:
@@ -64,7 +63,8 @@ class HCACache(HCABase):
         kt = torch.from_numpy(k)[None]
         self._staged[layer] = (kt, torch.from_numpy(v)[None])
         self._encode_unencoded()
-        q1, kn, EK = self._step_inputs(layer, torch.from_numpy(q * np.float32(self._q_scale(1)))[None], kt)
+        q1, kn, EK = self.positions.step_inputs(torch.from_numpy(q * np.float32(self._q_scale(1)))[None], kt,
+                                                self._ek_np[layer], self.S, self.offset)
         if self.n_store:
             live = self.ring.live_mask(self.offset, self.n_store)
             return self._one_call(layer, q1, kn, v, EK, self._ev_np[layer], self.S + self.W, live, decode=True)
@@ -85,7 +85,7 @@ class HCACache(HCABase):
         T = q.shape[0]
         qs = q.float().cpu() * self._q_scale(T)
         if T == 1 and self._numpy_exact_tier:
-            q1, kn, EK = self._step_inputs(layer, qs, k)
+            q1, kn, EK = self.positions.step_inputs(qs, k, self._ek_np[layer], self.S, self.offset)
             o = self._one_call(layer, q1, kn, v[0].float().numpy(), EK, self._ev_np[layer], self.S + self.W,
                                self.ring.live_mask(self.offset, self.n_store), decode=True)
             return torch.from_numpy(o)[None].to(q.dtype)
@@ -99,22 +99,17 @@ class HCACache(HCABase):
     def _attend_chunk(self, layer, qs, k, v) -> torch.Tensor:
         """Each of a chunk's T queries in one call: over a float32 copy of the exact tier with the
         chunk's keys and values appended [Hkv, S + W + T, hd] (query i reads its first S + W + i
-        rows where live, row S + W + i as its own token). Far positions: each query is the far one,
-        and the copy's rows it reads past the sinks are turned by its angle (the chunk's angles
-        made once), as a decode step turns the ring (FarFrame.step_inputs)."""
+        rows where live, row S + W + i as its own token), the queries and each one's copy as the
+        position scheme gives them (chunk_inputs; far positions: turned, FarFrame.chunk_inputs)."""
         T, n0 = qs.shape[0], self.S + self.W
         EK = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1).float().cpu().numpy()
         EV = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ev.dtype)], 1).float().cpu().numpy()
         valid = np.ones(n0 + T, np.uint8)
         valid[:n0] = (self.slot_pos >= 0).numpy()
-        if self.far:   # the angles once: they turn the queries and, per query, the copy's rows
-            c, s = self.far.turn_cos_sin(torch.arange(self.offset, self.offset + T))
-            qs, c, s = turn(qs, c[:, None], s[:, None]), c.numpy(), s.numpy()
-            turned = np.empty_like(EK)
+        qs, exact_tiers = self.positions.chunk_inputs(qs, EK, self.S, self.offset)
         qn = qs.numpy()
         out = np.empty((T, self.Hq, self.hd), np.float32)
-        for i in range(T):
-            EKi = kc.turn_rows(EK, self.S, c[i], s[i], out=turned, end=n0 + i + 1) if self.far else EK
+        for i, EKi in enumerate(exact_tiers):
             out[i] = self._one_call(layer, qn[i], EKi[:, n0 + i].copy(), EV[:, n0 + i].copy(), EKi, EV, n0 + i,
                                     valid, decode=False)
         return torch.from_numpy(out)
@@ -139,13 +134,6 @@ class HCACache(HCABase):
             return None
         pos = self.S + self.n_store
         return pos, self.ring.slot(pos)
-
-    def _step_inputs(self, layer, qs, k):
-        """A decode step's query [Hq, hd], own key [Hkv, hd] and exact tier [Hkv, S + W, hd]
-        (numpy); with far positions FarFrame.step_inputs' far query and turned ring."""
-        if not self.far:
-            return qs[0].numpy(), k[0].float().numpy(), self._ek_np[layer]
-        return self.far.step_inputs(qs, k, self._ek_np[layer], self.ek[layer], self.S, self.offset)
 
     def _views_of(self, layer: int) -> tuple:
         """numpy views for the steps, at full capacity (they read the first n_store columns; full

@@ -3,7 +3,8 @@
 Tiers and invariants (tests/kv/test_hca_cache.py):
 - every position in [0, offset) lives in exactly one tier: sinks [0, S), store [S, S + n_store),
   ring [S + n_store, offset) with at most W tokens; keys are stored post-RoPE, so each keeps its
-  position (far positions: sinks and store keys unrotated, kv/far_positions.py);
+  position, unless the position scheme places sinks and store keys otherwise (`positions`:
+  kv/positions.py; far positions hold them unrotated, kv/far_positions.py);
 - the ring slot of position p >= S is S + (p - S) % W; `slot_pos` records which position each holds
   (kv/ring.py);
 - `attend` never mutates: it stages the chunk's k, v; `advance` moves tokens between tiers, all
@@ -33,26 +34,25 @@ from .attention import exact_tier_partial, merge, partial_attention
 from .base import KVCache
 from .codebooks import Codebooks, codebook_filename
 from .head_budgets import head_caps_for
-from .far_positions import FarFrame, default_far_distance, far_group, far_positions_on
+from .far_positions import far_positions_on, position_scheme
 from .hca_layout import hca_tiers, prefill_buffers, resolve_layout
 from .hca_state import SavedState
+from .rescore import HostKeyRescore, NoRescore
 from .ring import Ring
 from .ring_checkpoint import RewindPoints
 from .value_codes import value_codes
 
 
-def notices(trained: int, length_ctx, far: bool, group: int, dist: int, window: int, missing_codebooks):
-    """What a user is told when the cache is made: length scaling and far positions where they are
-    on, and codebooks that will be fitted from the prompt (missing_codebooks: the file's name)."""
+def notices(trained: int, length_ctx, positions, missing_codebooks):
+    """What a user is told when the cache is made: length scaling where it is on, the position
+    scheme's lines, and codebooks that will be fitted from the prompt (missing_codebooks: the
+    file's name)."""
     if length_ctx:
         yield f"length scaling: attention logits x log(n) / log({trained}) past {trained} tokens"
-    if far:
-        how = f"at their distances divided by {group}" if group else f"at distance {dist}"
-        yield f"far positions: tokens older than the {window}-token window are attended {how}"
+    yield from positions.notices()
     if missing_codebooks:
-        unrotated = far and not group
         yield (f"no {missing_codebooks} in the model directory: codebooks will be fitted from the prompt's own keys "
-               f"(run `minirun calibrate{' --unrotated' if unrotated else ''}` to make one)")
+               f"(run `minirun calibrate{' --unrotated' if positions.unrotated else ''}` to make one)")
 
 
 class HCABase(SavedState, KVCache):
@@ -74,10 +74,10 @@ class HCABase(SavedState, KVCache):
         self.scale = 1.0 / math.sqrt(hd)
         # length scaling on: the trained context N (see _q_scale); None: off
         self.length_ctx = trained if far_positions_on(config.length_scale, trained, capacity) else None
-        far = far_positions_on(config.far_positions, trained, capacity)
-        dist = config.far_distance or default_far_distance(window, trained)
-        group = far_group(capacity, window, trained) if config.far_positions == "grouped" else 0
-        self.far = FarFrame(args, dist, group, window) if far else None
+        # where old tokens sit (kv/positions.py: plain, or far positions), and the far scheme or
+        # None as callers outside the cache read it
+        self.positions = position_scheme(args, config, capacity)
+        self.far = self.positions if self.positions.far else None
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         # every buffer's shape and dtype, as `minirun plan` counts them (kv/hca_layout.hca_tiers)
         self.backend = buffers.backend
@@ -98,6 +98,8 @@ class HCABase(SavedState, KVCache):
         host_keys = self.tiers.get("host keys")
         self.values = buffers.pool(pool, read_by_device=True)
         self.host_keys = None if host_keys is None else buffers.pool(host_keys.buffers["host_keys"], False)
+        # the rescoring step (kv/rescore.py): exact scores from the host keys, or the key store's
+        self.rescoring = NoRescore() if self.host_keys is None else HostKeyRescore(self.host_keys)
         self.indices = None if layout.exact_keys else buffers.indices(keys["indices"])
         self.exact_keys = buffers.grow(keys.get("exact_keys") or self.prefill_specs["exact_keys"])
         # the device copy of the store's values an exact prefill attends to, where prefill_buffers
@@ -109,17 +111,15 @@ class HCABase(SavedState, KVCache):
         self.exact_base = 0
         self.n_store = 0          # tokens in the store (all layers)
         self.n_encoded = 0        # store tokens [0, n_encoded) have codebook indices
-        # far positions store keys unrotated: their codebooks are calibrated on unrotated keys (grouped
-        # ones hold them rotated, at j // G: the ordinary calibration's)
-        unrotated = far and not group
+        # a scheme that stores keys unrotated reads codebooks calibrated on unrotated keys
         geometry = layout.codebook_geometry
-        name, self.codebooks = codebook_filename(*geometry[:2], unrotated=unrotated), None
+        name, self.codebooks = codebook_filename(*geometry[:2], unrotated=self.positions.unrotated), None
         if not layout.exact_keys and model_dir is not None and (model_dir / name).is_file():
             cb = Codebooks.load(model_dir / name, (L, Hkv, *geometry))
             self.codebooks = cb.paired() if layout.pairs else cb
         # per-head selection caps [L, Hq] (head_budgets.py: -1 the head skips the store), or None: max_select alone
-        self.head_caps = head_caps_for(config, far and not group, model_dir / name if model_dir is not None else None,
-                                       (L, self.Hq))
+        self.head_caps = head_caps_for(config, self.positions.unrotated,
+                                       model_dir / name if model_dir is not None else None, (L, self.Hq))
         self.fit_min_tokens = config.fit_min_tokens   # no codebooks: fit once this many keys left the ring
         self.mode = "hca"         # "hca" | "exact" | "anchor": how a prefill chunk attends to the store
         self.anchor_k = None      # [L, Hkv, anchor_tokens - S, hd] float32, during an anchor prefill only
@@ -129,8 +129,8 @@ class HCABase(SavedState, KVCache):
         # when a list: each one-token step appends, per layer, the fraction of the store each
         # query head selected (float64 [Hq]); the quality tools read it (evaluate.selection_probe)
         self.record_selection: list | None = None
-        for line in notices(trained, self.length_ctx, far, group, dist, window,
-                            None if layout.exact_keys or self.codebooks else name):
+        missing = None if layout.exact_keys or self.codebooks else name
+        for line in notices(trained, self.length_ctx, self.positions, missing):
             print(f"minirun: {line}", file=sys.stderr)
 
     def set_head_caps(self, caps) -> None:
@@ -182,7 +182,7 @@ class HCABase(SavedState, KVCache):
             if o is not None:
                 return o
         qs = q.float() * self._q_scale(T)
-        qf = self.far.queries(qs, self.offset) if self.far else qs   # what reads sinks and store
+        qf = self.positions.queries(qs, self.offset)   # what reads sinks and store
         exact = self._attend_exact_tier(layer, qs, k, v, qf)
         n = self.n_store
         if n == 0:
@@ -207,19 +207,19 @@ class HCABase(SavedState, KVCache):
     def _attend_exact_tier(self, layer, qs, k, v, qf):
         """Sinks + ring (all positions < offset) and the chunk itself (causal). Far positions: the
         sinks (held unrotated) in a partial of their own with the far queries qf."""
-        T = qs.shape[0]
+        T, sinks_apart = qs.shape[0], self.positions.far
         valid = self.slot_pos >= 0                                               # [S+W]
         if T > 1:   # a prompt chunk: fused parts, no [Hq, T, S+W+T] scores
-            return exact_tier_partial(qs, qf, self.ek[layer], self.ev[layer], valid, self.S, k, v, self.far is not None)
+            return exact_tier_partial(qs, qf, self.ek[layer], self.ev[layer], valid, self.S, k, v, sinks_apart)
         sinks = valid[:self.S].clone()
-        if self.far:
+        if sinks_apart:
             valid[:self.S] = False
         K = torch.cat([self.ek[layer], k.transpose(0, 1).to(self.ek.dtype)], 1)  # [Hkv, S+W+T, hd]
         V = torch.cat([self.ev[layer], v.transpose(0, 1).to(self.ek.dtype)], 1)
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         mask = torch.cat([valid[None, :].expand(T, -1), causal], 1).to(qs.device)
         part = partial_attention(qs, K, V, mask)
-        if self.far and bool(sinks.any()):
+        if sinks_apart and bool(sinks.any()):
             smask = sinks[None, :].expand(T, -1).to(qs.device)
             part = merge(part, partial_attention(qf, self.ek[layer, :, :self.S], self.ev[layer, :, :self.S], smask))
         return part
@@ -253,10 +253,7 @@ class HCABase(SavedState, KVCache):
             self.slot_pos[ring_slots] = -1
         if keep.numel():
             slots = torch.where(keep < S, keep, self.ring.slot(keep))
-            Kk = Kn[:, :, keep - pos0]
-            if self.far and bool((keep < S).any()):   # sinks are held unrotated (read at distance D)
-                Kk = torch.where((keep < S)[:, None].to(Kk.device), self.far.unrotate(Kk, keep), Kk)
-            self.ek[:, :, slots] = Kk
+            self.ek[:, :, slots] = self.positions.sink_keys(Kn[:, :, keep - pos0], keep, S)
             self.ev[:, :, slots] = Vn[:, :, keep - pos0]
             self.slot_pos[slots] = keep
         self._staged = [None] * self.n_layers
@@ -294,12 +291,9 @@ class HCABase(SavedState, KVCache):
         """K, V [L, Hkv, m, hd] leave the ring: values to the host pool, keys encoded (or kept exact).
         codes: their indices [L, Hkv, m, g] when already encoded (by the decode step)."""
         j0, m = self.n_store, K.shape[2]
-        if self.far:   # positions S + j0.. leave the ring: kept unrotated (codes encoded ahead were of rotated keys)
-            K, codes = self.far.unrotate(K, torch.arange(self.S + j0, self.S + j0 + m)), None
+        K, codes = self.positions.leaving_ring(K, self.S + j0, codes)   # (positions S + j0..)
         self.values.reserve(j0 + m)
-        if self.host_keys is not None:
-            self.host_keys.reserve(j0 + m)
-            self.host_keys.write_all(j0, K)
+        self.rescoring.keys_left_ring(j0, K)
         for buf in self.scratch:
             buf.reserve(j0 + m)
         self.values.write_all(j0, self.value_codes.encode(V))

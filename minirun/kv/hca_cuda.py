@@ -98,8 +98,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self._ekx, self._evx = buffers.ekx, buffers.evx   # the exact tier with the decode token's spare row
         self.set_head_caps(self.head_caps)
         Hq, hd = self.Hq, self.hd
-        if self.host_keys is not None:
-            self._q_host = self._host_empty((Hq, hd), torch.float32)   # the query that read the store
         self.q2k_dev = torch.as_tensor(self.q_to_kv).to(device)
         self.exact_store, self.key_store = device_key_stores(self.layout, Hq, self.Hkv, hd)
         self._width = INITIAL_WIDTH
@@ -111,9 +109,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         self._sel_event = torch.cuda.Event() if self._gpu else None
         self._mask = self._mask_for = None      # _live_mask's buffer, and the state it holds
         self._ds = None                         # kernels_cuda.decode.DecodeStep, on the first decode step
-        self._cs_host = self._host_empty((hd,), torch.float32)   # far turn [cos | sin] of position _cs_pos
-        self._cs_pos = None
-        self._cs_event = torch.cuda.Event() if self._gpu else None
 
     def _store_state(self) -> DeviceStore:
         """What the key stores read (key_store_cuda.DeviceStore); the codebooks moved to the device
@@ -139,9 +134,9 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         (a cache made with it) and no host keys."""
         if choice not in VALUE_SUMS:
             raise MiniRunError(f"value sum {choice!r}: expected one of {', '.join(VALUE_SUMS)}")
-        if choice == "gpu" and (not self.values.mapped or self.host_keys is not None):
+        if choice == "gpu" and (not self.values.mapped or self.rescoring.on):
             raise MiniRunError("value sum gpu: the value pool is not mapped for the GPU"
-                               + (" (rescore sums on the host)" if self.host_keys is not None else ""))
+                               + (" (rescore sums on the host)" if self.rescoring.on else ""))
         self.value_sum = choice
 
     def _host_empty(self, shape, dtype):
@@ -155,12 +150,10 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             return None
         ds = self._decode_kernels()
         S, W = self.S, self.W
-        far = self.far is not None
-        if far:
-            self._far_angles(ds)
+        self.positions.upload_turn(ds.cs, self.offset, self._gpu)   # (what decode_prep turns the far query by)
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self._q_scale(1), self._ekx[layer, :, S + W],
-                             self._evx[layer, :, S + W], far, self._histogram_cut(self.n_store))
+                             self._evx[layer, :, S + W], self.positions.far, self._histogram_cut(self.n_store))
             if self.value_sum == "gpu" and self._pool_mapped():
                 return self._gathered_step(L, ds, layer, qs, qf, q.dtype)
             sel = self._select(L, ds, layer, qf)                              # GPU + async D2H
@@ -218,20 +211,6 @@ class HCACacheCUDA(CapturedSteps, HCABase):
             self._stage_dev = torch.zeros(self.Hq, self.hd + 2, dtype=torch.float32, device=self.device)
         return self._ds
 
-    def _far_angles(self, ds):
-        """ds.cs <- [cos | sin] of this position's far turn, once per position (all layers share it)."""
-        if self._cs_pos == self.offset:
-            return
-        c, s = self.far.angles(self.offset)
-        h = self.hd // 2
-        if self._gpu:   # the host may run ahead of the GPU (no host wait inside a token with value_sum gpu)
-            self._cs_event.synchronize()   # the previous position's copy has read the buffer
-        self._cs_host[:h], self._cs_host[h:] = c, s
-        ds.cs.copy_(self._cs_host, non_blocking=self._gpu)
-        if self._gpu:
-            self._cs_event.record(torch.cuda.current_stream(self.device))
-        self._cs_pos = self.offset
-
     def _exact_parts(self, L, ds, layer, q, qf, valid=False) -> int:
         """attend over sinks + ring + the new token (the spare row prep wrote) into ds's partials;
         with far positions the sinks (unrotated) take the far query qf in a launch of their own.
@@ -240,7 +219,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         if valid is False:
             valid = self._live_mask()
         S, W, ek, ev = self.S, self.W, self._ekx[layer], self._evx[layer]
-        if not self.far:
+        if not self.positions.far:   # (sinks read with the far query: a launch of their own)
             return ds.attend(L, q, ek, ev, self.q2k_dev, S + W + 1, valid, 0)
         P = ds.attend(L, q, ek[:, S:], ev[:, S:], self.q2k_dev, W + 1, None if valid is None else valid[S:], 0)
         return ds.attend(L, qf, ek, ev, self.q2k_dev, S, None if valid is None else valid[:S], P) if S else P
@@ -282,8 +261,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         """Launch scores + selection for one query [Hq, hd] f32; start the copy-back. Returns a handle."""
         zb, idx, n, cap = self._select_on_device(L, ds, layer, q)
         w = min(n, idx.shape[1], self._width)   # (idx: the [Hq, >= n] scratch, or [Hq, cap] when capped)
-        if self.host_keys is not None:   # rescore: the host needs the query too (before the pack: the host waits for that)
-            self._q_host.copy_(q, non_blocking=self._gpu)
+        self.rescoring.hold_query(q, self._gpu)   # (rescore: before the pack, which the host waits for)
         return (self._copy_back(L, ds, zb, idx, n, w, cap), w, zb, idx, n, cap)
 
     def _select_on_device(self, L, ds, layer, q):
@@ -351,10 +329,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
         idx_h = hn[Hq:Hq + Hq * w].reshape(Hq, w)
         zs_h = hn[Hq + Hq * w:].view(np.float32).reshape(Hq, w)          # zs_h[h, t]: score of idx_h[h, t]
         V = self.values.data[layer].numpy()                       # [Hkv, cap, width], pinned
-        if self.host_keys is not None:   # rescore: the selected tokens' exact scores replace the codebooks'
-            self.host_keys.wait()
-            kc.selected_scores(self._q_host.numpy(), self.host_keys.data[layer].numpy(), idx_h, cnt, self.q_to_kv,
-                               zs_h, compact=True)
+        self.rescoring.rescore(layer, idx_h, cnt, self.q_to_kv, zs_h)   # (rescore: exact scores replace the codebooks')
         o, m, l = kc.weighted_value_sum(zs_h, idx_h, cnt, V, self.q_to_kv, compact=True, head_dim=self.hd)
         # (the previous H2D from the stage is done: it was queued before the copy-back just waited for)
         st = self._stage_np
@@ -370,8 +345,7 @@ class HCACacheCUDA(CapturedSteps, HCABase):
 
     def reset(self) -> None:
         self.values.wait()
-        if self.host_keys is not None:
-            self.host_keys.wait()
+        self.rescoring.wait()
         self._mask_for = None
         super().reset()
 

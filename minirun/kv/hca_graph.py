@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from .far_positions import rotate
 
 class CapturedSteps:
     """Mixin of HCACacheCUDA: the capture protocol of minirun/cuda_graph.GraphedDecode
@@ -38,8 +37,7 @@ class CapturedSteps:
         if getattr(self, "_gstate", None) is None:
             self._gstate = torch.zeros(4, dtype=torch.int64, device=self.device)
             self._n_live = self._gstate.view(torch.int32)[4:5]     # little-endian: element 2's low word
-            self._far_inv64 = (self.far.inv_freq.to(device=self.device, dtype=torch.float64)
-                               if self.far is not None else None)
+            self.positions.on_device(self.device)   # (what a captured step's turns read there)
             self._length_factor = torch.ones(1, dtype=torch.float32, device=self.device)   # (length scaling)
         return self._gstate
 
@@ -73,7 +71,7 @@ class CapturedSteps:
         st = torch.tensor([pos, self.ring.slot(pos), self.n_store, self.S + self.n_store], dtype=torch.int64)
         self._graph_state().copy_(st)
         self._live_mask(graph=True)
-        self._cs_pos = None   # the graph writes ds.cs: an eager step (at any position) must write it again
+        self.positions.forget_upload()   # the graph writes ds.cs: an eager step (at any position) must write it again
         if self.length_ctx:   # _q_scale(1)'s factor, applied on the device after decode_prep's base scale
             self._length_factor.fill_(self._q_scale(1) / self.scale)
         self.values.device_wait()
@@ -89,16 +87,15 @@ class CapturedSteps:
         rope: [hd] cos | sin of the position where q, k are not turned yet (rotates_at)."""
         ds = self._decode_kernels()
         S, W = self.S, self.W
-        far = self.far is not None
         st = self._graph_state()
-        if far and layer == 0:   # this token's far turn as [cos | sin] (far.angles on the device)
-            ds.cs.copy_(torch.cat(self.far.turn_cos_sin(st[0:1], self._far_inv64), dim=-1)[0])
+        if layer == 0:   # this token's query turn (far positions), computed on the device
+            self.positions.captured_turn(ds.cs, st[0:1])
         with ds.session() as L:
             qs, qf = ds.prep(L, q[0], k[0], v[0], self.scale, self._ekx[layer, :, S + W],
-                             self._evx[layer, :, S + W], far, self._histogram_cut(n_keys), rope)
+                             self._evx[layer, :, S + W], self.positions.far, self._histogram_cut(n_keys), rope)
             if self.length_ctx:   # (its factor moves every token: read from device memory)
                 qs.mul_(self._length_factor)
-                if far:
+                if qf is not qs:   # (far positions: a query of its own)
                     qf.mul_(self._length_factor)
             o = self._gpu_sum_launches(L, ds, layer, qs, qf, n_keys, self._mask, self._n_live)   # (graph_key made _mask)
         return (o if o.dtype == q.dtype else o.to(q.dtype))[None]
@@ -113,8 +110,7 @@ class CapturedSteps:
         S, W = self.S, self.W
         K = self.ek.index_select(2, slot)                                   # [L, Hkv, 1, hd]
         V = self.ev.index_select(2, slot)
-        if self.far is not None:
-            K = rotate(K, self.far.key_turn(st[3:4]), self._far_inv64)
+        K = self.positions.keys_leaving_at(K, st[3:4])                    # (far positions: unrotated)
         self.indices.data.index_copy_(2, row, self._encode(K))
         L, Hkv, cap, width = self.values.data.shape
         rows = self.value_codes.encode(V.reshape(L * Hkv, self.hd)).contiguous()   # [L Hkv, width] (codes: on the device)

@@ -15,12 +15,12 @@ class SavedState:
     """state_signature / state_dict / load_state_dict of the KVCache interface, for HCABase."""
 
     def state_signature(self) -> dict:
-        lay, far = self.layout, self.far
+        lay = self.layout
         return {"kind": "hca", "capacity": self.capacity, "layers": self.n_layers, "kv_heads": self.Hkv,
                 "head_dim": self.hd, "sinks": self.S, "window": self.W,
                 "layout": [lay.exact_keys, lay.groups, lay.centroids, lay.pairs],
                 "exact_tier_dtype": str(self.ek.dtype), "values_dtype": str(self.values.dtype),
-                "far": None if far is None else [far.distance, far.group],
+                "far": self.positions.signature(),
                 # (rescore: only where there are host keys, so that the files of a cache without them
                 # keep their signature)
                 **({"host_keys": True} if self.host_keys is not None else {}),

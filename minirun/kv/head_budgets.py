@@ -51,7 +51,7 @@ def measure(eng, ids: list[int], queries: int = 64, top_k=TOP_K) -> dict:
     share of the softmax mass on the store, and the mean share of the store's mass its top k
     tokens hold (exact scores, one far distance), over the queries."""
     cache = eng.cache.full_layers
-    if cache.far is None:
+    if not cache.positions.far:
         raise ValueError("head budgets are measured with far positions on (a context past the trained one)")
     L, Hq = cache.n_layers, eng.args.num_attention_heads
     share = np.zeros((L, Hq), np.float64)
@@ -88,7 +88,7 @@ def _head_masses(cache, layer, q, k, v, pick, top_k) -> tuple:
     # the exact tier's partial is the chunk's causal one; the picked rows are read back
     full_q = torch.zeros(k.shape[0], *q.shape[1:])
     full_q[pick] = qs
-    full_f = cache.far.queries(full_q, cache.offset)
+    full_f = cache.positions.queries(full_q, cache.offset)
     qf = full_f[pick]
     _, me, le = cache._attend_exact_tier(layer, full_q, k, v, full_f)
     lse_exact = (me + le.log())[pick].double()                                         # [P, Hq]
@@ -105,9 +105,9 @@ def _head_masses(cache, layer, q, k, v, pick, top_k) -> tuple:
 
 def head_caps_for(config, far: bool, codebook_file, shape: tuple) -> np.ndarray | None:
     """The cache's per-head caps int64 [L, Hq] (-1: the head skips the store), or None (max_select
-    alone): with far positions on (one distance: far) and config.head_budgets "auto", the
-    calibrated codebook file's where it holds them, else default_caps (every head DEFAULT_CAP);
-    max_select, where set, bounds every head's cap."""
+    alone): with far positions at one distance on (far: the position scheme's `unrotated`) and
+    config.head_budgets "auto", the calibrated codebook file's where it holds them, else
+    default_caps (every head DEFAULT_CAP); max_select, where set, bounds every head's cap."""
     if config.head_budgets == "off" or not far:
         return None
     caps = load_caps(codebook_file, shape) if codebook_file is not None else None
