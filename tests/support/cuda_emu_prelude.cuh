@@ -4,8 +4,11 @@
 // through ctypes.
 //
 // Model: the blocks of a grid run one after another; the threads of a block
-// are cooperative fibers (ucontext) that switch only at __syncthreads and at
-// warp-level operations (shuffles).  Scheduling orders (`order` argument):
+// are cooperative fibers that switch only at __syncthreads and at
+// warp-level operations (shuffles).  On x86-64 a fiber switch saves and loads
+// the callee-saved registers and the FP control words only (glibc's
+// swapcontext also makes a sigprocmask system call per switch, which took most
+// of an emulated launch's time); elsewhere it is ucontext's.  Scheduling orders (`order` argument):
 //   0 forward, 1 reverse, 2 random: passes over all READY fibers in that order
 //     (warps advance nearly in lockstep);
 //   3 greedy, 4 greedy_reverse: always resume the lowest- (highest-) numbered
@@ -59,8 +62,56 @@ namespace emu {
 
 enum State { READY = 0, WAIT_BLOCK = 1, WAIT_WARP = 2, DONE = 3 };
 
+// ---- fiber contexts ------------------------------------------------------------------------------
+#if defined(__x86_64__)
+struct FiberCtx {
+    void* sp;
+};
+
+// Saves the callee-saved registers, MXCSR and the x87 control word on the current stack, stores the
+// stack pointer in *save, then loads `load` (a stack saved here, or made by ctx_make) and returns
+// there.
+__attribute__((naked, noinline)) static void emu_switch(void** save, void* load) {
+    asm volatile(
+        "pushq %rbp\n\tpushq %rbx\n\tpushq %r12\n\tpushq %r13\n\tpushq %r14\n\tpushq %r15\n\t"
+        "subq $16, %rsp\n\tstmxcsr 8(%rsp)\n\tfnstcw (%rsp)\n\t"
+        "movq %rsp, (%rdi)\n\tmovq %rsi, %rsp\n\t"
+        "fldcw (%rsp)\n\tldmxcsr 8(%rsp)\n\taddq $16, %rsp\n\t"
+        "popq %r15\n\tpopq %r14\n\tpopq %r13\n\tpopq %r12\n\tpopq %rbx\n\tpopq %rbp\n\tret\n\t");
+}
+
+inline void ctx_switch(FiberCtx* save, FiberCtx* load) { emu_switch(&save->sp, load->sp); }
+
+// A stack whose first switch enters `entry` as if called (rsp = 8 mod 16 there), with the
+// scheduler's MXCSR and x87 control word.
+inline void ctx_make(FiberCtx* c, char* stack, size_t size, void (*entry)()) {
+    uintptr_t top = ((uintptr_t)(stack + size)) & ~(uintptr_t)15;
+    void** sp = (void**)top;
+    *--sp = nullptr;             // entry's return address: it never returns
+    *--sp = (void*)entry;        // popped by emu_switch's ret
+    for (int i = 0; i < 6; ++i) *--sp = nullptr;   // rbp rbx r12 r13 r14 r15
+    sp -= 2;
+    asm volatile("stmxcsr 8(%0)\n\tfnstcw (%0)" : : "r"(sp) : "memory");
+    c->sp = sp;
+}
+#else
+struct FiberCtx {
+    ucontext_t uc;
+};
+
+inline void ctx_switch(FiberCtx* save, FiberCtx* load) { swapcontext(&save->uc, &load->uc); }
+
+inline void ctx_make(FiberCtx* c, char* stack, size_t size, void (*entry)()) {
+    getcontext(&c->uc);
+    c->uc.uc_stack.ss_sp = stack;
+    c->uc.uc_stack.ss_size = size;
+    c->uc.uc_link = nullptr;     // entry switches back to the scheduler itself
+    makecontext(&c->uc, entry, 0);
+}
+#endif
+
 struct Fiber {
-    ucontext_t ctx;
+    FiberCtx ctx;
     int state;
     int linear;
     dim3 tid;
@@ -82,7 +133,7 @@ struct Ctx {
     std::vector<Fiber> fibers;
     std::vector<char*> stacks;
     std::vector<WarpSync> warps;
-    ucontext_t sched;
+    FiberCtx sched;
     dim3 blockIdx, blockDim, gridDim;
     int nthreads = 0;
     int block_arrived = 0;
@@ -107,7 +158,7 @@ inline Ctx g;
         g.error = msg + where;
     }
     g.cur->state = DONE;
-    swapcontext(&g.cur->ctx, &g.sched);
+    ctx_switch(&g.cur->ctx, &g.sched);
     abort();  // never resumed
 }
 
@@ -131,7 +182,7 @@ inline void block_barrier(int line) {
         return;
     }
     g.cur->state = WAIT_BLOCK;
-    swapcontext(&g.cur->ctx, &g.sched);
+    ctx_switch(&g.cur->ctx, &g.sched);
 }
 
 inline WarpSync& warp_of_cur(unsigned mask, int line) {
@@ -169,7 +220,7 @@ inline void warp_barrier(WarpSync& ws, int line) {
         return;
     }
     g.cur->state = WAIT_WARP;
-    swapcontext(&g.cur->ctx, &g.sched);
+    ctx_switch(&g.cur->ctx, &g.sched);
 }
 
 template <class T>
@@ -226,9 +277,9 @@ inline void syncwarp(int line) {
 }
 
 // A fault inside a kernel thread ends the launch with an error (the fault is
-// synchronous and in our own code, so leaving the handler with setcontext to
-// the scheduler is safe in practice; the scheduler's saved signal mask has
-// SIGSEGV unblocked).
+// synchronous and in our own code, so leaving the handler with a switch to the
+// scheduler is safe in practice; the signal, blocked while its handler runs, is
+// unblocked first, or the next fault would kill the process).
 inline void on_fault(int sig, siginfo_t* si, void*) {
     if (!g.in_fiber || g.cur == nullptr) {
         signal(sig, SIG_DFL);
@@ -244,7 +295,13 @@ inline void on_fault(int sig, siginfo_t* si, void*) {
     }
     g.cur->state = DONE;
     g.in_fiber = false;
-    setcontext(&g.sched);
+    sigset_t faults;
+    sigemptyset(&faults);
+    sigaddset(&faults, SIGSEGV);
+    sigaddset(&faults, SIGBUS);
+    sigprocmask(SIG_UNBLOCK, &faults, nullptr);
+    FiberCtx dead;   // (this fiber is never resumed)
+    ctx_switch(&dead, &g.sched);
 }
 
 inline void fiber_main() {
@@ -260,7 +317,8 @@ inline void fiber_main() {
     }
     if (g.warps[f->linear / 32].arrived > 0) fail("lane exited while other lanes wait in a warp op");
     f->state = DONE;
-    // returning resumes uc_link = the scheduler
+    ctx_switch(&f->ctx, &g.sched);   // never resumed
+    abort();
 }
 
 inline unsigned next_rand() {
@@ -278,11 +336,7 @@ inline int run_block(int order) {
         f.tid.x = i % bx;
         f.tid.y = (i / bx) % by;
         f.tid.z = i / (bx * by);
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = g.stacks[i];
-        f.ctx.uc_stack.ss_size = kStack;
-        f.ctx.uc_link = &g.sched;
-        makecontext(&f.ctx, (void (*)())fiber_main, 0);
+        ctx_make(&f.ctx, g.stacks[i], kStack, fiber_main);
     }
     const int nw = (n + 31) / 32;
     g.warps.assign(nw, WarpSync{});
@@ -308,7 +362,7 @@ inline int run_block(int order) {
             if (f.state == READY) {
                 g.cur = &f;
                 g.in_fiber = true;
-                swapcontext(&g.sched, &f.ctx);
+                ctx_switch(&g.sched, &f.ctx);
                 g.in_fiber = false;
                 ran = true;
                 if (!g.error.empty()) return 1;
