@@ -55,8 +55,14 @@ def gxx() -> str | None:
     return shutil.which("g++")
 
 
+_SIGNATURES: dict[str, dict] = {}
+
+
 def signatures(file: str) -> dict[str, list[tuple[str, bool, str]]]:
-    """kernel name -> [(base type, is_pointer, is_const)] parsed from the source."""
+    """kernel name -> [(base type, is_pointer, is_const)] parsed from the source (once per file: each
+    launch checks its arguments against them, and parsing took a tenth of an emulated decode step)."""
+    if file in _SIGNATURES:
+        return _SIGNATURES[file]
     out = {}
     for mo in _SIG_RE.finditer(_sources.raw_text(file)):
         params = []
@@ -72,6 +78,7 @@ def signatures(file: str) -> dict[str, list[tuple[str, bool, str]]]:
                 base = base[len("const ") :]
             params.append((base, is_ptr, is_const))
         out[mo.group(1)] = params
+    _SIGNATURES[file] = out
     return out
 
 
