@@ -50,18 +50,21 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 TINY = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True, rope_theta=10000.0,
-            rms_norm_eps=1e-5, max_position_embeddings=2048)
+            rms_norm_eps=1e-5, max_position_embeddings=512)
 TINY_BIG = dict(TINY, num_hidden_layers=3, hidden_size=384, num_attention_heads=6, num_key_value_heads=2)
 
 # depths, tokens per timed rep (each rep also stops after rep_s seconds, after 2 tokens at least),
 # timed reps, the selection cap, the HCA settings (value_sum gpu: a mapped pool, so that one prefill
-# serves both value sums; tiny: small exact tiers, codebooks fitted early)
+# serves both value sums). tiny, the CPU rehearsal on the kernel emulator: small exact tiers, codebooks
+# fitted early, an anchor prefill past 512 tokens (its last `window` tokens take one-token HCA steps,
+# a dozen emulated launches per layer each: hence a ring of 16), a trained context of 512 so that far
+# positions are on as at 1M, a cap below what tau selects
 SCALES = {
     "full": dict(small=SMOLLM2, big=LLAMA3_8B, short=8192, long=131072, deep=1 << 20, n=32, reps=2, rep_s=3.0,
                  cap=2048, dtype="bfloat16", hca=dict(value_sum="gpu"), prof_span=32768),
-    "tiny": dict(small=TINY, big=TINY_BIG, short=256, long=1024, deep=2048, n=4, reps=1, rep_s=5.0,
-                 cap=64, dtype="bfloat16", hca=dict(value_sum="gpu", window=64, sinks=4, fit_min_tokens=128, anchor_tokens=256,
-                                                     exact_prefill_max=1024, prefill_chunk=512), prof_span=1536),
+    "tiny": dict(small=TINY, big=TINY_BIG, short=256, long=1024, deep=1024, n=4, reps=1, rep_s=5.0,
+                 cap=32, dtype="bfloat16", hca=dict(value_sum="gpu", window=16, sinks=4, fit_min_tokens=128, anchor_tokens=128,
+                                                     exact_prefill_max=512, prefill_chunk=256), prof_span=768),
 }
 # (name, time limit in s at full scale): in the order they run, the most wanted first
 STEPS = [("dense", 70), ("quant", 90), ("deep-g64c16", 240), ("hca-g64c16", 100), ("hca-0.125", 100), ("llama8b", 440),

@@ -34,9 +34,9 @@ def test_bench_gpu_rehearsal(tmp_path):
     assert summary == p.stdout[p.stdout.index("# bench_gpu"):].rstrip("\n") + "\n"    # printed last
     deep = json.loads((out / "deep-g64c16.json").read_text())
     tests = [r["test"] for r in deep]
-    assert tests[0] == "pp2048" and all(t == "tg4 @ d2048" for t in tests[1:])
+    assert tests[0] == "pp1024" and all(t == "tg4 @ d1024" for t in tests[1:])
     # both value sums and the cap on one prefill, each row saying which
-    assert {(r["value_sum"], r["max_select"]) for r in deep[1:]} == {("gpu", 64), ("host", 64), ("gpu", None),
+    assert {(r["value_sum"], r["max_select"]) for r in deep[1:]} == {("gpu", 32), ("host", 32), ("gpu", None),
                                                                       ("host", None)}
     assert all(r["tps_mean"] > 0 and r["device_name"] and r["kv_stats"]["tokens_store"] > 0 for r in deep)
     big = json.loads((out / "llama8b.json").read_text())
@@ -46,7 +46,7 @@ def test_bench_gpu_rehearsal(tmp_path):
     assert [r["test"] for r in json.loads((out / "dense.json").read_text())] == ["tg4 @ d256"] * 2 + ["tg4 @ d1024"] * 2
     assert "targets (best variant):" in summary
     log = (out / "deep-g64c16.log").read_text()   # what bounds a step and a prefill (scripts/gpu_profiles.py)
-    for part in ("profile: wall", "host profile (3 steps", "prefill profile: 1536 tokens", "prefill host profile"):
+    for part in ("profile: wall", "host profile (3 steps", "prefill profile: 768 tokens", "prefill host profile"):
         assert part in log, part
 
 
