@@ -118,8 +118,9 @@ def max_body_callback(ctx, param, value: int) -> int:
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--api-key", default=None, help="answer /v1 requests only with the header 'Authorization: Bearer KEY'")
 @click.option("--parallel", type=click.IntRange(1, 256), default=None,
-              help="conversations answered at once, each with its own cache of --ctx tokens, their decode tokens "
-                   "in one forward (continuous batching) [default: 4 on a CPU, 1 on a GPU]")
+              help="conversations answered at once (by each replica, with --replicas), each with its own cache of "
+                   "--ctx tokens, their decode tokens in one forward (continuous batching) [default: 4 on a CPU, 1 "
+                   "on a GPU]")
 @click.option("--max-queue", type=click.IntRange(1, 100_000), default=16, show_default=True,
               help="requests waiting for a free --parallel slot; more are refused (503, Retry-After)")
 @click.option("--prompt-cache", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -149,10 +150,8 @@ def serve(model, host, port, api_key, parallel, max_queue, prompt_cache, model_n
     if replicas is not None:
         if prompt_cache is not None:
             raise MiniRunError("--prompt-cache is not taken with --replicas")
-        if parallel not in (None, 1):
-            raise MiniRunError("--parallel is not taken with --replicas: each replica answers one conversation at "
-                               "a time (more replicas answer more at once)")
         from ..serve.launch import run as run_replicas
+        engine_kw["parallel"] = parallel or default_parallel(engine_kw)
         run_replicas(model, engine_kw, replicas, address=address, host=host, port=port, max_queue=max_queue,
                      model_name=model_name, api_key=api_key, router=router, max_body=max_body)
         return

@@ -44,6 +44,15 @@ def shared_blocks(prompt: list[int], held) -> int:
     return lo
 
 
+def known_held(reported: tuple[float, frozenset], sent: tuple[float, frozenset] | None) -> tuple[frozenset, float]:
+    """What a replica holds as far as the router knows -> (block hashes, as of when): its last
+    report (when, blocks), with the prompt it was sent after that report (sent: when, blocks),
+    which its slots will hold beside what they reported."""
+    if sent is None or sent[0] <= reported[0]:
+        return reported[1], reported[0]
+    return reported[1] | sent[1], sent[0]
+
+
 @dataclass(frozen=True)
 class ReplicaView:
     """What the router knows of one replica."""

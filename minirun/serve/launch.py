@@ -35,7 +35,7 @@ def import_ray():
 def build_app(model, options: dict, replicas: int, max_queue: int, model_name: str, api_key: str | None,
               router: str = "document", max_body: int = MAX_BODY):
     """The Serve application: Ingress over `replicas` EngineReplicas (options: the engine options,
-    as load_engine takes them)."""
+    as load_engine takes them, with `parallel`: each replica's slots)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -47,9 +47,9 @@ def build_app(model, options: dict, replicas: int, max_queue: int, model_name: s
             request_routing_stats_timeout_s=5.0)
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     engines = serve.deployment(EngineReplica, name="EngineReplica").options(
-        num_replicas=replicas, max_ongoing_requests=1 + max_queue, graceful_shutdown_timeout_s=5,
-        health_check_period_s=2, max_constructor_retry_count=replicas, ray_actor_options={"num_cpus": options.get("threads") or 1},
-        logging_config=quiet, **routing)
+        num_replicas=replicas, max_ongoing_requests=options.get("parallel", 1) + max_queue,
+        graceful_shutdown_timeout_s=5, health_check_period_s=2, max_constructor_retry_count=replicas,
+        ray_actor_options={"num_cpus": options.get("threads") or 1}, logging_config=quiet, **routing)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress").options(
         num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}, logging_config=quiet)
     return ingress.bind(engines.bind(model, options, max_queue, affinity.BLOCK), model, engine_settings(**options),

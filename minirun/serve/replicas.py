@@ -4,9 +4,9 @@ Two deployments:
   Ingress        the app of app.py, as `minirun serve` runs it (serve.ingress), over a RemoteWorker:
                  prompts are tokenized there, and each Job goes to a replica through a handle
                  whose request router (router.DocumentRouter) picks the replica by its cache.
-  EngineReplica  one Engine and its EngineWorker per Ray actor (its own process, --threads CPUs),
-                 streaming a Job's events back; it reports what its cache holds (block hashes)
-                 for the router.
+  EngineReplica  one Engine and its EngineWorker per Ray actor (its own process, --threads CPUs,
+                 --parallel slots stepped together as in `minirun serve`), streaming a Job's
+                 events back; it reports what its slots' caches hold (block hashes) for the router.
 A replica that dies fails the requests it was answering (503 replica_lost, in the stream when it
 had begun); Serve starts another, and the router sends the next requests to the living ones.
 """
@@ -65,11 +65,12 @@ def error_of_event(ev: tuple) -> Exception:
 
 class RemoteWorker:
     """EngineWorker's interface over the replicas' handle, so create_app serves them as one engine.
-    Requests in flight at most: replicas x (1 + max_queue); more: QueueFull (503)."""
+    Requests in flight at most: replicas x (parallel + max_queue); more: QueueFull (503)."""
 
     def __init__(self, front: EngineFront, handle, replicas: int, max_queue: int, block: int = affinity.BLOCK):
         self.engine, self.handle, self.block = front, handle, block
-        self.replicas, self.capacity = replicas, replicas * (1 + max_queue)
+        self.slots = replicas * front.config.parallel
+        self.capacity = replicas * (front.config.parallel + max_queue)
         self.stopping = threading.Event()
         self.in_flight = 0
         self.served = 0
@@ -81,7 +82,7 @@ class RemoteWorker:
 
     @property
     def queued(self) -> int:
-        return max(0, self.in_flight - self.replicas)
+        return max(0, self.in_flight - self.slots)
 
     def retry_after(self) -> int:
         mean = sum(self._seconds) / len(self._seconds) if self._seconds else 1.0
@@ -140,7 +141,8 @@ class EngineReplica:
         self.block = block
         self.worker: EngineWorker | None = None
         self.failure: str | None = None
-        self.held: tuple[float, list[int]] = (0.0, [])     # (since when, block hashes the cache holds)
+        self.answering: dict[int, list[int]] = {}   # the jobs being answered: their prompts' block hashes
+        self.changed = 0.0                           # when a job last began or ended here
         ready = threading.Event()
         self.thread = threading.Thread(target=self._load_and_run, args=(model, options, max_queue, ready),
                                        name="minirun-engine", daemon=True)
@@ -160,9 +162,6 @@ class EngineReplica:
         ready.set()
         self.worker.run()
 
-    def _hold(self, ids: list[int]) -> None:
-        self.held = (time.time(), affinity.block_hashes(ids, self.block))
-
     async def generate(self, ids: list[int], max_new_tokens: int, params: dict, blocks=None):
         """Stream one job's events: ("text", piece)*, then ("done", GenerationResult, timings) or an
         error_event. `blocks` (the prompt's block hashes) is for the router."""
@@ -172,28 +171,34 @@ class EngineReplica:
         except (QueueFull, ShuttingDown) as e:
             yield error_event(e)
             return
-        self.held = (time.time(), list(blocks) if blocks is not None else affinity.block_hashes(ids, self.block))
+        key = id(job)
+        self.answering[key] = list(blocks) if blocks is not None else affinity.block_hashes(ids, self.block)
+        self.changed = time.time()
         try:
             while True:
                 kind, value = await job.next_event()
                 if kind == "text":
                     yield ("text", value)
                 elif kind == "done":
-                    self._hold(list(ids) + list(value.tokens))
                     yield ("done", value, dict(job.timings))
                     return
                 else:
-                    if isinstance(value, InternalError):   # the engine started over from an empty cache
-                        self.held = (time.time(), [])
                     yield error_event(value)
                     return
         finally:
             job.cancel.set()   # (the caller went away: the engine stops within a token)
+            self.answering.pop(key, None)
+            self.changed = time.time()
 
     def record_routing_stats(self) -> dict:
-        """For the router: the block hashes the cache holds, since when, and this replica's queue."""
-        at, blocks = self.held
-        return {"blocks": blocks, "at": at, "queued": self.worker.queued if self.worker else 0}
+        """For the router: the block hashes of what the slots' caches hold and of the prompts being
+        answered (they will be held), as of `at` (the last job to begin or end), and the queue."""
+        at, blocks = self.changed, set()
+        for ids in self.worker.held_ids() if self.worker else ():
+            blocks.update(affinity.block_hashes(ids, self.block))
+        for prompt in list(self.answering.values()):
+            blocks.update(prompt)
+        return {"blocks": sorted(blocks), "at": at, "queued": self.worker.queued if self.worker else 0}
 
     def check_health(self) -> None:
         if not self.thread.is_alive():

@@ -3,10 +3,10 @@ cache holds the longest prefix of its prompt (affinity.choose), else to the less
 
 It runs where the replicas' handle is called (the HTTP ingress). What a replica's cache holds
 comes from two places: its own report (EngineReplica.record_routing_stats, polled by Serve's
-controller every `request_routing_stats_period_s`: the block hashes of what it holds and when it
-said so) and what this router sent it since (a follow-up sent right after its document must find
-it before the next report). The newer of the two wins; clocks are compared across machines, so
-they are assumed roughly in step (NTP).
+controller every `request_routing_stats_period_s`: the block hashes of what its slots hold and when
+that last changed) and what this router sent it since (a follow-up sent right after its document
+must find it before the next report). Clocks are compared across machines, so they are assumed
+roughly in step (NTP).
 """
 from __future__ import annotations
 
@@ -31,9 +31,7 @@ class DocumentRouter(RequestRouter):
         """(block hashes r's cache holds, when that was last known)."""
         stats = r.routing_stats or {}
         reported = (float(stats.get("at", 0.0)), frozenset(stats.get("blocks", ())))
-        sent = self.sent.get(r.replica_id)
-        when, blocks = sent if sent is not None and sent[0] > reported[0] else reported
-        return blocks, when
+        return affinity.known_held(reported, self.sent.get(r.replica_id))
 
     async def loads(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
         """Requests in flight on each replica: Serve's queue-length cache, else a probe (as its

@@ -139,6 +139,10 @@ class EngineWorker:
     def queued(self) -> int:
         return self.jobs.qsize()
 
+    def held_ids(self) -> list[list[int]]:
+        """The tokens each slot's cache holds (copies: the worker thread may change them meanwhile)."""
+        return [list(s.engine._cached_ids) for s in self.slots]
+
     @property
     def active(self) -> int:
         return sum(s.job is not None for s in self.slots)

@@ -1,7 +1,7 @@
 """The replicas' routing choice (serve/affinity.py), without Ray: block hashes and the ranking."""
 import random
 
-from minirun.serve.affinity import ReplicaView, block_hashes, choose, least_loaded, shared_blocks
+from minirun.serve.affinity import ReplicaView, block_hashes, choose, known_held, least_loaded, shared_blocks
 
 
 def view(id_, held=(), load=0, capacity=5, last_sent=0.0):
@@ -63,3 +63,10 @@ def test_least_loaded_ties_spare_the_fullest_and_most_recent_caches():
     # more than two replicas: two at random, so load spreads over all of them
     seen = {tuple(least_loaded(views, random.Random(s))) for s in range(40)}
     assert all(len(p) == 2 for p in seen) and {i for p in seen for i in p} == {"old", "new", "empty"}
+
+
+def test_what_a_replica_holds_is_its_report_and_what_it_was_sent_since():
+    doc_a, doc_b = frozenset(block_hashes(list(range(640)))), frozenset(block_hashes(list(range(900, 1540))))
+    assert known_held((5.0, doc_a), None) == (doc_a, 5.0)
+    assert known_held((5.0, doc_a), (4.0, doc_b)) == (doc_a, 5.0)         # the report came after: it says all
+    assert known_held((5.0, doc_a), (6.0, doc_b)) == (doc_a | doc_b, 6.0)  # its other slot still holds doc_a

@@ -132,7 +132,6 @@ def engine_actors() -> set[str]:
     (["--replicas", "2"], "no such model directory"),                       # found before Ray starts
     (["--address", "auto"], "--address joins a Ray cluster for --replicas"),
     (["--replicas", "2", "--prompt-cache", "x.kv"], "--prompt-cache is not taken with --replicas"),
-    (["--replicas", "2", "--parallel", "4"], "--parallel is not taken with --replicas"),
 ])
 def test_cli_refusals_are_one_line(args, words, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
