@@ -6,9 +6,12 @@ load against it.
         --rounds 2 --doc-tokens 4096 -o docs/results/serve-replicas.json
 
 Servers: `minirun serve --threads 2` (one engine), `--replicas 2 --threads 1` with the document
-router, and the same with Ray Serve's own router (--router ray-default). The load: --clients x
---requests streamed answers of --max-tokens tokens, then two documents whose questions take turns
-(bench_serve.py --documents 2). Writes a results file of kind "serve" (scripts/results_tables.py).
+router, and the same with Ray Serve's own router (--router ray-default), each with serve's default
+--parallel slots. The load: --clients x --requests streamed answers of --max-tokens tokens, then
+two documents whose questions take turns (bench_serve.py --documents 2). With --kill-after S the
+replicas then answer the same short load once more while one replica is killed S seconds into it:
+which requests failed, and how long Serve took to have two replicas running again. Writes a
+results file of kind "serve" (scripts/results_tables.py).
 """
 from __future__ import annotations
 
@@ -54,8 +57,47 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("the server did not answer /health in time")
 
 
+# Run in a process of its own (a Ray driver joining the server's local instance): kill one engine
+# replica, then wait until Serve runs two again -> JSON {victim, recovered_s}.
+KILL_REPLICA = """
+import json, sys, time
+import ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+def engines():
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"])
+victim = engines()[0]
+ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+t0, recovered = time.time(), None
+while time.time() - t0 < float(sys.argv[1]):
+    st = serve.status().applications["minirun"].deployments["EngineReplica"]
+    now = engines()
+    if len(now) == 2 and victim not in now and st.replica_states.get("RUNNING") == 2:
+        recovered = time.time() - t0
+        break
+    time.sleep(0.5)
+print(json.dumps({"victim": victim, "recovered_s": recovered}))
+"""
+
+
+def kill_phase(a, url: str, out: Path) -> dict:
+    """The short load again, one replica killed a.kill_after seconds into it -> its report: what was
+    answered, the errors, and when Serve had two replicas running again."""
+    load = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench_serve.py"), "--url", url,
+                             "--clients", str(a.clients), "--requests", str(a.requests), "--max-tokens",
+                             str(a.max_tokens), "--doc-tokens", "0", "-o", str(out)], cwd=REPO)
+    time.sleep(a.kill_after)
+    killed = subprocess.run([sys.executable, "-c", KILL_REPLICA, "300"], capture_output=True, text=True, cwd=REPO)
+    if load.wait() != 0 or killed.returncode != 0:
+        raise RuntimeError(f"the kill phase failed: {killed.stderr[-500:]}")
+    c = json.loads(out.read_text())["concurrent"]
+    return {"kill_after_s": a.kill_after, **json.loads(killed.stdout.strip().splitlines()[-1]),
+            **{k: c[k] for k in ("answered", "errors", "wall_s", "tokens", "aggregate_tps", "ttft_p95")}}
+
+
 def one_run(a, label: str, flags: list[str], out: Path) -> dict:
-    """Start one server, run bench_serve.py against it, stop it -> bench_serve.py's report."""
+    """Start one server, run bench_serve.py against it (and with replicas, the kill phase), stop it
+    -> bench_serve.py's report."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "minirun", "serve", a.model, "--ctx", a.ctx, "--port", str(port),
@@ -67,13 +109,15 @@ def one_run(a, label: str, flags: list[str], out: Path) -> dict:
                         "--doc-tokens", str(a.doc_tokens), "--documents", "2", "--followups", str(a.followups),
                         "--doc-answer-tokens", str(a.doc_answer_tokens), "--tokenizer", a.model, "-o", str(out)],
                        check=True, cwd=REPO)
+        report = json.loads(out.read_text())
+        if a.kill_after and "--replicas" in flags:
+            report["kill"] = kill_phase(a, url, out)
     finally:
         server.send_signal(signal.SIGINT)
         try:
             server.wait(120)
         except subprocess.TimeoutExpired:
             server.kill()
-    report = json.loads(out.read_text())
     report["label"] = label
     return report
 
@@ -89,6 +133,8 @@ def main():
     ap.add_argument("--doc-tokens", type=int, default=4096)
     ap.add_argument("--followups", type=int, default=2)
     ap.add_argument("--doc-answer-tokens", type=int, default=64)
+    ap.add_argument("--kill-after", type=float, default=0,
+                    help="seconds into a last short load at which one replica is killed (0: no kill phase)")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--machine", default=f"{platform.machine()}, shared with other work")
     ap.add_argument("-o", "--out", required=True)

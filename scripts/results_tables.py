@@ -75,7 +75,7 @@ def serve_table(runs: list[dict]) -> str:
     token wall and server CPU seconds)."""
     c0 = runs[0]["concurrent"]
     lines = [f"{c0['clients']} clients x {c0['requests_each']} streamed requests x {c0['max_tokens']} tokens "
-             "(answered one at a time: the first token includes the wait in the queue)", "",
+             "(the first token includes any wait in the queue)", "",
              "| server | wall s | tok/s in all | first token p50 / p95 s | decode tok/s p50 / p95 (slow tail) |",
              "|---|---:|---:|---:|---:|"]
     for r in runs:
@@ -100,7 +100,25 @@ def serve_table(runs: list[dict]) -> str:
         lines.append(f"| {r.get('label') or r['server']['kv']} | {q[0]['prompt_tokens']} | {', '.join(t(x) for x in first)} | "
                      f"{', '.join(t(x) for x in later)} | "
                      f"{', '.join(str(x['cached_tokens']) for x in q)} | {min(tps):.1f}-{max(tps):.1f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + kill_table(runs))
+
+
+def kill_table(runs: list[dict]) -> list[str]:
+    """Rows of the runs with a kill phase (bench_replicas.py --kill-after): one replica killed into
+    the short load; what was answered, what failed, when two replicas ran again."""
+    killed = [r for r in runs if "kill" in r]
+    if not killed:
+        return []
+    k0 = killed[0]["kill"]
+    lines = ["", f"The short load again, one replica killed {k0['kill_after_s']:g} s into it", "",
+             "| server | answered | failed (error) | tok/s in all | back to 2 replicas after s |", "|---|---:|---:|---:|---:|"]
+    for r in killed:
+        k = r["kill"]
+        errors = "; ".join(sorted({e.split(": ", 1)[-1][:60] for e in k["errors"]}))
+        back = "not in 300 s" if k["recovered_s"] is None else f"{k['recovered_s']:.1f}"
+        lines.append(f"| {r['label']} | {k['answered']} | {len(k['errors'])}{f' ({errors})' if errors else ''} | "
+                     f"{k['aggregate_tps']:.1f} | {back} |")
+    return lines
 
 
 def eval_grid_table(reports: list[dict]) -> str:

@@ -338,7 +338,7 @@ def add_info_routes(app: FastAPI, worker: EngineWorker, model_name: str, started
         stopping = worker.stopping.is_set()
         return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name, "ctx": ctx,
                              "kv": eng.config.kv, "busy": worker.busy, "queued": worker.queued,
-                             "slots": len(getattr(worker, "slots", ())) or 1, "active": getattr(worker, "active", 0)},
+                             "slots": worker.slot_count, "active": worker.active},
                             503 if stopping else 200)
 
     @app.get("/v1/models")

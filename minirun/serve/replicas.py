@@ -69,7 +69,7 @@ class RemoteWorker:
 
     def __init__(self, front: EngineFront, handle, replicas: int, max_queue: int, block: int = affinity.BLOCK):
         self.engine, self.handle, self.block = front, handle, block
-        self.slots = replicas * front.config.parallel
+        self.slot_count = replicas * front.config.parallel
         self.capacity = replicas * (front.config.parallel + max_queue)
         self.stopping = threading.Event()
         self.in_flight = 0
@@ -82,7 +82,11 @@ class RemoteWorker:
 
     @property
     def queued(self) -> int:
-        return max(0, self.in_flight - self.slots)
+        return max(0, self.in_flight - self.slot_count)
+
+    @property
+    def active(self) -> int:
+        return min(self.in_flight, self.slot_count)
 
     def retry_after(self) -> int:
         mean = sum(self._seconds) / len(self._seconds) if self._seconds else 1.0

@@ -144,6 +144,10 @@ class EngineWorker:
         return [list(s.engine._cached_ids) for s in self.slots]
 
     @property
+    def slot_count(self) -> int:
+        return len(self.slots)
+
+    @property
     def active(self) -> int:
         return sum(s.job is not None for s in self.slots)
 

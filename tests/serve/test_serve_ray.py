@@ -175,6 +175,10 @@ def test_same_answers_routes_and_errors_as_one_server(single, replicas):
         assert r_status == s_status == 400 and r == s
     with urllib.request.urlopen(replicas + "/v1/models") as resp:
         assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]
+    with urllib.request.urlopen(replicas + "/health") as resp:   # (two replicas of one slot each, idle)
+        assert json.loads(resp.read()) | {"model": "tiny"} == {"status": "ok", "model": "tiny", "ctx": CTX,
+                                                              "kv": "dense", "busy": False, "queued": 0,
+                                                              "slots": 2, "active": 0}
 
 
 def test_documents_with_follow_ups_stay_on_their_replica(replicas):
