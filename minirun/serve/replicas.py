@@ -159,6 +159,7 @@ class EngineReplica:
         from ..cli.common import load_engine
         try:
             self.worker = EngineWorker(load_engine(model, **options), max_queue)
+            self.worker.warm_up()
         except Exception as e:     # (a MiniRunError is one line; anything else: its type too)
             self.failure = str(e) if isinstance(e, MiniRunError) else f"{type(e).__name__}: {e}"
             ready.set()

@@ -75,6 +75,7 @@ def run(engine, model_name: str, sock: socket.socket, api_key: str | None, max_q
     where = f"[{host}]" if ":" in host else host
     server = make_server(engine, model_name, host, port, api_key, max_queue, start_worker=False,
                          max_body=max_body)
+    server.worker.warm_up()
     if not is_loopback(host) and not api_key:
         print(f"minirun serve: note: listening on {host} without --api-key: anyone who can reach this port can "
               "use the model", file=sys.stderr)

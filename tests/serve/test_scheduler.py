@@ -9,6 +9,7 @@ import threading
 import torch
 
 from minirun import Engine
+from minirun.serve import worker as worker_module
 from minirun.serve.worker import EngineWorker, Job
 
 CHUNK = 8      # prompt tokens per forward: a prompt of 100 tokens is 13 steps
@@ -116,6 +117,25 @@ def test_a_long_prompt_is_read_between_the_other_answers_tokens(tiny_model_dir, 
     assert len(decodes_during) >= 15          # one decode step of slot 0 after each chunk of slot 1
 
 
+def test_a_long_prompt_reads_shorter_chunks_while_another_slot_answers(tiny_model_dir, monkeypatch):
+    """While slot 0 answers, slot 1's 120-token prompt is read SHARED_CHUNK tokens a step (slot 0's
+    next token waits for one such forward); before and after, the configured chunk. Its answer is
+    the one it gets alone."""
+    monkeypatch.setattr(worker_module, "SHARED_CHUNK", 3)
+    eng = load(tiny_model_dir, parallel=2)
+    sizes = []
+    forward = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda tokens, cache, **kw: (sizes.append(tokens.numel()),
+                                                                           forward(tokens, cache, **kw))[1])
+    long_prompt = prompt(2, 120)
+    got = run_worker(EngineWorker(eng), [(prompt(1, 10), 12), (long_prompt, 4)])
+    chunks = [n for n in sizes if n > 1]
+    assert max(chunks) == CHUNK and chunks.count(3) >= 8, chunks
+    first_short = chunks.index(3)
+    assert CHUNK in chunks[first_short:], chunks     # slot 0 done: the configured chunk again
+    assert final(got[1]).tokens == load(tiny_model_dir).generate(long_prompt, max_new_tokens=4, **GREEDY).tokens
+
+
 def test_a_follow_up_reaches_the_slot_that_holds_its_document(tiny_model_dir):
     """Two documents on two slots, then a follow-up of each (sent together): each reuses its own
     document's cache (cached tokens near its length), whichever slot is least recently used."""
@@ -180,3 +200,22 @@ def test_a_job_cancelled_inside_its_prompt_stops_within_a_chunk(tiny_model_dir, 
     assert kind == "done" and res.finish_reason == "cancelled" and res.tokens == []
     assert len(chunks) <= 5 < 400 // CHUNK
     assert len(eng._cached_ids) == eng.cache.offset == CHUNK * (len(chunks))
+
+
+def test_warm_up_leaves_every_slot_empty_and_answers_unchanged(tiny_model_dir, monkeypatch):
+    """warm_up runs a prompt on each slot, a token alone and a batch of all, then empties the caches:
+    the next jobs see fresh slots and answer as they would without it."""
+    eng = load(tiny_model_dir, parallel=3)
+    worker = EngineWorker(eng)
+    sizes = []
+    step_batch = Engine.step_batch
+    monkeypatch.setattr(Engine, "step_batch", staticmethod(lambda engines, toks: (sizes.append(len(engines)),
+                                                                                   step_batch(engines, toks))[1]))
+    worker.warm_up()
+    assert sizes == [3]
+    assert all(s.engine._cached_ids == [] and s.engine.cache.offset == 0 for s in worker.slots)
+    jobs = [(prompt(i, 30), 8) for i in range(3)]
+    got = run_worker(worker, jobs)
+    fresh = run_worker(EngineWorker(load(tiny_model_dir, parallel=3)), jobs)
+    assert [final(g).tokens for g in got] == [final(f).tokens for f in fresh]
+    assert all(final(g).reused_tokens == 0 for g in got)
