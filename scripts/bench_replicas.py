@@ -23,16 +23,18 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = {
-    "1 engine x 2 threads": ["--threads", "2"],
-    "2 replicas x 1 thread, document router": ["--threads", "1", "--replicas", "2"],
-    "2 replicas x 1 thread, Ray Serve's router": ["--threads", "1", "--replicas", "2", "--router", "ray-default"],
+SERVERS = {   # --servers name: (label, minirun serve's flags)
+    "engine": ("1 engine x 2 threads", ["--threads", "2"]),
+    "document": ("2 replicas x 1 thread, document router", ["--threads", "1", "--replicas", "2"]),
+    "ray-default": ("2 replicas x 1 thread, Ray Serve's router",
+                    ["--threads", "1", "--replicas", "2", "--router", "ray-default"]),
 }
 
 
@@ -42,19 +44,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, started: threading.Event, timeout: float) -> None:
+    """Until the server has said it serves (its "Ctrl-C stops" line: with replicas, Serve's HTTP
+    proxy answers /health while the engines are still loading) and /health answers."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited ({proc.returncode})")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
+                if r.status == 200 and started.is_set():
                     return
         except OSError:
             pass
         time.sleep(1)
     raise RuntimeError("the server did not answer /health in time")
+
+
+def echo_until_started(proc: subprocess.Popen, started: threading.Event) -> None:
+    """Copy the server's stderr to ours; set `started` at its line saying it serves."""
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        if "Ctrl-C stops" in line:
+            started.set()
 
 
 # Run in a process of its own (a Ray driver joining the server's local instance): kill one engine
@@ -101,9 +113,11 @@ def one_run(a, label: str, flags: list[str], out: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "minirun", "serve", a.model, "--ctx", a.ctx, "--port", str(port),
-                               *flags], cwd=REPO)
+                               *flags], cwd=REPO, stderr=subprocess.PIPE, text=True, errors="replace")
+    started = threading.Event()
+    threading.Thread(target=echo_until_started, args=(server, started), daemon=True).start()
     try:
-        wait_ready(url, server, a.start_timeout)
+        wait_ready(url, server, started, a.start_timeout)
         subprocess.run([sys.executable, str(REPO / "scripts" / "bench_serve.py"), "--url", url,
                         "--clients", str(a.clients), "--requests", str(a.requests), "--max-tokens", str(a.max_tokens),
                         "--doc-tokens", str(a.doc_tokens), "--documents", "2", "--followups", str(a.followups),
@@ -133,17 +147,21 @@ def main():
     ap.add_argument("--doc-tokens", type=int, default=4096)
     ap.add_argument("--followups", type=int, default=2)
     ap.add_argument("--doc-answer-tokens", type=int, default=64)
+    ap.add_argument("--servers", type=lambda v: v.split(","), default=list(SERVERS),
+                    help=f"which servers, in each round's order (comma-separated: {', '.join(SERVERS)})")
     ap.add_argument("--kill-after", type=float, default=0,
                     help="seconds into a last short load at which one replica is killed (0: no kill phase)")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--machine", default=f"{platform.machine()}, shared with other work")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
+    if not a.servers or set(a.servers) - set(SERVERS):
+        ap.error(f"--servers: comma-separated names from {', '.join(SERVERS)}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(a.rounds):
-            for label, flags in SERVERS.items():
+            for label, flags in (SERVERS[name] for name in a.servers):
                 print(f"round {rnd + 1}: {label}", file=sys.stderr)
                 r = one_run(a, label, flags, Path(tmp) / "run.json")
                 r["label"], r["commit"] = f"{label} (round {rnd + 1})", commit
@@ -152,10 +170,11 @@ def main():
 
 
 def write(a, commit: str, runs: list[dict]) -> None:
+    short = f"{a.clients} clients x {a.requests} streamed requests" if a.clients and a.requests else ""
+    docs = f"2 documents of {a.doc_tokens} tokens whose questions take turns" if a.doc_tokens else ""
+    rounds = f"{-(-len(runs) // len(a.servers))} round(s) of the {len(a.servers)} servers one after the other"
     result = {"title": f"One engine against 2 replicas on Ray Serve: {Path(a.model).name}, --ctx {a.ctx}, "
-                       f"{a.clients} clients x {a.requests} streamed requests, then 2 documents of {a.doc_tokens} "
-                       f"tokens whose questions take turns; {-(-len(runs) // len(SERVERS))} round(s) of the 3 "
-                       "servers one after the other",
+                       + ", then ".join(x for x in (short, docs) if x) + f"; {rounds}",
               "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "machine": a.machine, "date": datetime.now(timezone.utc).date().isoformat(), "commit": commit,
               "kind": "serve", "runs": runs}

@@ -72,7 +72,14 @@ def vs_llamacpp_table(report: dict) -> str:
 def serve_table(runs: list[dict]) -> str:
     """scripts/bench_serve.py reports, one per server (named by its "label", else its kv mode): the
     concurrent requests, then the document's first request against its follow-up questions (first
-    token wall and server CPU seconds)."""
+    token wall and server CPU seconds), each where the runs have it."""
+    lines = serve_concurrent_rows(runs) if "concurrent" in runs[0] else []
+    if "document" in runs[0]:
+        lines += ([""] if lines else []) + serve_document_rows(runs)
+    return "\n".join(lines + kill_table(runs))
+
+
+def serve_concurrent_rows(runs: list[dict]) -> list[str]:
     c0 = runs[0]["concurrent"]
     lines = [f"{c0['clients']} clients x {c0['requests_each']} streamed requests x {c0['max_tokens']} tokens "
              "(the first token includes any wait in the queue)", "",
@@ -82,15 +89,18 @@ def serve_table(runs: list[dict]) -> str:
         c = r["concurrent"]
         lines.append(f"| {r.get('label') or r['server']['kv']} | {c['wall_s']:.1f} | {c['aggregate_tps']:.1f} | {c['ttft_p50']:.2f} / "
                      f"{c['ttft_p95']:.2f} | {c['decode_tps_p50']:.1f} / {c['decode_tps_p95']:.1f} |")
+    return lines
+
+
+def serve_document_rows(runs: list[dict]) -> list[str]:
     doc = runs[0]["document"]
     n_docs = doc.get("documents", 1)
     what = (f"A {doc['doc_tokens']}-token document and a question, then {len(doc['requests']) - 1} more questions about it"
             if n_docs == 1 else f"{n_docs} documents of {doc['doc_tokens']} tokens, a question each, then "
             f"{len(doc['requests']) // n_docs - 1} more about each, the documents taking turns")
-    lines += ["", f"{what}, each answered in {doc['answer_tokens']} tokens: first token in seconds, "
-              "wall (server CPU)", "",
-              f"| server | prompt tokens | first request{'s' if n_docs > 1 else ''} | follow-ups | cached tokens | decode tok/s |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines = [f"{what}, each answered in {doc['answer_tokens']} tokens: first token in seconds, wall (server CPU)", "",
+             f"| server | prompt tokens | first request{'s' if n_docs > 1 else ''} | follow-ups | cached tokens | decode tok/s |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in runs:
         q = r["document"]["requests"]
         first = [x for i, x in enumerate(q) if x.get("round", i) == 0]   # (one document: no "round", its first request)
@@ -100,7 +110,7 @@ def serve_table(runs: list[dict]) -> str:
         lines.append(f"| {r.get('label') or r['server']['kv']} | {q[0]['prompt_tokens']} | {', '.join(t(x) for x in first)} | "
                      f"{', '.join(t(x) for x in later)} | "
                      f"{', '.join(str(x['cached_tokens']) for x in q)} | {min(tps):.1f}-{max(tps):.1f} |")
-    return "\n".join(lines + kill_table(runs))
+    return lines
 
 
 def kill_table(runs: list[dict]) -> list[str]:

@@ -35,3 +35,27 @@ def test_two_slots_answer_at_once_and_report_both_documents(tiny_model_dir):
         held_ids = ids + list(d[1].tokens)
         assert shared_blocks(block_hashes(held_ids), held) == len(held_ids) // BLOCK
     assert stats["queued"] == 0 and not replica.answering
+
+
+def test_a_replica_sends_its_first_text_at_once_then_text_batched_by_interval():
+    """batched_text: the first piece goes alone; pieces that come within the interval go as one;
+    what is left goes before "done"; an error ends the stream as an error event."""
+    from minirun.serve.replicas import batched_text
+    from minirun.serve.worker import Job
+
+    async def run(events, interval):
+        job = Job([1], 4, {}, asyncio.get_running_loop())
+
+        async def feed():
+            for delay, kind, value in events:
+                await asyncio.sleep(delay)
+                job.events.put_nowait((kind, value))
+        feeder = asyncio.create_task(feed())
+        got = [ev async for ev in batched_text(job, interval)]
+        await feeder
+        return got
+    got = asyncio.run(run([(0, "text", "a"), (0.01, "text", "b"), (0.01, "text", "c"), (0.3, "text", "d"),
+                           (0.01, "done", "result")], interval=0.1))
+    assert got == [("text", "a"), ("text", "bc"), ("text", "d"), ("done", "result", {})]
+    got = asyncio.run(run([(0, "text", "a"), (0.01, "text", "b"), (0, "error", ValueError("x"))], interval=0.1))
+    assert got[:2] == [("text", "a"), ("text", "b")] and got[2][0] == "error" and got[2][1] == "InternalError"
