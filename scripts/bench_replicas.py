@@ -173,7 +173,8 @@ def write(a, commit: str, runs: list[dict]) -> None:
     short = f"{a.clients} clients x {a.requests} streamed requests" if a.clients and a.requests else ""
     docs = f"2 documents of {a.doc_tokens} tokens whose questions take turns" if a.doc_tokens else ""
     rounds = f"{-(-len(runs) // len(a.servers))} round(s) of the {len(a.servers)} servers one after the other"
-    result = {"title": f"One engine against 2 replicas on Ray Serve: {Path(a.model).name}, --ctx {a.ctx}, "
+    who = "One engine against 2 replicas" if "engine" in a.servers else "2 replicas, with either router,"
+    result = {"title": f"{who} on Ray Serve: {Path(a.model).name}, --ctx {a.ctx}, "
                        + ", then ".join(x for x in (short, docs) if x) + f"; {rounds}",
               "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "machine": a.machine, "date": datetime.now(timezone.utc).date().isoformat(), "commit": commit,

@@ -124,7 +124,7 @@ def kill_table(runs: list[dict]) -> list[str]:
              "| server | answered | failed (error) | tok/s in all | back to 2 replicas after s |", "|---|---:|---:|---:|---:|"]
     for r in killed:
         k = r["kill"]
-        errors = "; ".join(sorted({e.split(": ", 1)[-1][:60] for e in k["errors"]}))
+        errors = "; ".join(sorted({e.split(": ", 1)[-1].split(";")[0] for e in k["errors"]}))
         back = "not in 300 s" if k["recovered_s"] is None else f"{k['recovered_s']:.1f}"
         lines.append(f"| {r['label']} | {k['answered']} | {len(k['errors'])}{f' ({errors})' if errors else ''} | "
                      f"{k['aggregate_tps']:.1f} | {back} |")
