@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -53,19 +52,6 @@ def not_a_model_dir(path: Path) -> str:
         if path.name == "config.json":
             return f"{path} is a config.json: give the model directory holding it, {path.parent}"
     return f"{path} is not a model directory (a Hugging Face-format directory with config.json)"
-
-
-@dataclass
-class PrefillCalls:
-    """What a prefill's caller is told and asked between chunks: progress(n_done, n_total) after
-    each; should_stop() -> True ends it there; chunk_limit() -> the most tokens the next forward
-    takes (None: the configured chunk; the server: fewer while other conversations wait on it)."""
-    progress: Callable | None = None
-    should_stop: Callable | None = None
-    chunk_limit: Callable | None = None
-
-    def stop(self) -> bool:
-        return self.should_stop is not None and self.should_stop()
 
 
 class Engine:
@@ -189,7 +175,7 @@ class Engine:
                 return done.value
 
     @torch.inference_mode()     # (torch enters it around each resumption of the generator)
-    def prefill_steps(self, ids: list[int], progress=None, should_stop=None, chunk_limit=None):
+    def prefill_steps(self, ids: list[int], progress=None, should_stop=None):
         """prefill as a generator that yields (None) after each forward of a prompt chunk, so that a
         caller can run other sequences' steps in between (the server's scheduler); its return
         value (StopIteration.value) is prefill's. Finish it, or stop it through should_stop: the
@@ -204,9 +190,7 @@ class Engine:
         progress: optional callable(n_done, n_total) called after each chunk. should_stop: optional
         callable checked after each chunk; when it returns True the cache keeps the chunks done so far
         (a prefix of `ids`, reused by the next call) and the logits are those of the last chunk done.
-        chunk_limit: optional callable -> the most tokens of the next chunk, or None (PrefillCalls).
         """
-        calls = PrefillCalls(progress, should_stop, chunk_limit)
         if len(self._cached_ids) != self.cache.offset:   # an interrupted forward: trust nothing
             self.reset()
         shared = 0
@@ -226,11 +210,13 @@ class Engine:
             self.cache.checkpoint("shared")
         t0 = time.perf_counter()
         total = len(ids) - common
-        logits, done, mode = yield from self._prefill_span(ids, common, shared if split else len(ids), calls, total)
+        logits, done, mode = yield from self._prefill_span(ids, common, shared if split else len(ids), progress,
+                                                           should_stop, total)
         if split and common + done == shared:
             self.cache.checkpoint("shared")
-            if not calls.stop():
-                logits, more, _ = yield from self._prefill_span(ids, shared, len(ids), calls, total, done)
+            if should_stop is None or not should_stop():
+                logits, more, _ = yield from self._prefill_span(ids, shared, len(ids), progress, should_stop, total,
+                                                                done)
                 done += more
         if done == total:   # a point to come back to: the next prompt may share this one, not its answer
             self.cache.checkpoint("prompt")
@@ -239,24 +225,24 @@ class Engine:
         self._cached_ids = list(ids[:common + done])
         return logits, common
 
-    def _prefill_span(self, ids: list[int], start: int, end: int, calls: PrefillCalls, total: int,
+    def _prefill_span(self, ids: list[int], start: int, end: int, progress, should_stop, total: int,
                       before: int = 0) -> tuple[torch.Tensor, int, str]:
         """Forward ids[start:end] after the `start` tokens the cache holds, chunk by chunk, between
-        begin_prefill and end_prefill -> (last logits [1, V], tokens done, prefill mode). Progress
-        is told (before + tokens done, total)."""
+        begin_prefill and end_prefill -> (last logits [1, V], tokens done, prefill mode). progress
+        gets (before + tokens done, total)."""
         mode = self.config.prefill_mode
         if mode == "auto":   # (an HCA cache that holds a store takes "hca": begin_prefill says)
             mode = "exact" if end <= self.config.exact_prefill_max else "anchor"
         tail = self._hca_tail(mode, start, end)
         if tail:             # a long prompt's last tokens read the whole store, through the selection
-            logits, done, mode = yield from self._prefill_mode_span(ids, start, end - tail, mode, calls, total,
-                                                                    before)
-            if start + done < end - tail or calls.stop():
+            logits, done, mode = yield from self._prefill_mode_span(ids, start, end - tail, mode, progress,
+                                                                    should_stop, total, before)
+            if start + done < end - tail or (should_stop is not None and should_stop()):
                 return logits, done, mode
-            logits, more, _ = yield from self._prefill_mode_span(ids, end - tail, end, "hca", calls, total,
-                                                                 before + done)
+            logits, more, _ = yield from self._prefill_mode_span(ids, end - tail, end, "hca", progress, should_stop,
+                                                                 total, before + done)
             return logits, done + more, mode
-        return (yield from self._prefill_mode_span(ids, start, end, mode, calls, total, before))
+        return (yield from self._prefill_mode_span(ids, start, end, mode, progress, should_stop, total, before))
 
     def _hca_tail(self, mode: str, start: int, end: int) -> int:
         """Of an anchor prefill of ids[start:end] in an HCA cache, how many last tokens go through
@@ -268,7 +254,7 @@ class Engine:
         tail = self.config.window
         return tail if end - start > tail + hca.S + hca.W + self.config.anchor_tokens else 0
 
-    def _prefill_mode_span(self, ids, start, end, mode, calls: PrefillCalls, total, before):
+    def _prefill_mode_span(self, ids, start, end, mode, progress, should_stop, total, before):
         """_prefill_span's forward of ids[start:end] in one prefill mode (begin_prefill may change
         it) -> (last logits [1, V], tokens done, the mode taken)."""
         todo = torch.tensor(ids[start:end], dtype=torch.long, device=self.device)
@@ -279,17 +265,15 @@ class Engine:
             #             queries take a selection round trip to the host each; the CPU's chunk
             #             runs its matrices once and each query through the one-call step)
         x = None
-        done, n = 0, todo.numel()
-        while done < n:
-            limit = calls.chunk_limit() if calls.chunk_limit else None
-            size = chunk if limit is None else max(1, min(chunk, limit))
-            x = self.model.forward(todo[done:done + size], self.cache, hidden=True)   # (logits of the last one only)
-            done = min(done + size, n)
-            if calls.progress:
-                calls.progress(before + done, total)
-            if done < n:
+        done = 0
+        for i in range(0, todo.numel(), chunk):
+            x = self.model.forward(todo[i:i + chunk], self.cache, hidden=True)   # (logits of the last one only)
+            done = min(i + chunk, todo.numel())
+            if progress:
+                progress(before + done, total)
+            if done < todo.numel():
                 yield
-                if calls.stop():
+                if should_stop is not None and should_stop():
                     break
         self.cache.end_prefill()
         return (None if x is None else self.model.logits(x)), done, mode

@@ -10,8 +10,7 @@ Continuous batching (what llama-server's slots and vLLM's scheduler do): a queue
 free slot at the next step; each step advances every slot still reading its prompt by one chunk
 (Engine.prefill_steps) and then decodes one token for every answering slot in one forward
 (Engine.step_batch: the weights read once for all of them). A long prompt therefore delays the
-others' next token by one chunk's forward, not by its whole prefill: while other slots are
-answering, a chunk is at most SHARED_CHUNK tokens (else the configured chunk, 512 on a CPU). A job
+others' next token by one chunk's forward (512 tokens on a CPU), not by its whole prefill. A job
 goes to the free slot whose cache holds the longest prefix of its prompt when that covers at
 least half of it (a follow-up about a document reaches the slot that read the document), else to
 the least recently used one; Engine.prefill then reuses what the cache shares with the prompt.
@@ -31,8 +30,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import MiniRunError
-
-SHARED_CHUNK = 256    # prompt tokens a step reads while other slots wait for their next token
 
 
 class QueueFull(MiniRunError):
@@ -231,11 +228,7 @@ class EngineWorker:
             self._fail(slot, e)
             return
         stop = lambda: job.cancel.is_set() or self.stopping.is_set()   # noqa: E731
-        limit = lambda: SHARED_CHUNK if self._others_answering(slot) else None   # noqa: E731
-        slot.prefill = slot.engine.prefill_steps(job.ids, should_stop=stop, chunk_limit=limit)
-
-    def _others_answering(self, slot: Slot) -> bool:
-        return any(s is not slot and s.job is not None and s.prefill is None for s in self.slots)
+        slot.prefill = slot.engine.prefill_steps(job.ids, should_stop=stop)
 
     def step(self) -> None:
         """One step: a prompt chunk for each slot still prefilling, then one token for every answering

@@ -9,7 +9,6 @@ import threading
 import torch
 
 from minirun import Engine
-from minirun.serve import worker as worker_module
 from minirun.serve.worker import EngineWorker, Job
 
 CHUNK = 8      # prompt tokens per forward: a prompt of 100 tokens is 13 steps
@@ -115,25 +114,6 @@ def test_a_long_prompt_is_read_between_the_other_answers_tokens(tiny_model_dir, 
     chunks = [i for i, (k, _) in enumerate(log) if k == "chunk"]
     decodes_during = [i for i, (k, _) in enumerate(log) if k == "decode" and chunks[2] < i < chunks[-1]]
     assert len(decodes_during) >= 15          # one decode step of slot 0 after each chunk of slot 1
-
-
-def test_a_long_prompt_reads_shorter_chunks_while_another_slot_answers(tiny_model_dir, monkeypatch):
-    """While slot 0 answers, slot 1's 120-token prompt is read SHARED_CHUNK tokens a step (slot 0's
-    next token waits for one such forward); before and after, the configured chunk. Its answer is
-    the one it gets alone."""
-    monkeypatch.setattr(worker_module, "SHARED_CHUNK", 3)
-    eng = load(tiny_model_dir, parallel=2)
-    sizes = []
-    forward = eng.model.forward
-    monkeypatch.setattr(eng.model, "forward", lambda tokens, cache, **kw: (sizes.append(tokens.numel()),
-                                                                           forward(tokens, cache, **kw))[1])
-    long_prompt = prompt(2, 120)
-    got = run_worker(EngineWorker(eng), [(prompt(1, 10), 12), (long_prompt, 4)])
-    chunks = [n for n in sizes if n > 1]
-    assert max(chunks) == CHUNK and chunks.count(3) >= 8, chunks
-    first_short = chunks.index(3)
-    assert CHUNK in chunks[first_short:], chunks     # slot 0 done: the configured chunk again
-    assert final(got[1]).tokens == load(tiny_model_dir).generate(long_prompt, max_new_tokens=4, **GREEDY).tokens
 
 
 def test_a_follow_up_reaches_the_slot_that_holds_its_document(tiny_model_dir):
