@@ -143,7 +143,7 @@ class RemoteWorker:
 async def batched_text(job: Job, interval: float = STREAM_INTERVAL_S):
     """A job's events for the ingress: its first text at once, then the text that comes within
     `interval` of the last sent as one piece (each event costs a hop through Ray to the ingress and
-    another to the HTTP proxy: per token, that took a third of a core at 35 tokens/s), then
+    another to the HTTP proxy, on the cores the engines use; docs/BENCHMARKS.md, "Replicas"), then
     ("done", GenerationResult, timings) or an error_event."""
     text, sent = [], 0.0
     while True:
