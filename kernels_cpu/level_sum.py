@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import _FASTMATH, _NEG_INF, _ctz64, _exp32, _ld, _prefetch
+from ._common import _FASTMATH, _NEG_INF, _ctz64, _exp32, _prefetch
 from .attention import _exact_chunk, _merge_partials, dot4
 from .level_select import NB, _level_cut, _merged_counts, _top_bucket
 from .packed import LANES
@@ -79,6 +79,87 @@ def _exact_lane_weights(q, Kkv, ul, nu, fl, j0, h0, h1, h2, h3, mref, W):
         W[3, t] = _exp32(min(a3 - r3, cap)) if f & 8 else np.float32(0.0)
 
 
+@njit(inline="always")
+def _lane_union(L0, L1, L2, L3, c0, c1, c2, c3, nj, j0, fl, ul):
+    """The lanes' selections among nj tokens (lane e selects where its levels L_e [nj] reach its cut
+    c_e) as bits of fl[u] (bit e: lane e), and their union, tokens j0 + u in increasing order, into
+    ul -> the union's size."""
+    for u in range(nj):                          # the bits in a loop that vectorizes
+        fl[u] = (np.uint8(L0[u] >= c0) | (np.uint8(L1[u] >= c1) << np.uint8(1))
+                 | (np.uint8(L2[u] >= c2) << np.uint8(2))
+                 | (np.uint8(L3[u] >= c3) << np.uint8(3)))
+    for u in range(nj, (nj + 7) // 8 * 8):
+        fl[u] = 0
+    fl64 = fl.view(np.uint64)
+    nu = 0
+    for k in range((nj + 7) // 8):               # the union, 8 tokens per test
+        x = fl64[k]
+        while x:
+            b = _ctz64(x) >> np.uint64(3)
+            ul[nu] = j0 + 8 * k + np.int64(b)
+            nu += 1
+            x &= ~(np.uint64(0xFF) << (b * np.uint64(8)))
+    return nu
+
+
+@njit(inline="always")
+def _prefetch_rows(Vflat, base, rw, ul, t0, t1):
+    """Prefetches the value rows of union tokens ul[t0:t1] (rw elements each, from flat offset base)."""
+    pf_step = max(1, 64 // Vflat.itemsize)
+    for t in range(t0, t1):
+        off = base + ul[t] * rw
+        for e in range(0, rw, pf_step):
+            _prefetch(Vflat, off + e)
+
+
+@njit(inline="always")
+def _lane_sums(fl, ul, nu, j0, W, lsum, cnt):
+    """Adds each lane's selected tokens to cnt [LANES] and their weights W [LANES, >= nu] to lsum
+    [LANES] over the union ul[:nu]."""
+    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
+    l0 = l1 = l2 = l3 = 0.0
+    n0 = n1 = n2 = n3 = 0
+    for t in range(nu):
+        f = fl[ul[t] - j0]
+        n0 += f & 1
+        n1 += (f >> 1) & 1
+        n2 += (f >> 2) & 1
+        n3 += (f >> 3) & 1
+        l0 += W0[t]
+        l1 += W1[t]
+        l2 += W2[t]
+        l3 += W3[t]
+    lsum[0] += l0
+    lsum[1] += l1
+    lsum[2] += l2
+    lsum[3] += l3
+    cnt[0] += n0
+    cnt[1] += n1
+    cnt[2] += n2
+    cnt[3] += n3
+
+
+@njit(inline="always")
+def _add_rows(Vkv, Vflat, base, ul, nu, W, acc):
+    """acc [LANES, d] += the union's value rows Vkv[ul[t]] [width] weighted by W[:, t], each row read
+    once for all lanes, two rows per pass over the accumulators (half their loads and stores);
+    Vflat / base: the pool flat and the kv-head's offset in it, for the prefetches."""
+    rw = Vkv.shape[1]
+    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
+    a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
+    t = 0
+    while t < nu:
+        _prefetch_rows(Vflat, base, rw, ul, t + _PF_DIST, min(t + _PF_DIST + 2, nu))
+        ja = ul[t]
+        tb = t + 1 if t + 1 < nu else t
+        jb = ul[tb]
+        wb = np.float32(1.0) if t + 1 < nu else np.float32(0.0)   # an odd last row pairs with nothing
+        w0a, w1a, w2a, w3a = W0[t], W1[t], W2[t], W3[t]
+        w0b, w1b, w2b, w3b = W0[tb] * wb, W1[tb] * wb, W2[tb] * wb, W3[tb] * wb
+        acc_pair4(Vkv[ja], Vkv[jb], w0a, w1a, w2a, w3a, w0b, w1b, w2b, w3b, a0, a1, a2, a3)
+        t += 2
+
+
 @njit(cache=True)
 def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, W, acc, lsum, cnt, q, K, rescore):
     # Table row r's heads over tokens [j0, j1): adds into acc [LANES, d] f32, lsum [LANES] f64,
@@ -99,22 +180,7 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
     c3 = lcut[h3] if h3 >= 0 else np.int64(1 << 17)
     h1, h2, h3 = max(h1, h0), max(h2, h0), max(h3, h0)
     L0, L1, L2, L3 = lev[h0, j0:j1], lev[h1, j0:j1], lev[h2, j0:j1], lev[h3, j0:j1]
-    nj = j1 - j0
-    for u in range(nj):                          # the lanes' selections as bits (vectorizes)
-        fl[u] = (np.uint8(L0[u] >= c0) | (np.uint8(L1[u] >= c1) << np.uint8(1))
-                 | (np.uint8(L2[u] >= c2) << np.uint8(2))
-                 | (np.uint8(L3[u] >= c3) << np.uint8(3)))
-    for u in range(nj, (nj + 7) // 8 * 8):
-        fl[u] = 0
-    fl64 = fl.view(np.uint64)
-    nu = 0
-    for k in range((nj + 7) // 8):               # the union, 8 tokens per test
-        x = fl64[k]
-        while x:
-            b = _ctz64(x) >> np.uint64(3)
-            ul[nu] = j0 + 8 * k + np.int64(b)
-            nu += 1
-            x &= ~(np.uint64(0xFF) << (b * np.uint64(8)))
+    nu = _lane_union(L0, L1, L2, L3, c0, c1, c2, c3, j1 - j0, j0, fl, ul)
     if nu == 0:
         return
     # the union's levels, compacted, then their weights in loops that vectorize (on natural text
@@ -123,58 +189,17 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
     for t in range(nu):
         u = ul[t] - j0
         G0[t], G1[t], G2[t], G3[t] = L0[u], L1[u], L2[u], L3[u]
-    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
-    _lane_weights(G0, nu, c0, scale[h0], offset[h0] - mref[h0], W0)
-    _lane_weights(G1, nu, c1, scale[h1], offset[h1] - mref[h1], W1)
-    _lane_weights(G2, nu, c2, scale[h2], offset[h2] - mref[h2], W2)
-    _lane_weights(G3, nu, c3, scale[h3], offset[h3] - mref[h3], W3)   # (all 0 for an empty lane)
+    _lane_weights(G0, nu, c0, scale[h0], offset[h0] - mref[h0], W[0])
+    _lane_weights(G1, nu, c1, scale[h1], offset[h1] - mref[h1], W[1])
+    _lane_weights(G2, nu, c2, scale[h2], offset[h2] - mref[h2], W[2])
+    _lane_weights(G3, nu, c3, scale[h3], offset[h3] - mref[h3], W[3])   # (all 0 for an empty lane)
     if rescore:
         _exact_lane_weights(q, K[kv], ul, nu, fl, j0, h0, h1, h2, h3, mref, W)
-    a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
-    Vkv = V[kv]
     Vflat = V.reshape(V.size)
     base = np.int64(kv) * V.shape[1] * rw
-    pf_step = max(1, 64 // V.itemsize)
-    for t in range(min(nu, _PF_DIST)):
-        off = base + ul[t] * rw
-        for e in range(0, rw, pf_step):
-            _prefetch(Vflat, off + e)
-    l0 = l1 = l2 = l3 = 0.0
-    n0 = n1 = n2 = n3 = 0
-    for t in range(nu):                          # weights and counts
-        f = fl[ul[t] - j0]
-        n0 += f & 1
-        n1 += (f >> 1) & 1
-        n2 += (f >> 2) & 1
-        n3 += (f >> 3) & 1
-        l0 += W0[t]
-        l1 += W1[t]
-        l2 += W2[t]
-        l3 += W3[t]
-    # the rows, two per pass over the accumulators (half their loads and stores); each value row
-    # read once for all lanes
-    t = 0
-    while t < nu:
-        for tt in range(t + _PF_DIST, min(t + _PF_DIST + 2, nu)):
-            off = base + ul[tt] * rw
-            for e in range(0, rw, pf_step):
-                _prefetch(Vflat, off + e)
-        ja = ul[t]
-        tb = t + 1 if t + 1 < nu else t
-        jb = ul[tb]
-        wb = np.float32(1.0) if t + 1 < nu else np.float32(0.0)   # an odd last row pairs with nothing
-        w0a, w1a, w2a, w3a = W0[t], W1[t], W2[t], W3[t]
-        w0b, w1b, w2b, w3b = W0[tb] * wb, W1[tb] * wb, W2[tb] * wb, W3[tb] * wb
-        acc_pair4(Vkv[ja], Vkv[jb], w0a, w1a, w2a, w3a, w0b, w1b, w2b, w3b, a0, a1, a2, a3)
-        t += 2
-    lsum[0] += l0
-    lsum[1] += l1
-    lsum[2] += l2
-    lsum[3] += l3
-    cnt[0] += n0
-    cnt[1] += n1
-    cnt[2] += n2
-    cnt[3] += n3
+    _prefetch_rows(Vflat, base, rw, ul, 0, min(nu, _PF_DIST))
+    _lane_sums(fl, ul, nu, j0, W, lsum, cnt)    # (while the first rows arrive)
+    _add_rows(V[kv], Vflat, base, ul, nu, W, acc)
 
 
 @njit(cache=True, parallel=True)
