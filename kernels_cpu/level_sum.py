@@ -161,15 +161,20 @@ def _add_rows(Vkv, Vflat, base, ul, nu, W, acc):
 
 
 @njit(cache=True)
-def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, W, acc, lsum, cnt, q, K, rescore):
-    # Table row r's heads over tokens [j0, j1): adds into acc [LANES, d] f32, lsum [LANES] f64,
-    # cnt [LANES] int64 (lane order). lev: uint16 levels with int64 cuts lcut, or float32 scores
-    # with float32 cuts (kernels_cpu.exact_step: scale 1, offset 0); a head selects where
-    # lev >= its cut. Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects the token), ul
-    # int64 [>= j1 - j0] (the union's tokens), G [LANES, >= j1 - j0] of lev's dtype (their levels),
-    # W f32 [LANES, >= j1 - j0] (their weights). rescore: the weights from exact scores of the
-    # queries q [Hq, d] over host keys K [Hkv, >= j1, d] (f32 or half bits) instead of the levels.
-    # V [Hkv, cap, width]: float rows (width d) or quantized ones (uint8: value_rows).
+def _range_task(sel, lanes, V, r, j0, j1, scratch, sums, q, host):
+    # Table row r's heads over tokens [j0, j1): adds into sums (acc [LANES, d] f32, lsum [LANES]
+    # f64, cnt [LANES] int64, lane order). sel (lev, lcut, scale, offset, mref): uint16 levels lev
+    # with int64 cuts lcut, or float32 scores with float32 cuts (kernels_cpu.exact_step: scale 1,
+    # offset 0); a head selects where lev >= its cut; mref [Hq] the reference scores.
+    # scratch (fl, ul, G, W): fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects the token), ul int64
+    # [>= j1 - j0] (the union's tokens), G [LANES, >= j1 - j0] of lev's dtype (their levels), W f32
+    # [LANES, >= j1 - j0] (their weights). host (K, rescore): with rescore, the weights from exact
+    # scores of the queries q [Hq, d] over host keys K [Hkv, >= j1, d] (f32 or half bits) instead
+    # of the levels. V [Hkv, cap, width]: float rows (width d) or quantized ones (uint8: value_rows).
+    lev, lcut, scale, offset, mref = sel
+    fl, ul, G, W = scratch
+    acc, lsum, cnt = sums
+    K, rescore = host
     rw = V.shape[2]
     kv = r // (lanes.shape[0] // V.shape[0])
     h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
@@ -203,14 +208,18 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
 
 
 @njit(cache=True, parallel=True)
-def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l, counts,
-                       q, EK, EV, n_exact, valid, eo, em, el, K, rescore):
-    # lev / lcut: see _range_task. o [Hq, d] f32, m / l [Hq] f32, counts [Hq] int32 out. Tasks:
-    # with n_exact > 0, first one per table row over the exact tier EK / EV [Hkv, >=n_exact, d]
-    # (attention._exact_chunk, into eo / em / el: the fused decode step's sinks + ring in the same
-    # parallel region; valid: its slot mask, see _exact_chunk), then (table row, token range),
-    # row-interleaved; slot sl of nt does tasks sl, sl + nt, ... into its own sums. rescore: the
-    # store's weights from q's exact scores over host keys K (of V's type; unread otherwise).
+def _k_level_value_sum(sel, n, V, lanes, nt, counts, q, exact, host, part, exact_part):
+    # sel (lev, lcut, scale, offset, mref): see _range_task. part (o [Hq, d] f32, m / l [Hq] f32),
+    # counts [Hq] int32 out. Tasks: with n_exact > 0, first one per table row over the exact tier
+    # exact (EK, EV [Hkv, >=n_exact, d], n_exact, valid) (attention._exact_chunk, into exact_part
+    # (eo, em, el): the fused decode step's sinks + ring in the same parallel region; valid: its
+    # slot mask, see _exact_chunk), then (table row, token range), row-interleaved; slot sl of nt
+    # does tasks sl, sl + nt, ... into its own sums. host (K, rescore): with rescore, the store's
+    # weights from q's exact scores over host keys K (of V's type; unread otherwise).
+    lev, _, _, _, mref = sel
+    EK, EV, n_exact, valid = exact
+    o, m, l = part
+    eo, em, el = exact_part
     Hq, d = o.shape
     R = lanes.shape[0]
     nr = (n + _RANGE - 1) // _RANGE
@@ -238,8 +247,7 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
             acc[:] = 0.0
             lsum[:] = 0.0
             cnt[:] = 0
-            _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, min(n, j0 + _RANGE), fl, ul, G, W,
-                        acc, lsum, cnt, q, K, rescore)
+            _range_task(sel, lanes, V, r, j0, min(n, j0 + _RANGE), (fl, ul, G, W), (acc, lsum, cnt), q, host)
             for e in range(LANES):
                 pl[sl, r, e] += lsum[e]
                 pc[sl, r, e] += cnt[e]
