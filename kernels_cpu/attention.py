@@ -14,11 +14,14 @@ from .value_rows import acc_row
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, r0, r1, r2):
-    """z[r_e, j - zoff] = q[h_e] . K[kv, j] for e = 0, 1, 2 (repeated heads allowed: the same
-    score written twice), j in [j0, j1); bmax [>= 3] f32 their highest scores. K f32 or half
-    bits. Each key row is read once, the three dot products share its loads (one loop, three
-    accumulators: fewer horizontal sums and loads than one dot at a time)."""
+def _dots3(q, K, kv, j0, j1, z, zoff, bmax, heads, rows):
+    """z[r_e, j - zoff] = q[h_e] . K[kv, j] for e = 0, 1, 2, heads (h_0, h_1, h_2) and rows (r_0,
+    r_1, r_2) (repeated heads allowed: the same score written twice), j in [j0, j1); bmax [>= 3]
+    f32 their highest scores. K f32 or half bits. Each key row is read once, the three dot
+    products share its loads (one loop, three accumulators: fewer horizontal sums and loads than
+    one dot at a time)."""
+    h0, h1, h2 = heads
+    r0, r1, r2 = rows
     d = q.shape[1]
     q0, q1, q2 = q[h0], q[h1], q[h2]
     m0 = m1 = m2 = _NEG_INF
@@ -50,8 +53,10 @@ def dot4(q0, q1, q2, q3, Kj):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, r0, r1, r2, r3):
-    """_dots3 for four heads; bmax [4]."""
+def _dots4(q, K, kv, j0, j1, z, zoff, bmax, heads, rows):
+    """_dots3 for four heads and rows; bmax [4]."""
+    h0, h1, h2, h3 = heads
+    r0, r1, r2, r3 = rows
     q0, q1, q2, q3 = q[h0], q[h1], q[h2], q[h3]
     m0 = m1 = m2 = m3 = _NEG_INF
     for j in range(j0, j1):
@@ -72,9 +77,9 @@ def _row_dots(q, K, lanes, r, kv, j0, j1, z, zoff, bmax, by_lane):
     h1, h2, h3 = max(lanes[r, 1], h0), max(lanes[r, 2], h0), lanes[r, 3]
     r0, r1, r2, r3 = (0, 1, 2, 3) if by_lane else (h0, h1, h2, h3)
     if h3 >= 0:
-        _dots4(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, h3, r0, r1, r2, r3)
+        _dots4(q, K, kv, j0, j1, z, zoff, bmax, (h0, h1, h2, h3), (r0, r1, r2, r3))
     else:
-        _dots3(q, K, kv, j0, j1, z, zoff, bmax, h0, h1, h2, r0, r1, r2)
+        _dots3(q, K, kv, j0, j1, z, zoff, bmax, (h0, h1, h2), (r0, r1, r2))
 
 
 @njit(cache=True)

@@ -27,7 +27,7 @@ from numba import njit, prange
 
 from ._common import _NEG_INF, _as_f32, _as_pool, _c_rows
 from .attention import _row_dots
-from .hca_step import _step_partials, _step_scratch, _sum_and_merge, _valid_mask
+from .hca_step import _exact_args, _step_args, _step_partials, _step_scratch, _sum_and_merge
 from .level_select import NB, _bucket_cut, _merged_counts, head_caps
 from .packed import LANES
 
@@ -128,10 +128,16 @@ def _k_float_cuts(hist, ref, smax, nt, n, tau, zcut, mref, cap):
 
 
 @njit(cache=True)
-def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv, lanes, z, hist, nt, counts,
-                    out, cap):
+def _k_exact_decode(step, exact, store, heads, scratch, tau, cap, out):
+    # The arguments of hca_exact_decode_attend by part: step (q, k, v) the token; exact (EK, EV,
+    # n_exact, valid) sinks + ring; store (K, n_store, V); heads (q_to_kv, lanes); scratch (z,
+    # hist, nt, counts) -> out [Hq, d].
+    q, k, v = step
+    K, n_store, V = store
+    q_to_kv, lanes = heads
+    z, hist, nt, counts = scratch
     Hq = q.shape[0]
-    os, ms, ls = _step_partials(q, k, v, q_to_kv)        # the new token itself
+    parts = _step_partials(q, k, v, q_to_kv)             # the new token itself
     zcut = np.full(Hq, np.inf, np.float32)
     mref = np.full(Hq, _NEG_INF, np.float32)
     if n_store > 0:                                      # the store: scores and cuts
@@ -140,8 +146,8 @@ def _k_exact_decode(q, k, v, EK, EV, n_exact, valid, K, n_store, V, tau, q_to_kv
         _k_exact_scores(q, K, n_store, lanes, z, hist, ref, smax, nt)
         _k_float_cuts(hist, ref, smax, nt, n_store, tau, zcut, mref, cap)
     # the value sum over the selection (float scores: scale 1, offset 0), sinks + ring, the merge
-    _sum_and_merge(z, n_store, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref, lanes, V, nt, counts,
-                   q, EK, EV, n_exact, valid, os, ms, ls, out, K, False)
+    sel = (z, zcut, np.ones(Hq, np.float32), np.zeros(Hq, np.float32), mref)
+    _sum_and_merge(sel, n_store, V, lanes, nt, counts, q, exact, (K, False), parts, out)
 
 
 def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_kv, lanes, z, hist,
@@ -164,7 +170,6 @@ def hca_exact_decode_attend(q, k, v, EK, EV, n_exact, K, n_store, V, tau, q_to_k
     if zr is None or z.dtype != np.float32 or z.shape[0] != Hq or z.shape[1] < n_store:
         raise ValueError(f"z must be float32 [Hq={Hq}, >={n_store}] with unit-stride rows")
     counts, out, _, nt = _step_scratch(q, n_store, counts, (None, hist))
-    _k_exact_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
-                    _valid_mask(exact_valid, n_exact), K,
-                    int(n_store), _as_pool(V), float(tau), q_to_kv, lanes, zr, hist, nt, counts, out, head_caps(cap, Hq))
+    _k_exact_decode(_step_args(q, k, v), _exact_args(EK, EV, n_exact, exact_valid), (K, int(n_store), _as_pool(V)),
+                    (q_to_kv, lanes), (zr, hist, nt, counts), float(tau), head_caps(cap, Hq), out)
     return out

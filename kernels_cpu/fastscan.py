@@ -32,8 +32,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._common import _as_f32, _as_pool, _prefetch
-from .hca_step import _encode_args, _host_keys, _step_partials, _step_scratch, _sum_and_merge, _valid_mask
+from ._common import _as_pool, _prefetch
+from .hca_step import _encode_args, _exact_args, _host_keys, _step_args, _step_partials, _step_scratch, _sum_and_merge
 from .level_select import _count_levels, head_caps
 from .level_sum import _k_level_cuts
 from .packed import _head_step, _quantize
@@ -228,12 +228,19 @@ def _k_encode_pairs(K, F, fnorm, out):
 
 
 @njit(cache=True)
-def _k_hca_decode_fs(q, k, v, EK, EV, n_exact, valid, F, fnorm, nh, PT, n_store, V, tau, lanes, T, tabs, scale,
-                     offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, codes, K, rescore, cap):
+def _k_hca_decode_fs(step, exact, store, F, heads, lut, scratch, enc, host, tau, cap, out):
     # kernels_cpu.hca_step._k_hca_decode with the fast-scan LUT and levels (and the ring key's
-    # encode into nibble pairs) in place of the packed uint64 tables.
-    Hq, d = q.shape
-    os, ms, ls = _step_partials(q, k, v, np.arange(Hq).astype(np.int32) // nh)
+    # encode into nibble pairs) in place of the packed uint64 tables: F the transposed factor
+    # codebooks, heads (nh, lanes), lut FastScanLUT.arrays, enc (slot, fnorm, codes).
+    q, k, v = step
+    PT, n_store, V = store
+    nh, lanes = heads
+    T, tabs, scale, offset, top, shift = lut
+    lev, hist, nt, z, idx, counts = scratch
+    enc_slot, fnorm, codes = enc
+    EK = exact[0]
+    Hq = q.shape[0]
+    parts = _step_partials(q, k, v, np.arange(Hq).astype(np.int32) // nh)
     lcut = np.empty(Hq, np.int64)
     mref = np.empty(Hq, np.float32)
     if n_store > 0:
@@ -244,8 +251,7 @@ def _k_hca_decode_fs(q, k, v, EK, EV, n_exact, valid, F, fnorm, nh, PT, n_store,
                 _encode_pair_key(EK[kv, enc_slot], F, fnorm, kv, codes[kv, 0], dist)
         _k_fs_levels(PT, n_store, tabs, nh, top, shift, lev, hist, nt)
         _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref, cap)
-    _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
-                   os, ms, ls, out, K, rescore)
+    _sum_and_merge((lev, lcut, scale, offset, mref), n_store, V, lanes, nt, counts, q, exact, host, parts, out)
 
 
 class FastScanLUT:
@@ -298,15 +304,14 @@ def hca_decode_attend_fs(q, k, v, EK, EV, n_exact, F, PT, n_store, V, tau, q_to_
     factor codebooks (fnorm: factor_norms(F)), PT [Hkv, G/2, >=n_store] uint8, lut the FastScanLUT
     scratch; encode (slot, codes uint8 [Hkv, 1, G/2]) writes the nibble pairs of EK[:, slot].
     The rest (host_keys: rescore; cap) as hca_decode_attend. -> o [Hq, d] f32. Needs available()."""
-    K, rescore = _host_keys(host_keys, V, n_store, q.shape[1])
+    host = _host_keys(host_keys, V, n_store, q.shape[1])
     nh = heads_per_kv(q_to_kv)
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
     fnorm = factor_norms(F) if fnorm is None else fnorm
     slot, codes = _encode_args(encode, (-1, _NO_CODES), n_exact, n_store)
-    _k_hca_decode_fs(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
-                     _valid_mask(exact_valid, n_exact), F, fnorm, nh, PT, int(n_store), _as_pool(V), float(tau),
-                     lut.lanes, lut.T, lut.tabs, lut.scale, lut.offset, lut.top, lut.shift, lev, hist, nt, z, idx,
-                     counts, out, int(slot), codes, K, rescore, head_caps(cap, q.shape[0]))
+    _k_hca_decode_fs(_step_args(q, k, v), _exact_args(EK, EV, n_exact, exact_valid), (PT, int(n_store), _as_pool(V)),
+                     F, (nh, lut.lanes), tuple(lut.arrays), (lev, hist, nt, z, idx, counts), (int(slot), fnorm, codes),
+                     host, float(tau), head_caps(cap, q.shape[0]), out)
     return out
 
 

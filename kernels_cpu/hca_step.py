@@ -41,32 +41,43 @@ def _step_partials(q, k, v, q_to_kv):
 
 
 @njit(cache=True)
-def _k_hca_decode(q, k, v, EK, EV, n_exact, valid, cbt, PT, n_store, V, tau, q_to_kv, lanes, lut, tables, scale,
-                  offset, top, shift, lev, hist, nt, z, idx, counts, out, enc_slot, cnorm, codes, K, rescore, cap):
-    Hq, d = q.shape
-    os, ms, ls = _step_partials(q, k, v, q_to_kv)                     # 2. the new token itself
+def _k_hca_decode(step, exact, store, cbt, heads, lut, scratch, enc, host, tau, cap, out):
+    # The arguments of hca_decode_attend by part: step (q, k, v) the token; exact (EK, EV, n_exact,
+    # valid) sinks + ring; store (PT, n_store, V); cbt the transposed codebooks; heads (q_to_kv,
+    # lanes); lut (T, tables, scale, offset, top, shift) the float and packed tables; scratch (lev,
+    # hist, nt, z, idx, counts); enc (slot, cnorm, codes) the ring key encoded ahead (slot < 0:
+    # none; EK[:, 0] is then not read); host (K, rescore) -> out [Hq, d].
+    q, k, v = step
+    PT, n_store, V = store
+    q_to_kv, lanes = heads
+    T, tables, scale, offset, top, shift = lut
+    lev, hist, nt, z, idx, counts = scratch
+    enc_slot, cnorm, codes = enc
+    EK = exact[0]
+    Hq = q.shape[0]
+    parts = _step_partials(q, k, v, q_to_kv)                          # 2. the new token itself
     lcut = np.empty(Hq, np.int64)                                     # (not read when n_store = 0)
     mref = np.empty(Hq, np.float32)
     if n_store > 0:                                                   # 3. the store, approximately
-        # LUT and its packing; also encodes the ring key that leaves next (enc_slot >= 0) while
-        # this layer's codebooks are in cache (EK[:, 0] is not read when enc_slot < 0)
-        _k_lut_pack(q, cbt, lanes, lut, tables, scale, offset, top, shift, enc_slot >= 0, EK[:, max(enc_slot, 0)],
+        # LUT and its packing; also encodes the ring key that leaves next while this layer's
+        # codebooks are in cache
+        _k_lut_pack(q, cbt, lanes, T, tables, scale, offset, top, shift, enc_slot >= 0, EK[:, max(enc_slot, 0)],
                     cnorm, codes)
         _k_packed_levels(tables, lanes, top, shift, PT, n_store, lev, hist, nt)
         _k_level_cuts(lev, n_store, tau, scale, offset, top, shift, hist, nt, idx, z, lcut, mref, cap)
-    _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
-                   os, ms, ls, out, K, rescore)
+    _sum_and_merge((lev, lcut, scale, offset, mref), n_store, V, lanes, nt, counts, q, exact, host, parts, out)
 
 
 @njit(inline="always")
-def _sum_and_merge(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, counts, q, EK, EV, n_exact, valid,
-                   os, ms, ls, out, K, rescore):
-    """The step's tail after the level cuts: the value sum over the selection (none when n_store
-    = 0; rescore: weighted by exact scores over the host keys K) and the exact tier (sinks + ring)
-    as tasks of one parallel region, into parts 2 and 0 of os / ms / ls, then the log-sum-exp
-    merge of the three parts into out [Hq, d]."""
-    _k_level_value_sum(lev, n_store, lcut, scale, offset, mref, lanes, V, nt, os[2], ms[2], ls[2], counts,
-                       q, EK, EV, n_exact, valid, os[0], ms[0], ls[0], K, rescore)
+def _sum_and_merge(sel, n_store, V, lanes, nt, counts, q, exact, host, parts, out):
+    """The step's tail after the cuts: the value sum over the selection sel (level_sum's; none when
+    n_store = 0; host (K, rescore): weighted by exact scores over the host keys K) and the exact
+    tier exact (EK, EV, n_exact, valid: sinks + ring) as tasks of one parallel region, into parts 2
+    and 0 of parts (os [3, Hq, d], ms / ls [3, Hq]), then the log-sum-exp merge of the three parts
+    into out [Hq, d]."""
+    os, ms, ls = parts
+    _k_level_value_sum(sel, n_store, V, lanes, nt, counts, q, exact, host, (os[2], ms[2], ls[2]),
+                       (os[0], ms[0], ls[0]))
     Hq = q.shape[0]
     m = np.empty(Hq, np.float32)
     l = np.empty(Hq, np.float32)
@@ -103,13 +114,24 @@ def hca_decode_attend(q, k, v, EK, EV, n_exact, codebooks_t, PT, n_store, V, tau
     0 no cap, < 0 the head skips the store).
     """
     counts, out, (lev, hist), nt = _step_scratch(q, n_store, counts, levels)
-    K, rescore = _host_keys(host_keys, V, n_store, q.shape[1])
+    host = _host_keys(host_keys, V, n_store, q.shape[1])
     slot, cnorm, codes = _encode_args(encode, (-1, _NO_CNORM, _NO_CODES[PT.dtype.itemsize]), n_exact, n_store)
-    _k_hca_decode(_as_f32(q), _as_pool(k), _as_pool(v), _as_pool(EK), _as_pool(EV), int(n_exact),
-                  _valid_mask(exact_valid, n_exact), codebooks_t, PT, int(n_store), _as_pool(V), float(tau), q_to_kv,
-                  packed.lanes, lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift, lev, hist,
-                  nt, z, idx, counts, out, int(slot), cnorm, codes, K, rescore, head_caps(cap, q.shape[0]))
+    _k_hca_decode(_step_args(q, k, v), _exact_args(EK, EV, n_exact, exact_valid), (PT, int(n_store), _as_pool(V)),
+                  codebooks_t, (q_to_kv, packed.lanes),
+                  (lut, packed.tables, packed.scale, packed.offset, packed.top, packed.shift),
+                  (lev, hist, nt, z, idx, counts), (int(slot), cnorm, codes), host, float(tau),
+                  head_caps(cap, q.shape[0]), out)
     return out
+
+
+def _step_args(q, k, v):
+    """The step tuple the kernels take: (q f32, k, v as pools)."""
+    return _as_f32(q), _as_pool(k), _as_pool(v)
+
+
+def _exact_args(EK, EV, n_exact, valid):
+    """The exact tier as the kernels take it: (EK, EV as pools, n_exact, the valid mask)."""
+    return _as_pool(EK), _as_pool(EV), int(n_exact), _valid_mask(valid, n_exact)
 
 
 def _host_keys(host_keys, V, n_store, d=None):

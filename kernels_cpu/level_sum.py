@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import _FASTMATH, _NEG_INF, _ctz64, _exp32, _ld, _prefetch
+from ._common import _FASTMATH, _NEG_INF, _ctz64, _exp32, _prefetch
 from .attention import _exact_chunk, _merge_partials, dot4
 from .level_select import NB, _level_cut, _merged_counts, _top_bucket
 from .packed import LANES
@@ -79,28 +79,12 @@ def _exact_lane_weights(q, Kkv, ul, nu, fl, j0, h0, h1, h2, h3, mref, W):
         W[3, t] = _exp32(min(a3 - r3, cap)) if f & 8 else np.float32(0.0)
 
 
-@njit(cache=True)
-def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, W, acc, lsum, cnt, q, K, rescore):
-    # Table row r's heads over tokens [j0, j1): adds into acc [LANES, d] f32, lsum [LANES] f64,
-    # cnt [LANES] int64 (lane order). lev: uint16 levels with int64 cuts lcut, or float32 scores
-    # with float32 cuts (kernels_cpu.exact_step: scale 1, offset 0); a head selects where
-    # lev >= its cut. Scratch: fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects the token), ul
-    # int64 [>= j1 - j0] (the union's tokens), G [LANES, >= j1 - j0] of lev's dtype (their levels),
-    # W f32 [LANES, >= j1 - j0] (their weights). rescore: the weights from exact scores of the
-    # queries q [Hq, d] over host keys K [Hkv, >= j1, d] (f32 or half bits) instead of the levels.
-    # V [Hkv, cap, width]: float rows (width d) or quantized ones (uint8: value_rows).
-    rw = V.shape[2]
-    kv = r // (lanes.shape[0] // V.shape[0])
-    h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
-    # an empty lane reads lane 0's head and never selects (cut above every level)
-    c0 = lcut[h0]
-    c1 = lcut[h1] if h1 >= 0 else np.int64(1 << 17)
-    c2 = lcut[h2] if h2 >= 0 else np.int64(1 << 17)
-    c3 = lcut[h3] if h3 >= 0 else np.int64(1 << 17)
-    h1, h2, h3 = max(h1, h0), max(h2, h0), max(h3, h0)
-    L0, L1, L2, L3 = lev[h0, j0:j1], lev[h1, j0:j1], lev[h2, j0:j1], lev[h3, j0:j1]
-    nj = j1 - j0
-    for u in range(nj):                          # the lanes' selections as bits (vectorizes)
+@njit(inline="always")
+def _lane_union(L0, L1, L2, L3, c0, c1, c2, c3, nj, j0, fl, ul):
+    """The lanes' selections among nj tokens (lane e selects where its levels L_e [nj] reach its cut
+    c_e) as bits of fl[u] (bit e: lane e), and their union, tokens j0 + u in increasing order, into
+    ul -> the union's size."""
+    for u in range(nj):                          # the bits in a loop that vectorizes
         fl[u] = (np.uint8(L0[u] >= c0) | (np.uint8(L1[u] >= c1) << np.uint8(1))
                  | (np.uint8(L2[u] >= c2) << np.uint8(2))
                  | (np.uint8(L3[u] >= c3) << np.uint8(3)))
@@ -115,33 +99,27 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
             ul[nu] = j0 + 8 * k + np.int64(b)
             nu += 1
             x &= ~(np.uint64(0xFF) << (b * np.uint64(8)))
-    if nu == 0:
-        return
-    # the union's levels, compacted, then their weights in loops that vectorize (on natural text
-    # the union is ~10% of the tokens: an exp per token of the range would cost ~10x more)
-    G0, G1, G2, G3 = G[0], G[1], G[2], G[3]
-    for t in range(nu):
-        u = ul[t] - j0
-        G0[t], G1[t], G2[t], G3[t] = L0[u], L1[u], L2[u], L3[u]
-    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
-    _lane_weights(G0, nu, c0, scale[h0], offset[h0] - mref[h0], W0)
-    _lane_weights(G1, nu, c1, scale[h1], offset[h1] - mref[h1], W1)
-    _lane_weights(G2, nu, c2, scale[h2], offset[h2] - mref[h2], W2)
-    _lane_weights(G3, nu, c3, scale[h3], offset[h3] - mref[h3], W3)   # (all 0 for an empty lane)
-    if rescore:
-        _exact_lane_weights(q, K[kv], ul, nu, fl, j0, h0, h1, h2, h3, mref, W)
-    a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
-    Vkv = V[kv]
-    Vflat = V.reshape(V.size)
-    base = np.int64(kv) * V.shape[1] * rw
-    pf_step = max(1, 64 // V.itemsize)
-    for t in range(min(nu, _PF_DIST)):
+    return nu
+
+
+@njit(inline="always")
+def _prefetch_rows(Vflat, base, rw, ul, t0, t1):
+    """Prefetches the value rows of union tokens ul[t0:t1] (rw elements each, from flat offset base)."""
+    pf_step = max(1, 64 // Vflat.itemsize)
+    for t in range(t0, t1):
         off = base + ul[t] * rw
         for e in range(0, rw, pf_step):
             _prefetch(Vflat, off + e)
+
+
+@njit(inline="always")
+def _lane_sums(fl, ul, nu, j0, W, lsum, cnt):
+    """Adds each lane's selected tokens to cnt [LANES] and their weights W [LANES, >= nu] to lsum
+    [LANES] over the union ul[:nu]."""
+    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
     l0 = l1 = l2 = l3 = 0.0
     n0 = n1 = n2 = n3 = 0
-    for t in range(nu):                          # weights and counts
+    for t in range(nu):
         f = fl[ul[t] - j0]
         n0 += f & 1
         n1 += (f >> 1) & 1
@@ -151,22 +129,6 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
         l1 += W1[t]
         l2 += W2[t]
         l3 += W3[t]
-    # the rows, two per pass over the accumulators (half their loads and stores); each value row
-    # read once for all lanes
-    t = 0
-    while t < nu:
-        for tt in range(t + _PF_DIST, min(t + _PF_DIST + 2, nu)):
-            off = base + ul[tt] * rw
-            for e in range(0, rw, pf_step):
-                _prefetch(Vflat, off + e)
-        ja = ul[t]
-        tb = t + 1 if t + 1 < nu else t
-        jb = ul[tb]
-        wb = np.float32(1.0) if t + 1 < nu else np.float32(0.0)   # an odd last row pairs with nothing
-        w0a, w1a, w2a, w3a = W0[t], W1[t], W2[t], W3[t]
-        w0b, w1b, w2b, w3b = W0[tb] * wb, W1[tb] * wb, W2[tb] * wb, W3[tb] * wb
-        acc_pair4(Vkv[ja], Vkv[jb], w0a, w1a, w2a, w3a, w0b, w1b, w2b, w3b, a0, a1, a2, a3)
-        t += 2
     lsum[0] += l0
     lsum[1] += l1
     lsum[2] += l2
@@ -177,15 +139,87 @@ def _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, j1, fl, ul, G, 
     cnt[3] += n3
 
 
+@njit(inline="always")
+def _add_rows(Vkv, Vflat, base, ul, nu, W, acc):
+    """acc [LANES, d] += the union's value rows Vkv[ul[t]] [width] weighted by W[:, t], each row read
+    once for all lanes, two rows per pass over the accumulators (half their loads and stores);
+    Vflat / base: the pool flat and the kv-head's offset in it, for the prefetches."""
+    rw = Vkv.shape[1]
+    W0, W1, W2, W3 = W[0], W[1], W[2], W[3]
+    a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
+    t = 0
+    while t < nu:
+        _prefetch_rows(Vflat, base, rw, ul, t + _PF_DIST, min(t + _PF_DIST + 2, nu))
+        ja = ul[t]
+        tb = t + 1 if t + 1 < nu else t
+        jb = ul[tb]
+        wb = np.float32(1.0) if t + 1 < nu else np.float32(0.0)   # an odd last row pairs with nothing
+        w0a, w1a, w2a, w3a = W0[t], W1[t], W2[t], W3[t]
+        w0b, w1b, w2b, w3b = W0[tb] * wb, W1[tb] * wb, W2[tb] * wb, W3[tb] * wb
+        acc_pair4(Vkv[ja], Vkv[jb], w0a, w1a, w2a, w3a, w0b, w1b, w2b, w3b, a0, a1, a2, a3)
+        t += 2
+
+
+@njit(cache=True)
+def _range_task(sel, lanes, V, r, j0, j1, scratch, sums, q, host):
+    # Table row r's heads over tokens [j0, j1): adds into sums (acc [LANES, d] f32, lsum [LANES]
+    # f64, cnt [LANES] int64, lane order). sel (lev, lcut, scale, offset, mref): uint16 levels lev
+    # with int64 cuts lcut, or float32 scores with float32 cuts (kernels_cpu.exact_step: scale 1,
+    # offset 0); a head selects where lev >= its cut; mref [Hq] the reference scores.
+    # scratch (fl, ul, G, W): fl uint8 [>= j1 - j0 + 8] (bit e: lane e selects the token), ul int64
+    # [>= j1 - j0] (the union's tokens), G [LANES, >= j1 - j0] of lev's dtype (their levels), W f32
+    # [LANES, >= j1 - j0] (their weights). host (K, rescore): with rescore, the weights from exact
+    # scores of the queries q [Hq, d] over host keys K [Hkv, >= j1, d] (f32 or half bits) instead
+    # of the levels. V [Hkv, cap, width]: float rows (width d) or quantized ones (uint8: value_rows).
+    lev, lcut, scale, offset, mref = sel
+    fl, ul, G, W = scratch
+    acc, lsum, cnt = sums
+    K, rescore = host
+    rw = V.shape[2]
+    kv = r // (lanes.shape[0] // V.shape[0])
+    h0, h1, h2, h3 = lanes[r, 0], lanes[r, 1], lanes[r, 2], lanes[r, 3]
+    # an empty lane reads lane 0's head and never selects (cut above every level)
+    c0 = lcut[h0]
+    c1 = lcut[h1] if h1 >= 0 else np.int64(1 << 17)
+    c2 = lcut[h2] if h2 >= 0 else np.int64(1 << 17)
+    c3 = lcut[h3] if h3 >= 0 else np.int64(1 << 17)
+    h1, h2, h3 = max(h1, h0), max(h2, h0), max(h3, h0)
+    L0, L1, L2, L3 = lev[h0, j0:j1], lev[h1, j0:j1], lev[h2, j0:j1], lev[h3, j0:j1]
+    nu = _lane_union(L0, L1, L2, L3, c0, c1, c2, c3, j1 - j0, j0, fl, ul)
+    if nu == 0:
+        return
+    # the union's levels, compacted, then their weights in loops that vectorize (on natural text
+    # the union is ~10% of the tokens: an exp per token of the range would cost ~10x more)
+    G0, G1, G2, G3 = G[0], G[1], G[2], G[3]
+    for t in range(nu):
+        u = ul[t] - j0
+        G0[t], G1[t], G2[t], G3[t] = L0[u], L1[u], L2[u], L3[u]
+    _lane_weights(G0, nu, c0, scale[h0], offset[h0] - mref[h0], W[0])
+    _lane_weights(G1, nu, c1, scale[h1], offset[h1] - mref[h1], W[1])
+    _lane_weights(G2, nu, c2, scale[h2], offset[h2] - mref[h2], W[2])
+    _lane_weights(G3, nu, c3, scale[h3], offset[h3] - mref[h3], W[3])   # (all 0 for an empty lane)
+    if rescore:
+        _exact_lane_weights(q, K[kv], ul, nu, fl, j0, h0, h1, h2, h3, mref, W)
+    Vflat = V.reshape(V.size)
+    base = np.int64(kv) * V.shape[1] * rw
+    _prefetch_rows(Vflat, base, rw, ul, 0, min(nu, _PF_DIST))
+    _lane_sums(fl, ul, nu, j0, W, lsum, cnt)    # (while the first rows arrive)
+    _add_rows(V[kv], Vflat, base, ul, nu, W, acc)
+
+
 @njit(cache=True, parallel=True)
-def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l, counts,
-                       q, EK, EV, n_exact, valid, eo, em, el, K, rescore):
-    # lev / lcut: see _range_task. o [Hq, d] f32, m / l [Hq] f32, counts [Hq] int32 out. Tasks:
-    # with n_exact > 0, first one per table row over the exact tier EK / EV [Hkv, >=n_exact, d]
-    # (attention._exact_chunk, into eo / em / el: the fused decode step's sinks + ring in the same
-    # parallel region; valid: its slot mask, see _exact_chunk), then (table row, token range),
-    # row-interleaved; slot sl of nt does tasks sl, sl + nt, ... into its own sums. rescore: the
-    # store's weights from q's exact scores over host keys K (of V's type; unread otherwise).
+def _k_level_value_sum(sel, n, V, lanes, nt, counts, q, exact, host, part, exact_part):
+    # sel (lev, lcut, scale, offset, mref): see _range_task. part (o [Hq, d] f32, m / l [Hq] f32),
+    # counts [Hq] int32 out. Tasks: with n_exact > 0, first one per table row over the exact tier
+    # exact (EK, EV [Hkv, >=n_exact, d], n_exact, valid) (attention._exact_chunk, into exact_part
+    # (eo, em, el): the fused decode step's sinks + ring in the same parallel region; valid: its
+    # slot mask, see _exact_chunk), then (table row, token range), row-interleaved; slot sl of nt
+    # does tasks sl, sl + nt, ... into its own sums. host (K, rescore): with rescore, the store's
+    # weights from q's exact scores over host keys K (of V's type; unread otherwise).
+    lev, _, _, _, mref = sel
+    EK, EV, n_exact, valid = exact
+    o, m, l = part
+    eo, em, el = exact_part
     Hq, d = o.shape
     R = lanes.shape[0]
     nr = (n + _RANGE - 1) // _RANGE
@@ -213,8 +247,7 @@ def _k_level_value_sum(lev, n, lcut, scale, offset, mref, lanes, V, nt, o, m, l,
             acc[:] = 0.0
             lsum[:] = 0.0
             cnt[:] = 0
-            _range_task(lev, lcut, scale, offset, mref, lanes, V, r, j0, min(n, j0 + _RANGE), fl, ul, G, W,
-                        acc, lsum, cnt, q, K, rescore)
+            _range_task(sel, lanes, V, r, j0, min(n, j0 + _RANGE), (fl, ul, G, W), (acc, lsum, cnt), q, host)
             for e in range(LANES):
                 pl[sl, r, e] += lsum[e]
                 pc[sl, r, e] += cnt[e]

@@ -24,6 +24,70 @@ def _argmin_update(v, bv, bi, jj, tn):
         bi[t] = jj if lt else bi[t]
 
 
+@njit(inline="always")
+def _tile_argmin(X2, Ci, cni, tn, dist, bv, bi):
+    """bi[t] = the centroid of Ci [c, ds] nearest to token t < tn of the tile, X2 [ds, >= tn] (2 x,
+    dimension-major), by dist = cni[jj] - X2[:, t] . Ci[jj] (cni [c] the norms); bv [>= tn] the best
+    distances, dist [>= tn] scratch. ds = 1, 2, 4: one fused loop per centroid; other ds
+    accumulate dist one dimension at a time (the same operation order)."""
+    c, ds = Ci.shape
+    for t in range(tn):
+        bv[t] = np.inf
+        bi[t] = 0
+    if ds == 4:
+        x0 = X2[0]
+        x1 = X2[1]
+        x2 = X2[2]
+        x3 = X2[3]
+        for jj in range(c):
+            cj = cni[jj]
+            c0 = Ci[jj, 0]
+            c1 = Ci[jj, 1]
+            c2 = Ci[jj, 2]
+            c3 = Ci[jj, 3]
+            jj32 = np.int32(jj)
+            for t in range(tn):
+                v = (((cj - x0[t] * c0) - x1[t] * c1) - x2[t] * c2) - x3[t] * c3
+                lt = v < bv[t]
+                bv[t] = v if lt else bv[t]
+                bi[t] = jj32 if lt else bi[t]
+    elif ds == 2:
+        x0 = X2[0]
+        x1 = X2[1]
+        for jj in range(c):
+            cj = cni[jj]
+            c0 = Ci[jj, 0]
+            c1 = Ci[jj, 1]
+            jj32 = np.int32(jj)
+            for t in range(tn):
+                v = (cj - x0[t] * c0) - x1[t] * c1
+                lt = v < bv[t]
+                bv[t] = v if lt else bv[t]
+                bi[t] = jj32 if lt else bi[t]
+    elif ds == 1:
+        x0 = X2[0]
+        for jj in range(c):
+            cj = cni[jj]
+            c0 = Ci[jj, 0]
+            jj32 = np.int32(jj)
+            for t in range(tn):
+                v = cj - x0[t] * c0
+                lt = v < bv[t]
+                bv[t] = v if lt else bv[t]
+                bi[t] = jj32 if lt else bi[t]
+    else:
+        for jj in range(c):
+            cj = cni[jj]
+            for t in range(tn):
+                dist[t] = cj
+            for k in range(ds):
+                ck = Ci[jj, k]
+                xk = X2[k]
+                for t in range(tn):
+                    dist[t] -= xk[t] * ck
+            _argmin_update(dist, bv, bi, np.int32(jj), tn)
+
+
 @njit(cache=True, parallel=True)
 def _k_encode_keys(K, C, cn, out):
     # K [Hkv, n, d] (f32 or u16 half bits), C [Hkv, g, c, ds] f32,
@@ -31,11 +95,9 @@ def _k_encode_keys(K, C, cn, out):
     # Work item = (kv-head, tile of _ENC_TILE tokens); inside, tokens are the
     # vector lanes: for each centroid jj, dist[t] = ||c||^2 - 2 x_t . c is
     # computed for all tokens of the tile at once and folded into a running
-    # argmin.  ds = 1, 2, 4 have fused single-loop paths; other ds accumulate
-    # in dist[] one dimension at a time (same operation order).
+    # argmin (_tile_argmin).
     Hkv, n, d = K.shape
     g = C.shape[1]
-    c = C.shape[2]
     ds = C.shape[3]
     TT = _ENC_TILE
     nt = (n + TT - 1) // TT
@@ -48,67 +110,11 @@ def _k_encode_keys(K, C, cn, out):
         bv = np.empty(TT, dtype=np.float32)
         bi = np.empty(TT, dtype=np.int32)
         for i in range(g):
-            Ci = C[kv, i]
-            cni = cn[kv, i]
             for t in range(tn):
                 Kt = K[kv, t0 + t]
                 for k in range(ds):
                     X2[k, t] = np.float32(2.0) * _ld(Kt[i * ds + k])
-            for t in range(tn):
-                bv[t] = np.inf
-                bi[t] = 0
-            if ds == 4:
-                x0 = X2[0]
-                x1 = X2[1]
-                x2 = X2[2]
-                x3 = X2[3]
-                for jj in range(c):
-                    cj = cni[jj]
-                    c0 = Ci[jj, 0]
-                    c1 = Ci[jj, 1]
-                    c2 = Ci[jj, 2]
-                    c3 = Ci[jj, 3]
-                    jj32 = np.int32(jj)
-                    for t in range(tn):
-                        v = (((cj - x0[t] * c0) - x1[t] * c1) - x2[t] * c2) - x3[t] * c3
-                        lt = v < bv[t]
-                        bv[t] = v if lt else bv[t]
-                        bi[t] = jj32 if lt else bi[t]
-            elif ds == 2:
-                x0 = X2[0]
-                x1 = X2[1]
-                for jj in range(c):
-                    cj = cni[jj]
-                    c0 = Ci[jj, 0]
-                    c1 = Ci[jj, 1]
-                    jj32 = np.int32(jj)
-                    for t in range(tn):
-                        v = (cj - x0[t] * c0) - x1[t] * c1
-                        lt = v < bv[t]
-                        bv[t] = v if lt else bv[t]
-                        bi[t] = jj32 if lt else bi[t]
-            elif ds == 1:
-                x0 = X2[0]
-                for jj in range(c):
-                    cj = cni[jj]
-                    c0 = Ci[jj, 0]
-                    jj32 = np.int32(jj)
-                    for t in range(tn):
-                        v = cj - x0[t] * c0
-                        lt = v < bv[t]
-                        bv[t] = v if lt else bv[t]
-                        bi[t] = jj32 if lt else bi[t]
-            else:
-                for jj in range(c):
-                    cj = cni[jj]
-                    for t in range(tn):
-                        dist[t] = cj
-                    for k in range(ds):
-                        ck = Ci[jj, k]
-                        xk = X2[k]
-                        for t in range(tn):
-                            dist[t] -= xk[t] * ck
-                    _argmin_update(dist, bv, bi, np.int32(jj), tn)
+            _tile_argmin(X2, C[kv, i], cn[kv, i], tn, dist, bv, bi)
             for t in range(tn):
                 out[kv, t0 + t, i] = bi[t]
 

@@ -153,6 +153,125 @@ class _Rows:
         return self.b.fneg(a)
 
 
+def _dot_ir(builder, lanes):
+    """dot(acc, u, x) -> acc + u . x per 32-bit lane as IR (u four unsigned bytes, x four signed
+    ones): one vpdpbusd for registers of 16 lanes; vpmaddubsw + vpmaddwd for 8."""
+    ir = cgutils.ir
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    vi32 = ir.VectorType(i32, lanes)
+    if lanes == 16:
+        vpdpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi32, [vi32] * 3),
+                                                  "llvm.x86.avx512.vpdpbusd.512")
+
+        def dot(acc, u, x):
+            return builder.call(vpdpbusd, [acc, u, x])
+        return dot
+    v32i8, v16i16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
+    maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i16, [v32i8] * 2),
+                                             "llvm.x86.avx2.pmadd.ub.sw")
+    maddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi32, [v16i16] * 2),
+                                            "llvm.x86.avx2.pmadd.wd")
+    ones = ir.Constant(v16i16, [1] * 16)
+
+    def dot(acc, u, x):
+        pairs = builder.call(maddubs, [builder.bitcast(u, v32i8), builder.bitcast(x, v32i8)])
+        return builder.add(acc, builder.call(maddwd, [pairs, ones]))
+    return dot
+
+
+def _tile_parts(context, builder, w, val, n_per):
+    """The arrays of a tiles tuple w (type) / val (value) as _Rows reads them: {field: (data pointer,
+    entries k of dim 1, entries per period k / n_per)}."""
+    parts = {}
+    fields = w.instance_class._fields
+    for name, ty, v in zip(fields, w.types, cgutils.unpack_tuple(builder, val, len(fields))):
+        if isinstance(ty, types.Array):
+            a = context.make_array(ty)(context, builder, v)
+            k = cgutils.unpack_tuple(builder, a.shape)[1]
+            parts[name] = (a.data, k, builder.udiv(k, n_per))
+    return parts
+
+
+class _TileIR:
+    """IR of the tile's sums for registers of `lanes` rows: x's parts as data pointers (ph / pl the
+    hi4 / lo4 words, pxs xs, pq qsum), sh the shift (int32)."""
+
+    def __init__(self, context, builder, lanes, ph, pl, pxs, pq, sh):
+        ir = cgutils.ir
+        self.b, self.lanes, self.ph, self.pl, self.pxs, self.pq = builder, lanes, ph, pl, pxs, pq
+        self.intp = context.get_value_type(types.intp)
+        self.i32 = ir.IntType(32)
+        self.vi32, self.vf32 = ir.VectorType(self.i32, lanes), ir.VectorType(ir.FloatType(), lanes)
+        self.dot = _dot_ir(builder, lanes)
+        self.zeros = ir.Constant(self.vi32, [0] * lanes)
+        self.shift = self.bcast(sh, self.vi32)
+
+    def bcast(self, scalar, vty):
+        b = self.b
+        v = b.insert_element(cgutils.ir.Constant(vty, None), scalar, self.i32(0))
+        return b.shuffle_vector(v, v, self.zeros)
+
+    def byte_dots(self, gs, col_p):
+        """(H, L): per register v, the int32 sums u . hi and u . lo over the lanes of its group gs[v]
+        (_GROUPS' tuples; the period's columns from col_p)."""
+        b, intp, nv = self.b, self.intp, len(gs)
+        H, L = [self.zeros] * nv, [self.zeros] * nv
+        for li in range(len(gs[0][2])):
+            xw = b.add(b.udiv(col_p, intp(4)), intp(gs[0][2][li][1] // 4))
+            hb = self.bcast(b.load(b.gep(self.ph, [xw])), self.vi32)
+            lb = self.bcast(b.load(b.gep(self.pl, [xw])), self.vi32)
+            for v in range(nv):
+                u = gs[v][2][li][0]
+                H[v], L[v] = self.dot(H[v], u, hb), self.dot(L[v], u, lb)
+        return H, L
+
+    def group(self, gs, col_p, y):
+        """y [nv] f32 vectors += s_b (alpha (A - off qsum) + beta qsum) of the groups gs (one per
+        register), A = 2^S (u . hi) + (u . lo)."""
+        b, intp, vi32, vf32 = self.b, self.intp, self.vi32, self.vf32
+        H, L = self.byte_dots(gs, col_p)
+        col0, ncols = gs[0][0], gs[0][1]
+        c0 = b.add(col_p, intp(col0))
+        s = self.bcast(b.load(b.gep(self.pxs, [b.udiv(c0, intp(32))])), vf32)
+        q16 = b.udiv(c0, intp(16))
+        qs_ = b.load(b.gep(self.pq, [q16]))
+        for k in range(1, ncols // 16):
+            qs_ = b.add(qs_, b.load(b.gep(self.pq, [b.add(q16, intp(k))])))
+        qsum = self.bcast(qs_, vi32)
+        for v in range(len(gs)):
+            _, _, _, off, alpha, beta = gs[v]
+            a = b.add(b.shl(H[v], self.shift), L[v])
+            if off:
+                a = b.sub(a, b.mul(qsum, cgutils.ir.Constant(vi32, [off] * self.lanes)))
+            f = b.fmul(alpha, b.sitofp(a, vf32))
+            if beta is not None:
+                f = b.fadd(f, b.fmul(beta, b.sitofp(qsum, vf32)))
+            y[v] = b.fadd(y[v], b.fmul(s, f))
+
+
+def _tile_body(context, builder, lanes, period, groups, parts, t_, n_per, g, py):
+    """The tile's loop over its n_per periods (tile t_, x's parts in g: _TileIR) into py [64] f32."""
+    intp, vf32 = g.intp, g.vf32
+    # nv registers of rows at a time; every pass over a period before the next period, so
+    # that the passes read a lane group's 256 bytes together (AVX2's two passes over whole
+    # tiles read every other 128 bytes: 11 against 30 GB/s of weights in the model)
+    nv, nr = 4, ROWS // lanes
+    acc = [cgutils.alloca_once_value(builder, cgutils.ir.Constant(vf32, [0.0] * lanes)) for _ in range(nr)]
+    with cgutils.for_range(builder, n_per) as loop:
+        p = loop.index
+        col_p = builder.mul(p, intp(period))
+        for ps in range(nr // nv):
+            regs = range(ps * nv, ps * nv + nv)
+            y_new = [builder.load(acc[r]) for r in regs]
+            for gs in zip(*(groups(_Rows(builder, parts, t_, p, r * lanes, lanes, intp)) for r in regs)):
+                g.group(gs, col_p, y_new)
+            for v, r in enumerate(regs):
+                builder.store(y_new[v], acc[r])
+    for r in range(nr):
+        dst = builder.gep(py, [intp(r * lanes)])
+        builder.store(builder.load(acc[r]), builder.bitcast(dst, vf32.as_pointer()), align=4)
+
+
 def _make_tile(lanes: int):
     """The tile intrinsic for registers of `lanes` rows (16: vpdpbusd; 8: vpmaddubsw + vpmaddwd).
     Call: (w: a kernels_cpu.quant tiles tuple of 64-row tiles, t, hi4, lo4 int32 [I/4] (x's bytes,
@@ -166,9 +285,6 @@ def _make_tile(lanes: int):
         period, groups = _GROUPS[w.instance_class.__name__]
 
         def codegen(context, builder, signature, args):
-            ir = cgutils.ir
-            i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-            vi32, vf32 = ir.VectorType(i32, lanes), ir.VectorType(ir.FloatType(), lanes)
             intp = context.get_value_type(types.intp)
 
             def arr(ty, val):
@@ -177,82 +293,11 @@ def _make_tile(lanes: int):
             ph, pl, pxs, pq, py = (arr(signature.args[k], args[k]).data for k in (2, 3, 4, 5, 7))
             n_words = cgutils.unpack_tuple(builder, arr(signature.args[2], args[2]).shape)[0]
             n_per = builder.udiv(builder.mul(n_words, intp(4)), intp(period))     # periods of the row
-            parts = {}
-            fields = w.instance_class._fields
-            for name, ty, val in zip(fields, w.types, cgutils.unpack_tuple(builder, args[0], len(fields))):
-                if isinstance(ty, types.Array):
-                    a = arr(ty, val)
-                    k = cgutils.unpack_tuple(builder, a.shape)[1]
-                    parts[name] = (a.data, k, builder.udiv(k, n_per))
+            parts = _tile_parts(context, builder, w, args[0], n_per)
             t_ = context.cast(builder, args[1], signature.args[1], types.intp)
             sh = context.cast(builder, args[6], signature.args[6], types.int32)
-            if lanes == 16:
-                vpdpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi32, [vi32] * 3),
-                                                          "llvm.x86.avx512.vpdpbusd.512")
-
-                def dot(acc, u, x):
-                    return builder.call(vpdpbusd, [acc, u, x])
-            else:
-                v32i8, v16i16 = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
-                maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i16, [v32i8] * 2),
-                                                         "llvm.x86.avx2.pmadd.ub.sw")
-                maddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi32, [v16i16] * 2),
-                                                        "llvm.x86.avx2.pmadd.wd")
-                ones = ir.Constant(v16i16, [1] * 16)
-
-                def dot(acc, u, x):
-                    pairs = builder.call(maddubs, [builder.bitcast(u, v32i8), builder.bitcast(x, v32i8)])
-                    return builder.add(acc, builder.call(maddwd, [pairs, ones]))
-
-            zeros = ir.Constant(vi32, [0] * lanes)
-
-            def bcast(scalar, vty):
-                v = builder.insert_element(ir.Constant(vty, None), scalar, i32(0))
-                return builder.shuffle_vector(v, v, zeros)
-
-            shift = bcast(sh, vi32)
-            # nv registers of rows at a time; every pass over a period before the next period, so
-            # that the passes read a lane group's 256 bytes together (AVX2's two passes over whole
-            # tiles read every other 128 bytes: 11 against 30 GB/s of weights in the model)
-            nv, nr = 4, ROWS // lanes
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf32, [0.0] * lanes)) for _ in range(nr)]
-            with cgutils.for_range(builder, n_per) as loop:
-                p = loop.index
-                col_p = builder.mul(p, intp(period))
-                for ps in range(nr // nv):
-                    regs = range(ps * nv, ps * nv + nv)
-                    y_new = [builder.load(acc[r]) for r in regs]
-                    for gs in zip(*(groups(_Rows(builder, parts, t_, p, r * lanes, lanes, intp)) for r in regs)):
-                        col0, ncols = gs[0][0], gs[0][1]
-                        H, L = [zeros] * nv, [zeros] * nv
-                        for li in range(len(gs[0][2])):
-                            xw = builder.add(builder.udiv(col_p, intp(4)), intp(gs[0][2][li][1] // 4))
-                            hb = bcast(builder.load(builder.gep(ph, [xw])), vi32)
-                            lb = bcast(builder.load(builder.gep(pl, [xw])), vi32)
-                            for v in range(nv):
-                                u = gs[v][2][li][0]
-                                H[v], L[v] = dot(H[v], u, hb), dot(L[v], u, lb)
-                        c0 = builder.add(col_p, intp(col0))
-                        s = bcast(builder.load(builder.gep(pxs, [builder.udiv(c0, intp(32))])), vf32)
-                        q16 = builder.udiv(c0, intp(16))
-                        qs_ = builder.load(builder.gep(pq, [q16]))
-                        for k in range(1, ncols // 16):
-                            qs_ = builder.add(qs_, builder.load(builder.gep(pq, [builder.add(q16, intp(k))])))
-                        qsum = bcast(qs_, vi32)
-                        for v in range(nv):
-                            _, _, _, off, alpha, beta = gs[v]
-                            a = builder.add(builder.shl(H[v], shift), L[v])
-                            if off:
-                                a = builder.sub(a, builder.mul(qsum, ir.Constant(vi32, [off] * lanes)))
-                            f = builder.fmul(alpha, builder.sitofp(a, vf32))
-                            if beta is not None:
-                                f = builder.fadd(f, builder.fmul(beta, builder.sitofp(qsum, vf32)))
-                            y_new[v] = builder.fadd(y_new[v], builder.fmul(s, f))
-                    for v, r in enumerate(regs):
-                        builder.store(y_new[v], acc[r])
-            for r in range(nr):
-                dst = builder.gep(py, [intp(r * lanes)])
-                builder.store(builder.load(acc[r]), builder.bitcast(dst, vf32.as_pointer()), align=4)
+            g = _TileIR(context, builder, lanes, ph, pl, pxs, pq, sh)
+            _tile_body(context, builder, lanes, period, groups, parts, t_, n_per, g, py)
             return context.get_dummy_value()
 
         return sig, codegen
