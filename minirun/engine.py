@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -23,6 +24,15 @@ from .checkpoint.tokenizer import Tokenizer
 
 
 HCA_STEPS_MAX = 64     # prompt tokens after cached ones that an HCA cache on a GPU takes as decode steps
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A forward that a prefill asks its driver for (Engine.prefill_steps yields it): tokens [T]
+    int64 of one sequence after what `cache` holds. The driver sends back their last hidden state
+    [1, D], or None when it stops there without running it."""
+    tokens: torch.Tensor
+    cache: object
 
 
 def resolve_device(device: str) -> torch.device:
@@ -164,22 +174,26 @@ class Engine:
         else:
             self.reset()
 
+    @torch.inference_mode()
     def prefill(self, ids: list[int], progress=None, should_stop=None) -> tuple[torch.Tensor, int]:
         """Make the cache hold exactly `ids`; return (last logits [1, V], tokens served from cache):
-        prefill_steps run to its end."""
+        prefill_steps driven to its end, each chunk a forward of its own."""
         steps = self.prefill_steps(ids, progress, should_stop)
+        hidden = None
         while True:
             try:
-                next(steps)
+                chunk = steps.send(hidden)
             except StopIteration as done:
                 return done.value
+            hidden = self.model.forward(chunk.tokens, chunk.cache, hidden=True)
 
     @torch.inference_mode()     # (torch enters it around each resumption of the generator)
     def prefill_steps(self, ids: list[int], progress=None, should_stop=None):
-        """prefill as a generator that yields (None) after each forward of a prompt chunk, so that a
-        caller can run other sequences' steps in between (the server's scheduler); its return
-        value (StopIteration.value) is prefill's. Finish it, or stop it through should_stop: the
-        cache is consistent only once it has returned.
+        """prefill as a generator that yields each prompt chunk's forward (a PromptChunk) for its
+        driver to run and send back, so that a driver can run other sequences' steps in between,
+        or several prefills' chunks in one forward (the server's scheduler, forward_chunks); its
+        return value (StopIteration.value) is prefill's. Finish it, or stop it through should_stop
+        or by sending None: the cache is consistent only once it has returned.
 
         A prefix shared with what the cache already holds is reused when the cache can truncate to it.
         An HCA cache truncates within its ring, or within a ring it copied (kv/ring_checkpoint.py):
@@ -267,14 +281,14 @@ class Engine:
         x = None
         done = 0
         for i in range(0, todo.numel(), chunk):
-            x = self.model.forward(todo[i:i + chunk], self.cache, hidden=True)   # (logits of the last one only)
-            done = min(i + chunk, todo.numel())
+            h = yield PromptChunk(todo[i:i + chunk], self.cache)   # (the hidden state: logits of the last one only)
+            if h is None:                                          # the driver stops before this chunk
+                break
+            x, done = h, min(i + chunk, todo.numel())
             if progress:
                 progress(before + done, total)
-            if done < todo.numel():
-                yield
-                if should_stop is not None and should_stop():
-                    break
+            if done < todo.numel() and should_stop is not None and should_stop():
+                break
         self.cache.end_prefill()
         return (None if x is None else self.model.logits(x)), done, mode
 
@@ -316,6 +330,17 @@ class Engine:
         for e, t in zip(engines, tokens):
             e._cached_ids.append(t)
         return logits
+
+    @staticmethod
+    @torch.inference_mode()
+    def forward_chunks(engines: list["Engine"], chunks: list[PromptChunk]) -> torch.Tensor:
+        """The next prompt chunk of several prefills (chunks[i]: what engines[i].prefill_steps
+        yielded; siblings) in one forward, the weights read once for all of them -> each chunk's
+        last hidden state [B, D] (row i goes back to engine i's prefill_steps)."""
+        model = engines[0].model
+        if any(e.model is not model for e in engines) or len(engines) != len(chunks):
+            raise ValueError("forward_chunks: one chunk for each engine, all on one model")
+        return model.forward_batch([c.tokens for c in chunks], [c.cache for c in chunks], hidden=True)
 
     # ---- generation ---------------------------------------------------------------------------
     def decoding(self, ids: list[int], max_new_tokens: int, stop=(), ignore_eos: bool = False,

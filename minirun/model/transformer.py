@@ -93,10 +93,10 @@ class Model:
         (float32), or the last hidden state [1, D] (see run)."""
         return self.run(Batch(tokens, (int(tokens.shape[0]),), (cache.offset,)), [cache], all_logits, hidden)
 
-    def forward_batch(self, tokens: list[torch.Tensor], caches: list) -> torch.Tensor:
+    def forward_batch(self, tokens: list[torch.Tensor], caches: list, hidden: bool = False) -> torch.Tensor:
         """Several sequences in one step: tokens[i] [T_i] int64 after what caches[i] holds ->
-        logits [B, V] float32 of each one's last token."""
-        return self.run(Batch.of(tokens, [c.offset for c in caches]), caches)
+        logits [B, V] float32 of each one's last token (hidden: their hidden states [B, D])."""
+        return self.run(Batch.of(tokens, [c.offset for c in caches]), caches, hidden=hidden)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """forward(hidden=True)'s state [1, D] -> its logits [1, V] (float32)."""

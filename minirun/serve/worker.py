@@ -7,9 +7,10 @@ from an asyncio queue the worker feeds through the event loop:
   ("text", piece)* then ("done", GenerationResult) | ("error", Exception).
 
 Continuous batching (what llama-server's slots and vLLM's scheduler do): a queued job takes a
-free slot at the next step; each step advances every slot still reading its prompt by one chunk
-(Engine.prefill_steps) and then decodes one token for every answering slot in one forward
-(Engine.step_batch: the weights read once for all of them). A long prompt therefore delays the
+free slot at the next step; each step advances every slot still reading its prompt by one chunk,
+all of them in one forward (Engine.prefill_steps' chunks through Engine.forward_chunks), and then
+decodes one token for every answering slot in one forward (Engine.step_batch): the weights are read
+once for all of them, so prompts that arrive together are read together. A long prompt delays the
 others' next token by one chunk's forward (512 tokens on a CPU), not by its whole prefill. A job
 goes to the free slot whose cache holds the longest prefix of its prompt when that covers at
 least half of it (a follow-up about a document reaches the slot that read the document), else to
@@ -78,11 +79,13 @@ class Job:
 @dataclass
 class Slot:
     """One sequence of the served model: its engine (the shared model, a cache of its own) and the
-    job it answers: while `prefill` (Engine.prefill_steps) runs, its prompt; then `dec`'s tokens."""
+    job it answers: while `prefill` (Engine.prefill_steps) runs, its prompt, `chunk` the forward it
+    waits for; then `dec`'s tokens."""
     engine: object
     job: Job | None = None
     dec: object = None
     prefill: object = None
+    chunk: object = None
     used: float = 0.0                  # when it last took a job: the least recently used goes first
     t0: float = 0.0                    # when it took the job (wall, and the process's CPU time)
     cpu0: float = 0.0
@@ -229,13 +232,14 @@ class EngineWorker:
             return
         stop = lambda: job.cancel.is_set() or self.stopping.is_set()   # noqa: E731
         slot.prefill = slot.engine.prefill_steps(job.ids, should_stop=stop)
+        self._guarded([slot], self._advance, slot, None)     # (to its first chunk)
 
     def step(self) -> None:
-        """One step: a prompt chunk for each slot still prefilling, then one token for every answering
-        slot in one forward."""
-        for slot in self.slots:
-            if slot.prefill is not None:
-                self._guarded([slot], self._prefill_chunk, slot)
+        """One step: a prompt chunk for each slot still prefilling, all in one forward, then one token
+        for every answering slot in one forward."""
+        reading = [s for s in self.slots if s.prefill is not None]
+        if reading:
+            self._prefill_chunks(reading)
         ready = [s for s in self.slots if s.job is not None and s.prefill is None]
         for slot in ready:
             if slot.job.cancel.is_set() or self.stopping.is_set():
@@ -244,13 +248,24 @@ class EngineWorker:
         if ready:
             self._guarded(ready, self._decode, ready)
 
-    def _prefill_chunk(self, slot: Slot) -> None:
+    def _prefill_chunks(self, reading: list[Slot]) -> None:
+        """The next prompt chunk of every slot still reading its prompt, in one forward (its failure
+        fails them all); then each slot's prefill goes on with its row."""
+        hidden = self._guarded(reading, reading[0].engine.forward_chunks, [s.engine for s in reading],
+                               [s.chunk for s in reading])
+        if hidden is not None:
+            for i, slot in enumerate(reading):
+                self._guarded([slot], self._advance, slot, hidden[i:i + 1])
+
+    def _advance(self, slot: Slot, hidden) -> None:
+        """Hand a slot's prefill its chunk's hidden state [1, D] (None: to start it) -> its next
+        chunk, or the prompt read and the first token taken."""
         try:
-            next(slot.prefill)
+            slot.chunk = slot.prefill.send(hidden)
             return
         except StopIteration as done:
             logits, reused = done.value
-        slot.prefill = None
+        slot.prefill = slot.chunk = None
         eng, res = slot.engine, slot.dec.res
         dt = time.perf_counter() - slot.t0
         res.prefill_s, res.reused_tokens = dt, reused
@@ -287,10 +302,13 @@ class EngineWorker:
 
     def _end(self, slot: Slot, reason: str) -> None:
         """End a slot's answer early (cancelled, or the server stops)."""
-        if slot.prefill is not None:      # let the prefill finish its bookkeeping (should_stop says True)
-            for _ in slot.prefill:
+        if slot.prefill is not None:      # let the prefill finish its bookkeeping, its pending chunk not run
+            try:
+                while True:
+                    slot.prefill.send(None)
+            except StopIteration:
                 pass
-            slot.prefill, slot.decode_t0 = None, time.perf_counter()
+            slot.prefill, slot.chunk, slot.decode_t0 = None, None, time.perf_counter()
         self._emit(slot, slot.dec.finish(reason))
         self._done(slot)
 
@@ -314,13 +332,14 @@ class EngineWorker:
     def _free(self, slot: Slot) -> None:
         self.served += 1
         self._seconds.append(time.perf_counter() - slot.t0)
-        slot.job = slot.dec = slot.prefill = slot.decode_t0 = None
+        slot.job = slot.dec = slot.prefill = slot.chunk = slot.decode_t0 = None
 
-    def _guarded(self, slots: list[Slot], fn, *args) -> None:
-        """Run one step's work for `slots`; a refusal (MiniRunError) fails their jobs, a bug too,
-        reported, their caches started afresh; the other slots go on."""
+    def _guarded(self, slots: list[Slot], fn, *args):
+        """Run one step's work for `slots` -> what fn returns, None when it failed: a refusal
+        (MiniRunError) fails their jobs, a bug too, reported, their caches started afresh; the
+        other slots go on."""
         try:
-            fn(*args)
+            return fn(*args)
         except MiniRunError as e:
             for slot in slots:
                 if slot.job is not None:

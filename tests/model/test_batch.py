@@ -1,5 +1,6 @@
-"""Several sequences through one forward (Model.run over a Batch, Engine.step_batch): each gets the
-tokens and logits it gets alone; the checks a batch makes before it writes anything."""
+"""Several sequences through one forward (Model.run over a Batch, Engine.step_batch, and prompt
+chunks through Engine.forward_chunks): each gets the tokens and logits it gets alone; the checks a
+batch makes before it writes anything."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,64 @@ def test_a_batch_of_four_decodes_each_as_alone(tiny_model_dir, setting):
         assert seqs[i].cache.offset == len(p) + N_NEW - 1
 
 
+def prefill_together(engines, ids):
+    """Each engine's prefill_steps driven together, every step one Engine.forward_chunks of all the
+    prompts not yet read -> (last logits [1, V] per engine, sequences per forward)."""
+    steps = [e.prefill_steps(p) for e, p in zip(engines, ids)]
+    pending = {i: s.send(None) for i, s in enumerate(steps)}
+    last, sizes = {}, []
+    while pending:
+        idx = list(pending)
+        sizes.append(len(idx))
+        hidden = Engine.forward_chunks([engines[i] for i in idx], [pending[i] for i in idx])
+        for j, i in enumerate(idx):
+            try:
+                pending[i] = steps[i].send(hidden[j:j + 1])
+            except StopIteration as done:
+                last[i] = done.value[0]
+                del pending[i]
+    return [last[i] for i in range(len(engines))], sizes
+
+
+@pytest.mark.parametrize("setting", ["dense", "hca", "dense-q4_1"])
+def test_prompts_read_together_answer_as_alone(tiny_model_dir, setting):
+    """Four prompts of 30-81 tokens in chunks of 16, each chunk of all of them in one forward: each
+    prompt's last logits are those of its prefill alone, and the decoding after them too."""
+    kw = dict(device="cpu", ctx=160, prefill_chunk=16, **SETTINGS[setting])
+    eng = Engine.load(tiny_model_dir("gqa-untied"), **kw)
+    seqs = [eng] + [eng.sibling() for _ in range(3)]
+    ids = prompts()
+    last, sizes = prefill_together(seqs, ids)
+    assert sizes == [4, 4, 3, 2, 1, 1]                 # (2, 3, 4, 6 chunks)
+    alone = Engine.load(tiny_model_dir("gqa-untied"), **kw)
+    for i, p in enumerate(ids):
+        alone.reset()
+        want = alone.prefill(p)[0]
+        assert (last[i] - want).abs().max().item() <= 2e-4, i
+        assert seqs[i]._cached_ids == p and seqs[i].cache.offset == len(p)
+    toks = [int(lg[-1].argmax()) for lg in last]
+    for _ in range(N_NEW - 1):
+        toks = Engine.step_batch(seqs, toks).argmax(-1).tolist()
+    for i, p in enumerate(ids):
+        assert seqs[i]._cached_ids[:len(p)] == p
+        assert seqs[i]._cached_ids[len(p):] == alone_greedy(alone, p)[0][:N_NEW - 1], i
+
+
+def test_a_prefill_sent_none_stops_before_its_chunk(tiny_model_dir):
+    """The driver stops a prefill by sending None instead of a chunk's result: the cache holds the
+    chunks run so far, and the next prefill of the prompt reuses them."""
+    eng = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", ctx=160, prefill_chunk=16)
+    ids = prompts()[3]
+    steps = eng.prefill_steps(ids)
+    chunk = steps.send(None)
+    for _ in range(2):
+        chunk = steps.send(eng.model.forward(chunk.tokens, chunk.cache, hidden=True))
+    with pytest.raises(StopIteration):
+        steps.send(None)
+    assert eng._cached_ids == ids[:32] and eng.cache.offset == 32
+    assert eng.prefill(ids)[1] == 32
+
+
 def test_a_batch_refuses_before_it_writes(tiny_model_dir):
     d = tiny_model_dir("gqa-untied")
     eng = Engine.load(d, device="cpu", ctx=40)
@@ -75,3 +134,5 @@ def test_a_batch_refuses_before_it_writes(tiny_model_dir):
         Engine.step_batch([eng, other], [5, 6])
     with pytest.raises(ValueError, match="one token for each"):
         Engine.step_batch([eng], [5, 6])
+    with pytest.raises(ValueError, match="one model"):
+        Engine.forward_chunks([eng, other], [eng.prefill_steps([5, 6]).send(None)] * 2)

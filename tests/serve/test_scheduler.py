@@ -1,6 +1,7 @@
 """The server's slots (minirun/serve/worker.py): jobs join and leave a running batch, each answer is
-the one its prompt gets alone, a long prompt is read in chunks between the others' tokens, a
-follow-up reaches the slot holding its document, and a cancelled job frees its slot at once."""
+the one its prompt gets alone, prompts that arrive together are read in one forward a chunk, a long
+prompt is read in chunks between the others' tokens, a follow-up reaches the slot holding its
+document, and a cancelled job frees its slot at once."""
 from __future__ import annotations
 
 import asyncio
@@ -27,13 +28,17 @@ def prompt(seed: int, n: int) -> list[int]:
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-async def answer_all(worker: EngineWorker, jobs: list[tuple[list[int], int]], cancel_after: dict | None = None):
+async def answer_all(worker: EngineWorker, jobs: list[tuple[list[int], int]], cancel_after: dict | None = None,
+                     then=None):
     """Submit every (ids, max_new) at once to a worker running in its own thread -> the events of
-    each job; cancel_after {job index: texts}: that job's client leaves after so many text events."""
+    each job; cancel_after {job index: texts}: that job's client leaves after so many text events;
+    then: called once all are queued (to start the worker only then)."""
     loop = asyncio.get_running_loop()
     made = [Job(ids, n, dict(GREEDY), loop) for ids, n in jobs]
     for job in made:
         worker.submit(job)
+    if then is not None:
+        then()
 
     async def events(i, job):
         got = []
@@ -99,6 +104,33 @@ def test_jobs_join_a_running_batch_and_each_answers_as_alone(tiny_model_dir, mon
     assert not worker.busy and worker.served == 5
 
 
+def count_chunk_forwards(monkeypatch) -> list[int]:
+    """Engine.forward_chunks recorded: the number of prompts in each call."""
+    sizes = []
+    forward_chunks = Engine.forward_chunks
+    monkeypatch.setattr(Engine, "forward_chunks", staticmethod(
+        lambda engines, chunks: (sizes.append(len(chunks)), forward_chunks(engines, chunks))[1]))
+    return sizes
+
+
+def test_prompts_that_arrive_together_are_read_in_one_forward_a_chunk(tiny_model_dir, monkeypatch):
+    """Three prompts of 20, 37 and 54 tokens (3, 5, 7 chunks) submitted at once: each chunk step
+    reads all the prompts still unread in one forward, and each answer is the one it gets alone."""
+    worker = EngineWorker(load(tiny_model_dir, parallel=3))
+    sizes = count_chunk_forwards(monkeypatch)
+    jobs = [(prompt(20 + i, 20 + 17 * i), 5) for i in range(3)]
+    running = Running(worker)
+    try:
+        got = asyncio.run(answer_all(worker, jobs, then=running.thread.start))   # (all queued before it starts)
+    finally:
+        running.__exit__()
+    assert sizes == [3, 3, 3, 2, 2, 1, 1]
+    alone = load(tiny_model_dir)
+    for (ids, n), events in zip(jobs, got):
+        assert final(events).tokens == alone.generate(ids, max_new_tokens=n, **GREEDY).tokens
+        alone.reset()
+
+
 def test_a_long_prompt_is_read_between_the_other_answers_tokens(tiny_model_dir, monkeypatch):
     """While slot 1 reads a 200-token prompt (25 chunks), slot 0 keeps decoding: its tokens arrive
     between the chunks, not after them."""
@@ -107,8 +139,8 @@ def test_a_long_prompt_is_read_between_the_other_answers_tokens(tiny_model_dir, 
     log = []
     monkeypatch.setattr(worker, "_decode", (lambda f: lambda ready: (log.append(("decode", len(ready))), f(ready)))(
         worker._decode))
-    monkeypatch.setattr(worker, "_prefill_chunk", (lambda f: lambda slot: (log.append(("chunk", id(slot))), f(slot)))(
-        worker._prefill_chunk))
+    monkeypatch.setattr(worker, "_prefill_chunks", (lambda f: lambda slots: (log.append(("chunk", len(slots))), f(slots)))(
+        worker._prefill_chunks))
     got = run_worker(worker, [(prompt(1, 10), 40), (prompt(2, 200), 4)])
     assert final(got[1]).prompt_tokens == 200
     chunks = [i for i, (k, _) in enumerate(log) if k == "chunk"]
@@ -161,9 +193,7 @@ def test_a_cancelled_job_frees_its_slot_and_the_next_one_runs(tiny_model_dir):
 def test_a_job_cancelled_inside_its_prompt_stops_within_a_chunk(tiny_model_dir, monkeypatch):
     eng = load(tiny_model_dir)
     worker = EngineWorker(eng)
-    chunks = []
-    forward = eng.model.forward
-    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (chunks.append(1), forward(*a, **k))[1])
+    chunks = count_chunk_forwards(monkeypatch)
 
     async def go():
         job = Job(prompt(12, 400), 4, dict(GREEDY), asyncio.get_running_loop())
