@@ -43,6 +43,7 @@ QMAX = 127          # largest table entry: two add in a byte
 BLOCK = 32          # tokens per pshufb block (one AVX2 register of codes)
 _CHUNK = 1024       # tokens per task (levels and bucket counts of a chunk stay in L1)
 _MAX_NH = 4         # query heads per block call (more are done in calls of up to 4)
+_AHEAD = 64         # tokens ahead that the levels' pass prefetches the codes of (P rows stream at once)
 
 
 def available() -> bool:
@@ -170,9 +171,9 @@ def _k_fs_levels(PT, n, tabs, nh, top, shift, lev, hist, nt):
             h0 = kv * nh
             j = j0
             while j + BLOCK <= j1:
-                if (j - j0) % 64 == 0 and j + 64 < j1:   # the next line of each pair row, ahead
-                    for p in range(P):
-                        _prefetch(PT, (kv * P + p) * cap + j + 64)
+                if j + _AHEAD < j1:   # each pair row's bytes _AHEAD tokens on, every block: a row starts
+                    for p in range(P):    # anywhere in a line, so a block's 32 bytes may span two
+                        _prefetch(PT, (kv * P + p) * cap + j + _AHEAD)
                 _score_block(nh, ptf, (kv * P) * cap + j, cap, P, tbf, h0 * 2 * P * 16, lvf, h0 * lcap + j, lcap)
                 j += BLOCK
             _tail_levels(PT, kv, j, j1, tabs, h0, nh, lev)
