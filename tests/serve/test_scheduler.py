@@ -104,12 +104,18 @@ def test_jobs_join_a_running_batch_and_each_answers_as_alone(tiny_model_dir, mon
     assert not worker.busy and worker.served == 5
 
 
-def count_chunk_forwards(monkeypatch) -> list[int]:
-    """Engine.forward_chunks recorded: the number of prompts in each call."""
+def count_chunk_forwards(monkeypatch, before=None) -> list[int]:
+    """Engine.forward_chunks recorded: the number of prompts in each call; before(calls so far,
+    this one included), when given, runs ahead of each forward."""
     sizes = []
     forward_chunks = Engine.forward_chunks
-    monkeypatch.setattr(Engine, "forward_chunks", staticmethod(
-        lambda engines, chunks: (sizes.append(len(chunks)), forward_chunks(engines, chunks))[1]))
+
+    def counted(engines, chunks):
+        sizes.append(len(chunks))
+        if before is not None:
+            before(len(sizes))
+        return forward_chunks(engines, chunks)
+    monkeypatch.setattr(Engine, "forward_chunks", staticmethod(counted))
     return sizes
 
 
@@ -194,15 +200,12 @@ def test_a_job_cancelled_inside_its_prompt_stops_within_a_chunk(tiny_model_dir, 
     """The client leaves while the third chunk of a 400-token prompt is read: no chunk after it."""
     eng = load(tiny_model_dir)
     worker = EngineWorker(eng)
-    chunks, held = [], {}
-    forward_chunks = Engine.forward_chunks
+    held = {}
 
-    def counted(engines, cs):
-        chunks.append(1)
-        if len(chunks) == 3:
+    def leave_at_third(calls):
+        if calls == 3:
             held["job"].cancel.set()
-        return forward_chunks(engines, cs)
-    monkeypatch.setattr(Engine, "forward_chunks", staticmethod(counted))
+    chunks = count_chunk_forwards(monkeypatch, before=leave_at_third)
 
     async def go():
         held["job"] = job = Job(prompt(12, 400), 4, dict(GREEDY), asyncio.get_running_loop())
