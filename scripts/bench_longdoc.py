@@ -2,7 +2,9 @@
 
 Usage:
   python scripts/bench_longdoc.py [MODEL] --tokens 32K [--kv dense,hca] [--kv-budget g64c16]
-         [--ctx N] [--facts 4] [--decode 64] [--threads 2] [--device cpu|cuda] [--hca-opt KEY=VALUE ...]
+         [--ctx N] [--facts 4] [--decode 64] [--threads 2] [--device cpu|cuda] [--max-select N]
+         [--dense-fill prefill|random]
+         [--hca-opt KEY=VALUE ...]
          [--json out.json]
 
 The document: Botchan (scripts/eval_quality.py's copy) and the stdlib's pydoc topics (evaluation
@@ -112,18 +114,24 @@ def run_one(a) -> dict:
 
     from minirun import Engine
     from minirun.config import hca_setting
-    hca = dict(hca_setting(a.kv_budget)) if a.kv == "hca" else {}
+    hca = dict(hca_setting(a.kv_budget), max_select=a.max_select) if a.kv == "hca" else {}
     eng = Engine.load(a.model, device=a.device, ctx=a.ctx, kv=a.kv, threads=a.threads, **hca, **a.hca_opts)
     planted = facts(a.facts, a.seed)
     doc = build_document(eng.tokenizer, parse_tokens(a.tokens)[0], planted, a.seed, paragraphs(a.botchan))
     base = [{"role": "system", "content": SYSTEM + "\n\nThe user has shared this document:\n\n" + doc}]
     prefix = eng.tokenize(eng.tokenizer.apply_chat_template(base, add_generation_prompt=False), add_bos=None)
     t0 = time.perf_counter()
-    eng.prefill(prefix, progress=_bar("document"))             # as cli/chat.prefill_document
+    random_fill = a.kv == "dense" and a.dense_fill == "random"
+    if random_fill:     # (dense decoding reads every key and value whatever they hold: its speed and
+        from bench_paired import fill_random_kv   # memory without the quadratic prefill; no facts asked)
+        fill_random_kv(eng, prefix)
+        planted = []
+    else:
+        eng.prefill(prefix, progress=_bar("document"))             # as cli/chat.prefill_document
     prefill_s = time.perf_counter() - t0
-    row = {"kv": a.kv if a.kv == "dense" else f"hca {a.kv_budget}", "tokens": len(prefix), "ctx": a.ctx,
-           "prefill_s": prefill_s, "prefill_tps": len(prefix) / prefill_s, "prefill_mode": eng.last_prefill["mode"],
-           "facts": []}
+    row = {"kv": row_label(a), "tokens": len(prefix), "ctx": a.ctx,
+           "prefill_s": prefill_s, "prefill_tps": len(prefix) / prefill_s,
+           "prefill_mode": "random fill" if random_fill else eng.last_prefill["mode"], "facts": []}
     cache = eng.cache
     for i, f in enumerate(planted):
         ids = eng.chat_prompt(base + [{"role": "user", "content": f["question"]}])
@@ -141,6 +149,8 @@ def run_one(a) -> dict:
         cache.record_selection = []
     res = eng.generate(ids, max_new_tokens=a.decode, ignore_eos=True)
     row["decode_tps"], row["decode_tokens"] = res.decode_tps, len(res.tokens)
+    if random_fill:
+        row["first_token_s"] = row["question_prefill_s"] = res.prefill_s
     row["selected"] = (float(torch.tensor([float(x.mean()) for x in cache.record_selection]).mean())
                        if record and cache.record_selection else None)
     if record:
@@ -149,6 +159,15 @@ def run_one(a) -> dict:
     row["peak_rss_bytes"] = peak_rss()
     row["peak_device_bytes"] = torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else None
     return row
+
+
+def row_label(a) -> str:
+    """A row's kv column: dense, or hca with its budget and any setting given beyond the defaults
+    ("hca g64c16 max_select=4096 rescore=true")."""
+    if a.kv == "dense":
+        return "dense" + (" (random keys and values)" if a.dense_fill == "random" else "")
+    extra = ([f"max_select={a.max_select}"] if a.max_select else []) + list(a.hca_opt)
+    return " ".join([f"hca {a.kv_budget}"] + extra)
 
 
 def _bar(desc: str):
@@ -173,6 +192,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dense-fill", default="prefill", choices=["prefill", "random"],
+                    help="dense: read the document, or fill the cache with random keys and values (speed and "
+                         "memory only, no facts asked: past ~32K tokens dense's prefill takes hours on a CPU)")
+    ap.add_argument("--max-select", type=int, default=None, help="HCA: at most this many store tokens per head "
+                                                                "and step (minirun's --max-select)")
     ap.add_argument("--hca-opt", action="append", default=[], help="KEY=VALUE: an advanced engine setting (minirun's --hca-opt)")
     ap.add_argument("--botchan", type=Path, default=None, help="Botchan's text (default: eval_quality's copy, "
                                                                "fetched once)")
@@ -197,7 +221,9 @@ def main(argv=None) -> int:
             child = [sys.executable, __file__, a.model, "--one", "--tokens", str(n), "--kv", kv, "--kv-budget",
                      a.kv_budget, "--ctx", str(a.ctx or n + 1024), "--facts", str(a.facts), "--decode", str(a.decode),
                      "--seed", str(a.seed), "--botchan", str(a.botchan), "--device", a.device] + \
-                    (["--threads", str(a.threads)] if a.threads else []) + sum((["--hca-opt", o] for o in a.hca_opt), [])
+                    (["--threads", str(a.threads)] if a.threads else []) + \
+                    (["--max-select", str(a.max_select)] if a.max_select else []) + \
+                    ["--dense-fill", a.dense_fill] + sum((["--hca-opt", o] for o in a.hca_opt), [])
             out = subprocess.run(child, stdout=subprocess.PIPE, text=True)
             if out.returncode:
                 print(f"error: the {kv} run at {n} tokens failed (exit {out.returncode})", file=sys.stderr)

@@ -158,8 +158,13 @@ def longdoc_table(rows: list[dict]) -> str:
         sel = "-" if r["selected"] is None else f"{100 * r['selected']:.1f}%"
         lines.append(f"| {r['kv']} | {r['tokens']:,} | {r['prefill_s']:.1f} ({r['prefill_tps']:.0f}, "
                      f"{r['prefill_mode']}) | {r['first_token_s']:.1f} | {r['decode_tps']:.2f} | {sel} | "
-                     f"{r['answered']} of {len(r['facts'])} | {r['peak_rss_bytes'] / 2**30:.2f} GiB |")
+                     f"{facts_cell(r)} | {r['peak_rss_bytes'] / 2**30:.2f} GiB |")
     return "\n".join(lines)
+
+
+def facts_cell(r: dict) -> str:
+    """"k of n" planted facts answered, or "-" where none were asked (a cache of random keys and values)."""
+    return f"{r['answered']} of {len(r['facts'])}" if r["facts"] else "-"
 
 
 def budgets_table(rows: list[dict]) -> str:

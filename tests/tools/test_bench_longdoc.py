@@ -53,3 +53,34 @@ def test_a_copy_without_blank_lines_is_cut_into_paragraphs(tmp_path):
     pieces = [p for p in bench_longdoc.paragraphs(f) if p.startswith("Line ")]
     assert len(pieces) > 10 and max(len(p) for p in pieces) <= bench_longdoc.PARAGRAPH_CHARS
     assert "\n".join(pieces).splitlines() == lines
+
+
+def test_a_row_names_the_settings_it_ran_with():
+    """Rows of runs with other settings are told apart in the results table: the budget, then the
+    selection cap and each --hca-opt as given."""
+    from types import SimpleNamespace as NS
+    assert bench_longdoc.row_label(NS(kv="dense", kv_budget="g64c16", max_select=4096, hca_opt=["rescore=true"],
+                                      dense_fill="prefill")) == "dense"
+    assert bench_longdoc.row_label(NS(kv="dense", kv_budget="g64c16", max_select=None, hca_opt=[],
+                                      dense_fill="random")) == "dense (random keys and values)"
+    assert bench_longdoc.row_label(NS(kv="hca", kv_budget="g64c16", max_select=None, hca_opt=[], dense_fill="random")) == "hca g64c16"
+    assert bench_longdoc.row_label(NS(kv="hca", kv_budget="0.25", max_select=4096,
+                                      hca_opt=["rescore=true", "head_budgets=off"], dense_fill="prefill")) \
+        == "hca 0.25 max_select=4096 rescore=true head_budgets=off"
+
+
+def test_dense_of_random_keys_and_values_asks_no_facts(smollm2_dir, tmp_path):
+    """--dense-fill random: dense's cache holds the document's length of random keys and values
+    (its speed and memory past where its prefill is practical): no fact is asked, the row says how
+    it was filled, and the table shows no facts column figure."""
+    out = tmp_path / "random.json"
+    rc = bench_longdoc.main([str(smollm2_dir), "--tokens", "2K", "--kv", "dense", "--dense-fill", "random", "--facts",
+                             "2", "--decode", "4", "--threads", "2", "--botchan", str(tmp_path / "absent.txt"),
+                             "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["kv"] == "dense (random keys and values)" and row["prefill_mode"] == "random fill"
+    assert row["facts"] == [] and row["answered"] == 0 and row["decode_tokens"] == 4 and row["decode_tps"] > 0
+    assert row["first_token_s"] > 0 and row["peak_rss_bytes"] > 2**27 and 2000 <= row["tokens"] <= 2400
+    assert results_tables.facts_cell(row) == "-"
+    assert "| dense (random keys and values) |" in results_tables.longdoc_table([row])
