@@ -149,8 +149,9 @@ def run_one(a) -> dict:
         cache.record_selection = []
     res = eng.generate(ids, max_new_tokens=a.decode, ignore_eos=True)
     row["decode_tps"], row["decode_tokens"] = res.decode_tps, len(res.tokens)
-    if random_fill:
-        row["first_token_s"] = row["question_prefill_s"] = res.prefill_s
+    if random_fill:     # (the question's prefill and first token, as the facts' first question gives them)
+        row["first_token_s"] = res.prefill_s + (res.decode_s / max(1, len(res.tokens)) if res.tokens else 0.0)
+        row["question_prefill_s"] = res.prefill_s
     row["selected"] = (float(torch.tensor([float(x.mean()) for x in cache.record_selection]).mean())
                        if record and cache.record_selection else None)
     if record:
@@ -175,6 +176,13 @@ def _bar(desc: str):
     return _progress_bar(desc)
 
 
+def positive_int(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def parse_tokens(s: str) -> list[int]:
     from minirun.config import parse_ctx
     return [parse_ctx(x) for x in s.split(",") if x.strip()]
@@ -195,8 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-fill", default="prefill", choices=["prefill", "random"],
                     help="dense: read the document, or fill the cache with random keys and values (speed and "
                          "memory only, no facts asked: past ~32K tokens dense's prefill takes hours on a CPU)")
-    ap.add_argument("--max-select", type=int, default=None, help="HCA: at most this many store tokens per head "
-                                                                "and step (minirun's --max-select)")
+    ap.add_argument("--max-select", type=positive_int, default=None, help="HCA: at most this many store tokens "
+                                                                         "per head and step (minirun's --max-select)")
     ap.add_argument("--hca-opt", action="append", default=[], help="KEY=VALUE: an advanced engine setting (minirun's --hca-opt)")
     ap.add_argument("--botchan", type=Path, default=None, help="Botchan's text (default: eval_quality's copy, "
                                                                "fetched once)")

@@ -81,6 +81,6 @@ def test_dense_of_random_keys_and_values_asks_no_facts(smollm2_dir, tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["kv"] == "dense (random keys and values)" and row["prefill_mode"] == "random fill"
     assert row["facts"] == [] and row["answered"] == 0 and row["decode_tokens"] == 4 and row["decode_tps"] > 0
-    assert row["first_token_s"] > 0 and row["peak_rss_bytes"] > 2**27 and 2000 <= row["tokens"] <= 2400
+    assert row["first_token_s"] > 0 and row["peak_rss_bytes"] > 2**27 and 2048 <= row["tokens"] <= 3072
     assert results_tables.facts_cell(row) == "-"
     assert "| dense (random keys and values) |" in results_tables.longdoc_table([row])
