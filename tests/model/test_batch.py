@@ -15,6 +15,12 @@ GPU = pytest.mark.skipif(not (kernels_cuda.available() and torch.cuda.is_availab
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 TOL = {"cpu": (1e-4, 2e-4), "cuda": (2e-3, 2e-3)}   # (decode logits, prefill logits), absolute
 
+
+def tol(device: str, setting: str, which: int) -> float:
+    """The logits' tolerance (which 0: decode, 1: prefill); bfloat16 on a GPU: a rounding apart
+    (as tests/model/test_cuda_graph.py), its batched and single GEMMs summing in other orders."""
+    return 0.05 if device == "cuda" and SETTINGS[setting].get("dtype") == "bfloat16" else TOL[device][which]
+
 N_NEW = 10
 SETTINGS = {"dense": dict(kv="dense"),
             "hca": dict(kv="hca", kv_budget=0.5, window=16, sinks=4, fit_min_tokens=32),
@@ -66,7 +72,7 @@ def test_a_batch_of_four_decodes_each_as_alone(tiny_model_dir, setting, device):
     for i, p in enumerate(ids):
         want, la = alone_greedy(alone, p)
         assert got[i] == want, i
-        assert (lb[:, i] - la).abs().max().item() <= TOL[device][0]
+        assert (lb[:, i] - la).abs().max().item() <= tol(device, setting, 0)
         assert seqs[i].cache.offset == len(p) + N_NEW - 1
 
 
@@ -104,7 +110,7 @@ def test_prompts_read_together_answer_as_alone(tiny_model_dir, setting, device):
     for i, p in enumerate(ids):
         alone.reset()
         want = alone.prefill(p)[0]
-        assert (last[i] - want).abs().max().item() <= TOL[device][1], i
+        assert (last[i] - want).abs().max().item() <= tol(device, setting, 1), i
         assert seqs[i]._cached_ids == p and seqs[i].cache.offset == len(p)
     toks = [int(lg[-1].argmax()) for lg in last]
     for _ in range(N_NEW - 1):
