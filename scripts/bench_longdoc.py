@@ -138,8 +138,7 @@ def run_one(a) -> dict:
         t1 = time.perf_counter()
         res = eng.generate(ids, max_new_tokens=16, stop=("\n",))
         if i == 0:
-            row["first_token_s"] = res.prefill_s + (res.decode_s / max(1, len(res.tokens)) if res.tokens else 0.0)
-            row["question_prefill_s"] = res.prefill_s
+            row.update(first_token(res))
         ok = str(f["key"]) in re.sub(r"\D", "", res.text)
         row["facts"].append({"depth": (i + 0.5) / len(planted), "key": f["key"], "answer": res.text.strip(),
                              "ok": ok, "seconds": time.perf_counter() - t1})
@@ -149,9 +148,8 @@ def run_one(a) -> dict:
         cache.record_selection = []
     res = eng.generate(ids, max_new_tokens=a.decode, ignore_eos=True)
     row["decode_tps"], row["decode_tokens"] = res.decode_tps, len(res.tokens)
-    if random_fill:     # (the question's prefill and first token, as the facts' first question gives them)
-        row["first_token_s"] = res.prefill_s + (res.decode_s / max(1, len(res.tokens)) if res.tokens else 0.0)
-        row["question_prefill_s"] = res.prefill_s
+    if random_fill:     # (no fact asked: this question's, as the facts' first question gives them)
+        row.update(first_token(res))
     row["selected"] = (float(torch.tensor([float(x.mean()) for x in cache.record_selection]).mean())
                        if record and cache.record_selection else None)
     if record:
@@ -160,6 +158,13 @@ def run_one(a) -> dict:
     row["peak_rss_bytes"] = peak_rss()
     row["peak_device_bytes"] = torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else None
     return row
+
+
+def first_token(res) -> dict:
+    """A question's timings from its generate result: its prefill, and its first token (the
+    prefill plus one decode step)."""
+    return {"first_token_s": res.prefill_s + (res.decode_s / len(res.tokens) if res.tokens else 0.0),
+            "question_prefill_s": res.prefill_s}
 
 
 def row_label(a) -> str:
