@@ -145,9 +145,10 @@ class HCACache(HCABase):
         hit = self._views.get(layer)
         if hit is not None and hit[0] == key:
             return hit[1]
-        cap = self.values.cap
-        views = (self.values.view(layer, cap).numpy(), self.z.data[..., 0].numpy(),
-                 None if key[2] == 0 else self.indices.view(layer, cap).numpy(),
+        # (each buffer at its own capacity: the pools grow apart, and a view of the indices cut to
+        # the values' capacity is strided, which Numba compiles into a slower, unvectorized scan)
+        views = (self.values.view(layer, self.values.cap).numpy(), self.z.data[..., 0].numpy(),
+                 None if key[2] == 0 else self.indices.view(layer, self.indices.cap).numpy(),
                  self.sel.data[..., 0].numpy(), self.lev.data[..., 0].numpy().view(np.uint16),
                  None if self.host_keys is None else self.host_keys.view(layer, self.host_keys.cap).numpy())
         self._views[layer] = (key, views)

@@ -107,3 +107,25 @@ def test_fast_scan_step_matches_the_generic_path(tiny_model_dir, monkeypatch, ta
         assert (la - lb).abs().max().item() <= 2e-2 * la.abs().max().item()
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
     assert np.isfinite(la.numpy()).all()
+
+
+def test_views_contiguous_when_pools_grow_apart(tiny_model_dir):
+    """The decode step's numpy views are each at its own buffer's capacity: when the indices have
+    grown past the values (the pools grow apart), the codes' view stays contiguous (a strided one
+    made Numba compile a slower scan, and its prefetch offsets assume rows shape[2] apart), and the
+    step's output is the same."""
+    d = tiny_model_dir("gqa-untied")
+    out = []
+    for grow_apart in (False, True):
+        eng = Engine.load(d, device="cpu", ctx=8192, kv="hca", groups=16, centroids=16, window=32, sinks=4)
+        eng.prefill(random_ids(300))
+        c = eng.cache
+        if grow_apart:
+            c.indices.reserve(c.values.cap + 100)
+            assert c.indices.cap > c.values.cap
+            for layer in range(c.n_layers):
+                views = c._views_of(layer)
+                assert all(v.flags["C_CONTIGUOUS"] for v in views if v is not None)
+                assert views[2].shape[2] == c.indices.cap
+        out.append(eng.step(5))
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
