@@ -114,7 +114,7 @@ def run_one(a) -> dict:
 
     from minirun import Engine
     from minirun.config import hca_setting
-    hca = dict(hca_setting(a.kv_budget), max_select=a.max_select) if a.kv == "hca" else {}
+    hca = dict(hca_setting(a.kv_budget), max_select=a.max_select, kv_values=a.kv_values) if a.kv == "hca" else {}
     eng = Engine.load(a.model, device=a.device, ctx=a.ctx, kv=a.kv, threads=a.threads, **hca, **a.hca_opts)
     planted = facts(a.facts, a.seed)
     doc = build_document(eng.tokenizer, parse_tokens(a.tokens)[0], planted, a.seed, paragraphs(a.botchan))
@@ -172,7 +172,8 @@ def row_label(a) -> str:
     ("hca g64c16 max_select=4096 rescore=true")."""
     if a.kv == "dense":
         return "dense" + (" (random keys and values)" if a.dense_fill == "random" else "")
-    extra = ([f"max_select={a.max_select}"] if a.max_select else []) + list(a.hca_opt)
+    extra = ([f"max_select={a.max_select}"] if a.max_select else []) + \
+        ([f"{a.kv_values} values"] if a.kv_values != "float" else []) + list(a.hca_opt)
     return " ".join([f"hca {a.kv_budget}"] + extra)
 
 
@@ -210,6 +211,8 @@ def main(argv=None) -> int:
                          "memory only, no facts asked: past ~32K tokens dense's prefill takes hours on a CPU)")
     ap.add_argument("--max-select", type=positive_int, default=None, help="HCA: at most this many store tokens "
                                                                          "per head and step (minirun's --max-select)")
+    ap.add_argument("--kv-values", default="float", choices=["float", "q8", "q4"],
+                    help="HCA: the store's values on the host (minirun's --kv-values)")
     ap.add_argument("--hca-opt", action="append", default=[], help="KEY=VALUE: an advanced engine setting (minirun's --hca-opt)")
     ap.add_argument("--botchan", type=Path, default=None, help="Botchan's text (default: eval_quality's copy, "
                                                                "fetched once)")
@@ -236,7 +239,7 @@ def main(argv=None) -> int:
                      "--seed", str(a.seed), "--botchan", str(a.botchan), "--device", a.device] + \
                     (["--threads", str(a.threads)] if a.threads else []) + \
                     (["--max-select", str(a.max_select)] if a.max_select else []) + \
-                    ["--dense-fill", a.dense_fill] + sum((["--hca-opt", o] for o in a.hca_opt), [])
+                    ["--dense-fill", a.dense_fill, "--kv-values", a.kv_values] + sum((["--hca-opt", o] for o in a.hca_opt), [])
             out = subprocess.run(child, stdout=subprocess.PIPE, text=True)
             if out.returncode:
                 print(f"error: the {kv} run at {n} tokens failed (exit {out.returncode})", file=sys.stderr)

@@ -57,16 +57,17 @@ def test_a_copy_without_blank_lines_is_cut_into_paragraphs(tmp_path):
 
 def test_a_row_names_the_settings_it_ran_with():
     """Rows of runs with other settings are told apart in the results table: the budget, then the
-    selection cap and each --hca-opt as given."""
+    selection cap, the values' codes and each --hca-opt as given."""
     from types import SimpleNamespace as NS
     assert bench_longdoc.row_label(NS(kv="dense", kv_budget="g64c16", max_select=4096, hca_opt=["rescore=true"],
                                       dense_fill="prefill")) == "dense"
     assert bench_longdoc.row_label(NS(kv="dense", kv_budget="g64c16", max_select=None, hca_opt=[],
                                       dense_fill="random")) == "dense (random keys and values)"
-    assert bench_longdoc.row_label(NS(kv="hca", kv_budget="g64c16", max_select=None, hca_opt=[], dense_fill="random")) == "hca g64c16"
-    assert bench_longdoc.row_label(NS(kv="hca", kv_budget="0.25", max_select=4096,
+    assert bench_longdoc.row_label(NS(kv="hca", kv_budget="g64c16", max_select=None, hca_opt=[], dense_fill="random",
+                                      kv_values="float")) == "hca g64c16"
+    assert bench_longdoc.row_label(NS(kv="hca", kv_budget="0.25", max_select=4096, kv_values="q8",
                                       hca_opt=["rescore=true", "head_budgets=off"], dense_fill="prefill")) \
-        == "hca 0.25 max_select=4096 rescore=true head_budgets=off"
+        == "hca 0.25 max_select=4096 q8 values rescore=true head_budgets=off"
 
 
 def test_dense_of_random_keys_and_values_asks_no_facts(smollm2_dir, tmp_path):
