@@ -274,8 +274,9 @@ class EngineConfig:
     head_budgets: str = "auto"        # HCA: "auto" (per-head caps with far positions on: minirun/kv/head_budgets.py) | "off"
     length_scale: str = "off"         # HCA: "off" | "on" | "auto" (on past the trained ctx): logits x log n / log N
     rescore: bool = False             # HCA: exact keys on the host beside the values weight the selected tokens
-    kv_values: str = "float"          # HCA: the store's values on the host: "float" (float16; float32 runs:
-                                      # float32), "q8" / "q4" (8 / 4-bit codes per 32 channels: kv/value_codes.py)
+    kv_values: str = "auto"           # HCA: the store's values on the host: "float" (float16; float32 runs:
+                                      # float32), "q8" / "q4" (8 / 4-bit codes per 32 channels: kv/value_codes.py),
+                                      # "auto" (q8 on the CPU, float on a GPU: value_codes)
     threads: int | None = None
     parallel: int = 1                 # sequences served at once (minirun serve --parallel), each with a cache of ctx tokens
     cuda_graphs: bool = True          # GPU: decode tokens replayed from CUDA graphs where the cache can be
@@ -310,8 +311,8 @@ class EngineConfig:
             raise MiniRunError(f"unknown length_scale {self.length_scale!r}: use auto, on or off")
         if self.head_budgets not in ("auto", "off"):
             raise MiniRunError(f"unknown head_budgets {self.head_budgets!r}: use auto or off")
-        if self.kv_values not in ("float", "q8", "q4"):
-            raise MiniRunError(f"unknown kv_values {self.kv_values!r}: use float, q8 or q4")
+        if self.kv_values not in ("auto", "float", "q8", "q4"):
+            raise MiniRunError(f"unknown kv_values {self.kv_values!r}: use auto, float, q8 or q4")
         if self.value_sum not in ("auto", "gpu", "host"):
             raise MiniRunError(f"unknown value_sum {self.value_sum!r}: use auto, gpu or host")
         for name, (low, high) in _INT_SETTINGS.items():

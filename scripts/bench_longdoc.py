@@ -173,7 +173,7 @@ def row_label(a) -> str:
     if a.kv == "dense":
         return "dense" + (" (random keys and values)" if a.dense_fill == "random" else "")
     extra = ([f"max_select={a.max_select}"] if a.max_select else []) + \
-        ([f"{a.kv_values} values"] if a.kv_values != "float" else []) + list(a.hca_opt)
+        ([f"{a.kv_values} values"] if a.kv_values != "auto" else []) + list(a.hca_opt)
     return " ".join([f"hca {a.kv_budget}"] + extra)
 
 
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
                          "memory only, no facts asked: past ~32K tokens dense's prefill takes hours on a CPU)")
     ap.add_argument("--max-select", type=positive_int, default=None, help="HCA: at most this many store tokens "
                                                                          "per head and step (minirun's --max-select)")
-    ap.add_argument("--kv-values", default="float", choices=["float", "q8", "q4"],
+    ap.add_argument("--kv-values", default="auto", choices=["auto", "float", "q8", "q4"],
                     help="HCA: the store's values on the host (minirun's --kv-values)")
     ap.add_argument("--hca-opt", action="append", default=[], help="KEY=VALUE: an advanced engine setting (minirun's --hca-opt)")
     ap.add_argument("--botchan", type=Path, default=None, help="Botchan's text (default: eval_quality's copy, "

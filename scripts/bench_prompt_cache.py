@@ -29,7 +29,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--kv", default="hca", choices=["dense", "hca"])
     ap.add_argument("--kv-budget", default="g64c16")
-    ap.add_argument("--kv-values", default="float", choices=["float", "q8", "q4"], help="HCA: the store's values")
+    ap.add_argument("--kv-values", default="auto", choices=["auto", "float", "q8", "q4"], help="HCA: the store's values")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--context", default=None, help="a text file (default: Botchan, fetched once)")

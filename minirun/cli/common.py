@@ -183,9 +183,11 @@ def warn_idle_settings(ctx: click.Context, kw: dict) -> None:
 
 def kv_values_option(f):
     """--kv-values, shared by every command that makes or plans an HCA cache."""
-    return click.option("--kv-values", type=click.Choice(["float", "q8", "q4"]), default="float", show_default=True,
-                        help="HCA: the store's values in host memory: float (float16; float32 runs: float32), or "
-                             "q8 / q4 codes per 32 channels (0.53x / 0.31x float16's bytes)")(f)
+    return click.option("--kv-values", type=click.Choice(["auto", "float", "q8", "q4"]), default="auto",
+                        show_default=True,
+                        help="HCA: the store's values in host memory: float (float16; float32 runs: float32), "
+                             "q8 / q4 codes per 32 channels (0.53x / 0.31x float16's bytes), or auto: q8 on the "
+                             "CPU, float on a GPU")(f)
 
 
 def engine_options(f):
@@ -235,7 +237,7 @@ def sampling_options(temperature: float, max_tokens: int):
 
 
 def engine_settings(ctx, device, dtype, kv, kv_budget, tau, window, sinks, threads, max_select=None,
-                    hca_opts=None, weights="stored", kv_values="float", **extra) -> dict:
+                    hca_opts=None, weights="stored", kv_values="auto", **extra) -> dict:
     """The engine options' values -> Engine.load's keywords (every one an EngineConfig field)."""
     from ..config import hca_setting
     return dict(device=device, dtype=dtype, ctx=ctx, kv=kv, tau=tau, window=window, sinks=sinks, threads=threads,

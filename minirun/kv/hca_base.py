@@ -81,9 +81,9 @@ class HCABase(SavedState, KVCache):
         self.q_to_kv = np.arange(self.Hq, dtype=np.int32) // (self.Hq // Hkv)
         # every buffer's shape and dtype, as `minirun plan` counts them (kv/hca_layout.hca_tiers)
         self.backend = buffers.backend
+        self.value_codes = value_codes(config.kv_values, hd, dtype, device.type)   # how the pool holds a value row
         self.tiers = hca_tiers(args, layout, capacity, sinks, window, dtype, self.backend, config.rescore, device.type,
-                               config.kv_values)
-        self.value_codes = value_codes(config.kv_values, hd, dtype)   # how the pool holds a value row
+                               self.value_codes.kind)
         self.prefill_specs = prefill_buffers(args, capacity, sinks, window, config.anchor_tokens, dtype, self.backend)
         # exact tier: sinks then ring slots, and the position held by each slot (-1 = empty)
         self.ek, self.ev = buffers.exact_tier(self.tiers["sinks+ring K+V"].buffers["ek"])

@@ -117,7 +117,7 @@ def exact_tier_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
 
 
 def hca_tiers(args: ModelArgs, lay: HCALayout, capacity: int, sinks: int, window: int, dtype: torch.dtype,
-              backend: str, rescore: bool = False, device_type: str | None = None, kv_values: str = "float") -> dict:
+              backend: str, rescore: bool = False, device_type: str | None = None, kv_values: str = "auto") -> dict:
     """name -> Tier of an HCA cache holding `capacity` tokens with `backend`'s kernels ("cpu": Numba,
     "cuda") on a device of device_type (default: the backend's): what the caches allocate (HCABase
     and its backends take their buffers' shapes and dtypes from here) and what `minirun plan`
@@ -127,7 +127,7 @@ def hca_tiers(args: ModelArgs, lay: HCALayout, capacity: int, sinks: int, window
     cpu, SW = backend == "cpu", sinks + window
     n = max(0, capacity - SW)
     et = exact_tier_dtype(dtype, device_type or backend)
-    codes = value_codes(kv_values, hd, dtype)
+    codes = value_codes(kv_values, hd, dtype, device_type or backend)
     index = torch.uint8 if lay.index_bytes == 1 else torch.int16
     # (on a GPU the exact tier has one spare row per layer and kv-head: the decode step's own token)
     ring = Buffer((L, Hkv), SW + (0 if cpu else 1), hd, et)

@@ -102,7 +102,11 @@ def _inverse(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, 1.0 / s.clamp(min=1e-30), torch.zeros_like(s))
 
 
-def value_codes(kind: str, head_dim: int, dtype: torch.dtype) -> ValueCodes:
-    """The pool's codes for a run of compute dtype `dtype`: float is float32 for float32 runs,
-    float16 otherwise."""
+def value_codes(kind: str, head_dim: int, dtype: torch.dtype, device_type: str = "cpu") -> ValueCodes:
+    """The pool's codes for a run of compute dtype `dtype` on a device of device_type: float is
+    float32 for float32 runs, float16 otherwise; "auto" is q8 on the CPU, where the float pool is
+    most of a long document's memory (quality unchanged: docs/QUALITY.md), and float on a GPU (the
+    mapped pool's measured path) or where head_dim is not a multiple of GROUP."""
+    if kind == "auto":
+        kind = "q8" if device_type == "cpu" and head_dim % GROUP == 0 else "float"
     return ValueCodes(kind, head_dim, torch.float32 if dtype == torch.float32 else torch.float16)

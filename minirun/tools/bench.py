@@ -142,7 +142,8 @@ def result(eng, model, kv: str, budget, name: str, kind: str, n: int, depth: int
         rescore=getattr(cache, "host_keys", None) is not None, device_name=device_name(eng.device),
         value_sum=getattr(cache, "value_sum", None) if kv == "hca" else None,
         max_select=getattr(cache, "max_select", None) if kv == "hca" else None,
-        values=eng.config.kv_values if kv == "hca" else None, **fields)
+        values=getattr(getattr(cache, "value_codes", None), "kind", eng.config.kv_values) if kv == "hca" else None,
+        **fields)
 
 
 def _reset_peak_host() -> bool:

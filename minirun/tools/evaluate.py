@@ -244,7 +244,7 @@ def run_grid(model, ids: list[int], budgets=(0.5, 0.25, 0.125), ppl_tokens: int 
                 "threads": torch.get_num_threads() if threads is None else threads}
     rows, ref_logits = [], None
     for budget, values in modes:
-        name = mode_name(budget) + ("" if values in (None, "float") else f" {values} values")
+        name = mode_name(budget) + ("" if values in (None, "float", "auto") else f" {values} values")
         kw = dict(kv="dense") if budget is None else {**dict(kv="hca", tau=tau, window=window, sinks=sinks,
                                                              key_store=key_store, centroids=centroids,
                                                              far_positions=far_positions, max_select=max_select,

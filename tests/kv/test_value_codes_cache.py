@@ -87,3 +87,22 @@ def test_kv_values_checked():
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
                                         model_type="llama"))
         hca_tier_bytes(args, EngineConfig(kv="hca", kv_values="q4"), 1024)
+
+
+def test_auto_values_are_q8_on_the_cpu(model, tiny_model_dir):
+    """kv_values "auto" (the default): q8 codes on the CPU where head_dim is a multiple of 32, float
+    where it is not (the tiny models' 16) and on a GPU; the planner counts what the cache holds."""
+    from minirun.config import EngineConfig
+    from minirun.kv.value_codes import value_codes
+    assert EngineConfig().kv_values == "auto"
+    assert value_codes("auto", 64, torch.float32, "cpu").kind == "q8"
+    assert value_codes("auto", 64, torch.bfloat16, "cuda").kind == "float"
+    assert value_codes("auto", 16, torch.float32, "cpu").kind == "float"
+    eng = Engine.load(model, device="cpu", **HCA, kv_budget=0.25, centroids=32)
+    eng.prefill(PROMPT)
+    assert eng.cache.value_codes.kind == "q8" and eng.cache.values.data.dtype == torch.uint8
+    q8 = Engine.load(model, device="cpu", **HCA, kv_budget=0.25, centroids=32, kv_values="q8")
+    q8.prefill(PROMPT)
+    assert torch.equal(_continue(eng), _continue(q8))
+    small = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", **HCA, kv_budget=0.25, centroids=32)
+    assert small.cache.value_codes.kind == "float"

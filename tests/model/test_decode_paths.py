@@ -50,8 +50,10 @@ def backends():
 
 def build(backend, store, tau, **kw):
     """(cache, launch context, device) for a backend: "cpu", "emu-*" (the GPU class on the CPU
-    emulator) or "gpu-*"; the suffix is the value sum."""
-    cfg = dict(kv="hca", tau=tau, window=16, sinks=4, fit_min_tokens=64, prefill_chunk=64, **STORES[store], **kw)
+    emulator) or "gpu-*"; the suffix is the value sum. Float values (tau = 1 equals dense only with
+    them; "auto" would be q8 codes on a CPU device)."""
+    cfg = dict(kv="hca", tau=tau, window=16, sinks=4, fit_min_tokens=64, prefill_chunk=64, kv_values="float",
+               **STORES[store], **kw)
     if backend == "cpu":
         config = EngineConfig(device="cpu", **cfg)
         return make_cache(ARGS, config, torch.device("cpu"), torch.float32, 512), contextlib.nullcontext, "cpu"

@@ -64,7 +64,7 @@ def test_a_row_names_the_settings_it_ran_with():
     assert bench_longdoc.row_label(NS(kv="dense", kv_budget="g64c16", max_select=None, hca_opt=[],
                                       dense_fill="random")) == "dense (random keys and values)"
     assert bench_longdoc.row_label(NS(kv="hca", kv_budget="g64c16", max_select=None, hca_opt=[], dense_fill="random",
-                                      kv_values="float")) == "hca g64c16"
+                                      kv_values="auto")) == "hca g64c16"
     assert bench_longdoc.row_label(NS(kv="hca", kv_budget="0.25", max_select=4096, kv_values="q8",
                                       hca_opt=["rescore=true", "head_budgets=off"], dense_fill="prefill")) \
         == "hca 0.25 max_select=4096 q8 values rescore=true head_budgets=off"
