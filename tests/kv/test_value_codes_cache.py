@@ -104,5 +104,9 @@ def test_auto_values_are_q8_on_the_cpu(model, tiny_model_dir):
     q8 = Engine.load(model, device="cpu", **HCA, kv_budget=0.25, centroids=32, kv_values="q8")
     q8.prefill(PROMPT)
     assert torch.equal(_continue(eng), _continue(q8))
+    from minirun.kv.hca_layout import hca_tier_bytes
+    pool = {cfg.kv_values: hca_tier_bytes(eng.args, cfg, 512)["value pool"]
+            for cfg in (eng.config, q8.config, EngineConfig(**{**vars(eng.config), "kv_values": "float"}))}
+    assert pool["auto"] == pool["q8"] != pool["float"]
     small = Engine.load(tiny_model_dir("gqa-untied"), device="cpu", **HCA, kv_budget=0.25, centroids=32)
     assert small.cache.value_codes.kind == "float"
