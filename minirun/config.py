@@ -202,6 +202,7 @@ class ModelArgs:
 
 _CTX_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
 MAX_CTX = 1 << 40          # the largest context (and token count of any setting) taken: 1T tokens
+EXACT_PREFILL_GPU = 65536  # prefill_mode auto's longest exact prefill on a GPU (EngineConfig.exact_prefill_limit)
 
 
 def parse_ctx(value: str | int) -> int:
@@ -266,7 +267,8 @@ class EngineConfig:
     fit_min_tokens: int = 4096        # HCA without calibrated codebooks: fit once this many keys are stored
     prefill_chunk: int | None = None  # prompt tokens per forward (None: chunk_for picks by device)
     prefill_mode: str = "auto"        # "auto" | "exact" | "anchor" | "hca": how an HCA prompt attends to old tokens
-    exact_prefill_max: int = 65536    # auto: exact prefill up to this many prompt tokens (quadratic), anchor beyond
+    exact_prefill_max: int | None = None  # auto: exact prefill up to this many prompt tokens (quadratic), anchor
+                                      # beyond (None: exact_prefill_limit picks by device and trained context)
     anchor_tokens: int = 2048         # anchor prefill: the first tokens every chunk attends to exactly
     far_positions: str = "auto"       # HCA: "off" | "on" | "grouped" | "auto" (on past the trained ctx): kv/far_positions.py
     far_distance: int | None = None   # that distance D (None: far_positions.default_far_distance)
@@ -285,6 +287,19 @@ class EngineConfig:
                                       # reads them from the mapped host pool), "host" (Numba), "auto" (gpu
                                       # where the device can read host memory and no rescore asks for host)
     extra: dict = field(default_factory=dict)
+
+    def exact_prefill_limit(self, device_type: str, trained_ctx: int | None) -> int:
+        """The longest prompt prefill_mode auto reads exactly: exact_prefill_max when given; else on a
+        GPU 64K tokens, and on a CPU the model's trained context (8K when unknown; at most 64K). An
+        exact prefill's attention grows with the square of the prompt: on a CPU past a few thousand
+        tokens it outweighs the layers' GEMMs (a SmolLM2 token's exact attention at position n is
+        ~35K * n FLOP against the GEMMs' 212M, the anchor prefill's ~177M), where a GPU's flash
+        attention keeps it small up to 64K."""
+        if self.exact_prefill_max is not None:
+            return self.exact_prefill_max
+        if device_type == "cuda":
+            return EXACT_PREFILL_GPU
+        return min(trained_ctx or 8192, EXACT_PREFILL_GPU)
 
     def chunk_for(self, device_type: str) -> int:
         """Prompt tokens per forward: prefill_chunk, or 512 on the CPU and 4096 on a GPU, where a
@@ -367,7 +382,7 @@ _INT_SETTINGS = {"window": (1, MAX_CTX), "sinks": (0, MAX_CTX), "fit_min_tokens"
                  "exact_prefill_max": (0, MAX_CTX), "anchor_tokens": (0, MAX_CTX), "prefill_chunk": (1, MAX_CTX),
                  "far_distance": (1, MAX_CTX), "max_select": (1, MAX_CTX), "threads": (1, MAX_THREADS),
                  "groups": (1, 1 << 16), "centroids": (2, 32768), "parallel": (1, 256)}
-_OPTIONAL_SETTINGS = ("prefill_chunk", "far_distance", "max_select", "threads", "groups", "centroids")
+_OPTIONAL_SETTINGS = ("exact_prefill_max", "prefill_chunk", "far_distance", "max_select", "threads", "groups", "centroids")
 
 
 def _check_setting(name: str, v, low: int, high: int) -> None:

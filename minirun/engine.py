@@ -246,7 +246,8 @@ class Engine:
         gets (before + tokens done, total)."""
         mode = self.config.prefill_mode
         if mode == "auto":   # (an HCA cache that holds a store takes "hca": begin_prefill says)
-            mode = "exact" if end <= self.config.exact_prefill_max else "anchor"
+            limit = self.config.exact_prefill_limit(self.device.type, self.args.max_position_embeddings)
+            mode = "exact" if end <= limit else "anchor"
         tail = self._hca_tail(mode, start, end)
         if tail:             # a long prompt's last tokens read the whole store, through the selection
             logits, done, mode = yield from self._prefill_mode_span(ids, start, end - tail, mode, progress,

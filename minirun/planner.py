@@ -73,8 +73,9 @@ def prefill_transient_tiers(args: ModelArgs, cfg: EngineConfig, ctx: int) -> dic
     until_fit = min(n_store, cfg.fit_min_tokens + cfg.chunk_for("cpu" if cpu else "cuda"))
     mode = cfg.prefill_mode
     if mode == "auto":
-        exact_rows = min(n_store, max(0, cfg.exact_prefill_max - cfg.sinks - cfg.window))
-        rows, uses_anchor = max(until_fit, exact_rows), ctx > cfg.exact_prefill_max
+        limit = cfg.exact_prefill_limit("cpu" if cpu else "cuda", args.max_position_embeddings)
+        exact_rows = min(n_store, max(0, limit - cfg.sinks - cfg.window))
+        rows, uses_anchor = max(until_fit, exact_rows), ctx > limit
     else:
         exact_rows = n_store if mode == "exact" else 0
         rows, uses_anchor = max(until_fit, exact_rows), mode == "anchor"

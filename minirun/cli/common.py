@@ -63,7 +63,8 @@ ADVANCED = {
     "key_store": "codebook | exact: the store's keys as codebook indices or in full precision",
     "prefill_mode": "auto | exact | anchor | hca: how a prompt attends to old tokens (auto: exact up to "
                     "exact_prefill_max tokens, anchor beyond)",
-    "exact_prefill_max": "tokens: the longest prompt auto prefills exactly",
+    "exact_prefill_max": "tokens: the longest prompt auto prefills exactly (default: the trained context on a "
+                         "CPU, 64K on a GPU)",
     "anchor_tokens": "tokens: the first tokens every chunk of an anchor prefill attends to exactly",
     "prefill_chunk": "tokens per prefill forward (default: 512 on a CPU, 4096 on a GPU)",
     "fit_min_tokens": "without calibrated codebooks: fit them once this many keys are in the store",

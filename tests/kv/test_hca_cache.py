@@ -159,6 +159,25 @@ def test_anchor_prefill_equals_exact_within_anchor_plus_neighbourhood(tiny_model
     assert anchor.cache.anchor_k is None        # the anchor copy lives only during prefill
 
 
+def test_auto_prefill_is_exact_inside_the_trained_context_on_a_cpu(tiny_model_dir):
+    """prefill_mode auto on a CPU: exact up to the model's trained context, anchor past it (exact
+    attention there costs more than the GEMMs); exact_prefill_max, when given, decides; a GPU reads
+    64K tokens exactly whatever the model."""
+    from minirun.config import EXACT_PREFILL_GPU, EngineConfig
+    d = tiny_model_dir("gqa-untied", max_position_embeddings=64)
+    kw = dict(device="cpu", ctx=512, kv="hca", key_store="exact", window=8, sinks=4, prefill_chunk=16)
+    modes = []
+    for n, extra in ((60, {}), (100, {}), (100, {"exact_prefill_max": 128})):
+        eng = Engine.load(d, **kw, **extra)
+        eng.prefill(random_ids(n))
+        modes.append(eng.last_prefill["mode"])
+    assert modes == ["exact", "anchor", "exact"]
+    assert EngineConfig().exact_prefill_limit("cuda", 64) == EXACT_PREFILL_GPU
+    assert EngineConfig().exact_prefill_limit("cpu", None) == 8192
+    assert EngineConfig().exact_prefill_limit("cpu", 1 << 20) == EXACT_PREFILL_GPU
+    assert EngineConfig(exact_prefill_max=0).exact_prefill_limit("cuda", 64) == 0
+
+
 def test_decode_fast_path_equals_general_path(tiny_model_dir):
     """The numpy decode step (full ring, encoded store) gives the general torch path's logits."""
     d = tiny_model_dir("gqa-untied")

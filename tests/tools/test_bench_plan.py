@@ -51,13 +51,13 @@ def test_smollm2_bytes_per_tier_at_4m():
     assert t_cpu["decode scratch"] == (Hq * 16 * 1024 * 4 + Hkv * 16 * 1024 * 8 + Hq * 24
                                        + numba.config.NUMBA_NUM_THREADS * Hq * 4096 * 4 + L * Hkv * 16 * 2, "device")
     assert "decode scratch" not in t
-    # transient: an exact prefill (auto mode: prompts up to 65536 tokens) keeps f32 keys of the
-    # store tokens until it ends, on a GPU with a device copy of their values; an anchor prefill
-    # (longer prompts) holds 2048 - 16 anchor keys (f32) and, on a GPU, their values
+    # transient: an exact prefill (auto mode: prompts up to 65536 tokens on a GPU, the trained 8192
+    # on a CPU) keeps f32 keys of the store tokens until it ends, on a GPU with a device copy of their
+    # values; an anchor prefill (longer prompts) holds 2048 - 16 anchor keys (f32) and, on a GPU, their values
     assert t[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "device")
     assert t[PREFILL_VALUES] == (2 * L * Hkv * d * (65536 - 272), "device")
     assert t[ANCHOR_BLOCK] == ((4 + 2) * L * Hkv * d * (2048 - 16), "device")
-    assert t_cpu[PREFILL_KEYS] == (4 * L * Hkv * d * (65536 - 272), "host") and PREFILL_VALUES not in t_cpu
+    assert t_cpu[PREFILL_KEYS] == (4 * L * Hkv * d * (8192 - 272), "host") and PREFILL_VALUES not in t_cpu
     assert t_cpu[ANCHOR_BLOCK] == (4 * L * Hkv * d * (2048 - 16), "device")
     assert t["sinks+ring copies"] == (8 * L * Hkv * d * 272, "device")            # the two rewind points
     assert len(t) == 10
