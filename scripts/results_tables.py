@@ -53,19 +53,23 @@ def paired_table(d: dict) -> str:
 
 def vs_llamacpp_table(report: dict) -> str:
     """scripts/bench_vs_llamacpp.py's report: per weight format, each engine's median (min-max)
-    tokens/s over the paired rounds, the median of the per-round ratios, and the resident bytes."""
+    tokens/s over the paired rounds, the median of the per-round ratios, and the resident bytes
+    (the tests a report ran: pp and tg, or tg alone after -p 0; at a depth and KV mode when given)."""
     def med(xs):
         return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
-    lines = [f"pp{report['p']} / tg{report['n']}, {report['rounds']} paired rounds (llama-bench, then minirun bench, "
-             "back to back); median (min-max) tokens/s, and the median of the rounds' ratios", "",
-             "| weights | llama.cpp pp | minirun pp | pp ratio | llama.cpp tg | minirun tg | tg ratio | resident / GGUF bytes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    tests = [t for t in ("pp", "tg") if any(r["ratio"].get(t) for r in report["formats"].values())]
+    names = {"pp": f"pp{report['p']}", "tg": f"tg{report['n']}"}
+    at = f" at depth {report['d']}" if report.get("d") else ""
+    kv = f", minirun's KV: {report['kv']}" if report.get("kv", "dense") != "dense" else ""
+    head = "".join(f" llama.cpp {t} | minirun {t} | {t} ratio |" for t in tests)
+    lines = [f"{' / '.join(names[t] for t in tests)}{at}{kv}, {report['rounds']} paired rounds (llama-bench, then "
+             "minirun bench, back to back); median (min-max) tokens/s, and the median of the rounds' ratios", "",
+             f"| weights |{head} resident / GGUF bytes |", "|---|" + "---:|---:|---:|" * len(tests) + "---:|"]
     for fmt, r in report["formats"].items():
         res = r["resident"]
-        lines.append(f"| {fmt} | {med(r['llama.cpp']['pp'])} | {med(r['minirun']['pp'])} | "
-                     f"{statistics.median(r['ratio']['pp']):.2f}x | {med(r['llama.cpp']['tg'])} | "
-                     f"{med(r['minirun']['tg'])} | {statistics.median(r['ratio']['tg']):.2f}x | "
-                     f"{res['held'] / 2**20:.1f} / {res['gguf'] / 2**20:.1f} MiB ({res['ratio']:.3f}) |")
+        cells = "".join(f" {med(r['llama.cpp'][t])} | {med(r['minirun'][t])} | {statistics.median(r['ratio'][t]):.2f}x |"
+                        for t in tests)
+        lines.append(f"| {fmt} |{cells} {res['held'] / 2**20:.1f} / {res['gguf'] / 2**20:.1f} MiB ({res['ratio']:.3f}) |")
     return "\n".join(lines)
 
 
