@@ -27,6 +27,7 @@ each function:
 * ``dense_attend(q, K, V, n) -> o``: one decode token's exact GQA attention over a dense cache
   (float32 or bfloat16 bits; :mod:`kernels_cpu.dense`)
 * ``turn_rows(EK, start, cos, sin) -> out``: rows past `start` turned by one rotation (far positions)
+* ``turn_step(q, k, EK, start, cos, sin) -> (q, k, EK)``: a far-position step's query, key and ring turned
 
 Each has a NumPy reference ``<name>_ref`` in tests/support/references/ (with the tests).
 float16 key/value pools are accepted; Numba has no CPU float16 type, so they
@@ -38,7 +39,7 @@ This package imports only numpy and numba.
 
 from ._common import HALF_CONVERSION, set_num_threads, stamp_caches
 from .attention import weighted_value_sum
-from .decode import attn_in, attn_out, norm_gemv, turn_rows
+from .decode import attn_in, attn_out, norm_gemv, turn_rows, turn_step
 from .dense import dense_attend
 from .exact_step import hca_exact_decode_attend
 from .hca_step import hca_decode_attend
@@ -58,5 +59,5 @@ import numba as _numba  # noqa: E402
 _numba.get_num_threads()
 
 __all__ = ["weighted_value_sum", "selected_scores", "encode_keys", "codebook_norms", "HALF_CONVERSION", "attn_in",
-           "attn_out", "norm_gemv", "dense_attend", "turn_rows", "hca_decode_attend", "hca_exact_decode_attend",
+           "attn_out", "norm_gemv", "dense_attend", "turn_rows", "turn_step", "hca_decode_attend", "hca_exact_decode_attend",
            "PackedLUT", "lane_map", "level_hist", "set_num_threads"]

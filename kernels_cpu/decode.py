@@ -361,19 +361,41 @@ def norm_gemv(x, w_norm, eps, w, out=None):
     return out[0] if one and out.ndim == 2 else out
 
 
+@njit(inline="always")
+def _turn_row(x, c, s, out):
+    h = x.shape[0] // 2
+    for i in range(h):
+        x1, x2 = x[i], x[i + h]
+        out[i] = x1 * c[i] - x2 * s[i]
+        out[i + h] = x2 * c[i] + x1 * s[i]
+
+
 @njit(cache=True)
 def _k_turn_rows(EK, start, end, c, s, out):
     Hkv, n, d = EK.shape
-    h = d // 2
     for kv in range(Hkv):
         for j in range(start):
             for i in range(d):
                 out[kv, j, i] = EK[kv, j, i]
         for j in range(start, end):
-            for i in range(h):
-                x1, x2 = EK[kv, j, i], EK[kv, j, i + h]
-                out[kv, j, i] = x1 * c[i] - x2 * s[i]
-                out[kv, j, i + h] = x2 * c[i] + x1 * s[i]
+            _turn_row(EK[kv, j], c, s, out[kv, j])
+
+
+@njit(cache=True)
+def _k_turn_step(q, k, EK, start, c, s, qo, ko, EKo):
+    for h in range(q.shape[0]):
+        _turn_row(q[h], c, s, qo[h])
+    for kv in range(k.shape[0]):
+        _turn_row(k[kv], c, s, ko[kv])
+    _k_turn_rows(EK, start, EK.shape[1], c, s, EKo)
+
+
+def _check_turn(EK, start, end, cos, sin):
+    d, n = EK.shape[2], EK.shape[1]
+    if EK.dtype != np.float32 or EK.ndim != 3 or d % 2 or cos.shape != (d // 2,) or sin.shape != (d // 2,) \
+            or not 0 <= start <= end <= n:
+        raise ValueError(f"turn_rows: EK [Hkv, n, d] f32 with even d, cos/sin [d/2], 0 <= start <= end <= n; "
+                         f"got {EK.dtype} {EK.shape}, {cos.shape}, start={start}, end={end}")
 
 
 def turn_rows(EK, start, cos, sin, out=None, end=None):
@@ -381,12 +403,22 @@ def turn_rows(EK, start, cos, sin, out=None, end=None):
     turned by one rotation (cos, sin [d/2] f32, HF Llama's half split: [x1 c - x2 s, x2 c + x1 s]),
     rows [end, n) of out not written (end: n by default). The far-position decode step's copy of
     sinks + ring (minirun/kv/far_positions.py); ~10 us a layer where the same in torch costs ~80."""
-    d, n = EK.shape[2], EK.shape[1]
-    end = n if end is None else end
-    if EK.dtype != np.float32 or EK.ndim != 3 or d % 2 or cos.shape != (d // 2,) or sin.shape != (d // 2,) \
-            or not 0 <= start <= end <= n:
-        raise ValueError(f"turn_rows: EK [Hkv, n, d] f32 with even d, cos/sin [d/2], 0 <= start <= end <= n; "
-                         f"got {EK.dtype} {EK.shape}, {cos.shape}, start={start}, end={end}")
+    end = EK.shape[1] if end is None else end
+    _check_turn(EK, start, end, cos, sin)
     out = np.empty(EK.shape, np.float32) if out is None else out
     _k_turn_rows(EK, int(start), int(end), np.asarray(cos, np.float32), np.asarray(sin, np.float32), out)
     return out
+
+
+def turn_step(q, k, EK, start, cos, sin, ek_out=None):
+    """One far-position decode step's turns in one call: q [Hq, d], k [Hkv, d] f32 each turned by
+    (cos, sin) as turn_rows turns a row, and EK as turn_rows(EK, start, cos, sin, ek_out) does ->
+    (q turned, k turned, EK turned), new arrays but for ek_out. (Three torch turns of a layer's
+    query, key and ring cost ~40 us; this ~10.)"""
+    _check_turn(EK, start, EK.shape[1], cos, sin)
+    if q.dtype != np.float32 or k.dtype != np.float32 or q.shape[-1] != EK.shape[2] or k.shape[-1] != EK.shape[2]:
+        raise ValueError(f"turn_step: q [Hq, d], k [Hkv, d] f32 with EK's d; got {q.dtype} {q.shape}, {k.dtype} {k.shape}")
+    qo, ko = np.empty(q.shape, np.float32), np.empty(k.shape, np.float32)
+    ek_out = np.empty(EK.shape, np.float32) if ek_out is None else ek_out
+    _k_turn_step(q, k, EK, int(start), np.asarray(cos, np.float32), np.asarray(sin, np.float32), qo, ko, ek_out)
+    return qo, ko, ek_out

@@ -177,16 +177,14 @@ class FarFrame(PlainPositions):
         R(D - p) to keep their true distances: <R(D) q_pre, R(D - p) R(j) k_pre> =
         <R(p) q_pre, R(j) k_pre>."""
         c, s = self.angles(pos)
-        kn = turn(k[0].float(), c, s).numpy()
-        if EK.dtype == np.float32:                     # the ring's turned copy in one Numba pass
+        if EK.dtype == np.float32:                     # query, key and the ring's turned copy in one Numba call
             if self._turned is None or self._turned.shape != EK.shape:
                 self._turned = np.empty(EK.shape, np.float32)
-            EK = kc.turn_rows(EK, sinks, c.numpy(), s.numpy(), out=self._turned)
-        else:                                          # float16 tier (bfloat16 runs): torch
-            t = torch.from_numpy(EK).clone()
-            t[:, sinks:] = turn(t[:, sinks:].float(), c, s).to(t.dtype)
-            EK = t.numpy()
-        return self.queries(qs, pos)[0].numpy(), kn, EK
+            return kc.turn_step(qs[0].float().numpy(), k[0].float().numpy(), EK, sinks, c.numpy(), s.numpy(),
+                                ek_out=self._turned)
+        t = torch.from_numpy(EK).clone()               # float16 tier (bfloat16 runs): torch
+        t[:, sinks:] = turn(t[:, sinks:].float(), c, s).to(t.dtype)
+        return self.queries(qs, pos)[0].numpy(), turn(k[0].float(), c, s).numpy(), t.numpy()
 
     def chunk_inputs(self, qs: torch.Tensor, EK: np.ndarray, sinks: int, pos0: int) -> tuple:
         """Each query is the far one, and the rows it reads past the sinks are turned by its angle,

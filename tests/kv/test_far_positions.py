@@ -261,6 +261,28 @@ def test_turn_rows_kernel():
         kc.turn_rows(EK, 4, c, s, end=3)
 
 
+def test_turn_step_kernel():
+    """kernels_cpu.turn_step (a far-position step's query, key and ring in one call) against
+    turn_rows_ref: q and k turned whole, the ring past the sinks turned into ek_out, sinks copied."""
+    import numpy as np
+    import kernels_cpu as kc
+    import references as ref
+    rng = np.random.default_rng(1)
+    q, k = (rng.standard_normal((n, 64)).astype(np.float32) for n in (9, 3))
+    EK = rng.standard_normal((3, 20, 64)).astype(np.float32)
+    ang = rng.uniform(-3, 3, 32)
+    c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    buf = np.full_like(EK, 7.0)
+    qo, ko, eo = kc.turn_step(q, k, EK, 4, c, s, ek_out=buf)
+    assert eo is buf
+    np.testing.assert_allclose(qo, ref.turn_rows_ref(q[None], 0, c, s)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ko, ref.turn_rows_ref(k[None], 0, c, s)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(eo, ref.turn_rows_ref(EK, 4, c, s), rtol=1e-5, atol=1e-5)
+    assert (eo[:, :4] == EK[:, :4]).all()
+    with pytest.raises(ValueError):
+        kc.turn_step(q[:, :32], k, EK, 4, c, s)
+
+
 def test_cli_length_scale(tiny_model_dir, capsys):
     """--length-scale reaches the cache from generate (and says so on stderr); a bad value is a
     one-line usage error."""
