@@ -105,7 +105,7 @@ def make_models(work: Path, bin_dir: Path, formats: list[str]) -> dict:
 
 
 def llama_bench(bin_dir: Path, gguf: Path, a) -> dict:
-    depth = ["-d", a.d] if a.d else []
+    depth = ["-d", a.d, "--no-warmup"] if a.d else []   # (the depth's own prefill warms it; a warm-up would repeat it)
     rows = json.loads(run([bin_dir / "llama-bench", "-m", gguf, "-t", a.threads, "-p", a.p, "-n", a.n, "-r", 1,
                            *depth, "-o", "json"]))
     return {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
