@@ -4,7 +4,8 @@ Usage:
   python scripts/bench_paired.py models/SmolLM2-135M-Instruct --depth 16384 -n 32 --rounds 7 \
       --modes dense,hca:0.125,hca:0.25,hca:g64c16:q4 [--dtype float32] [--context random|text|FILE] [-o json]
       [--hca-opt KEY=VALUE ...] [--prompt-cache DIR]
-(hca:SETTING:VALUES: the store's values as kv_values, float, q8 or q4; default float. --prompt-cache:
+(hca:SETTING:VALUES: the store's values as kv_values, float, q8 or q4; default auto, the engine's own
+(q8 on a CPU where the head size allows, float on a GPU). --prompt-cache:
 each mode's prompt cache of the context is written into DIR and its size reported, one prefill
 serving both measures. --dense-fill random: a dense mode's cache is filled with random keys and
 values for the context's positions instead of prefilled: dense decoding reads every key and value
@@ -36,13 +37,13 @@ from minirun.errors import MiniRunError
 
 
 def parse_modes(s: str) -> list[tuple[str, str | None, str]]:
-    """"dense,hca:0.125,hca:g64c16:q4" -> [("dense", None, "float"), ("hca", "0.125", "float"),
+    """"dense,hca:0.125,hca:g64c16:q4" -> [("dense", None, "auto"), ("hca", "0.125", "auto"),
     ("hca", "g64c16", "q4")]."""
     out = []
     for m in s.split(","):
         kind, _, rest = m.strip().partition(":")
         setting, _, values = rest.partition(":")
-        out.append((kind, hca_setting_name(setting) if setting else None, values or "float"))
+        out.append((kind, hca_setting_name(setting) if setting else None, values or "auto"))
     return out
 
 
@@ -87,7 +88,7 @@ def main():
             fill_random_kv(eng, ids)
         else:
             eng.prefill(ids)
-        name = kind + (f" {budget}" if budget else "") + ("" if values == "float" else f" {values}")
+        name = kind + (f" {budget}" if budget else "") + ("" if values == "auto" else f" {values}")
         say(f"{name}: context of {a.depth} tokens prefilled in {time.perf_counter() - t0:.0f}s", flush=True)
         if a.prompt_cache:
             file_bytes[name] = write_prompt_cache(eng, Path(a.prompt_cache), name)
